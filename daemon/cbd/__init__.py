@@ -1,0 +1,3 @@
+"""cbd: a continuous-batching daemon for LLM agent workloads."""
+
+__version__ = "0.1.0"

@@ -1,0 +1,70 @@
+"""Engine configuration: one frozen dataclass, validated once."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+import torch
+
+
+@dataclass(frozen=True, slots=True)
+class EngineConfig:
+    # Model source: a HF checkpoint directory, a .gguf file, or None for the embedded default.
+    model: str | None = None
+    # Where converted checkpoints are cached; None means $CBD_CACHE_DIR or ~/.cache/cbd.
+    cache_dir: str | None = None
+    device: str = "auto"  # "auto" | "cpu" | "cuda" | "cuda:N"
+    dtype: str = "auto"  # "auto" (fp32 on CPU, bf16 on CUDA) | "float32" | "bfloat16" | "float16"
+    block_size: int = 16
+    # KV pool size in blocks; None sizes it from kv_cache_gib.
+    num_kv_blocks: int | None = None
+    kv_cache_gib: float = 0.5
+    max_num_seqs: int = 128
+    max_num_batched_tokens: int = 2048
+    # None: the model's own context length.
+    max_model_len: int | None = None
+    enable_prefix_caching: bool = True
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1 or self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size must be a positive power of two, got {self.block_size}")
+        if self.num_kv_blocks is not None and self.num_kv_blocks < 2:
+            raise ValueError(f"num_kv_blocks must be >= 2, got {self.num_kv_blocks}")
+        if self.kv_cache_gib <= 0:
+            raise ValueError(f"kv_cache_gib must be > 0, got {self.kv_cache_gib}")
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.max_num_batched_tokens < 1:
+            raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
+        if self.dtype not in _DTYPES:
+            raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {self.dtype!r}")
+        if not (self.device == "auto" or self.device == "cpu" or self.device.startswith("cuda")):
+            raise ValueError(f"device must be 'auto', 'cpu' or 'cuda[:N]', got {self.device!r}")
+
+    @classmethod
+    def from_dict(cls, values: dict[str, object]) -> EngineConfig:
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(values) - known)
+        if unknown:
+            raise ValueError(f"unknown engine config keys: {unknown}; known: {sorted(known)}")
+        return cls(**values)  # type: ignore[arg-type]
+
+    def torch_device(self) -> torch.device:
+        if self.device == "auto":
+            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        return torch.device(self.device)
+
+    def torch_dtype(self) -> torch.dtype:
+        if self.dtype == "auto":
+            return torch.float32 if self.torch_device().type == "cpu" else torch.bfloat16
+        return _DTYPES[self.dtype]
+
+
+_DTYPES: dict[str, torch.dtype] = {
+    "auto": torch.float32,
+    "float32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+}

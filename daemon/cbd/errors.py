@@ -1,0 +1,27 @@
+"""Errors the engine raises at its boundary; the server maps each class to one gRPC status."""
+
+from __future__ import annotations
+
+
+class CbdError(Exception):
+    """Base class of every error cbd raises on purpose."""
+
+
+class InvalidRequest(CbdError, ValueError):
+    """The request is malformed or asks for something this engine cannot do."""
+
+
+class CapacityExceeded(CbdError):
+    """The request can never fit (context length, KV pool) or the engine is full."""
+
+
+class UnknownRequest(CbdError, KeyError):
+    """No live request carries the given id."""
+
+
+class EngineStopped(CbdError):
+    """The engine is shutting down or has stopped."""
+
+
+class UnsupportedModel(CbdError, ValueError):
+    """The checkpoint's architecture is not one this engine implements."""

