@@ -1,0 +1,165 @@
+"""KV block accounting: ref counts, chained-hash prefix reuse, copy-on-write, LRU of cached free blocks.
+
+Pure Python, no tensors. Block states:
+  - in use: ref_count > 0 (one ref per sequence whose table holds it);
+  - cached free: ref_count == 0 but its content hash is registered, so a later prefix can revive it;
+    kept in LRU order and evicted oldest first when nothing plainly free is left;
+  - free: ref_count == 0 and no hash.
+A block gets a hash only once it is full and its KV has been computed (`commit`), so a revived
+block always holds valid KV. Writes only go to positions >= num_computed_tokens, which lie in a
+partial or a new block; a shared partial block is copied before the write (copy-on-write).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+
+from cbd.engine.sequence import Sequence
+
+
+@dataclass(slots=True)
+class Block:
+    block_id: int
+    ref_count: int = 0
+    hash: int | None = None
+    token_ids: tuple[int, ...] = ()  # content of a hashed block, to rule out hash collisions
+
+
+class BlockManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        self.free_ids: list[int] = list(range(num_blocks - 1, -1, -1))  # pop() takes the lowest id
+        self.cached_free: OrderedDict[int, None] = OrderedDict()  # block ids, least recently freed first
+        self.hash_to_block: dict[int, int] = {}
+
+    # ---- queries ----------------------------------------------------------------------------
+    @property
+    def num_blocks(self) -> int:
+        return len(self.blocks)
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self.free_ids) + len(self.cached_free)
+
+    @property
+    def num_cached_free_blocks(self) -> int:
+        return len(self.cached_free)
+
+    @property
+    def num_used_blocks(self) -> int:
+        return self.num_blocks - self.num_free_blocks
+
+    def blocks_needed(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    # ---- prefix cache -----------------------------------------------------------------------
+    def allocate_prefix(self, seq: Sequence) -> int:
+        """Attach cached blocks matching seq's leading full blocks; returns the tokens they cover.
+
+        The block holding the last token is never taken from the cache so that at least one token
+        is computed and yields logits.
+        """
+        assert not seq.block_table and seq.num_computed_tokens == 0
+        if not self.enable_prefix_caching:
+            return 0
+        hits: list[int] = []
+        for index in range((seq.num_tokens - 1) // self.block_size):
+            block_id = self.hash_to_block.get(self._block_hash(seq, index))
+            if block_id is None or self.blocks[block_id].token_ids != self._block_tokens(seq, index):
+                break
+            hits.append(block_id)
+        for block_id in hits:
+            self._take(block_id)
+        seq.block_table = hits
+        return len(hits) * self.block_size
+
+    def commit(self, seq: Sequence) -> None:
+        """Register hashes of seq's blocks that became full and computed."""
+        if not self.enable_prefix_caching:
+            return
+        for index in range(seq.num_computed_tokens // self.block_size):
+            block = self.blocks[seq.block_table[index]]
+            if block.hash is not None:
+                continue
+            h = self._block_hash(seq, index)
+            if h in self.hash_to_block:
+                continue  # an identical block exists already; keep this one private
+            block.hash, block.token_ids = h, self._block_tokens(seq, index)
+            self.hash_to_block[h] = block.block_id
+
+    # ---- growth -----------------------------------------------------------------------------
+    def can_append(self, seq: Sequence, num_new_tokens: int) -> bool:
+        return self._new_blocks_needed(seq, num_new_tokens) <= self.num_free_blocks
+
+    def append(self, seq: Sequence, num_new_tokens: int) -> list[tuple[int, int]]:
+        """Make seq's table cover its next num_new_tokens positions; returns (src, dst) block copies."""
+        copies: list[tuple[int, int]] = []
+        first = seq.num_computed_tokens // self.block_size
+        if first < len(seq.block_table) and self.blocks[seq.block_table[first]].ref_count > 1:
+            shared = seq.block_table[first]
+            fresh = self._allocate()
+            self.blocks[shared].ref_count -= 1
+            seq.block_table[first] = fresh
+            copies.append((shared, fresh))
+        for _ in range(self.blocks_needed(seq.num_computed_tokens + num_new_tokens) - len(seq.block_table)):
+            seq.block_table.append(self._allocate())
+        return copies
+
+    def fork(self, parent: Sequence, child: Sequence) -> None:
+        """child shares every block of parent (the shared partial block is copied on first write)."""
+        for block_id in parent.block_table:
+            self.blocks[block_id].ref_count += 1
+        child.block_table = list(parent.block_table)
+        child.block_hashes = list(parent.block_hashes)
+
+    def free(self, seq: Sequence) -> None:
+        # Tail blocks first, so under LRU a prefix outlives the blocks that extend it.
+        for block_id in reversed(seq.block_table):
+            block = self.blocks[block_id]
+            block.ref_count -= 1
+            if block.ref_count == 0:
+                if block.hash is not None:
+                    self.cached_free[block_id] = None
+                else:
+                    self.free_ids.append(block_id)
+        seq.block_table = []
+
+    # ---- internals --------------------------------------------------------------------------
+    def _new_blocks_needed(self, seq: Sequence, num_new_tokens: int) -> int:
+        needed = max(0, self.blocks_needed(seq.num_computed_tokens + num_new_tokens) - len(seq.block_table))
+        first = seq.num_computed_tokens // self.block_size
+        if first < len(seq.block_table) and self.blocks[seq.block_table[first]].ref_count > 1:
+            needed += 1
+        return needed
+
+    def _allocate(self) -> int:
+        if self.free_ids:
+            block_id = self.free_ids.pop()
+        elif self.cached_free:
+            block_id, _ = self.cached_free.popitem(last=False)
+            block = self.blocks[block_id]
+            del self.hash_to_block[block.hash]  # type: ignore[arg-type]
+            block.hash, block.token_ids = None, ()
+        else:
+            raise RuntimeError("KV pool exhausted; callers must check can_append first")
+        self.blocks[block_id].ref_count = 1
+        return block_id
+
+    def _take(self, block_id: int) -> None:
+        block = self.blocks[block_id]
+        if block.ref_count == 0:
+            del self.cached_free[block_id]
+        block.ref_count += 1
+
+    def _block_tokens(self, seq: Sequence, index: int) -> tuple[int, ...]:
+        return tuple(seq.token_ids[index * self.block_size : (index + 1) * self.block_size])
+
+    def _block_hash(self, seq: Sequence, index: int) -> int:
+        while len(seq.block_hashes) <= index:
+            i = len(seq.block_hashes)
+            parent = seq.block_hashes[i - 1] if i else 0
+            seq.block_hashes.append(hash((parent, self._block_tokens(seq, i))))
+        return seq.block_hashes[index]

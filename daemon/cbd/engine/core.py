@@ -1,0 +1,187 @@
+"""EngineCore: the synchronous engine. step() = schedule, run, process outputs. Not thread-safe.
+
+The threaded Engine (engine.py) owns one EngineCore and is the only caller of its mutating methods.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import secrets
+
+from cbd.config import EngineConfig
+from cbd.engine.block_manager import BlockManager
+from cbd.engine.outputs import CandidateDelta, EngineStats, RequestOutput, TokenLogprob, Usage
+from cbd.engine.output_processor import OutputProcessor
+from cbd.engine.runner import ModelRunner, StepResult
+from cbd.engine.sampling_params import SamplingParams
+from cbd.engine.scheduler import Scheduler, StepPlan
+from cbd.engine.sequence import FinishReason, Request, Sequence
+from cbd.errors import CapacityExceeded, InvalidRequest, UnknownRequest
+from cbd.model.loader import LoadedModel
+
+log = logging.getLogger(__name__)
+
+
+class EngineCore:
+    def __init__(self, loaded: LoadedModel, config: EngineConfig) -> None:
+        self.config = config
+        self.loaded = loaded
+        spec = loaded.spec
+        bs = config.block_size
+        num_blocks = config.num_kv_blocks or max(
+            2, int(config.kv_cache_gib * 2**30) // ModelRunner.kv_bytes_per_block(loaded.model, bs)
+        )
+        self.max_model_len = min(config.max_model_len or spec.max_position_embeddings, num_blocks * bs)
+        self.block_manager = BlockManager(num_blocks, bs, config.enable_prefix_caching)
+        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
+        self.runner = ModelRunner(loaded.model, num_blocks, bs)
+        self.outputs = OutputProcessor(loaded.tokenizer, loaded.eos_token_ids, self.max_model_len)
+        self.requests: dict[str, Request] = {}
+        self._seq_ids = itertools.count()
+        self._request_ids = itertools.count()
+        self.num_steps = 0
+        self.num_generated_tokens = 0
+
+    # ---- admission --------------------------------------------------------------------------
+    def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        """Raise InvalidRequest / CapacityExceeded for a request that can never run. Reads only config."""
+        if not prompt_token_ids:
+            raise InvalidRequest("the prompt is empty")
+        vocab = self.loaded.spec.vocab_size
+        if any(not 0 <= t < vocab for t in prompt_token_ids):
+            raise InvalidRequest(f"prompt token ids must be in [0, {vocab})")
+        if any(t >= vocab for t in params.stop_token_ids):
+            raise InvalidRequest(f"stop_token_ids must be in [0, {vocab})")
+        if len(prompt_token_ids) >= self.max_model_len:
+            raise CapacityExceeded(
+                f"the prompt has {len(prompt_token_ids)} tokens; this engine's context holds at most "
+                f"{self.max_model_len} (prompt plus at least one new token)"
+            )
+        if params.stop and self.loaded.tokenizer is None:
+            raise InvalidRequest("stop strings need a tokenizer, and this checkpoint has none")
+
+    def add_request(
+        self, prompt_token_ids: list[int], params: SamplingParams, request_id: str | None = None
+    ) -> Request:
+        self.validate(prompt_token_ids, params)
+        request_id = request_id or f"req-{next(self._request_ids)}"
+        if request_id in self.requests:
+            raise InvalidRequest(f"request id {request_id!r} is already in use")
+        seed = params.seed if params.seed is not None else secrets.randbits(63)
+        request = Request(request_id, list(prompt_token_ids), params, seed)
+        seq = self._new_sequence(request, 0, list(prompt_token_ids))
+        seq.pending_forks = params.n - 1
+        self.requests[request_id] = request
+        self.scheduler.add(seq)
+        return request
+
+    def abort_request(self, request_id: str) -> RequestOutput:
+        request = self.requests.get(request_id)
+        if request is None:
+            raise UnknownRequest(f"no live request with id {request_id!r}")
+        return self._fail(request, FinishReason.ABORT)
+
+    # ---- the step ---------------------------------------------------------------------------
+    def has_work(self) -> bool:
+        return self.scheduler.has_work()
+
+    def step(self) -> list[RequestOutput]:
+        plan = self.scheduler.schedule()
+        if not plan:
+            return []
+        result = self.runner.execute(plan)
+        self.num_steps += 1
+        return self._process(plan, result)
+
+    def fail_all(self, reason: FinishReason) -> list[RequestOutput]:
+        return [self._fail(r, reason) for r in list(self.requests.values())]
+
+    def stats(self) -> EngineStats:
+        bm = self.block_manager
+        return EngineStats(
+            num_running=len(self.scheduler.running),
+            num_waiting=len(self.scheduler.waiting),
+            num_blocks=bm.num_blocks,
+            num_blocks_used=bm.num_used_blocks,
+            num_blocks_free=bm.num_free_blocks,
+            num_blocks_cached=bm.num_cached_free_blocks,
+            num_preemptions=self.scheduler.num_preemptions,
+            num_steps=self.num_steps,
+            num_generated_tokens=self.num_generated_tokens,
+        )
+
+    # ---- internals --------------------------------------------------------------------------
+    def _process(self, plan: StepPlan, result: StepResult) -> list[RequestOutput]:
+        for chunk in plan.chunks:
+            seq, request = chunk.seq, chunk.seq.request
+            if not request.prompt_cache_recorded and seq.candidate_index == 0:
+                request.num_cached_prompt_tokens = seq.num_computed_tokens
+                request.prompt_cache_recorded = True
+            seq.num_computed_tokens += chunk.num_new_tokens
+            self.block_manager.commit(seq)
+        self._fork(result)
+        deltas: dict[str, list[CandidateDelta]] = {}
+        for i, row in enumerate(result.rows):
+            seq = next(s for s in row.seq.request.sequences if s.candidate_index == row.candidate_index)
+            delta = self.outputs.on_token(seq, result.token_ids[i], _logprob(result, i))
+            self.num_generated_tokens += 1
+            if delta.finish_reason is not None:
+                self.scheduler.finish(seq)
+            deltas.setdefault(seq.request.request_id, []).append(delta)
+        return [self._output(self.requests[rid], ds) for rid, ds in deltas.items()]
+
+    def _fork(self, result: StepResult) -> None:
+        """Create the n - 1 siblings of every parent that sampled its first token this step."""
+        for row in result.rows:
+            parent = row.seq
+            if row.candidate_index == parent.candidate_index:
+                continue
+            child = self._new_sequence(parent.request, row.candidate_index, list(parent.token_ids))
+            child.num_computed_tokens = parent.num_computed_tokens
+            self.block_manager.fork(parent, child)
+            after = parent.request.sequences[-2]  # the previous candidate, already running
+            self.scheduler.add_running(child, after=after)
+            parent.pending_forks -= 1
+
+    def _new_sequence(self, request: Request, candidate: int, token_ids: list[int]) -> Sequence:
+        seq = Sequence(next(self._seq_ids), request, candidate, token_ids, len(request.prompt_token_ids))
+        request.sequences.append(seq)
+        self.outputs.attach(seq)
+        return seq
+
+    def _fail(self, request: Request, reason: FinishReason) -> RequestOutput:
+        deltas = []
+        for seq in request.sequences:
+            if not seq.is_finished:
+                self.scheduler.finish(seq)
+                seq.finish_reason = reason
+                deltas.append(CandidateDelta(seq.candidate_index, [], "", None, reason))
+            for c in range(seq.candidate_index + 1, seq.candidate_index + 1 + seq.pending_forks):
+                deltas.append(CandidateDelta(c, [], "", None, reason))
+            seq.pending_forks = 0
+        return self._output(request, deltas)
+
+    def _output(self, request: Request, deltas: list[CandidateDelta]) -> RequestOutput:
+        out = RequestOutput(request.request_id, deltas)
+        if request.is_finished:
+            out.finished = True
+            out.usage = Usage(
+                prompt_tokens=len(request.prompt_token_ids),
+                cached_prompt_tokens=request.num_cached_prompt_tokens,
+                completion_tokens=sum(s.num_output_tokens for s in request.sequences),
+            )
+            del self.requests[request.request_id]
+        return out
+
+
+def _logprob(result: StepResult, i: int) -> TokenLogprob | None:
+    if result.logprobs is None:
+        return None
+    want = result.rows[i].seq.request.params.logprobs
+    if want is None:
+        return None
+    top = []
+    if want and result.top_ids is not None and result.top_logprobs is not None:
+        top = list(zip(result.top_ids[i][:want], result.top_logprobs[i][:want]))
+    return TokenLogprob(result.token_ids[i], result.logprobs[i], top)

@@ -1,0 +1,194 @@
+"""Engine: runs an EngineCore in its own thread behind a thread-safe inbox.
+
+Callers submit and abort from any thread; the engine thread applies those commands between steps,
+so an abort frees the request's blocks before the next step is scheduled. Outputs are delivered by
+calling each request's `on_output` in the engine thread: it must be quick and must not block
+(the gRPC server hands them to its event loop with call_soon_threadsafe).
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import uuid
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+
+from cbd.config import EngineConfig
+from cbd.engine.core import EngineCore
+from cbd.engine.outputs import CandidateDelta, EngineStats, RequestOutput, Usage
+from cbd.engine.sampling_params import SamplingParams
+from cbd.engine.sequence import FinishReason
+from cbd.errors import EngineStopped
+from cbd.model.loader import LoadedModel, load_model
+
+log = logging.getLogger(__name__)
+OutputCallback = Callable[[RequestOutput], None]
+
+
+@dataclass(slots=True)
+class Candidate:
+    """One finished candidate, as assembled by RequestStream.result()."""
+
+    index: int
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    finish_reason: FinishReason | None = None
+    logprobs: list = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class Completion:
+    request_id: str
+    candidates: list[Candidate]
+    usage: Usage | None
+
+
+class RequestStream:
+    """A submitted request seen from a plain thread: iterate its outputs, or wait for the result."""
+
+    def __init__(self, request_id: str, n: int) -> None:
+        self.request_id = request_id
+        self._n = n
+        self._queue: queue.SimpleQueue[RequestOutput] = queue.SimpleQueue()
+
+    def put(self, output: RequestOutput) -> None:
+        self._queue.put(output)
+
+    def __iter__(self) -> Iterator[RequestOutput]:
+        while True:
+            output = self._queue.get()
+            yield output
+            if output.finished:
+                return
+
+    def result(self) -> Completion:
+        candidates = [Candidate(i) for i in range(self._n)]
+        usage = None
+        for output in self:
+            for delta in output.candidates:
+                c = candidates[delta.index]
+                c.token_ids += delta.token_ids
+                c.text += delta.text
+                c.logprobs += delta.logprobs or []
+                c.finish_reason = delta.finish_reason or c.finish_reason
+            usage = output.usage
+        return Completion(self.request_id, candidates, usage)
+
+
+class Engine:
+    def __init__(self, config: EngineConfig | None = None, loaded: LoadedModel | None = None) -> None:
+        self.config = config or EngineConfig()
+        if loaded is None:
+            loaded = load_model(
+                self.config.model, self.config.cache_dir, self.config.torch_device(), self.config.torch_dtype()
+            )
+        self.core = EngineCore(loaded, self.config)
+        self._inbox: queue.SimpleQueue[tuple] = queue.SimpleQueue()
+        self._wake = threading.Event()
+        self._stopping = False
+        self._stats = self.core.stats()
+        self._callbacks: dict[str, OutputCallback] = {}  # engine thread only
+        self._thread = threading.Thread(target=self._loop, name="cbd-engine", daemon=True)
+        self._thread.start()
+
+    @property
+    def loaded(self) -> LoadedModel:
+        return self.core.loaded
+
+    # ---- caller side (any thread) --------------------------------------------------------------
+    def submit(
+        self,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        request_id: str | None = None,
+        on_output: OutputCallback | None = None,
+    ) -> str:
+        """Queue a request; raises InvalidRequest / CapacityExceeded at once for one that can never run."""
+        if self._stopping:
+            raise EngineStopped("the engine is shutting down")
+        self.core.validate(prompt_token_ids, params)
+        request_id = request_id or uuid.uuid4().hex
+        self._inbox.put(("add", prompt_token_ids, params, request_id, on_output))
+        self._wake.set()
+        return request_id
+
+    def stream(self, prompt_token_ids: list[int], params: SamplingParams) -> RequestStream:
+        request_id = uuid.uuid4().hex
+        stream = RequestStream(request_id, params.n)
+        self.submit(prompt_token_ids, params, request_id, stream.put)
+        return stream
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Completion]:
+        """Submit every prompt at once and wait for all of them (batch convenience)."""
+        streams = [self.stream(p, params) for p in prompts]
+        return [s.result() for s in streams]
+
+    def abort(self, request_id: str) -> None:
+        """Abort a request if it is still live; its blocks are freed before the next step."""
+        self._inbox.put(("abort", request_id))
+        self._wake.set()
+
+    def stats(self) -> EngineStats:
+        return self._stats
+
+    def shutdown(self, timeout: float | None = 30.0) -> None:
+        """Stop the loop; live requests finish with reason ABORT."""
+        self._stopping = True
+        self._inbox.put(("stop",))
+        self._wake.set()
+        self._thread.join(timeout)
+
+    # ---- engine thread -----------------------------------------------------------------------
+    def _loop(self) -> None:
+        core = self.core
+        while True:
+            if not core.has_work():
+                self._wake.wait()
+            self._wake.clear()
+            if not self._drain_inbox():
+                break
+            try:
+                outputs = core.step()
+            except Exception:
+                log.exception("engine step failed; failing every live request")
+                outputs = core.fail_all(FinishReason.ERROR)
+            self._stats = core.stats()
+            self._deliver(outputs)
+        self._deliver(core.fail_all(FinishReason.ABORT))
+        self._stats = core.stats()
+
+    def _drain_inbox(self) -> bool:
+        """Apply queued commands; False once a stop command arrives."""
+        while True:
+            try:
+                command = self._inbox.get_nowait()
+            except queue.Empty:
+                return True
+            if command[0] == "stop":
+                return False
+            if command[0] == "add":
+                _, prompt, params, request_id, on_output = command
+                if on_output is not None:
+                    self._callbacks[request_id] = on_output
+                try:
+                    self.core.add_request(prompt, params, request_id)
+                except Exception as exc:  # validated on submit; a duplicate id can still land here
+                    log.warning("request %s rejected: %s", request_id, exc)
+                    deltas = [CandidateDelta(i, [], "", None, FinishReason.ERROR) for i in range(params.n)]
+                    self._deliver([RequestOutput(request_id, deltas, True, None)])
+            elif command[0] == "abort" and command[1] in self.core.requests:
+                self._deliver([self.core.abort_request(command[1])])
+
+    def _deliver(self, outputs: list[RequestOutput]) -> None:
+        for output in outputs:
+            callback = self._callbacks.get(output.request_id)
+            if output.finished:
+                self._callbacks.pop(output.request_id, None)
+            if callback is None:
+                continue
+            try:
+                callback(output)
+            except Exception:
+                log.exception("output callback for %s failed", output.request_id)

@@ -1,0 +1,58 @@
+"""Per-candidate output handling: append a sampled token, detokenise, decide whether it finished."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from cbd.engine.detokenizer import IncrementalDetokenizer, StopStringMatcher
+from cbd.engine.outputs import CandidateDelta, TokenLogprob
+from cbd.engine.sequence import FinishReason, Sequence
+
+
+@dataclass(slots=True)
+class _CandidateText:
+    detokenizer: IncrementalDetokenizer | None
+    matcher: StopStringMatcher
+
+
+class OutputProcessor:
+    def __init__(self, tokenizer: Any | None, eos_token_ids: tuple[int, ...], max_model_len: int) -> None:
+        self.tokenizer = tokenizer
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.max_model_len = max_model_len
+
+    def attach(self, seq: Sequence) -> None:
+        params = seq.request.params
+        detok = None
+        if self.tokenizer is not None:
+            detok = IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens)
+        seq.output_state = _CandidateText(detok, StopStringMatcher(params.stop))
+
+    def on_token(self, seq: Sequence, token_id: int, logprob: TokenLogprob | None) -> CandidateDelta:
+        """Append token_id to seq and describe what changed; sets seq.finish_reason when it ends."""
+        params = seq.request.params
+        state: _CandidateText = seq.output_state
+        seq.token_ids.append(token_id)
+        text, hit = "", False
+        reason: FinishReason | None = None
+        if token_id in params.stop_token_ids or (not params.ignore_eos and token_id in self.eos_token_ids):
+            reason = FinishReason.STOP
+        elif state.detokenizer is not None:
+            text, hit = state.matcher.feed(state.detokenizer.push(token_id))
+            if hit:
+                reason = FinishReason.STOP
+        if reason is None and (
+            seq.num_output_tokens >= params.max_tokens or seq.num_tokens >= self.max_model_len
+        ):
+            reason = FinishReason.LENGTH
+        if reason is not None and not hit:
+            text += state.matcher.flush()  # the held-back tail was not the start of a stop string
+        seq.finish_reason = reason
+        return CandidateDelta(
+            index=seq.candidate_index,
+            token_ids=[token_id],
+            text=text,
+            logprobs=None if logprob is None else [logprob],
+            finish_reason=reason,
+        )

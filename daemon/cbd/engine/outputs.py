@@ -1,0 +1,51 @@
+"""What the engine hands back each step: per-request deltas, one entry per candidate that moved."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from cbd.engine.sequence import FinishReason
+
+
+@dataclass(slots=True)
+class TokenLogprob:
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]] = field(default_factory=list)  # best alternatives, most likely first
+
+
+@dataclass(slots=True)
+class CandidateDelta:
+    index: int
+    token_ids: list[int]
+    text: str
+    logprobs: list[TokenLogprob] | None = None
+    finish_reason: FinishReason | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Usage:
+    prompt_tokens: int
+    cached_prompt_tokens: int
+    completion_tokens: int
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    request_id: str
+    candidates: list[CandidateDelta]
+    finished: bool = False
+    usage: Usage | None = None  # set on the last output of a request
+
+
+@dataclass(frozen=True, slots=True)
+class EngineStats:
+    num_running: int
+    num_waiting: int
+    num_blocks: int
+    num_blocks_used: int
+    num_blocks_free: int
+    num_blocks_cached: int
+    num_preemptions: int
+    num_steps: int
+    num_generated_tokens: int

@@ -1,0 +1,53 @@
+"""Per-request sampling parameters, validated once at the boundary."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from cbd.errors import InvalidRequest
+
+MAX_LOGPROBS = 20
+MAX_STOP_STRINGS = 16
+MAX_CANDIDATES = 64
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingParams:
+    max_tokens: int = 256
+    temperature: float = 1.0  # 0 means greedy
+    top_p: float = 1.0  # 1 disables
+    top_k: int = 0  # 0 disables
+    min_p: float = 0.0  # 0 disables
+    seed: int | None = None  # None: a fresh random seed per request
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    logprobs: int | None = None  # top-N alternatives per token; 0 returns only the chosen token's logprob
+    n: int = 1
+    skip_special_tokens: bool = True
+
+    def __post_init__(self) -> None:
+        if self.max_tokens < 1:
+            raise InvalidRequest(f"max_tokens must be >= 1, got {self.max_tokens}")
+        if not 0.0 <= self.temperature <= 100.0:
+            raise InvalidRequest(f"temperature must be in [0, 100], got {self.temperature}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise InvalidRequest(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise InvalidRequest(f"top_k must be >= 0 (0 disables), got {self.top_k}")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise InvalidRequest(f"min_p must be in [0, 1], got {self.min_p}")
+        if self.seed is not None and not 0 <= self.seed < 2**63:
+            raise InvalidRequest(f"seed must be in [0, 2**63), got {self.seed}")
+        if len(self.stop) > MAX_STOP_STRINGS or any(not s for s in self.stop):
+            raise InvalidRequest(f"stop takes at most {MAX_STOP_STRINGS} non-empty strings")
+        if any(t < 0 for t in self.stop_token_ids):
+            raise InvalidRequest("stop_token_ids must be non-negative token ids")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
+            raise InvalidRequest(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
+        if not 1 <= self.n <= MAX_CANDIDATES:
+            raise InvalidRequest(f"n must be in [1, {MAX_CANDIDATES}], got {self.n}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0

@@ -1,0 +1,125 @@
+"""Continuous-batching scheduler: who runs this step, and how many of their tokens.
+
+Every sequence is handled the same way: it has `num_uncomputed` tokens without KV; a step computes
+a chunk of them (a whole prompt, a prefill chunk, or the one token of a decode). When the chunk
+reaches the end of the sequence, the step also samples its next token.
+
+Policy per step, under `max_num_batched_tokens` and `max_num_seqs`:
+  1. running sequences in admission order (decodes first in practice, since they are older);
+     when the KV pool cannot grow, the most recently admitted sequence is preempted (its blocks
+     freed, its tokens kept) and re-queued at the front of `waiting` to be recomputed later;
+  2. then waiting sequences in FIFO order, each first reviving any cached prefix blocks.
+The plan knows nothing about devices.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from cbd.engine.block_manager import BlockManager
+from cbd.engine.sequence import Sequence, SequenceStatus
+
+
+@dataclass(slots=True)
+class ScheduledChunk:
+    seq: Sequence
+    num_new_tokens: int
+
+    @property
+    def samples(self) -> bool:
+        return self.seq.num_computed_tokens + self.num_new_tokens == self.seq.num_tokens
+
+
+@dataclass(slots=True)
+class StepPlan:
+    chunks: list[ScheduledChunk] = field(default_factory=list)
+    block_copies: list[tuple[int, int]] = field(default_factory=list)  # (src, dst) before the forward
+    preempted: list[Sequence] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(c.num_new_tokens for c in self.chunks)
+
+    def __bool__(self) -> bool:
+        return bool(self.chunks)
+
+
+class Scheduler:
+    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int) -> None:
+        self.block_manager = block_manager
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+
+    def add(self, seq: Sequence) -> None:
+        seq.status = SequenceStatus.WAITING
+        self.waiting.append(seq)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> StepPlan:
+        plan = StepPlan()
+        budget = self.max_num_batched_tokens
+        bm = self.block_manager
+        index = 0
+        while index < len(self.running) and budget > 0:
+            seq = self.running[index]
+            num_new = min(seq.num_uncomputed, budget)
+            while not bm.can_append(seq, num_new):
+                victim = self.running.pop()
+                self._preempt(victim, plan)
+                if victim is seq:
+                    break
+            else:
+                plan.block_copies += bm.append(seq, num_new)
+                plan.chunks.append(ScheduledChunk(seq, num_new))
+                budget -= num_new
+                index += 1
+        if plan.preempted:
+            return plan  # the pool is short: admitting now would only thrash
+        seats = sum(s.seats for s in self.running)
+        while self.waiting and budget > 0:
+            seq = self.waiting[0]
+            if seats + seq.seats > self.max_num_seqs:
+                break
+            if not seq.block_table:
+                seq.num_computed_tokens = bm.allocate_prefix(seq)
+            num_new = min(seq.num_uncomputed, budget)
+            if not bm.can_append(seq, num_new):
+                bm.free(seq)
+                seq.num_computed_tokens = 0
+                break
+            self.waiting.popleft()
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            seats += seq.seats
+            plan.block_copies += bm.append(seq, num_new)
+            plan.chunks.append(ScheduledChunk(seq, num_new))
+            budget -= num_new
+        return plan
+
+    def add_running(self, seq: Sequence, after: Sequence) -> None:
+        """Insert a forked sequence right after its parent, keeping admission order."""
+        seq.status = SequenceStatus.RUNNING
+        self.running.insert(self.running.index(after) + 1, seq)
+
+    def finish(self, seq: Sequence) -> None:
+        """Remove a finished or aborted sequence wherever it is and free its blocks."""
+        if seq.status is SequenceStatus.RUNNING:
+            self.running.remove(seq)
+        elif seq.status is SequenceStatus.WAITING and seq in self.waiting:
+            self.waiting.remove(seq)
+        self.block_manager.free(seq)
+        seq.status = SequenceStatus.FINISHED
+
+    def _preempt(self, seq: Sequence, plan: StepPlan) -> None:
+        self.block_manager.free(seq)
+        seq.num_computed_tokens = 0
+        seq.status = SequenceStatus.WAITING
+        self.waiting.appendleft(seq)
+        plan.preempted.append(seq)
+        self.num_preemptions += 1

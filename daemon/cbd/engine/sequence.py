@@ -1,0 +1,86 @@
+"""Request and sequence state.
+
+A request owns `n` candidates. Until its prompt is prefilled it has a single sequence (candidate 0)
+that carries `pending_forks = n - 1`; when that sequence samples its first token, the engine forks
+it into n sequences that share the prompt's KV blocks.
+
+Invariant: `num_computed_tokens <= len(token_ids)`; tokens past `num_computed_tokens` have no KV yet.
+A decoding sequence has exactly one uncomputed token (the one sampled last step).
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from cbd.engine.sampling_params import SamplingParams
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class FinishReason(str, enum.Enum):
+    STOP = "stop"  # EOS, a stop token id or a stop string
+    LENGTH = "length"  # max_tokens or the context length
+    ABORT = "abort"  # cancelled by the caller
+    ERROR = "error"  # the engine failed while running it
+
+
+@dataclass(slots=True)
+class Sequence:
+    seq_id: int
+    request: Request
+    candidate_index: int
+    token_ids: list[int]
+    num_prompt_tokens: int
+    status: SequenceStatus = SequenceStatus.WAITING
+    num_computed_tokens: int = 0
+    block_table: list[int] = field(default_factory=list)
+    # Chained hashes of this sequence's full blocks, computed lazily; index i covers block i.
+    block_hashes: list[int] = field(default_factory=list)
+    pending_forks: int = 0
+    finish_reason: FinishReason | None = None
+    # Output-side state owned by the engine's output processor (detokenizer, stop matcher).
+    output_state: Any = None
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_uncomputed(self) -> int:
+        return len(self.token_ids) - self.num_computed_tokens
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED
+
+    @property
+    def seats(self) -> int:
+        """Running slots this sequence will occupy once forked."""
+        return 1 + self.pending_forks
+
+
+@dataclass(slots=True)
+class Request:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    seed: int  # the effective seed: params.seed, or one drawn at submit
+    arrival_time: float = field(default_factory=time.monotonic)
+    sequences: list[Sequence] = field(default_factory=list)
+    num_cached_prompt_tokens: int = 0
+    prompt_cache_recorded: bool = False
+
+    @property
+    def is_finished(self) -> bool:
+        return all(s.is_finished for s in self.sequences)
