@@ -24,6 +24,8 @@ class EngineConfig:
     # None: the model's own context length.
     max_model_len: int | None = None
     enable_prefix_caching: bool = True
+    # CPU fp32 only: pre-pack GEMM weights for oneDNN (faster; logits differ from BLAS in the last bits).
+    cpu_packed_gemm: bool = True
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):

@@ -81,8 +81,9 @@ class Engine:
     def __init__(self, config: EngineConfig | None = None, loaded: LoadedModel | None = None) -> None:
         self.config = config or EngineConfig()
         if loaded is None:
+            c = self.config
             loaded = load_model(
-                self.config.model, self.config.cache_dir, self.config.torch_device(), self.config.torch_dtype()
+                c.model, c.cache_dir, c.torch_device(), c.torch_dtype(), pack_cpu_gemm=c.cpu_packed_gemm
             )
         self.core = EngineCore(loaded, self.config)
         self._inbox: queue.SimpleQueue[tuple] = queue.SimpleQueue()

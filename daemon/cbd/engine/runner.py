@@ -1,6 +1,6 @@
 """ModelRunner: turns a StepPlan into device work and returns sampled tokens.
 
-Owns the KV pool `[layers, 2, num_blocks * block_size, kv_heads, head_dim]` and stages each step's
+Owns the KV pool `[layers, num_blocks * block_size, 2, kv_heads, head_dim]` and stages each step's
 inputs. One sampling row per sampled chunk; a chunk that ends a prompt with pending forks gets one
 row per candidate, all reading the same logits row (prefill once, then fork).
 """
@@ -40,7 +40,7 @@ class ModelRunner:
         self.block_size = block_size
         self.device = model.embed_tokens.weight.device
         self.kv_caches = torch.zeros(
-            spec.num_layers, 2, num_blocks * block_size, spec.num_kv_heads, spec.head_dim,
+            spec.num_layers, num_blocks * block_size, 2, spec.num_kv_heads, spec.head_dim,
             dtype=model.embed_tokens.weight.dtype, device=self.device,
         )  # fmt: skip
 
@@ -117,7 +117,7 @@ class ModelRunner:
     def _copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         bs = self.block_size
         for src, dst in copies:
-            self.kv_caches[:, :, dst * bs : (dst + 1) * bs] = self.kv_caches[:, :, src * bs : (src + 1) * bs]
+            self.kv_caches[:, dst * bs : (dst + 1) * bs] = self.kv_caches[:, src * bs : (src + 1) * bs]
 
 
 def _to_host(rows: list[SampleRow], result: SampleResult) -> StepResult:

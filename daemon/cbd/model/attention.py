@@ -1,6 +1,7 @@
 """Reference paged attention in plain torch: the CPU path and the oracle for faster kernels.
 
-The KV pool of one layer is a flat tensor of slots `[num_blocks * block_size, num_kv_heads, head_dim]`;
+The KV pool of one layer is a flat tensor of slots `[num_blocks * block_size, 2, num_kv_heads, head_dim]`
+(K and V side by side, so one gather fetches both);
 slot `block * block_size + offset` holds position `block_index * block_size + offset` of the sequence
 whose block table maps `block_index` to `block`. One step packs the new tokens of every scheduled
 sequence into `T` rows; a sequence contributes `query_len` new tokens at the end of its
@@ -78,26 +79,30 @@ def build_metadata(
     )
 
 
-def write_kv(
-    k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor
-) -> None:
-    """k, v: [T, Hkv, D] -> their slots in the layer's pool."""
-    k_cache.index_copy_(0, slot_mapping, k)
-    v_cache.index_copy_(0, slot_mapping, v)
+def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """kv_cache: [S, 2, Hkv, D]; k, v: [T, Hkv, D] -> their slots in the layer's pool."""
+    kv_cache.index_copy_(0, slot_mapping, torch.stack((k, v), dim=1))
 
 
 def paged_attention(
     q: torch.Tensor,  # [T, H, D]
-    k_cache: torch.Tensor,  # [S, Hkv, D]
-    v_cache: torch.Tensor,  # [S, Hkv, D]
+    kv_cache: torch.Tensor,  # [S, 2, Hkv, D]
     meta: AttentionMetadata,
     scale: float,
 ) -> torch.Tensor:  # [T, H, D]
     num_seqs, q_max = meta.query_index.shape
     num_heads, head_dim = q.shape[1], q.shape[2]
-    qp = q[meta.query_index].transpose(1, 2)  # [B, H, Qmax, D]
-    k = k_cache[meta.key_slots].transpose(1, 2)  # [B, Hkv, Kmax, D]
-    v = v_cache[meta.key_slots].transpose(1, 2)
+    k_max = meta.key_slots.shape[1]
+    # index_select on a 2-D view is several times faster than advanced indexing on CPU.
+    kv = kv_cache.view(kv_cache.shape[0], -1).index_select(0, meta.key_slots.view(-1))
+    kv = kv.view(num_seqs, k_max, *kv_cache.shape[1:])  # [B, Kmax, 2, Hkv, D]: one gather for K and V
+    k, v = kv[:, :, 0].transpose(1, 2), kv[:, :, 1].transpose(1, 2)  # [B, Hkv, Kmax, D]
+    if q_max == 1:
+        qp = q[:, :, None, :]  # [B, H, 1, D]
+    else:
+        qp = q.index_select(0, meta.query_index.view(-1)).view(num_seqs, q_max, num_heads, head_dim).transpose(1, 2)
     out = F.scaled_dot_product_attention(qp, k, v, attn_mask=meta.mask, scale=scale, enable_gqa=True)
+    if q_max == 1:
+        return out[:, :, 0, :]
     out = out.transpose(1, 2).reshape(num_seqs * q_max, num_heads, head_dim)
-    return out[meta.output_index]
+    return out.index_select(0, meta.output_index)

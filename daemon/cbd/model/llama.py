@@ -21,11 +21,12 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.float32:  # one fused kernel; bit-identical to the unfused form in fp32
+            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
         # Normalise in fp32 and cast back before the weight, as transformers does.
-        dtype = x.dtype
         h = x.to(torch.float32)
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * h.to(dtype)
+        return self.weight * h.to(x.dtype)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -50,19 +51,24 @@ class Attention(nn.Module):
         x: torch.Tensor,  # [T, hidden]
         cos: torch.Tensor,
         sin: torch.Tensor,
-        kv_cache: torch.Tensor,  # [2, S, Hkv, D]
+        kv_cache: torch.Tensor,  # [S, 2, Hkv, D]
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         s = self.spec
-        q, k, v = self.qkv_proj(x).split([s.q_size, s.kv_size, s.kv_size], dim=-1)
-        q = q.view(-1, s.num_heads, s.head_dim)
-        k = k.view(-1, s.num_kv_heads, s.head_dim)
-        v = v.view(-1, s.num_kv_heads, s.head_dim)
+        qkv = self.qkv_proj(x)  # [T, q | k | v]
+        num_tokens = qkv.shape[0]
         if self.q_norm is not None and self.k_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        write_kv(kv_cache[0], kv_cache[1], k, v, meta.slot_mapping)
-        out = paged_attention(q, kv_cache[0], kv_cache[1], meta, self.scale)
+            q, k = qkv[:, : s.q_size], qkv[:, s.q_size : s.q_size + s.kv_size]
+            q = self.q_norm(q.reshape(num_tokens, s.num_heads, s.head_dim))
+            k = self.k_norm(k.reshape(num_tokens, s.num_kv_heads, s.head_dim))
+            qk = torch.cat((q, k), dim=1)
+        else:
+            qk = qkv[:, : s.q_size + s.kv_size].view(num_tokens, s.num_heads + s.num_kv_heads, s.head_dim)
+        qk = apply_rope(qk, cos, sin)  # q and k heads rotated together: half the elementwise launches
+        q, k = qk[:, : s.num_heads], qk[:, s.num_heads :]
+        v = qkv[:, s.q_size + s.kv_size :].view(num_tokens, s.num_kv_heads, s.head_dim)
+        write_kv(kv_cache, k, v, meta.slot_mapping)
+        out = paged_attention(q, kv_cache, meta, self.scale)
         return self.o_proj(out.reshape(-1, s.q_size))
 
 
@@ -116,7 +122,7 @@ class CausalLM(nn.Module):
         self,
         input_ids: torch.Tensor,  # [T]
         positions: torch.Tensor,  # [T]
-        kv_caches: torch.Tensor,  # [L, 2, S, Hkv, D]
+        kv_caches: torch.Tensor,  # [L, S, 2, Hkv, D]
         meta: AttentionMetadata,
         logits_indices: torch.Tensor,  # [N] rows whose next-token logits are wanted
     ) -> torch.Tensor:  # [N, vocab] fp32

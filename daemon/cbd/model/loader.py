@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 from cbd.model.llama import CausalLM
+from cbd.model.packed_linear import pack_linears, packing_available
 from cbd.model.spec import ModelSpec, rope_inv_freq, spec_from_hf_config
 from cbd.model.weights import load_weights
 
@@ -116,6 +117,7 @@ def load_model(
     device: torch.device | str = "cpu",
     dtype: torch.dtype = torch.float32,
     max_positions: int | None = None,
+    pack_cpu_gemm: bool = False,
 ) -> LoadedModel:
     from transformers import AutoConfig
 
@@ -131,6 +133,8 @@ def load_model(
     inv_freq, scale = rope_inv_freq(hf_config, spec)
     net.set_rope(inv_freq, scale, max_positions or spec.max_position_embeddings)
     net.eval()
+    if pack_cpu_gemm and torch.device(device).type == "cpu" and dtype == torch.float32 and packing_available():
+        pack_linears(net)
     tokenizer = _load_tokenizer(directory)
     return LoadedModel(
         model=net,
