@@ -1,0 +1,73 @@
+"""Test helpers: drive an EngineCore to completion and compare greedy outputs with transformers."""
+
+from __future__ import annotations
+
+import torch
+
+from cbd.engine.core import EngineCore
+from cbd.engine.outputs import RequestOutput
+from cbd.engine.sampling_params import SamplingParams
+
+NEAR_TIE = 1e-4
+
+
+def run_all(core: EngineCore, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]) -> list[dict]:
+    """Submit every prompt, step until done; per request: candidates' tokens/text/finish and usage."""
+    plist = params if isinstance(params, list) else [params] * len(prompts)
+    ids = [core.add_request(p, sp).request_id for p, sp in zip(prompts, plist)]
+    results = {rid: {"tokens": {}, "text": {}, "finish": {}, "usage": None, "outputs": []} for rid in ids}
+    steps = 0
+    while core.has_work():
+        for out in core.step():
+            collect(results[out.request_id], out)
+        steps += 1
+        assert steps < 100_000, "engine made no progress"
+    return [results[rid] for rid in ids]
+
+
+def collect(result: dict, out: RequestOutput) -> None:
+    result["outputs"].append(out)
+    for d in out.candidates:
+        result["tokens"].setdefault(d.index, []).extend(d.token_ids)
+        result["text"][d.index] = result["text"].get(d.index, "") + d.text
+        if d.finish_reason is not None:
+            result["finish"][d.index] = d.finish_reason
+    if out.finished:
+        result["usage"] = out.usage
+
+
+def hf_greedy(hf_model, prompt: list[int], max_new_tokens: int) -> list[int]:  # type: ignore[no-untyped-def]
+    with torch.inference_mode():
+        out = hf_model.generate(
+            torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+            max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens, do_sample=False,
+            pad_token_id=0, eos_token_id=None,
+        )  # fmt: skip
+    return out[0, len(prompt) :].tolist()
+
+
+def hf_top2_gap(hf_model, ids: list[int]) -> float:  # type: ignore[no-untyped-def]
+    with torch.inference_mode():
+        logits = hf_model(torch.tensor([ids])).logits[0, -1].float()
+    top = logits.topk(2).values
+    return float(top[0] - top[1])
+
+
+def our_top2_gap(core: EngineCore, ids: list[int]) -> float:
+    result = run_all(core, [ids], SamplingParams(max_tokens=1, temperature=0.0, logprobs=2, ignore_eos=True))[0]
+    top = result["outputs"][-1].candidates[0].logprobs[0].top
+    return top[0][1] - top[1][1]  # log-softmax gaps equal logit gaps
+
+
+def assert_greedy_matches(core: EngineCore, hf_model, prompt: list[int], ours: list[int], theirs: list[int]) -> None:  # type: ignore[no-untyped-def]
+    """Token-exact, or the first divergence is a near-tie in both implementations (then nothing later is compared)."""
+    assert len(ours) == len(theirs), (len(ours), len(theirs))
+    for i, (a, b) in enumerate(zip(ours, theirs)):
+        if a == b:
+            continue
+        prefix = prompt + theirs[:i]
+        hf_gap, our_gap = hf_top2_gap(hf_model, prefix), our_top2_gap(core, prefix)
+        assert hf_gap < NEAR_TIE and our_gap < NEAR_TIE, (
+            f"diverged at new token {i}: ours {a} vs transformers {b}, top-2 gaps {our_gap:.2e} / {hf_gap:.2e}"
+        )
+        return
