@@ -56,6 +56,13 @@ class BlockManager:
         return -(-num_tokens // self.block_size)
 
     # ---- prefix cache -----------------------------------------------------------------------
+    def cacheable_hashes(self, seq: Sequence, num_tokens: int) -> list[int]:
+        """Hashes of seq's full blocks within its first num_tokens tokens."""
+        return [self._block_hash(seq, i) for i in range(num_tokens // self.block_size)]
+
+    def is_cached(self, block_hash: int) -> bool:
+        return block_hash in self.hash_to_block
+
     def allocate_prefix(self, seq: Sequence) -> int:
         """Attach cached blocks matching seq's leading full blocks; returns the tokens they cover.
 

@@ -8,7 +8,8 @@ Policy per step, under `max_num_batched_tokens` and `max_num_seqs`:
   1. running sequences in admission order (decodes first in practice, since they are older);
      when the KV pool cannot grow, the most recently admitted sequence is preempted (its blocks
      freed, its tokens kept) and re-queued at the front of `waiting` to be recomputed later;
-  2. then waiting sequences in FIFO order, each first reviving any cached prefix blocks.
+  2. then waiting sequences in FIFO order, each first reviving any cached prefix blocks; one whose
+     prefix another admission computes this step waits a step to share it instead.
 The plan knows nothing about devices.
 """
 
@@ -81,11 +82,29 @@ class Scheduler:
                 index += 1
         if plan.preempted:
             return plan  # the pool is short: admitting now would only thrash
+        self._admit(plan, budget)
+        return plan
+
+    def _admit(self, plan: StepPlan, budget: int) -> None:
+        """Admit waiting sequences in FIFO order while the budget, the seats and the pool allow.
+
+        A sequence whose first full block is being computed this step by another admitted sequence
+        is deferred one step, so that it then revives those blocks from the prefix cache instead of
+        computing the same prefix again (agent prompts share long system prompts).
+        """
+        bm = self.block_manager
         seats = sum(s.seats for s in self.running)
+        inflight: set[int] = set()
+        deferred: list[Sequence] = []
         while self.waiting and budget > 0:
             seq = self.waiting[0]
             if seats + seq.seats > self.max_num_seqs:
                 break
+            if not seq.block_table and inflight:
+                first = bm.cacheable_hashes(seq, min(seq.num_tokens - 1, bm.block_size))
+                if first and first[0] in inflight and not bm.is_cached(first[0]):
+                    deferred.append(self.waiting.popleft())
+                    continue
             if not seq.block_table:
                 seq.num_computed_tokens = bm.allocate_prefix(seq)
             num_new = min(seq.num_uncomputed, budget)
@@ -100,7 +119,9 @@ class Scheduler:
             plan.block_copies += bm.append(seq, num_new)
             plan.chunks.append(ScheduledChunk(seq, num_new))
             budget -= num_new
-        return plan
+            if bm.enable_prefix_caching:
+                inflight.update(bm.cacheable_hashes(seq, seq.num_computed_tokens + num_new))
+        self.waiting.extendleft(reversed(deferred))
 
     def add_running(self, seq: Sequence, after: Sequence) -> None:
         """Insert a forked sequence right after its parent, keeping admission order."""

@@ -1,0 +1,185 @@
+"""EngineCore on a tiny model: budget, chunked prefill, preemption, fan-out, seeds, abort, validation."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from cbd.engine.sampling_params import SamplingParams
+from cbd.engine.sequence import FinishReason
+from cbd.errors import CapacityExceeded, InvalidRequest, UnknownRequest
+from conftest import make_core
+from helpers import run_all
+
+GREEDY = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
+
+
+def prompts(count: int, seed: int = 3, lo: int = 5, hi: int = 40) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(2, 256) for _ in range(rng.randrange(lo, hi))] for _ in range(count)]
+
+
+def test_step_respects_token_budget_and_chunks_long_prompts(tiny_loaded) -> None:
+    core = make_core(tiny_loaded, max_num_batched_tokens=16, block_size=4)
+    core.add_request(list(range(2, 52)), SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True))
+    steps = []
+    while core.has_work():
+        plan = core.scheduler.schedule()
+        steps.append(plan.num_tokens)
+        assert plan.num_tokens <= 16
+        core._process(plan, core.runner.execute(plan))
+    assert steps == [16, 16, 16, 2, 1]  # 50-token prompt in 4 chunks (the last also samples), then a decode
+
+
+def test_max_num_seqs_caps_the_running_set(tiny_loaded) -> None:
+    core = make_core(tiny_loaded, max_num_seqs=3)
+    for p in prompts(7):
+        core.add_request(p, GREEDY)
+    while core.has_work():
+        core.step()
+        assert len(core.scheduler.running) <= 3
+
+
+def test_preemption_loses_nothing_and_changes_nothing(tiny_loaded) -> None:
+    ps = prompts(10)
+    params = [SamplingParams(max_tokens=30, temperature=0.0 if i % 2 else 0.9, seed=i, ignore_eos=True) for i in range(10)]
+    big = run_all(make_core(tiny_loaded, num_kv_blocks=512, block_size=4), ps, params)
+    small_core = make_core(tiny_loaded, num_kv_blocks=24, block_size=4)  # ~96 tokens for 10 x up to 70
+    small = run_all(small_core, ps, params)
+    assert small_core.scheduler.num_preemptions > 0
+    assert [r["tokens"] for r in small] == [r["tokens"] for r in big]
+    assert all(r["finish"] == {0: FinishReason.LENGTH} for r in small)
+    assert small_core.block_manager.num_used_blocks == 0
+
+
+def test_fan_out_prefills_once_and_forks(tiny_loaded) -> None:
+    core = make_core(tiny_loaded, block_size=4)
+    prompt = list(range(2, 22))  # 20 tokens = 5 full blocks
+    request = core.add_request(prompt, SamplingParams(max_tokens=8, temperature=1.0, seed=42, n=4))
+    plan = core.scheduler.schedule()
+    assert plan.num_tokens == 20 and len(plan.chunks) == 1  # one prefill for all candidates
+    core._process(plan, core.runner.execute(plan))
+    assert len(request.sequences) == 4
+    shared = request.sequences[0].block_table[:5]
+    assert all(s.block_table[:5] == shared for s in request.sequences)
+    assert all(core.block_manager.blocks[b].ref_count == 4 for b in shared)
+    while core.has_work():
+        core.step()
+    assert core.block_manager.num_used_blocks == 0
+
+
+def test_seeded_fan_out_is_reproducible_and_candidates_differ(tiny_loaded) -> None:
+    params = SamplingParams(max_tokens=12, temperature=1.0, seed=7, n=4, ignore_eos=True)
+    prompt = list(range(2, 30))
+    first = run_all(make_core(tiny_loaded), [prompt], params)[0]["tokens"]
+    mixed = run_all(make_core(tiny_loaded), [prompts(1)[0], prompt, prompts(2)[1]], [GREEDY, params, GREEDY])
+    assert mixed[1]["tokens"] == first
+    assert len(first) == 4 and len({tuple(t) for t in first.values()}) == 4
+    other = run_all(make_core(tiny_loaded), [prompt], SamplingParams(max_tokens=12, seed=8, n=4, ignore_eos=True))
+    assert other[0]["tokens"] != first
+
+
+def test_seeded_sample_same_alone_and_in_a_mixed_batch(tiny_loaded) -> None:
+    params = SamplingParams(max_tokens=16, temperature=0.8, top_p=0.9, top_k=50, seed=99, ignore_eos=True)
+    target = prompts(1, seed=11)[0]
+    alone = run_all(make_core(tiny_loaded), [target], params)[0]["tokens"][0]
+    others = prompts(5, seed=12)
+    mixed_params = [SamplingParams(max_tokens=9, temperature=1.2, seed=i, ignore_eos=True) for i in range(5)]
+    mixed = run_all(make_core(tiny_loaded), others[:2] + [target] + others[2:], mixed_params[:2] + [params] + mixed_params[2:])
+    assert mixed[2]["tokens"][0] == alone
+    differ = run_all(make_core(tiny_loaded), [target], SamplingParams(max_tokens=16, temperature=0.8, seed=100, ignore_eos=True))
+    assert differ[0]["tokens"][0] != alone
+
+
+def test_abort_frees_blocks_at_once_and_reports_every_candidate(tiny_loaded) -> None:
+    core = make_core(tiny_loaded)
+    a = core.add_request(list(range(2, 40)), SamplingParams(max_tokens=50, n=3, ignore_eos=True))
+    b = core.add_request(list(range(2, 40)), SamplingParams(max_tokens=50, ignore_eos=True))
+    for _ in range(3):
+        core.step()
+    out = core.abort_request(a.request_id)
+    assert out.finished and sorted(d.index for d in out.candidates) == [0, 1, 2]
+    assert all(d.finish_reason is FinishReason.ABORT for d in out.candidates)
+    waiting = core.add_request([5, 6, 7], GREEDY)  # aborted before it ever ran (pending forks too)
+    out = core.abort_request(waiting.request_id)
+    assert out.finished and out.usage.completion_tokens == 0
+    core.abort_request(b.request_id)
+    assert core.block_manager.num_used_blocks == 0 and not core.has_work()
+    with pytest.raises(UnknownRequest):
+        core.abort_request(a.request_id)
+
+
+def test_usage_counts_cached_prompt_tokens(tiny_loaded) -> None:
+    core = make_core(tiny_loaded, block_size=4)
+    prompt = list(range(2, 30))
+    first = run_all(core, [prompt], GREEDY)[0]["usage"]
+    second = run_all(core, [prompt], GREEDY)[0]["usage"]
+    assert (first.prompt_tokens, first.cached_prompt_tokens, first.completion_tokens) == (28, 0, 20)
+    assert second.cached_prompt_tokens == 24  # 6 full blocks; the last token's block is recomputed
+
+
+def test_context_length_ends_a_sequence_with_length(tiny_loaded) -> None:
+    core = make_core(tiny_loaded, max_model_len=32)
+    result = run_all(core, [list(range(2, 22))], SamplingParams(max_tokens=100, temperature=0.0, ignore_eos=True))[0]
+    assert len(result["tokens"][0]) == 12 and result["finish"][0] is FinishReason.LENGTH
+
+
+def test_stop_token_ids_finish_with_stop(tiny_loaded) -> None:
+    core = make_core(tiny_loaded)
+    free_run = run_all(core, [list(range(2, 12))], GREEDY)[0]["tokens"][0]
+    stop_at = free_run[5]
+    first = free_run.index(stop_at)
+    params = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True, stop_token_ids=(stop_at,))
+    result = run_all(core, [list(range(2, 12))], params)[0]
+    assert result["tokens"][0] == free_run[: first + 1] and result["finish"][0] is FinishReason.STOP
+
+
+@pytest.mark.parametrize(
+    "prompt, params, error, match",
+    [
+        ([], GREEDY, InvalidRequest, "empty"),
+        ([1, 2, 999], GREEDY, InvalidRequest, r"\[0, 256\)"),
+        (list(range(2, 250)) * 3, GREEDY, CapacityExceeded, "context holds at most"),
+        ([1, 2], SamplingParams(stop=("x",)), InvalidRequest, "need a tokenizer"),
+    ],
+)
+def test_bad_requests_are_refused_with_a_clear_error(tiny_loaded, prompt, params, error, match) -> None:  # type: ignore[no-untyped-def]
+    with pytest.raises(error, match=match):
+        make_core(tiny_loaded).add_request(prompt, params)
+
+
+@pytest.mark.parametrize(
+    "kw, match",
+    [
+        (dict(max_tokens=0), "max_tokens"),
+        (dict(temperature=-1), "temperature"),
+        (dict(top_p=0), "top_p"),
+        (dict(top_k=-2), "top_k"),
+        (dict(min_p=2), "min_p"),
+        (dict(n=0), "n must be"),
+        (dict(logprobs=99), "logprobs"),
+        (dict(stop=("",)), "stop"),
+        (dict(seed=-1), "seed"),
+    ],
+)
+def test_sampling_params_validate(kw, match) -> None:  # type: ignore[no-untyped-def]
+    with pytest.raises(InvalidRequest, match=match):
+        SamplingParams(**kw)
+
+
+def test_requests_sharing_a_prefix_in_one_step_compute_it_once(tiny_loaded) -> None:
+    core = make_core(tiny_loaded, block_size=4)
+    shared = list(range(2, 14))  # 3 full blocks
+    a = core.add_request(shared + [40, 41], GREEDY)
+    b = core.add_request(shared + [50, 51, 52], GREEDY)
+    first = core.scheduler.schedule()
+    assert [c.seq.request for c in first.chunks] == [a]  # b waits a step for a's blocks
+    core._process(first, core.runner.execute(first))
+    second = core.scheduler.schedule()
+    chunk_b = next(c for c in second.chunks if c.seq.request is b)
+    assert chunk_b.seq.num_computed_tokens == 12 and chunk_b.num_new_tokens == 3
+    core._process(second, core.runner.execute(second))
+    while core.has_work():
+        core.step()
+    assert b.num_cached_prompt_tokens == 12
