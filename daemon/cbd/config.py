@@ -21,6 +21,8 @@ class EngineConfig:
     kv_cache_gib: float = 0.5
     max_num_seqs: int = 128
     max_num_batched_tokens: int = 2048
+    # Live requests (queued or running) beyond which submit refuses with CapacityExceeded.
+    max_queued_requests: int = 4096
     # None: the model's own context length.
     max_model_len: int | None = None
     enable_prefix_caching: bool = True
@@ -38,6 +40,8 @@ class EngineConfig:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
         if self.max_num_batched_tokens < 1:
             raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
+        if self.max_queued_requests < 1:
+            raise ValueError(f"max_queued_requests must be >= 1, got {self.max_queued_requests}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
         if self.dtype not in _DTYPES:

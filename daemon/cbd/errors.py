@@ -25,3 +25,7 @@ class EngineStopped(CbdError):
 
 class UnsupportedModel(CbdError, ValueError):
     """The checkpoint's architecture is not one this engine implements."""
+
+
+class Unimplemented(CbdError):
+    """The request uses a feature this version reserves but does not implement."""

@@ -17,7 +17,7 @@ from cbd.engine.runner import ModelRunner, StepResult
 from cbd.engine.sampling_params import SamplingParams
 from cbd.engine.scheduler import Scheduler, StepPlan
 from cbd.engine.sequence import FinishReason, Request, Sequence
-from cbd.errors import CapacityExceeded, InvalidRequest, UnknownRequest
+from cbd.errors import InvalidRequest, UnknownRequest
 from cbd.model.loader import LoadedModel
 
 log = logging.getLogger(__name__)
@@ -45,7 +45,7 @@ class EngineCore:
 
     # ---- admission --------------------------------------------------------------------------
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
-        """Raise InvalidRequest / CapacityExceeded for a request that can never run. Reads only config."""
+        """Raise InvalidRequest for a request that can never run. Reads only config (safe from any thread)."""
         if not prompt_token_ids:
             raise InvalidRequest("the prompt is empty")
         vocab = self.loaded.spec.vocab_size
@@ -54,7 +54,7 @@ class EngineCore:
         if any(t >= vocab for t in params.stop_token_ids):
             raise InvalidRequest(f"stop_token_ids must be in [0, {vocab})")
         if len(prompt_token_ids) >= self.max_model_len:
-            raise CapacityExceeded(
+            raise InvalidRequest(
                 f"the prompt has {len(prompt_token_ids)} tokens; this engine's context holds at most "
                 f"{self.max_model_len} (prompt plus at least one new token)"
             )
@@ -128,6 +128,7 @@ class EngineCore:
             self.num_generated_tokens += 1
             if delta.finish_reason is not None:
                 self.scheduler.finish(seq)
+                delta.usage = self._usage(seq.request, seq.num_output_tokens)
             deltas.setdefault(seq.request.request_id, []).append(delta)
         return [self._output(self.requests[rid], ds) for rid, ds in deltas.items()]
 
@@ -156,9 +157,10 @@ class EngineCore:
             if not seq.is_finished:
                 self.scheduler.finish(seq)
                 seq.finish_reason = reason
-                deltas.append(CandidateDelta(seq.candidate_index, [], "", None, reason))
+                usage = self._usage(request, seq.num_output_tokens)
+                deltas.append(CandidateDelta(seq.candidate_index, [], "", None, reason, usage))
             for c in range(seq.candidate_index + 1, seq.candidate_index + 1 + seq.pending_forks):
-                deltas.append(CandidateDelta(c, [], "", None, reason))
+                deltas.append(CandidateDelta(c, [], "", None, reason, self._usage(request, 0)))
             seq.pending_forks = 0
         return self._output(request, deltas)
 
@@ -166,13 +168,13 @@ class EngineCore:
         out = RequestOutput(request.request_id, deltas)
         if request.is_finished:
             out.finished = True
-            out.usage = Usage(
-                prompt_tokens=len(request.prompt_token_ids),
-                cached_prompt_tokens=request.num_cached_prompt_tokens,
-                completion_tokens=sum(s.num_output_tokens for s in request.sequences),
-            )
+            out.usage = self._usage(request, sum(s.num_output_tokens for s in request.sequences))
             del self.requests[request.request_id]
         return out
+
+    @staticmethod
+    def _usage(request: Request, completion_tokens: int) -> Usage:
+        return Usage(len(request.prompt_token_ids), request.num_cached_prompt_tokens, completion_tokens)
 
 
 def _logprob(result: StepResult, i: int) -> TokenLogprob | None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
 import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -20,11 +21,12 @@ from cbd.engine.core import EngineCore
 from cbd.engine.outputs import CandidateDelta, EngineStats, RequestOutput, Usage
 from cbd.engine.sampling_params import SamplingParams
 from cbd.engine.sequence import FinishReason
-from cbd.errors import EngineStopped
+from cbd.errors import CapacityExceeded, EngineStopped
 from cbd.model.loader import LoadedModel, load_model
 
 log = logging.getLogger(__name__)
 OutputCallback = Callable[[RequestOutput], None]
+
 
 
 @dataclass(slots=True)
@@ -90,7 +92,10 @@ class Engine:
         self._wake = threading.Event()
         self._stopping = False
         self._stats = self.core.stats()
-        self._callbacks: dict[str, OutputCallback] = {}  # engine thread only
+        self._callbacks: dict[str, OutputCallback | None] = {}  # live request ids; engine thread only
+        self._live_lock = threading.Lock()
+        self._num_live = 0  # submitted and not yet finished
+        self.started_at = time.monotonic()
         self._thread = threading.Thread(target=self._loop, name="cbd-engine", daemon=True)
         self._thread.start()
 
@@ -106,11 +111,18 @@ class Engine:
         request_id: str | None = None,
         on_output: OutputCallback | None = None,
     ) -> str:
-        """Queue a request; raises InvalidRequest / CapacityExceeded at once for one that can never run."""
+        """Queue a request. Raises at once: InvalidRequest for one that can never run, CapacityExceeded
+        when max_queued_requests are live, EngineStopped once shutdown has begun."""
         if self._stopping:
             raise EngineStopped("the engine is shutting down")
         self.core.validate(prompt_token_ids, params)
         request_id = request_id or uuid.uuid4().hex
+        with self._live_lock:
+            if self._num_live >= self.config.max_queued_requests:
+                raise CapacityExceeded(
+                    f"{self._num_live} requests are live, the limit is {self.config.max_queued_requests}; retry later"
+                )
+            self._num_live += 1
         self._inbox.put(("add", prompt_token_ids, params, request_id, on_output))
         self._wake.set()
         return request_id
@@ -133,6 +145,10 @@ class Engine:
 
     def stats(self) -> EngineStats:
         return self._stats
+
+    @property
+    def num_live_requests(self) -> int:
+        return self._num_live
 
     def shutdown(self, timeout: float | None = 30.0) -> None:
         """Stop the loop; live requests finish with reason ABORT."""
@@ -158,6 +174,14 @@ class Engine:
             self._stats = core.stats()
             self._deliver(outputs)
         self._deliver(core.fail_all(FinishReason.ABORT))
+        while True:  # requests that raced with shutdown: answer them rather than leave them hanging
+            try:
+                command = self._inbox.get_nowait()
+            except queue.Empty:
+                break
+            if command[0] == "add":
+                self._callbacks[command[3]] = command[4]
+                self._reject(command[3], command[2].n, FinishReason.ABORT)
         self._stats = core.stats()
 
     def _drain_inbox(self) -> bool:
@@ -171,22 +195,28 @@ class Engine:
                 return False
             if command[0] == "add":
                 _, prompt, params, request_id, on_output = command
-                if on_output is not None:
-                    self._callbacks[request_id] = on_output
+                self._callbacks[request_id] = on_output
                 try:
                     self.core.add_request(prompt, params, request_id)
                 except Exception as exc:  # validated on submit; a duplicate id can still land here
                     log.warning("request %s rejected: %s", request_id, exc)
-                    deltas = [CandidateDelta(i, [], "", None, FinishReason.ERROR) for i in range(params.n)]
-                    self._deliver([RequestOutput(request_id, deltas, True, None)])
+                    self._reject(request_id, params.n, FinishReason.ERROR)
             elif command[0] == "abort" and command[1] in self.core.requests:
                 self._deliver([self.core.abort_request(command[1])])
 
+    def _reject(self, request_id: str, n: int, reason: FinishReason) -> None:
+        deltas = [CandidateDelta(i, [], "", None, reason) for i in range(n)]
+        self._deliver([RequestOutput(request_id, deltas, True, None)])
+
     def _deliver(self, outputs: list[RequestOutput]) -> None:
         for output in outputs:
-            callback = self._callbacks.get(output.request_id)
+            if output.request_id not in self._callbacks:
+                continue
+            callback = self._callbacks[output.request_id]
             if output.finished:
-                self._callbacks.pop(output.request_id, None)
+                del self._callbacks[output.request_id]
+                with self._live_lock:
+                    self._num_live -= 1
             if callback is None:
                 continue
             try:

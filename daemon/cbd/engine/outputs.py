@@ -14,6 +14,13 @@ class TokenLogprob:
     top: list[tuple[int, float]] = field(default_factory=list)  # best alternatives, most likely first
 
 
+@dataclass(frozen=True, slots=True)
+class Usage:
+    prompt_tokens: int
+    cached_prompt_tokens: int
+    completion_tokens: int
+
+
 @dataclass(slots=True)
 class CandidateDelta:
     index: int
@@ -21,13 +28,7 @@ class CandidateDelta:
     text: str
     logprobs: list[TokenLogprob] | None = None
     finish_reason: FinishReason | None = None
-
-
-@dataclass(frozen=True, slots=True)
-class Usage:
-    prompt_tokens: int
-    cached_prompt_tokens: int
-    completion_tokens: int
+    usage: Usage | None = None  # this candidate's, on its last delta
 
 
 @dataclass(slots=True)

@@ -63,6 +63,12 @@ def default_gguf_path() -> Path:
     raise FileNotFoundError(f"{DEFAULT_GGUF_NAME} not found in package {DEFAULT_GGUF_PACKAGE}")
 
 
+def display_name(model: str | None) -> str:
+    """SmolLM2-135M-Instruct.Q4_1 for the default; else the file's stem or the directory's name."""
+    path = default_gguf_path() if model is None else Path(model).expanduser()
+    return path.stem if path.suffix == ".gguf" else path.resolve().name
+
+
 def resolve_checkpoint(model: str | None, cache_dir: str | None = None) -> Path:
     """Return a HF checkpoint directory for `model`, converting a GGUF file on first use."""
     source = default_gguf_path() if model is None else Path(model).expanduser()
@@ -143,7 +149,7 @@ def load_model(
         tokenizer=tokenizer,
         eos_token_ids=_eos_ids(directory, hf_config, tokenizer),
         checkpoint_dir=directory,
-        name=getattr(hf_config, "name_or_path", "") or directory.name,
+        name=display_name(model),
     )
 
 

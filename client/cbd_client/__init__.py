@@ -1,0 +1,12 @@
+"""Python client for the cbd daemon (grpcio + protobuf only)."""
+
+from cbd_client.aio import AsyncClient
+from cbd_client.address import default_address
+from cbd_client.client import Client
+from cbd_client.errors import CbdError
+from cbd_client.types import Candidate, Completion, Delta, ModelInfo, Stats, TokenLogprob, Usage
+
+__all__ = [
+    "AsyncClient", "Candidate", "CbdError", "Client", "Completion", "Delta", "ModelInfo", "Stats",
+    "TokenLogprob", "Usage", "default_address",
+]

@@ -1,0 +1,89 @@
+"""asyncio client: the same API as Client, with coroutines and async iterators.
+
+    from cbd_client import AsyncClient
+    async with AsyncClient() as client:
+        result = await client.generate([{"role": "user", "content": "Hi"}], n=4, seed=1)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+
+import grpc
+
+from cbd_client import _convert
+from cbd_client._convert import Prompt
+from cbd_client.address import default_address
+from cbd_client.errors import CbdError
+from cbd_client.types import Completion, Delta, ModelInfo, Stats
+from cbd_client.v1 import cbd_pb2 as pb
+from cbd_client.v1.cbd_pb2_grpc import CbdStub
+
+
+class AsyncClient:
+    def __init__(self, address: str | None = None, timeout: float | None = None) -> None:
+        self.address = address or default_address()
+        self.timeout = timeout
+        self._channel = grpc.aio.insecure_channel(self.address)
+        self._stub = CbdStub(self._channel)
+
+    async def generate(self, prompt: Prompt, *, n: int = 1, request_id: str = "", timeout: float | None = None, **sampling) -> Completion:  # type: ignore[no-untyped-def]
+        builder = _convert.CompletionBuilder(n)
+        request = _convert.generate_request(prompt, n, request_id, sampling)
+        try:
+            async for response in self._stub.Generate(request, timeout=timeout or self.timeout):
+                builder.add(response)
+        except grpc.RpcError as e:
+            raise CbdError.from_rpc(e) from None
+        return builder.result()
+
+    async def stream(self, prompt: Prompt, *, n: int = 1, request_id: str = "", timeout: float | None = None, **sampling) -> AsyncIterator[Delta]:  # type: ignore[no-untyped-def]
+        """Yield deltas as they arrive; closing the iterator early cancels the request on the daemon."""
+        request = _convert.generate_request(prompt, n, request_id, sampling)
+        call = self._stub.Generate(request, timeout=timeout or self.timeout)
+        try:
+            async for response in call:
+                for delta in _convert.deltas(response):
+                    yield delta
+        except grpc.RpcError as e:
+            raise CbdError.from_rpc(e) from None
+        finally:
+            call.cancel()
+
+    async def tokenize(self, prompt: str | list[dict[str, str]]) -> list[int]:
+        request = pb.TokenizeRequest()
+        _convert.set_prompt(request, prompt)
+        return list((await self._call(self._stub.Tokenize, request)).token_ids)
+
+    async def model_info(self) -> ModelInfo:
+        return _convert.model_info(await self._call(self._stub.GetModelInfo, pb.GetModelInfoRequest()))
+
+    async def stats(self) -> Stats:
+        return _convert.stats(await self._call(self._stub.GetStats, pb.GetStatsRequest()))
+
+    async def wait_ready(self, timeout: float = 120.0) -> ModelInfo:
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                return await self.model_info()
+            except CbdError as e:
+                if e.code != grpc.StatusCode.UNAVAILABLE or time.monotonic() > deadline:
+                    raise
+            await asyncio.sleep(0.2)
+
+    async def close(self) -> None:
+        await self._channel.close()
+
+    async def __aenter__(self) -> AsyncClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    async def _call(self, method, request):  # type: ignore[no-untyped-def]
+        try:
+            return await method(request, timeout=self.timeout)
+        except grpc.RpcError as e:
+            raise CbdError.from_rpc(e) from None

@@ -1,0 +1,93 @@
+"""Blocking client.
+
+    from cbd_client import Client
+    with Client() as client:                       # the default unix socket, or "host:port"
+        print(client.generate("Hello", max_tokens=16, temperature=0).text)
+
+Sampling keyword arguments: max_tokens, temperature, top_p, top_k, min_p, seed, stop, stop_token_ids,
+ignore_eos, logprobs, include_special_tokens (see proto/cbd/v1/cbd.proto for their meaning).
+A prompt is a str (text), a list of ints (token ids) or a list of {"role", "content"} dicts (chat).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+
+import grpc
+
+from cbd_client import _convert
+from cbd_client._convert import Prompt
+from cbd_client.address import default_address
+from cbd_client.errors import CbdError
+from cbd_client.types import Completion, Delta, ModelInfo, Stats
+from cbd_client.v1 import cbd_pb2 as pb
+from cbd_client.v1.cbd_pb2_grpc import CbdStub
+
+
+class Client:
+    def __init__(self, address: str | None = None, timeout: float | None = None) -> None:
+        self.address = address or default_address()
+        self.timeout = timeout  # default deadline per call, in seconds
+        self._channel = grpc.insecure_channel(self.address)
+        self._stub = CbdStub(self._channel)
+
+    def generate(self, prompt: Prompt, *, n: int = 1, request_id: str = "", timeout: float | None = None, **sampling) -> Completion:  # type: ignore[no-untyped-def]
+        """Run to completion and return every candidate."""
+        builder = _convert.CompletionBuilder(n)
+        request = _convert.generate_request(prompt, n, request_id, sampling)
+        try:
+            for response in self._stub.Generate(request, timeout=timeout or self.timeout):
+                builder.add(response)
+        except grpc.RpcError as e:
+            raise CbdError.from_rpc(e) from None
+        return builder.result()
+
+    def stream(self, prompt: Prompt, *, n: int = 1, request_id: str = "", timeout: float | None = None, **sampling) -> Iterator[Delta]:  # type: ignore[no-untyped-def]
+        """Yield deltas as they arrive; leaving the loop early cancels the request on the daemon."""
+        request = _convert.generate_request(prompt, n, request_id, sampling)
+        call = self._stub.Generate(request, timeout=timeout or self.timeout)
+        try:
+            for response in call:
+                yield from _convert.deltas(response)
+        except grpc.RpcError as e:
+            raise CbdError.from_rpc(e) from None
+        finally:
+            call.cancel()  # a no-op once the stream has ended
+
+    def tokenize(self, prompt: str | list[dict[str, str]]) -> list[int]:
+        request = pb.TokenizeRequest()
+        _convert.set_prompt(request, prompt)
+        return list(self._call(self._stub.Tokenize, request).token_ids)
+
+    def model_info(self) -> ModelInfo:
+        return _convert.model_info(self._call(self._stub.GetModelInfo, pb.GetModelInfoRequest()))
+
+    def stats(self) -> Stats:
+        return _convert.stats(self._call(self._stub.GetStats, pb.GetStatsRequest()))
+
+    def wait_ready(self, timeout: float = 120.0) -> ModelInfo:
+        """Block until the daemon is up and warm (it answers UNAVAILABLE while loading)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                return self.model_info()
+            except CbdError as e:
+                if e.code != grpc.StatusCode.UNAVAILABLE or time.monotonic() > deadline:
+                    raise
+            time.sleep(0.2)
+
+    def close(self) -> None:
+        self._channel.close()
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _call(self, method, request):  # type: ignore[no-untyped-def]
+        try:
+            return method(request, timeout=self.timeout)
+        except grpc.RpcError as e:
+            raise CbdError.from_rpc(e) from None

@@ -1,0 +1,89 @@
+"""Plain result types of the client API (no protobuf in user code)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True, slots=True)
+class Usage:
+    prompt_tokens: int
+    cached_prompt_tokens: int
+    completion_tokens: int
+
+
+@dataclass(frozen=True, slots=True)
+class TokenLogprob:
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class Delta:
+    """What one candidate produced since the previous delta."""
+
+    request_id: str
+    index: int
+    text: str
+    token_ids: tuple[int, ...]
+    logprobs: tuple[TokenLogprob, ...] = ()
+    finish_reason: str | None = None  # "stop", "length", "abort" or "error" on the candidate's last delta
+    usage: Usage | None = None  # on the candidate's last delta
+
+
+@dataclass(slots=True)
+class Candidate:
+    index: int
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    finish_reason: str | None = None
+    usage: Usage | None = None
+
+
+@dataclass(slots=True)
+class Completion:
+    request_id: str
+    candidates: list[Candidate]
+    usage: Usage | None = None  # totals over all candidates
+
+    @property
+    def text(self) -> str:
+        """The first candidate's text."""
+        return self.candidates[0].text
+
+
+@dataclass(frozen=True, slots=True)
+class ModelInfo:
+    model: str
+    architecture: str
+    context_length: int
+    vocab_size: int
+    dtype: str
+    device: str
+    block_size: int
+    num_kv_blocks: int
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    max_n: int
+    max_logprobs: int
+    max_stop_strings: int
+    max_queued_requests: int
+    eos_token_ids: tuple[int, ...]
+    has_chat_template: bool
+
+
+@dataclass(frozen=True, slots=True)
+class Stats:
+    running: int
+    waiting: int
+    live_requests: int
+    kv_blocks_total: int
+    kv_blocks_used: int
+    kv_blocks_free: int
+    kv_blocks_cached: int
+    uptime_seconds: float
+    num_preemptions: int
+    num_steps: int
+    generated_tokens: int

@@ -1,0 +1,1 @@
+"""The gRPC boundary: converts, validates and delegates to the engine."""

@@ -1,0 +1,54 @@
+"""cbd.v1 messages to engine types and back."""
+
+from __future__ import annotations
+
+from cbd.engine.outputs import RequestOutput, Usage
+from cbd.engine.sampling_params import SamplingParams
+from cbd.engine.sequence import FinishReason
+from cbd_client.v1 import cbd_pb2 as pb
+
+_FINISH = {
+    None: pb.FINISH_REASON_UNSPECIFIED,
+    FinishReason.STOP: pb.FINISH_REASON_STOP,
+    FinishReason.LENGTH: pb.FINISH_REASON_LENGTH,
+    FinishReason.ABORT: pb.FINISH_REASON_ABORT,
+    FinishReason.ERROR: pb.FINISH_REASON_ERROR,
+}
+
+
+def sampling_params(request: pb.GenerateRequest) -> SamplingParams:
+    s = request.sampling
+    values: dict[str, object] = {"n": request.n or 1}
+    for name in ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "logprobs"):
+        if s.HasField(name):
+            values[name] = getattr(s, name)
+    return SamplingParams(
+        stop=tuple(s.stop),
+        stop_token_ids=tuple(s.stop_token_ids),
+        ignore_eos=s.ignore_eos,
+        skip_special_tokens=not s.include_special_tokens,
+        **values,  # type: ignore[arg-type]
+    )
+
+
+def _usage(usage: Usage) -> pb.Usage:
+    return pb.Usage(
+        prompt_tokens=usage.prompt_tokens,
+        cached_prompt_tokens=usage.cached_prompt_tokens,
+        completion_tokens=usage.completion_tokens,
+    )
+
+
+def response(output: RequestOutput) -> pb.GenerateResponse:
+    message = pb.GenerateResponse(request_id=output.request_id)
+    for delta in output.candidates:
+        c = message.candidates.add(
+            index=delta.index, text=delta.text, token_ids=delta.token_ids, finish_reason=_FINISH[delta.finish_reason]
+        )
+        for lp in delta.logprobs or ():
+            c.logprobs.add(token_id=lp.token_id, logprob=lp.logprob, top=[pb.TopLogprob(token_id=t, logprob=v) for t, v in lp.top])
+        if delta.usage is not None:
+            c.usage.CopyFrom(_usage(delta.usage))
+    if output.usage is not None:
+        message.usage.CopyFrom(_usage(output.usage))
+    return message

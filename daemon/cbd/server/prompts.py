@@ -1,0 +1,51 @@
+"""Prompt inputs (text, chat messages, token ids) to token ids, with the model's tokenizer and chat template."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from cbd.errors import InvalidRequest
+from cbd_client.v1 import cbd_pb2 as pb
+
+
+class PromptEncoder:
+    def __init__(self, tokenizer: Any | None) -> None:
+        self.tokenizer = tokenizer
+
+    @property
+    def has_chat_template(self) -> bool:
+        return self.tokenizer is not None and bool(getattr(self.tokenizer, "chat_template", None))
+
+    def encode(self, message: pb.GenerateRequest | pb.TokenizeRequest) -> list[int]:
+        kind = message.WhichOneof("input")
+        if kind is None:
+            raise InvalidRequest("a prompt is required: set one of text, chat or tokens")
+        if kind == "tokens":
+            return list(message.tokens.ids)  # type: ignore[union-attr]
+        if kind == "text":
+            return self._tokenizer().encode(message.text)
+        return self._chat(message.chat)
+
+    def _tokenizer(self) -> Any:
+        if self.tokenizer is None:
+            raise InvalidRequest("this model has no tokenizer; send token ids")
+        return self.tokenizer
+
+    def _chat(self, chat: pb.Chat) -> list[int]:
+        if not self.has_chat_template:
+            raise InvalidRequest("this model has no chat template; send text or token ids")
+        if not chat.messages:
+            raise InvalidRequest("chat needs at least one message")
+        messages = []
+        for i, m in enumerate(chat.messages):
+            if not m.role:
+                raise InvalidRequest(f"chat message {i} has no role")
+            messages.append({"role": m.role, "content": m.content})
+        add_prompt = chat.add_generation_prompt if chat.HasField("add_generation_prompt") else True
+        try:
+            rendered = self.tokenizer.apply_chat_template(
+                messages, add_generation_prompt=add_prompt, tokenize=True, return_dict=True
+            )
+        except Exception as exc:  # jinja errors raised by the template itself (e.g. role order)
+            raise InvalidRequest(f"the chat template rejected the messages: {exc}") from exc
+        return list(rendered["input_ids"])

@@ -1,0 +1,65 @@
+"""The one place where errors become gRPC status codes."""
+
+from __future__ import annotations
+
+import functools
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any, TypeVar
+
+import grpc
+
+from cbd.errors import CapacityExceeded, CbdError, EngineStopped, InvalidRequest, Unimplemented, UnknownRequest
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+_CODES: list[tuple[type[BaseException], grpc.StatusCode]] = [
+    (InvalidRequest, grpc.StatusCode.INVALID_ARGUMENT),
+    (CapacityExceeded, grpc.StatusCode.RESOURCE_EXHAUSTED),
+    (EngineStopped, grpc.StatusCode.UNAVAILABLE),
+    (UnknownRequest, grpc.StatusCode.NOT_FOUND),
+    (Unimplemented, grpc.StatusCode.UNIMPLEMENTED),
+]
+
+
+def status_of(exc: BaseException) -> tuple[grpc.StatusCode, str]:
+    for cls, code in _CODES:
+        if isinstance(exc, cls):
+            return code, str(exc)
+    return grpc.StatusCode.INTERNAL, f"internal error: {type(exc).__name__}: {exc}"
+
+
+async def _abort(context: grpc.aio.ServicerContext, exc: Exception) -> None:
+    code, message = status_of(exc)
+    if not isinstance(exc, CbdError):
+        log.exception("unexpected error in a handler", exc_info=exc)
+    await context.abort(code, message)
+
+
+def unary(handler: Callable[..., Awaitable[T]]) -> Callable[..., Awaitable[T]]:
+    @functools.wraps(handler)
+    async def wrapper(self: Any, request: Any, context: grpc.aio.ServicerContext) -> T:
+        try:
+            return await handler(self, request, context)
+        except grpc.aio.AbortError:
+            raise
+        except Exception as exc:
+            await _abort(context, exc)
+            raise  # unreachable: abort raises
+
+    return wrapper
+
+
+def streaming(handler: Callable[..., AsyncIterator[T]]) -> Callable[..., AsyncIterator[T]]:
+    @functools.wraps(handler)
+    async def wrapper(self: Any, request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[T]:
+        try:
+            async for item in handler(self, request, context):
+                yield item
+        except grpc.aio.AbortError:
+            raise
+        except Exception as exc:
+            await _abort(context, exc)
+
+    return wrapper
