@@ -150,6 +150,14 @@ class Engine:
     def num_live_requests(self) -> int:
         return self._num_live
 
+    def drain(self, timeout: float) -> bool:
+        """Wait until no request is live (True) or timeout seconds pass (False); accepts no new ones."""
+        self._stopping = True
+        deadline = time.monotonic() + timeout
+        while self._num_live and time.monotonic() < deadline:
+            time.sleep(0.02)
+        return self._num_live == 0
+
     def shutdown(self, timeout: float | None = 30.0) -> None:
         """Stop the loop; live requests finish with reason ABORT."""
         self._stopping = True

@@ -1,8 +1,9 @@
 """The daemon process: listen first, load and warm the engine, then serve until SIGTERM/SIGINT.
 
 Health (grpc.health.v1, service "" and "cbd.v1.Cbd") is NOT_SERVING until warm-up has finished and
-again from the moment shutdown begins. On shutdown, in-flight streams get `shutdown_grace` seconds;
-whatever is still running then finishes with reason ABORT, so no caller is left hanging.
+again from the moment shutdown begins. On shutdown, new calls get UNAVAILABLE, live requests get
+`shutdown_grace` seconds to finish, and whatever is still running then ends its stream with finish
+reason ABORT, so no caller is left hanging.
 """
 
 from __future__ import annotations
@@ -62,13 +63,14 @@ async def serve(engine_config: EngineConfig, server_config: ServerConfig) -> Non
             log.info("serving %s", engine.loaded.name)
             await stop.wait()
     finally:
-        log.info("shutting down")
+        log.info("shutting down: no new requests; %.1fs for live ones", server_config.shutdown_grace)
         sd_notify("STOPPING=1")
         await _set_health(health_servicer, health_pb2.HealthCheckResponse.NOT_SERVING)
-        await server.stop(server_config.shutdown_grace)
-        service.detach()
+        service.detach()  # new calls get UNAVAILABLE
         if engine is not None:
-            await asyncio.to_thread(engine.shutdown)
+            await asyncio.to_thread(engine.drain, server_config.shutdown_grace)
+            await asyncio.to_thread(engine.shutdown)  # what is left finishes with ABORT, streamed out
+        await server.stop(5.0)
 
 
 def _start_engine(config: EngineConfig, warmup: bool) -> Engine:

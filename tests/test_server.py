@@ -1,0 +1,158 @@
+"""End to end: a real `cbd serve` process with the default model, driven through the real client."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import grpc
+import pytest
+
+from cbd_client import AsyncClient, CbdError, Client
+from daemon_process import DaemonProcess
+
+pytestmark = pytest.mark.slow
+FRANCE = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+@pytest.fixture(scope="module")
+def daemon(tmp_path_factory):  # type: ignore[no-untyped-def]
+    d = DaemonProcess(tmp_path_factory.mktemp("cbd") / "cbd.sock")
+    try:
+        d.wait_serving()
+        yield d
+    finally:
+        assert d.stop() == 0, d.log()
+
+
+@pytest.fixture()
+def client(daemon):  # type: ignore[no-untyped-def]
+    with Client(daemon.address, timeout=120) as c:
+        yield c
+
+
+def wait_until_idle(client: Client, timeout: float = 10.0):  # type: ignore[no-untyped-def]
+    deadline = time.monotonic() + timeout
+    while True:
+        stats = client.stats()
+        if (stats.running, stats.waiting, stats.kv_blocks_used, stats.live_requests) == (0, 0, 0, 0):
+            return stats
+        assert time.monotonic() < deadline, stats
+        time.sleep(0.05)
+
+
+def test_health_is_not_serving_until_warm_then_serving(daemon) -> None:  # type: ignore[no-untyped-def]
+    assert daemon.health_seen == ["NOT_SERVING", "SERVING"]
+
+
+def test_greedy_chat_knows_paris(client) -> None:  # type: ignore[no-untyped-def]
+    result = client.generate(FRANCE, max_tokens=32, temperature=0)
+    candidate = result.candidates[0]
+    assert "Paris" in candidate.text
+    assert candidate.finish_reason == "stop"
+    assert result.usage.prompt_tokens == len(client.tokenize(FRANCE))
+    assert result.usage.completion_tokens == len(candidate.token_ids) == candidate.usage.completion_tokens
+
+
+def test_streamed_deltas_concatenate_to_the_final_text(client) -> None:  # type: ignore[no-untyped-def]
+    prompt = [{"role": "user", "content": "Write a short poem about the ocean, with an emoji."}]
+    deltas = list(client.stream(prompt, max_tokens=48, temperature=0, stop=["\n\n"]))
+    final = client.generate(prompt, max_tokens=48, temperature=0, stop=["\n\n"])
+    assert "".join(d.text for d in deltas) == final.text
+    assert [t for d in deltas for t in d.token_ids] == final.candidates[0].token_ids
+    assert "\n\n" not in final.text
+    assert deltas[-1].finish_reason == final.candidates[0].finish_reason
+
+
+def test_fan_out_with_seed_is_reproducible(client) -> None:  # type: ignore[no-untyped-def]
+    kw = dict(n=4, max_tokens=16, temperature=0.9, seed=1234)
+    first = client.generate(FRANCE, **kw)
+    second = client.generate(FRANCE, **kw)
+    assert len(first.candidates) == 4
+    assert [c.text for c in first.candidates] == [c.text for c in second.candidates]
+    assert len({c.text for c in first.candidates}) > 1
+    assert first.usage.completion_tokens == sum(len(c.token_ids) for c in first.candidates)
+
+
+def test_logprobs_are_returned_per_token(client) -> None:  # type: ignore[no-untyped-def]
+    c = client.generate(FRANCE, max_tokens=4, temperature=0, logprobs=3).candidates[0]
+    assert len(c.logprobs) == len(c.token_ids)
+    for lp, token in zip(c.logprobs, c.token_ids):
+        assert lp.token_id == token and len(lp.top) == 3 and lp.top[0][0] == token  # greedy = best
+        assert lp.logprob <= 0
+
+
+def test_cancelled_stream_frees_its_blocks(client) -> None:  # type: ignore[no-untyped-def]
+    stream = client.stream(FRANCE, max_tokens=2000, temperature=0, ignore_eos=True)
+    received = [next(stream) for _ in range(3)]
+    assert all(d.finish_reason is None for d in received)
+    assert client.stats().kv_blocks_used > 0
+    stream.close()  # cancels the call
+    wait_until_idle(client)
+
+
+def test_deadline_aborts_the_request(client) -> None:  # type: ignore[no-untyped-def]
+    with pytest.raises(CbdError) as info:
+        client.generate(FRANCE, max_tokens=4000, temperature=0, ignore_eos=True, timeout=1.0)
+    assert info.value.code == grpc.StatusCode.DEADLINE_EXCEEDED
+    wait_until_idle(client)
+
+
+@pytest.mark.parametrize(
+    "prompt, kw, match",
+    [
+        (FRANCE, dict(temperature=-1.0), "temperature must be in"),
+        (FRANCE, dict(top_p=1.5), "top_p must be in"),
+        (FRANCE, dict(n=1000), "n must be in"),
+        (FRANCE, dict(max_tokens=0), "max_tokens must be >= 1"),
+        (FRANCE, dict(logprobs=50), "logprobs must be in"),
+        ([999_999], {}, "prompt token ids must be in"),
+        ("word " * 9000, {}, "context holds at most"),
+        ([{"role": "", "content": "hi"}], {}, "has no role"),
+    ],
+)
+def test_bad_input_is_invalid_argument_with_a_readable_message(client, prompt, kw, match) -> None:  # type: ignore[no-untyped-def]
+    with pytest.raises(CbdError) as info:
+        client.generate(prompt, **kw)
+    assert info.value.code == grpc.StatusCode.INVALID_ARGUMENT
+    assert match in info.value.details
+
+
+def test_missing_prompt_and_sessions(daemon) -> None:  # type: ignore[no-untyped-def]
+    from cbd_client.v1 import cbd_pb2 as pb
+    from cbd_client.v1.cbd_pb2_grpc import CbdStub
+
+    with grpc.insecure_channel(daemon.address) as channel:
+        stub = CbdStub(channel)
+        with pytest.raises(grpc.RpcError) as info:
+            list(stub.Generate(pb.GenerateRequest()))
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "prompt is required" in info.value.details()
+        with pytest.raises(grpc.RpcError) as info:
+            list(stub.Generate(pb.GenerateRequest(text="hi", session_id="s1")))
+        assert info.value.code() == grpc.StatusCode.UNIMPLEMENTED
+
+
+def test_model_info_tokenize_and_reflection(client, daemon) -> None:  # type: ignore[no-untyped-def]
+    info = client.model_info()
+    assert (info.architecture, info.vocab_size, info.dtype, info.device) == ("llama", 49152, "float32", "cpu")
+    assert info.model == "SmolLM2-135M-Instruct.Q4_1" and info.has_chat_template and info.eos_token_ids
+    ids = client.tokenize("Hello world")
+    assert ids and all(0 <= t < info.vocab_size for t in ids)
+    from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+    with grpc.insecure_channel(daemon.address) as channel:
+        stub = reflection_pb2_grpc.ServerReflectionStub(channel)
+        reply = next(stub.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")])))
+    names = {s.name for s in reply.list_services_response.service}
+    assert {"cbd.v1.Cbd", "grpc.health.v1.Health"} <= names
+
+
+def test_async_client_runs_concurrent_requests(daemon) -> None:  # type: ignore[no-untyped-def]
+    async def run() -> list[str]:
+        async with AsyncClient(daemon.address, timeout=120) as c:
+            prompts = [[{"role": "user", "content": f"Count to {i}."}] for i in range(3, 9)]
+            results = await asyncio.gather(*(c.generate(p, max_tokens=12, temperature=0) for p in prompts))
+            return [r.text for r in results]
+
+    texts = asyncio.run(run())
+    assert len(texts) == 6 and all(texts)
