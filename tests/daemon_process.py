@@ -13,13 +13,13 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 
 class DaemonProcess:
-    def __init__(self, socket_path: Path, *flags: str) -> None:
+    def __init__(self, socket_path: Path, *flags: str, env: dict[str, str] | None = None) -> None:
         self.address = f"unix:{socket_path}"
         self.log_path = socket_path.with_suffix(".log")
         self._log = open(self.log_path, "w")
         self.process = subprocess.Popen(
             [sys.executable, "-m", "cbd.server.app", "serve", "--listen", self.address, *flags],
-            stdout=self._log, stderr=subprocess.STDOUT, env=dict(os.environ),
+            stdout=self._log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})},
         )  # fmt: skip
         self.health_seen: list[str] = []
 

@@ -16,8 +16,8 @@ PROMPT = list(range(2, 40))
 
 @pytest.fixture()
 def tiny_daemon(tiny_checkpoint, tmp_path):  # type: ignore[no-untyped-def]
-    def start(*flags: str) -> DaemonProcess:
-        d = DaemonProcess(tmp_path / "cbd.sock", "--model", str(tiny_checkpoint("llama")), *flags)
+    def start(*flags: str, env: dict[str, str] | None = None) -> DaemonProcess:
+        d = DaemonProcess(tmp_path / "cbd.sock", "--model", str(tiny_checkpoint("llama")), *flags, env=env)
         d.wait_serving(120)
         started.append(d)
         return d
@@ -66,3 +66,17 @@ def test_shutdown_ends_every_stream_with_a_finish_reason(tiny_daemon) -> None:  
     assert d.process.wait(30) == 0, d.log()
     assert len(finishes) == 8 and set(finishes) <= {"abort", "length"}, finishes
     assert "abort" in finishes
+
+
+def test_systemd_notify_ready_after_warmup_and_stopping(tiny_daemon, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    import socket
+
+    path = tmp_path / "notify.sock"
+    with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as sock:
+        sock.bind(str(path))
+        sock.settimeout(30)
+        d = tiny_daemon(env={"NOTIFY_SOCKET": str(path)})
+        assert sock.recv(64) == b"READY=1"  # wait_serving returned, so READY must already be queued
+        d.process.terminate()
+        assert sock.recv(64) == b"STOPPING=1"
+        assert d.process.wait(30) == 0
