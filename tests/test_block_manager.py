@@ -120,3 +120,14 @@ def test_prefix_caching_off_never_shares() -> None:
     assert bm.allocate_prefix(b) == 0
     bm.free(a)
     assert bm.num_cached_free_blocks == 0 and bm.num_used_blocks == 0
+
+
+def test_reset_prefix_cache_forgets_only_free_blocks() -> None:
+    bm = BlockManager(num_blocks=8, block_size=2)
+    live, gone = seq([1, 2, 3, 4, 5]), seq([7, 8, 9])
+    for s in (live, gone):
+        compute(bm, s)
+    bm.free(gone)
+    assert bm.reset_prefix_cache() == 1
+    assert bm.allocate_prefix(seq([7, 8, 9])) == 0  # forgotten
+    assert bm.allocate_prefix(seq([1, 2, 3, 4, 5])) == 4  # still held by a live sequence

@@ -15,7 +15,7 @@ class EngineConfig:
     cache_dir: str | None = None
     device: str = "auto"  # "auto" | "cpu" | "cuda" | "cuda:N"
     dtype: str = "auto"  # "auto" (fp32 on CPU, bf16 on CUDA) | "float32" | "bfloat16" | "float16"
-    block_size: int = 16
+    block_size: int = 8  # small blocks let prompts that share a prefix share more of it
     # KV pool size in blocks; None sizes it from kv_cache_gib.
     num_kv_blocks: int | None = None
     kv_cache_gib: float = 0.5

@@ -97,6 +97,17 @@ class BlockManager:
             block.hash, block.token_ids = h, self._block_tokens(seq, index)
             self.hash_to_block[h] = block.block_id
 
+    def reset_prefix_cache(self) -> int:
+        """Forget every cached free block (blocks in use keep their hashes); returns how many."""
+        count = len(self.cached_free)
+        for block_id in self.cached_free:
+            block = self.blocks[block_id]
+            del self.hash_to_block[block.hash]  # type: ignore[arg-type]
+            block.hash, block.token_ids = None, ()
+            self.free_ids.append(block_id)
+        self.cached_free.clear()
+        return count
+
     # ---- growth -----------------------------------------------------------------------------
     def can_append(self, seq: Sequence, num_new_tokens: int) -> bool:
         return self._new_blocks_needed(seq, num_new_tokens) <= self.num_free_blocks

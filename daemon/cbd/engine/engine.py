@@ -152,6 +152,11 @@ class Engine:
     def stats(self) -> EngineStats:
         return self._stats
 
+    def reset_prefix_cache(self) -> None:
+        """Drop every reusable prefix that no live request holds (applied before the next step)."""
+        self._inbox.put(("reset_prefix_cache",))
+        self._wake.set()
+
     @property
     def num_live_requests(self) -> int:
         return self._num_live
@@ -231,6 +236,8 @@ class Engine:
                 except Exception as exc:  # validated on submit; a duplicate id can still land here
                     log.warning("request %s rejected: %s", request_id, exc)
                     self._reject(request_id, params.n, FinishReason.ERROR)
+            elif command[0] == "reset_prefix_cache":
+                log.info("prefix cache reset: %d blocks dropped", self.core.block_manager.reset_prefix_cache())
             elif command[0] == "abort" and command[1] in self.core.requests:
                 self._deliver([self.core.abort_request(command[1])])
 
