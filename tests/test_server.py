@@ -156,3 +156,13 @@ def test_async_client_runs_concurrent_requests(daemon) -> None:  # type: ignore[
 
     texts = asyncio.run(run())
     assert len(texts) == 6 and all(texts)
+
+
+def test_duplicate_live_request_id_is_refused_and_the_first_keeps_streaming(client) -> None:  # type: ignore[no-untyped-def]
+    first = client.stream(FRANCE, request_id="dup-1", max_tokens=80, temperature=0, ignore_eos=True)
+    next(first)
+    with pytest.raises(CbdError) as info:
+        client.generate(FRANCE, request_id="dup-1", max_tokens=2)
+    assert info.value.code == grpc.StatusCode.INVALID_ARGUMENT and "already in use" in info.value.details
+    rest = list(first)
+    assert rest[-1].finish_reason == "length" and rest[-1].request_id == "dup-1"

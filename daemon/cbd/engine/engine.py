@@ -21,7 +21,7 @@ from cbd.engine.core import EngineCore
 from cbd.engine.outputs import CandidateDelta, EngineStats, RequestOutput, Usage
 from cbd.engine.sampling_params import SamplingParams
 from cbd.engine.sequence import FinishReason
-from cbd.errors import CapacityExceeded, EngineStopped
+from cbd.errors import CapacityExceeded, EngineStopped, InvalidRequest
 from cbd.model.loader import LoadedModel, load_model
 
 log = logging.getLogger(__name__)
@@ -95,7 +95,7 @@ class Engine:
         self._stopping = False
         self._callbacks: dict[str, OutputCallback | None] = {}  # live request ids; engine thread only
         self._live_lock = threading.Lock()
-        self._num_live = 0  # submitted and not yet finished
+        self._live_ids: set[str] = set()  # submitted and not yet finished
         self._started = threading.Event()
         self._start_error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, args=(loaded,), name="cbd-engine", daemon=True)
@@ -117,18 +117,21 @@ class Engine:
         request_id: str | None = None,
         on_output: OutputCallback | None = None,
     ) -> str:
-        """Queue a request. Raises at once: InvalidRequest for one that can never run, CapacityExceeded
-        when max_queued_requests are live, EngineStopped once shutdown has begun."""
+        """Queue a request. Raises at once: InvalidRequest for one that can never run or whose id is
+        taken by a live request, CapacityExceeded when max_queued_requests are live, EngineStopped once
+        shutdown has begun."""
         if self._stopping:
             raise EngineStopped("the engine is shutting down")
         self.core.validate(prompt_token_ids, params)
         request_id = request_id or uuid.uuid4().hex
         with self._live_lock:
-            if self._num_live >= self.config.max_queued_requests:
+            if request_id in self._live_ids:
+                raise InvalidRequest(f"request id {request_id!r} is already in use by a live request")
+            if len(self._live_ids) >= self.config.max_queued_requests:
                 raise CapacityExceeded(
-                    f"{self._num_live} requests are live, the limit is {self.config.max_queued_requests}; retry later"
+                    f"{len(self._live_ids)} requests are live, the limit is {self.config.max_queued_requests}; retry later"
                 )
-            self._num_live += 1
+            self._live_ids.add(request_id)
         self._inbox.put(("add", prompt_token_ids, params, request_id, on_output))
         self._wake.set()
         return request_id
@@ -159,15 +162,15 @@ class Engine:
 
     @property
     def num_live_requests(self) -> int:
-        return self._num_live
+        return len(self._live_ids)
 
     def drain(self, timeout: float) -> bool:
         """Wait until no request is live (True) or timeout seconds pass (False); accepts no new ones."""
         self._stopping = True
         deadline = time.monotonic() + timeout
-        while self._num_live and time.monotonic() < deadline:
+        while self._live_ids and time.monotonic() < deadline:
             time.sleep(0.02)
-        return self._num_live == 0
+        return not self._live_ids
 
     def shutdown(self, timeout: float | None = 30.0) -> None:
         """Stop the loop; live requests finish with reason ABORT."""
@@ -233,8 +236,8 @@ class Engine:
                 self._callbacks[request_id] = on_output
                 try:
                     self.core.add_request(prompt, params, request_id)
-                except Exception as exc:  # validated on submit; a duplicate id can still land here
-                    log.warning("request %s rejected: %s", request_id, exc)
+                except Exception as exc:  # submit validated it; this is a bug, but the caller still gets an answer
+                    log.exception("request %s could not be added: %s", request_id, exc)
                     self._reject(request_id, params.n, FinishReason.ERROR)
             elif command[0] == "reset_prefix_cache":
                 log.info("prefix cache reset: %d blocks dropped", self.core.block_manager.reset_prefix_cache())
@@ -253,7 +256,7 @@ class Engine:
             if output.finished:
                 del self._callbacks[output.request_id]
                 with self._live_lock:
-                    self._num_live -= 1
+                    self._live_ids.discard(output.request_id)
             if callback is None:
                 continue
             try:
