@@ -80,3 +80,26 @@ def test_systemd_notify_ready_after_warmup_and_stopping(tiny_daemon, tmp_path) -
         d.process.terminate()
         assert sock.recv(64) == b"STOPPING=1"
         assert d.process.wait(30) == 0
+
+
+def test_prometheus_metrics_count_requests_tokens_and_kv(tiny_daemon) -> None:  # type: ignore[no-untyped-def]
+    import socket
+    import urllib.request
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    d = tiny_daemon("--metrics-port", str(port))
+    with Client(d.address, timeout=60) as client:
+        client.generate(PROMPT, n=2, max_tokens=5, temperature=0.5, seed=3, ignore_eos=True)
+        stream = client.stream(PROMPT, max_tokens=400, ignore_eos=True)
+        next(stream)
+        text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+        stream.close()
+    values = {line.split(" ")[0]: float(line.split(" ")[1]) for line in text.splitlines() if line and line[0] != "#"}
+    assert values['cbd_requests_total{outcome="completed"}'] == 1
+    assert values['cbd_candidates_total{finish_reason="length"}'] == 2
+    assert values["cbd_completion_tokens_total"] == 10
+    assert values["cbd_prompt_tokens_total"] == len(PROMPT)
+    assert values["cbd_time_to_first_token_seconds_count"] >= 1
+    assert values["cbd_live_requests"] == 1 and values["cbd_kv_blocks_used"] > 0

@@ -43,6 +43,8 @@ async def serve(engine_config: EngineConfig, server_config: ServerConfig) -> Non
         _prepare_unix_socket(address)
         server.add_insecure_port(address)
     await _set_health(health_servicer, health_pb2.HealthCheckResponse.NOT_SERVING)
+    if server_config.metrics_port:
+        service.metrics.serve(server_config.metrics_port, server_config.metrics_address)
     await server.start()
     log.info("listening on %s; loading the model", ", ".join(server_config.addresses()))
 

@@ -14,16 +14,22 @@ from cbd.engine.outputs import RequestOutput
 from cbd.engine.sampling_params import MAX_CANDIDATES, MAX_LOGPROBS, MAX_STOP_STRINGS
 from cbd.errors import EngineStopped, Unimplemented
 from cbd.server import convert, status
+from cbd.server.metrics import Metrics
 from cbd.server.prompts import PromptEncoder
 from cbd_client.v1 import cbd_pb2 as pb
 from cbd_client.v1.cbd_pb2_grpc import CbdServicer as _Base
 
 
 class CbdService(_Base):
-    def __init__(self) -> None:
+    def __init__(self, metrics: Metrics | None = None) -> None:
         self.engine: Engine | None = None  # set once the model is loaded and warm
         self.prompts = PromptEncoder(None)
         self.started_at = time.monotonic()
+        self.metrics = metrics or Metrics()
+        self.metrics.watch_engine(
+            lambda: self.engine.stats() if self.engine else None,
+            lambda: self.engine.num_live_requests if self.engine else 0,
+        )
 
     def attach(self, engine: Engine) -> None:
         self.prompts = PromptEncoder(engine.loaded.tokenizer)
@@ -47,16 +53,23 @@ class CbdService(_Base):
         loop = asyncio.get_running_loop()
         outputs: asyncio.Queue[RequestOutput] = asyncio.Queue()
         request_id = request.request_id or uuid.uuid4().hex
+        arrived = time.monotonic()
         engine.submit(prompt, params, request_id, lambda out: loop.call_soon_threadsafe(outputs.put_nowait, out))
-        finished = False
+        output: RequestOutput | None = None
+        waiting_first_token = True
         try:
-            while not finished:
+            while output is None or not output.finished:
                 output = await outputs.get()
-                finished = output.finished
+                elapsed = time.monotonic() - arrived
+                if waiting_first_token and any(d.token_ids for d in output.candidates):
+                    self.metrics.first_token.observe(elapsed)
+                    waiting_first_token = False
+                self.metrics.observe(output, elapsed)
                 yield convert.response(output)
         finally:
-            if not finished:  # cancelled, deadline passed, or the client went away
+            if output is None or not output.finished:  # cancelled, deadline passed, or the client went away
                 engine.abort(request_id)
+                self.metrics.cancelled(time.monotonic() - arrived)
 
     @status.unary
     async def Tokenize(self, request: pb.TokenizeRequest, context: grpc.aio.ServicerContext) -> pb.TokenizeResponse:  # noqa: N802

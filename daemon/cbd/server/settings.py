@@ -25,10 +25,15 @@ class ServerConfig:
     # Run one short generation before reporting SERVING.
     warmup: bool = True
     log_level: str = "INFO"
+    # Prometheus metrics over HTTP on this port (0: off), bound to metrics_address.
+    metrics_port: int = 0
+    metrics_address: str = "127.0.0.1"
 
     def __post_init__(self) -> None:
         if self.shutdown_grace < 0:
             raise ValueError(f"shutdown_grace must be >= 0, got {self.shutdown_grace}")
+        if not 0 <= self.metrics_port < 65536:
+            raise ValueError(f"metrics_port must be in [0, 65535], got {self.metrics_port}")
         if self.log_level.upper() not in ("DEBUG", "INFO", "WARNING", "ERROR"):
             raise ValueError(f"log_level must be DEBUG, INFO, WARNING or ERROR, got {self.log_level!r}")
 
