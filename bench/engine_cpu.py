@@ -21,6 +21,7 @@ from cbd.config import EngineConfig
 from cbd.engine.engine import Engine
 from cbd.engine.sampling_params import SamplingParams
 
+log = logging.getLogger("bench")
 TOPICS = [
     "the capital of France", "how rainbows form", "a haiku about autumn", "prime numbers", "the water cycle",
     "why the sky is blue", "how to boil an egg", "the moon landing", "photosynthesis", "a short poem about cats",
@@ -40,10 +41,11 @@ def chat_prompts(tokenizer, count: int, topics: list[str] = TOPICS) -> list[list
     return prompts
 
 
-def bench_cbd(engine: Engine, prompts: list[list[int]], new_tokens: int, rounds: int) -> tuple[float, list[list[int]]]:
-    """Median tok/s over rounds; the prefix cache is reset before each, then warmed on another prompt."""
+def bench_cbd(
+    engine: Engine, prompts: list[list[int]], new_tokens: int, rounds: int, warm: list[list[int]]
+) -> tuple[float, list[list[int]]]:
+    """Median tok/s over rounds; the prefix cache is reset before each, then warmed on the `warm` prompts."""
     params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
-    warm = chat_prompts(engine.loaded.tokenizer, 1, topics=["the weather"])
     speeds = []
     for _ in range(rounds):
         engine.reset_prefix_cache()
@@ -55,6 +57,7 @@ def bench_cbd(engine: Engine, prompts: list[list[int]], new_tokens: int, rounds:
         elapsed = time.perf_counter() - start
         outputs = [r.candidates[0].token_ids for r in results]
         speeds.append(sum(map(len, outputs)) / elapsed)
+    log.info("%s rounds: %s", engine.config, ", ".join(f"{x:.1f}" for x in speeds))
     return statistics.median(speeds), outputs
 
 
@@ -96,6 +99,7 @@ def main() -> None:
     parser.add_argument("--skip-generate-batch", action="store_true", help="skip the slowest peer (one round)")
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING)
+    log.setLevel(logging.INFO)
     from transformers import AutoModelForCausalLM
 
     # One engine at a time, each shut down before the next model loads: every thread that runs torch
@@ -104,18 +108,19 @@ def main() -> None:
     tokenizer = engine.loaded.tokenizer
     checkpoint = engine.loaded.checkpoint_dir
     prompts = chat_prompts(tokenizer, args.prompts)
+    warm = chat_prompts(tokenizer, 1, topics=["the weather"])  # a prompt outside the measured set
     rows = []
-    cbd_tps, cbd_out = bench_cbd(engine, prompts, args.new_tokens, args.rounds)
+    cbd_tps, cbd_out = bench_cbd(engine, prompts, args.new_tokens, args.rounds, warm)
     engine.shutdown()
     del engine
     rows.append(("cbd engine", cbd_tps))
     exact = Engine(EngineConfig(device=args.device, cpu_packed_gemm=False))
-    exact_tps, _ = bench_cbd(exact, prompts, args.new_tokens, args.rounds)
+    exact_tps, _ = bench_cbd(exact, prompts, args.new_tokens, args.rounds, warm)
     exact.shutdown()
     del exact
     rows.append(("cbd engine, plain BLAS GEMMs (no packing)", exact_tps))
     no_cache = Engine(EngineConfig(device=args.device, enable_prefix_caching=False))
-    no_cache_tps, _ = bench_cbd(no_cache, prompts, args.new_tokens, args.rounds)
+    no_cache_tps, _ = bench_cbd(no_cache, prompts, args.new_tokens, args.rounds, warm)
     no_cache.shutdown()
     del no_cache
     rows.append(("cbd engine, prefix caching off", no_cache_tps))
