@@ -1,8 +1,8 @@
 """Engine throughput: cbd vs transformers generate_batch vs transformers static-batch generate.
 
-One process, the default model, the same 32 chat prompts and 64 greedy new tokens (EOS ignored) for
-all. Prints tok/s for each (median of --rounds timed rounds; generate_batch, the slowest, runs once)
-and cbd's ratios against each peer.
+The default model, the same 32 chat prompts and 64 greedy new tokens (EOS ignored) for all. Each
+round of each engine runs in a fresh process, in rotating order; prints each engine's median tok/s
+over --rounds rounds (generate_batch, the slowest, runs once) and cbd's ratio against each.
 
     python bench/engine_cpu.py [--prompts 32] [--new-tokens 64] [--rounds 3] [--device cpu]
 """
@@ -10,9 +10,13 @@ and cbd's ratios against each peer.
 from __future__ import annotations
 
 import argparse
+import json
 import logging
+import os
 import platform
 import statistics
+import subprocess
+import sys
 import time
 
 import torch
@@ -57,7 +61,6 @@ def bench_cbd(
         elapsed = time.perf_counter() - start
         outputs = [r.candidates[0].token_ids for r in results]
         speeds.append(sum(map(len, outputs)) / elapsed)
-    log.info("%s rounds: %s", engine.config, ", ".join(f"{x:.1f}" for x in speeds))
     return statistics.median(speeds), outputs
 
 
@@ -90,6 +93,42 @@ def bench_generate_batch(hf, prompts: list[list[int]], new_tokens: int) -> tuple
     return sum(map(len, outputs)) / elapsed, outputs
 
 
+WORKERS = {
+    "cbd": ("cbd engine", dict()),
+    "cbd-blas": ("cbd engine, plain BLAS GEMMs (no packing)", dict(cpu_packed_gemm=False)),
+    "cbd-nocache": ("cbd engine, prefix caching off", dict(enable_prefix_caching=False)),
+    "static": ("transformers generate (static batch)", None),
+    "generate_batch": ("transformers generate_batch", None),
+}
+
+
+def worker(name: str, args: argparse.Namespace) -> dict:
+    """One timed round of one engine, in a process of its own."""
+    from transformers import AutoModelForCausalLM
+
+    from cbd.model.loader import resolve_checkpoint
+
+    checkpoint = resolve_checkpoint(None)
+    if name.startswith("cbd"):
+        engine = Engine(EngineConfig(device=args.device, **WORKERS[name][1]))
+        tokenizer = engine.loaded.tokenizer
+        prompts = chat_prompts(tokenizer, args.prompts)
+        warm = chat_prompts(tokenizer, 1, topics=["the weather"])  # a prompt outside the measured set
+        tps, outputs = bench_cbd(engine, prompts, args.new_tokens, 1, warm)
+        engine.shutdown()
+    else:
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(checkpoint)
+        prompts = chat_prompts(tokenizer, args.prompts)
+        hf = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).to(args.device).eval()
+        if name == "static":
+            tps, outputs = bench_static(hf, tokenizer, prompts, args.new_tokens, args.device, 1)
+        else:
+            tps, outputs = bench_generate_batch(hf, prompts, args.new_tokens)
+    return {"tok_s": tps, "outputs": outputs}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--prompts", type=int, default=32)
@@ -97,50 +136,47 @@ def main() -> None:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--rounds", type=int, default=3, help="timed rounds per engine (median reported)")
     parser.add_argument("--skip-generate-batch", action="store_true", help="skip the slowest peer (one round)")
+    parser.add_argument("--worker", choices=sorted(WORKERS), help=argparse.SUPPRESS)
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING)
     log.setLevel(logging.INFO)
-    from transformers import AutoModelForCausalLM
+    if args.worker:
+        print("RESULT " + json.dumps(worker(args.worker, args)))
+        return
 
-    # One engine at a time, each shut down before the next model loads: every thread that runs torch
-    # work gets its own OpenMP team, and teams that outnumber the cores slow each other down.
-    engine = Engine(EngineConfig(device=args.device))
-    tokenizer = engine.loaded.tokenizer
-    checkpoint = engine.loaded.checkpoint_dir
-    prompts = chat_prompts(tokenizer, args.prompts)
-    warm = chat_prompts(tokenizer, 1, topics=["the weather"])  # a prompt outside the measured set
-    rows = []
-    cbd_tps, cbd_out = bench_cbd(engine, prompts, args.new_tokens, args.rounds, warm)
-    engine.shutdown()
-    del engine
-    rows.append(("cbd engine", cbd_tps))
-    exact = Engine(EngineConfig(device=args.device, cpu_packed_gemm=False))
-    exact_tps, _ = bench_cbd(exact, prompts, args.new_tokens, args.rounds, warm)
-    exact.shutdown()
-    del exact
-    rows.append(("cbd engine, plain BLAS GEMMs (no packing)", exact_tps))
-    no_cache = Engine(EngineConfig(device=args.device, enable_prefix_caching=False))
-    no_cache_tps, _ = bench_cbd(no_cache, prompts, args.new_tokens, args.rounds, warm)
-    no_cache.shutdown()
-    del no_cache
-    rows.append(("cbd engine, prefix caching off", no_cache_tps))
+    # Every round of every engine runs in a fresh process (torch's OpenMP teams, allocator state and
+    # prefix cache start clean), and the order rotates each round so that the machine's drift lands on
+    # all engines alike.
+    names = [n for n in WORKERS if n != "generate_batch"]
+    speeds: dict[str, list[float]] = {n: [] for n in WORKERS}
+    outputs: dict[str, list[list[int]]] = {}
+    passthrough = ["--prompts", str(args.prompts), "--new-tokens", str(args.new_tokens), "--device", args.device]
+    for r in range(args.rounds):
+        order = names[r % len(names) :] + names[: r % len(names)]
+        if r == 0 and not args.skip_generate_batch:
+            order.append("generate_batch")
+        for name in order:
+            done = subprocess.run(
+                [sys.executable, __file__, "--worker", name, *passthrough], capture_output=True, text=True, check=True
+            )
+            result = json.loads(next(x for x in done.stdout.splitlines() if x.startswith("RESULT "))[7:])
+            speeds[name].append(result["tok_s"])
+            outputs.setdefault(name, result["outputs"])
+            log.info("round %d %-14s %.1f tok/s", r, name, result["tok_s"])
 
-    dtype = EngineConfig(device=args.device).torch_dtype()
-    hf = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=dtype).to(args.device).eval()
-    static_tps, static_out = bench_static(hf, tokenizer, prompts, args.new_tokens, args.device, args.rounds)
-    rows.append(("transformers generate (static batch)", static_tps))
-    if not args.skip_generate_batch:
-        gb_tps, _ = bench_generate_batch(hf, prompts, args.new_tokens)
-        rows.append(("transformers generate_batch", gb_tps))
-
-    same = sum(a == b for a, b in zip(cbd_out, static_out))
-    print(f"\nmachine: {platform.machine()} {torch.get_num_threads()} threads, torch {torch.__version__}, "
-          f"device {args.device}; {args.prompts} prompts x {args.new_tokens} greedy new tokens (EOS ignored); "
-          f"median of {args.rounds} rounds (generate_batch: 1 round)")
-    print(f"greedy outputs identical to static generate: {same}/{len(prompts)}")
-    print(f"{'engine':40s} {'tok/s':>10s} {'cbd ratio':>10s}")
-    for name, tps in rows:
-        print(f"{name:40s} {tps:10.1f} {cbd_tps / tps:9.2f}x")
+    cbd_tps = statistics.median(speeds["cbd"])
+    same = sum(a == b for a, b in zip(outputs["cbd"], outputs["static"]))
+    print(f"\nmachine: {platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}, device {args.device}; "
+          f"{args.prompts} prompts x {args.new_tokens} greedy new tokens (EOS ignored)")
+    print(f"each engine: median of {args.rounds} rounds, one fresh process per round, order rotating "
+          f"(generate_batch: 1 round)")
+    print(f"greedy outputs identical to static generate: {same}/{len(outputs['cbd'])}")
+    print(f"{'engine':42s} {'tok/s':>8s} {'cbd ratio':>10s}   rounds")
+    for name, (label, _) in WORKERS.items():
+        if speeds[name]:
+            tps = statistics.median(speeds[name])
+            rounds = ", ".join(f"{x:.1f}" for x in speeds[name])
+            print(f"{label:42s} {tps:8.1f} {cbd_tps / tps:9.2f}x   {rounds}")
 
 
 if __name__ == "__main__":
