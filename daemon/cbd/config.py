@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
+from typing import Any, TypeVar
 
 import torch
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,11 +54,7 @@ class EngineConfig:
 
     @classmethod
     def from_dict(cls, values: dict[str, object]) -> EngineConfig:
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(values) - known)
-        if unknown:
-            raise ValueError(f"unknown engine config keys: {unknown}; known: {sorted(known)}")
-        return cls(**values)  # type: ignore[arg-type]
+        return config_from_dict(cls, values, "engine config")
 
     def torch_device(self) -> torch.device:
         if self.device == "auto":
@@ -66,6 +65,15 @@ class EngineConfig:
         if self.dtype == "auto":
             return torch.float32 if self.torch_device().type == "cpu" else torch.bfloat16
         return _DTYPES[self.dtype]
+
+
+def config_from_dict(cls: type[T], values: dict[str, Any], label: str) -> T:
+    """Build a config dataclass from a mapping; unknown keys are errors, not silently dropped."""
+    known = {f.name for f in fields(cls)}  # type: ignore[arg-type]
+    unknown = sorted(set(values) - known)
+    if unknown:
+        raise ValueError(f"unknown {label} keys: {unknown}; known: {sorted(known)}")
+    return cls(**values)
 
 
 _DTYPES: dict[str, torch.dtype] = {

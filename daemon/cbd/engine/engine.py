@@ -28,7 +28,6 @@ log = logging.getLogger(__name__)
 OutputCallback = Callable[[RequestOutput], None]
 
 
-
 @dataclass(slots=True)
 class Candidate:
     """One finished candidate, as assembled by RequestStream.result()."""
@@ -103,7 +102,6 @@ class Engine:
         self._started.wait()
         if self._start_error is not None:
             raise self._start_error
-        self.started_at = time.monotonic()
 
     @property
     def loaded(self) -> LoadedModel:

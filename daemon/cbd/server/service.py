@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import time
-import uuid
 from collections.abc import AsyncIterator
 
 import grpc
@@ -52,9 +51,10 @@ class CbdService(_Base):
         prompt = self.prompts.encode(request)
         loop = asyncio.get_running_loop()
         outputs: asyncio.Queue[RequestOutput] = asyncio.Queue()
-        request_id = request.request_id or uuid.uuid4().hex
         arrived = time.monotonic()
-        engine.submit(prompt, params, request_id, lambda out: loop.call_soon_threadsafe(outputs.put_nowait, out))
+        request_id = engine.submit(  # makes an id when the caller sent none
+            prompt, params, request.request_id or None, lambda out: loop.call_soon_threadsafe(outputs.put_nowait, out)
+        )
         output: RequestOutput | None = None
         waiting_first_token = True
         try:

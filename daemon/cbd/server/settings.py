@@ -12,7 +12,7 @@ import tomllib
 from dataclasses import MISSING, dataclass, fields
 from typing import Any
 
-from cbd.config import EngineConfig
+from cbd.config import EngineConfig, config_from_dict
 from cbd_client.address import default_address
 
 
@@ -91,12 +91,4 @@ def load_settings(argv: list[str] | None = None) -> tuple[EngineConfig, ServerCo
             flag = getattr(args, f"{section}.{f.name}")
             if flag is not None:
                 values[section][f.name] = _parse(str(f.type), flag)
-    return EngineConfig.from_dict(values["engine"]), _from_dict(ServerConfig, values["server"])
-
-
-def _from_dict(cls: type, values: dict[str, Any]) -> Any:
-    known = {f.name for f in fields(cls)}
-    unknown = sorted(set(values) - known)
-    if unknown:
-        raise ValueError(f"unknown {cls.__name__} keys: {unknown}; known: {sorted(known)}")
-    return cls(**values)
+    return EngineConfig.from_dict(values["engine"]), config_from_dict(ServerConfig, values["server"], "server config")
