@@ -28,7 +28,7 @@ def test_step_respects_token_budget_and_chunks_long_prompts(tiny_loaded) -> None
         plan = core.scheduler.schedule()
         steps.append(plan.num_tokens)
         assert plan.num_tokens <= 16
-        core._process(plan, core.runner.execute(plan))
+        core._complete(core._launch(plan))
     assert steps == [16, 16, 16, 2, 1]  # 50-token prompt in 4 chunks (the last also samples), then a decode
 
 
@@ -59,7 +59,7 @@ def test_fan_out_prefills_once_and_forks(tiny_loaded) -> None:
     request = core.add_request(prompt, SamplingParams(max_tokens=8, temperature=1.0, seed=42, n=4))
     plan = core.scheduler.schedule()
     assert plan.num_tokens == 20 and len(plan.chunks) == 1  # one prefill for all candidates
-    core._process(plan, core.runner.execute(plan))
+    core._complete(core._launch(plan))
     assert len(request.sequences) == 4
     shared = request.sequences[0].block_table[:5]
     assert all(s.block_table[:5] == shared for s in request.sequences)
@@ -175,11 +175,11 @@ def test_requests_sharing_a_prefix_in_one_step_compute_it_once(tiny_loaded) -> N
     b = core.add_request(shared + [50, 51, 52], GREEDY)
     first = core.scheduler.schedule()
     assert [c.seq.request for c in first.chunks] == [a]  # b waits a step for a's blocks
-    core._process(first, core.runner.execute(first))
+    core._complete(core._launch(first))
     second = core.scheduler.schedule()
     chunk_b = next(c for c in second.chunks if c.seq.request is b)
     assert chunk_b.seq.num_computed_tokens == 12 and chunk_b.num_new_tokens == 3
-    core._process(second, core.runner.execute(second))
+    core._complete(core._launch(second))
     while core.has_work():
         core.step()
     assert b.num_cached_prompt_tokens == 12

@@ -31,6 +31,13 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     # CPU fp32 only: pre-pack GEMM weights for oneDNN (faster; logits differ from BLAS in the last bits).
     cpu_packed_gemm: bool = True
+    # Keep one step in flight while the CPU prepares the next: "auto" (on for CUDA, off on CPU) | "on" | "off".
+    overlap: str = "auto"
+    # "auto" (flash-attn if installed and usable, else Triton on CUDA, else torch) | "torch" | "triton" | "flash".
+    attention_backend: str = "auto"
+    # CUDA graphs for decode steps of up to this many sequences (capped by max_num_seqs).
+    cuda_graphs: bool = True
+    cuda_graph_max_batch: int = 256
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
@@ -49,6 +56,14 @@ class EngineConfig:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
         if self.dtype not in _DTYPES:
             raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {self.dtype!r}")
+        if self.overlap not in ("auto", "on", "off"):
+            raise ValueError(f"overlap must be 'auto', 'on' or 'off', got {self.overlap!r}")
+        if self.attention_backend not in ("auto", "torch", "triton", "flash"):
+            raise ValueError(
+                f"attention_backend must be 'auto', 'torch', 'triton' or 'flash', got {self.attention_backend!r}"
+            )
+        if self.cuda_graph_max_batch < 1:
+            raise ValueError(f"cuda_graph_max_batch must be >= 1, got {self.cuda_graph_max_batch}")
         if not (self.device == "auto" or self.device == "cpu" or self.device.startswith("cuda")):
             raise ValueError(f"device must be 'auto', 'cpu' or 'cuda[:N]', got {self.device!r}")
 
@@ -60,6 +75,9 @@ class EngineConfig:
         if self.device == "auto":
             return torch.device("cuda" if torch.cuda.is_available() else "cpu")
         return torch.device(self.device)
+
+    def overlap_enabled(self, device: torch.device) -> bool:
+        return self.overlap == "on" or (self.overlap == "auto" and device.type == "cuda")
 
     def torch_dtype(self) -> torch.dtype:
         if self.dtype == "auto":

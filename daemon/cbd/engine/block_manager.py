@@ -84,10 +84,11 @@ class BlockManager:
         return len(hits) * self.block_size
 
     def commit(self, seq: Sequence) -> None:
-        """Register hashes of seq's blocks that became full and computed."""
+        """Register hashes of seq's blocks that are full, computed (or being computed, in stream order
+        before any later reader) and whose token ids are all known."""
         if not self.enable_prefix_caching:
             return
-        for index in range(seq.num_computed_tokens // self.block_size):
+        for index in range(min(seq.num_computed_tokens, seq.num_known_tokens) // self.block_size):
             block = self.blocks[seq.block_table[index]]
             if block.hash is not None:
                 continue

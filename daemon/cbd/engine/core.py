@@ -1,6 +1,13 @@
-"""EngineCore: the synchronous engine. step() = schedule, run, process outputs. Not thread-safe.
+"""EngineCore: one engine step = schedule, launch on the device, complete (read tokens, emit outputs).
 
-The threaded Engine (engine.py) owns one EngineCore and is the only caller of its mutating methods.
+Sync mode completes each step right after launching it. Overlap mode (the default on CUDA) keeps
+one step in flight: step() schedules and launches step N+1, then waits for step N's tokens and
+processes them, so the CPU work of N+1 (scheduling, packing, staging) and of N (detokenising,
+stop checks, streaming) runs while the GPU computes. Bookkeeping that the next schedule needs
+happens at launch: computed-token counts advance, forks are created, and every sampled sequence
+gets a placeholder token that the device fills in (carry-over). Outputs of a sequence that
+finished or was aborted while a later step was already in flight are discarded, never streamed.
+Not thread-safe: the threaded Engine (engine.py) is the only caller of its mutating methods.
 """
 
 from __future__ import annotations
@@ -13,10 +20,10 @@ from cbd.config import EngineConfig
 from cbd.engine.block_manager import BlockManager
 from cbd.engine.outputs import CandidateDelta, EngineStats, RequestOutput, TokenLogprob, Usage
 from cbd.engine.output_processor import OutputProcessor
-from cbd.engine.runner import ModelRunner, StepResult
+from cbd.engine.runner import InflightStep, ModelRunner, StepResult
 from cbd.engine.sampling_params import SamplingParams
 from cbd.engine.scheduler import Scheduler, StepPlan
-from cbd.engine.sequence import FinishReason, Request, Sequence
+from cbd.engine.sequence import PLACEHOLDER, FinishReason, Request, Sequence
 from cbd.errors import InvalidRequest, UnknownRequest
 from cbd.model.loader import LoadedModel
 
@@ -35,7 +42,12 @@ class EngineCore:
         self.max_model_len = min(config.max_model_len or spec.max_position_embeddings, num_blocks * bs)
         self.block_manager = BlockManager(num_blocks, bs, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
-        self.runner = ModelRunner(loaded.model, num_blocks, bs)
+        self.runner = ModelRunner(
+            loaded.model, num_blocks, bs, self.max_model_len, config.attention_backend,
+            min(config.cuda_graph_max_batch, config.max_num_seqs) if config.cuda_graphs else 0,
+        )  # fmt: skip
+        self.overlap = config.overlap_enabled(self.runner.device)
+        self._inflight: InflightStep | None = None
         self.outputs = OutputProcessor(loaded.tokenizer, loaded.eos_token_ids, self.max_model_len)
         self.requests: dict[str, Request] = {}
         self._seq_ids = itertools.count()
@@ -84,17 +96,30 @@ class EngineCore:
 
     # ---- the step ---------------------------------------------------------------------------
     def has_work(self) -> bool:
-        return self.scheduler.has_work()
+        return self.scheduler.has_work() or self._inflight is not None
+
+    def warm_up(self) -> None:
+        """Capture CUDA graphs and compile kernels; call before serving."""
+        self.runner.warm_up()
 
     def step(self) -> list[RequestOutput]:
-        plan = self.scheduler.schedule()
-        if not plan:
-            return []
-        result = self.runner.execute(plan)
-        self.num_steps += 1
-        return self._process(plan, result)
+        launched = None
+        if self.scheduler.has_work():
+            plan = self.scheduler.schedule()
+            if plan:
+                launched = self._launch(plan)
+        if not self.overlap:
+            return self._complete(launched) if launched is not None else []
+        previous, self._inflight = self._inflight, launched
+        return self._complete(previous) if previous is not None else []
 
     def fail_all(self, reason: FinishReason) -> list[RequestOutput]:
+        if self._inflight is not None:
+            step, self._inflight = self._inflight, None
+            try:
+                self.runner.wait(step)  # let the device finish before its blocks are released
+            except Exception:
+                log.exception("the step in flight failed too")
         return [self._fail(r, reason) for r in list(self.requests.values())]
 
     def stats(self) -> EngineStats:
@@ -112,38 +137,55 @@ class EngineCore:
         )
 
     # ---- internals --------------------------------------------------------------------------
-    def _process(self, plan: StepPlan, result: StepResult) -> list[RequestOutput]:
+    def _launch(self, plan: StepPlan) -> InflightStep:
+        step = self.runner.launch(plan)  # reads the pre-launch state: do the bookkeeping after
+        self.num_steps += 1
         for chunk in plan.chunks:
             seq, request = chunk.seq, chunk.seq.request
             if not request.prompt_cache_recorded and seq.candidate_index == 0:
                 request.num_cached_prompt_tokens = seq.num_computed_tokens
                 request.prompt_cache_recorded = True
             seq.num_computed_tokens += chunk.num_new_tokens
-            self.block_manager.commit(seq)
-        self._fork(result)
+        for i, row in enumerate(step.rows):
+            parent = row.seq
+            if row.candidate_index == parent.candidate_index:
+                target = parent
+            else:  # fork: a sibling sharing the parent's blocks, created before its first token is known
+                target = self._new_sequence(parent.request, row.candidate_index, parent.token_ids[: row.position])
+                target.num_computed_tokens = parent.num_computed_tokens
+                self.block_manager.fork(parent, target)
+                self.scheduler.add_running(target, after=parent.request.sequences[-2])
+                parent.pending_forks -= 1
+            row.target = target
+            target.token_ids.append(PLACEHOLDER)
+            target.num_placeholders += 1
+            target.pending_row = i
+            target.final_in_flight = self.outputs.reaches_length_limit(target)
+        return step
+
+    def _complete(self, step: InflightStep) -> list[RequestOutput]:
+        result = self.runner.wait(step)
+        live = [(i, row) for i, row in enumerate(result.rows) if not row.target.is_finished]  # type: ignore[union-attr]
+        for i, row in live:
+            seq = row.target
+            seq.token_ids[row.position] = result.token_ids[i]  # type: ignore[union-attr]
+            seq.num_placeholders -= 1  # type: ignore[union-attr]
+        for chunk in step.plan.chunks:
+            if not chunk.seq.is_finished:
+                self.block_manager.commit(chunk.seq)
         deltas: dict[str, list[CandidateDelta]] = {}
-        for i, row in enumerate(result.rows):
-            seq = next(s for s in row.seq.request.sequences if s.candidate_index == row.candidate_index)
-            delta = self.outputs.on_token(seq, result.token_ids[i], _logprob(result, i))
+        for i, row in live:
+            seq = row.target
+            assert seq is not None
+            delta = self.outputs.on_token(seq, row.position, _logprob(result, i))
             self.num_generated_tokens += 1
             if delta.finish_reason is not None:
+                del seq.token_ids[row.position + 1 :]  # a token already in flight for it is dropped
+                seq.num_placeholders = 0
                 self.scheduler.finish(seq)
                 delta.usage = self._usage(seq.request, seq.num_output_tokens)
             deltas.setdefault(seq.request.request_id, []).append(delta)
         return [self._output(self.requests[rid], ds) for rid, ds in deltas.items()]
-
-    def _fork(self, result: StepResult) -> None:
-        """Create the n - 1 siblings of every parent that sampled its first token this step."""
-        for row in result.rows:
-            parent = row.seq
-            if row.candidate_index == parent.candidate_index:
-                continue
-            child = self._new_sequence(parent.request, row.candidate_index, list(parent.token_ids))
-            child.num_computed_tokens = parent.num_computed_tokens
-            self.block_manager.fork(parent, child)
-            after = parent.request.sequences[-2]  # the previous candidate, already running
-            self.scheduler.add_running(child, after=after)
-            parent.pending_forks -= 1
 
     def _new_sequence(self, request: Request, candidate: int, token_ids: list[int]) -> Sequence:
         seq = Sequence(next(self._seq_ids), request, candidate, token_ids, len(request.prompt_token_ids))
@@ -155,6 +197,7 @@ class EngineCore:
         deltas = []
         for seq in request.sequences:
             if not seq.is_finished:
+                seq.drop_placeholders()
                 self.scheduler.finish(seq)
                 seq.finish_reason = reason
                 usage = self._usage(request, seq.num_output_tokens)

@@ -186,6 +186,7 @@ class Engine:
                     c.model, c.cache_dir, c.torch_device(), c.torch_dtype(), pack_cpu_gemm=c.cpu_packed_gemm
                 )
             self.core = EngineCore(loaded, self.config)
+            self.core.warm_up()  # CUDA graphs are captured before the engine reports started
             self._stats = self.core.stats()
         except BaseException as exc:  # handed to the constructor, which re-raises it
             self._start_error = exc

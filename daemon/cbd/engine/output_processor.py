@@ -22,6 +22,10 @@ class OutputProcessor:
         self.eos_token_ids = frozenset(eos_token_ids)
         self.max_model_len = max_model_len
 
+    def reaches_length_limit(self, seq: Sequence) -> bool:
+        """Whether seq's newest token (known or in flight) is its last one by max_tokens or context."""
+        return seq.num_output_tokens >= seq.request.params.max_tokens or seq.num_tokens >= self.max_model_len
+
     def attach(self, seq: Sequence) -> None:
         params = seq.request.params
         detok = None
@@ -29,11 +33,11 @@ class OutputProcessor:
             detok = IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens)
         seq.output_state = _CandidateText(detok, StopStringMatcher(params.stop))
 
-    def on_token(self, seq: Sequence, token_id: int, logprob: TokenLogprob | None) -> CandidateDelta:
-        """Append token_id to seq and describe what changed; sets seq.finish_reason when it ends."""
+    def on_token(self, seq: Sequence, position: int, logprob: TokenLogprob | None) -> CandidateDelta:
+        """Describe the token now at seq.token_ids[position]; sets seq.finish_reason when it ends."""
         params = seq.request.params
         state: _CandidateText = seq.output_state
-        seq.token_ids.append(token_id)
+        token_id = seq.token_ids[position]
         text, hit = "", False
         reason: FinishReason | None = None
         if token_id in params.stop_token_ids or (not params.ignore_eos and token_id in self.eos_token_ids):
@@ -43,7 +47,7 @@ class OutputProcessor:
             if hit:
                 reason = FinishReason.STOP
         if reason is None and (
-            seq.num_output_tokens >= params.max_tokens or seq.num_tokens >= self.max_model_len
+            position + 1 - seq.num_prompt_tokens >= params.max_tokens or position + 1 >= self.max_model_len
         ):
             reason = FinishReason.LENGTH
         if reason is not None and not hit:

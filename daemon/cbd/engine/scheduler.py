@@ -69,6 +69,9 @@ class Scheduler:
         index = 0
         while index < len(self.running) and budget > 0:
             seq = self.running[index]
+            if seq.final_in_flight:
+                index += 1  # its last token is being sampled: nothing left to compute
+                continue
             num_new = min(seq.num_uncomputed, budget)
             while not bm.can_append(seq, num_new):
                 victim = self.running.pop()
@@ -98,8 +101,8 @@ class Scheduler:
         deferred: list[Sequence] = []
         while self.waiting and budget > 0:
             seq = self.waiting[0]
-            if seats + seq.seats > self.max_num_seqs:
-                break
+            if seats + seq.seats > self.max_num_seqs or seq.num_placeholders:
+                break  # no seat, or (preempted while a step samples its token) the token is not known yet
             if not seq.block_table and inflight:
                 first = bm.cacheable_hashes(seq, min(seq.num_tokens - 1, bm.block_size))
                 if first and first[0] in inflight and not bm.is_cached(first[0]):

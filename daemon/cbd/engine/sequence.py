@@ -6,6 +6,11 @@ it into n sequences that share the prompt's KV blocks.
 
 Invariant: `num_computed_tokens <= len(token_ids)`; tokens past `num_computed_tokens` have no KV yet.
 A decoding sequence has exactly one uncomputed token (the one sampled last step).
+
+Overlap: when a step that samples a sequence's next token is launched, a PLACEHOLDER is appended
+at once (`num_placeholders` counts them, `pending_row` is its sampling row in that step), so the
+next step can be scheduled before the token is known; the token replaces the placeholder when
+the step completes.
 """
 
 from __future__ import annotations
@@ -16,6 +21,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from cbd.engine.sampling_params import SamplingParams
+
+
+PLACEHOLDER = -1  # a token id still being sampled on the device
 
 
 class SequenceStatus(enum.Enum):
@@ -44,6 +52,9 @@ class Sequence:
     # Chained hashes of this sequence's full blocks, computed lazily; index i covers block i.
     block_hashes: list[int] = field(default_factory=list)
     pending_forks: int = 0
+    num_placeholders: int = 0  # trailing tokens still being sampled by a step in flight
+    pending_row: int = -1  # sampling row of the newest placeholder in the step that samples it
+    final_in_flight: bool = False  # the token in flight is its last (length limit): schedule no more
     finish_reason: FinishReason | None = None
     # Output-side state owned by the engine's output processor (detokenizer, stop matcher).
     output_state: Any = None
@@ -55,6 +66,15 @@ class Sequence:
     @property
     def num_uncomputed(self) -> int:
         return len(self.token_ids) - self.num_computed_tokens
+
+    @property
+    def num_known_tokens(self) -> int:
+        return len(self.token_ids) - self.num_placeholders
+
+    def drop_placeholders(self) -> None:
+        if self.num_placeholders:
+            del self.token_ids[-self.num_placeholders :]
+            self.num_placeholders = 0
 
     @property
     def num_output_tokens(self) -> int:

@@ -17,8 +17,58 @@ import torch.nn.functional as F
 
 
 @dataclass(slots=True)
+class BatchLayout:
+    """One step's attention work, independent of the kernel that does it (tensors on the KV device).
+
+    Sequence b owns packed query rows `query_start[b]:query_start[b + 1]`, the last tokens of its
+    `context_lens[b]` positions. `max_query_len`/`max_context_len` are host-side bounds (kernels size
+    grids and padded shapes with them without a device sync).
+    """
+
+    slot_mapping: torch.Tensor  # [T] int64: KV slot each new token is written to
+    query_start: torch.Tensor  # [B + 1] int64
+    context_lens: torch.Tensor  # [B] int64
+    block_tables: torch.Tensor  # [B, W] int64 (unused tail entries are arbitrary)
+    max_query_len: int
+    max_context_len: int
+
+
+def layout_from_lists(
+    query_lens: list[int],
+    context_lens: list[int],
+    block_tables: list[list[int]],
+    block_size: int,
+    device: torch.device | str = "cpu",
+) -> BatchLayout:
+    """Build a layout from per-sequence lists (tests and tools; the runner stages its own)."""
+    if any(q < 1 or q > c for q, c in zip(query_lens, context_lens)):
+        raise ValueError("every sequence needs 1 <= query_len <= context_len")
+    if any(len(t) * block_size < c for t, c in zip(block_tables, context_lens)):
+        raise ValueError("block tables do not cover the context")
+    width = max(len(t) for t in block_tables)
+    tables = torch.zeros(len(block_tables), width, dtype=torch.int64)
+    for row, table in enumerate(block_tables):
+        tables[row, : len(table)] = torch.tensor(table, dtype=torch.int64)
+    q_lens = torch.tensor(query_lens, dtype=torch.int64)
+    ctx = torch.tensor(context_lens, dtype=torch.int64)
+    starts = torch.zeros(len(query_lens) + 1, dtype=torch.int64)
+    starts[1:] = torch.cumsum(q_lens, 0)
+    seq_of_row = torch.repeat_interleave(torch.arange(len(query_lens)), q_lens)
+    pos = torch.arange(int(starts[-1])) - starts[seq_of_row] + (ctx - q_lens)[seq_of_row]
+    slots = tables[seq_of_row, pos // block_size] * block_size + pos % block_size
+    return BatchLayout(
+        slot_mapping=slots.to(device),
+        query_start=starts.to(device),
+        context_lens=ctx.to(device),
+        block_tables=tables.to(device),
+        max_query_len=max(query_lens),
+        max_context_len=max(context_lens),
+    )
+
+
+@dataclass(slots=True)
 class AttentionMetadata:
-    """Where each new token's K/V goes and which keys each query sees; built once a step, shared by all layers."""
+    """The torch reference's view of a step: padded query/key index grids and a boolean mask."""
 
     slot_mapping: torch.Tensor  # [T] int64: KV slot each new token is written to
     query_index: torch.Tensor  # [B, Qmax] int64: packed row of each padded query (padding repeats a valid row)
@@ -30,6 +80,35 @@ class AttentionMetadata:
     def num_tokens(self) -> int:
         return self.slot_mapping.shape[0]
 
+    def attend(self, q: torch.Tensor, kv_cache: torch.Tensor, scale: float) -> torch.Tensor:
+        return paged_attention(q, kv_cache, self, scale)
+
+
+def reference_metadata(layout: BatchLayout, block_size: int, sliding_window: int | None = None) -> AttentionMetadata:
+    """Vectorised on the layout's device (no host sync: the bounds come from the layout)."""
+    device = layout.context_lens.device
+    starts = layout.query_start
+    q_lens, ctx_lens = starts[1:] - starts[:-1], layout.context_lens
+    q_max, k_max = layout.max_query_len, layout.max_context_len
+    num_seqs = ctx_lens.shape[0]
+    tables = layout.block_tables
+
+    key_pos = torch.arange(k_max, device=device)  # [Kmax]
+    key_slots = tables[:, key_pos // block_size] * block_size + key_pos % block_size  # [B, Kmax]
+    key_slots = torch.where(key_pos[None, :] < ctx_lens[:, None], key_slots, 0)
+
+    q_off = torch.arange(q_max, device=device)  # [Qmax]
+    q_pos = (ctx_lens - q_lens)[:, None] + torch.minimum(q_off[None, :], q_lens[:, None] - 1)  # [B, Qmax]
+    mask = key_pos[None, None, :] <= q_pos[:, :, None]  # [B, Qmax, Kmax]; implies key < context_len
+    if sliding_window is not None:
+        mask &= key_pos[None, None, :] > q_pos[:, :, None] - sliding_window
+
+    query_index = starts[:-1, None] + torch.minimum(q_off[None, :], q_lens[:, None] - 1)
+    num_tokens = layout.slot_mapping.shape[0]
+    seq_of_row = torch.repeat_interleave(torch.arange(num_seqs, device=device), q_lens, output_size=num_tokens)
+    output_index = seq_of_row * q_max + torch.arange(num_tokens, device=device) - starts[seq_of_row]  # [T]
+    return AttentionMetadata(layout.slot_mapping, query_index, output_index, key_slots, mask[:, None])
+
 
 def build_metadata(
     query_lens: list[int],
@@ -39,44 +118,9 @@ def build_metadata(
     sliding_window: int | None = None,
     device: torch.device | str = "cpu",
 ) -> AttentionMetadata:
-    """Vectorised construction from per-sequence lists (host side); the result lives on `device`."""
-    num_seqs = len(query_lens)
-    q_lens = torch.tensor(query_lens, dtype=torch.int64)
-    ctx_lens = torch.tensor(context_lens, dtype=torch.int64)
-    if bool((q_lens < 1).any()) or bool((q_lens > ctx_lens).any()):
-        raise ValueError("every sequence needs 1 <= query_len <= context_len")
-    q_max, k_max = int(q_lens.max()), int(ctx_lens.max())
-    width = max(len(t) for t in block_tables)
-    if width * block_size < k_max:
-        raise ValueError("block tables do not cover the context")
-    tables = torch.zeros(num_seqs, width, dtype=torch.int64)
-    for row, table in enumerate(block_tables):
-        tables[row, : len(table)] = torch.tensor(table, dtype=torch.int64)
-
-    key_pos = torch.arange(k_max)  # [Kmax]
-    key_slots = tables[:, key_pos // block_size] * block_size + key_pos % block_size  # [B, Kmax]
-    key_slots = torch.where(key_pos[None, :] < ctx_lens[:, None], key_slots, 0)
-
-    q_off = torch.arange(q_max)  # [Qmax]
-    q_valid = q_off[None, :] < q_lens[:, None]  # [B, Qmax]
-    q_pos = (ctx_lens - q_lens)[:, None] + torch.minimum(q_off[None, :], q_lens[:, None] - 1)  # [B, Qmax]
-    mask = key_pos[None, None, :] <= q_pos[:, :, None]  # [B, Qmax, Kmax]; implies key < context_len
-    if sliding_window is not None:
-        mask &= key_pos[None, None, :] > q_pos[:, :, None] - sliding_window
-
-    starts = torch.cumsum(q_lens, 0) - q_lens  # [B]
-    query_index = starts[:, None] + torch.minimum(q_off[None, :], q_lens[:, None] - 1)
-    output_index = (torch.arange(num_seqs)[:, None] * q_max + q_off[None, :])[q_valid]  # [T]
-    new_slots = tables.gather(1, q_pos // block_size) * block_size + q_pos % block_size
-    slot_mapping = new_slots[q_valid]
-
-    return AttentionMetadata(
-        slot_mapping=slot_mapping.to(device),
-        query_index=query_index.to(device),
-        output_index=output_index.to(device),
-        key_slots=key_slots.to(device),
-        mask=mask[:, None].to(device),
-    )
+    """Reference metadata straight from per-sequence lists."""
+    layout = layout_from_lists(query_lens, context_lens, block_tables, block_size, device)
+    return reference_metadata(layout, block_size, sliding_window)
 
 
 def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:

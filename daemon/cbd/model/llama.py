@@ -7,10 +7,9 @@ Projections are fused (q|k|v and gate|up) so each layer runs four GEMMs.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from cbd.model.attention import AttentionMetadata, paged_attention, write_kv
+from cbd.model import ops
 from cbd.model.spec import ModelSpec
 
 
@@ -20,20 +19,9 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dtype == torch.float32:  # one fused kernel; bit-identical to the unfused form in fp32
-            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
-        # Normalise in fp32 and cast back before the weight, as transformers does.
-        h = x.to(torch.float32)
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * h.to(x.dtype)
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: [T, heads, D]; cos, sin: [T, 1, D] (the half-split layout of HF checkpoints)."""
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Returns (norm(x + residual), x + residual); one fused kernel on CUDA."""
+        return ops.rms_norm(x, self.weight, self.eps, residual)
 
 
 class Attention(nn.Module):
@@ -49,26 +37,23 @@ class Attention(nn.Module):
     def forward(
         self,
         x: torch.Tensor,  # [T, hidden]
-        cos: torch.Tensor,
-        sin: torch.Tensor,
+        positions: torch.Tensor,  # [T]
+        cos_table: torch.Tensor,  # [P, D] fp32
+        sin_table: torch.Tensor,
         kv_cache: torch.Tensor,  # [S, 2, Hkv, D]
-        meta: AttentionMetadata,
+        meta,  # backend metadata: .slot_mapping, .attend(q, kv_cache, scale)
     ) -> torch.Tensor:
         s = self.spec
         qkv = self.qkv_proj(x)  # [T, q | k | v]
         num_tokens = qkv.shape[0]
-        if self.q_norm is not None and self.k_norm is not None:
-            q, k = qkv[:, : s.q_size], qkv[:, s.q_size : s.q_size + s.kv_size]
-            q = self.q_norm(q.reshape(num_tokens, s.num_heads, s.head_dim))
-            k = self.k_norm(k.reshape(num_tokens, s.num_kv_heads, s.head_dim))
-            qk = torch.cat((q, k), dim=1)
-        else:
-            qk = qkv[:, : s.q_size + s.kv_size].view(num_tokens, s.num_heads + s.num_kv_heads, s.head_dim)
-        qk = apply_rope(qk, cos, sin)  # q and k heads rotated together: half the elementwise launches
-        q, k = qk[:, : s.num_heads], qk[:, s.num_heads :]
+        q = qkv[:, : s.q_size].view(num_tokens, s.num_heads, s.head_dim)
+        k = qkv[:, s.q_size : s.q_size + s.kv_size].view(num_tokens, s.num_kv_heads, s.head_dim)
         v = qkv[:, s.q_size + s.kv_size :].view(num_tokens, s.num_kv_heads, s.head_dim)
-        write_kv(kv_cache, k, v, meta.slot_mapping)
-        out = paged_attention(q, kv_cache, meta, self.scale)
+        if self.q_norm is not None and self.k_norm is not None:
+            q = self.q_norm(q.reshape(-1, s.head_dim))[0].view(num_tokens, s.num_heads, s.head_dim)
+            k = self.k_norm(k.reshape(-1, s.head_dim))[0].view(num_tokens, s.num_kv_heads, s.head_dim)
+        q = ops.rope_and_write_kv(q, k, v, positions, cos_table, sin_table, kv_cache, meta.slot_mapping)
+        out = meta.attend(q, kv_cache, self.scale)
         return self.o_proj(out.reshape(-1, s.q_size))
 
 
@@ -79,8 +64,7 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(spec.intermediate_size, spec.hidden_size, bias=spec.mlp_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(ops.silu_mul(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
@@ -91,9 +75,12 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
         self.mlp = MLP(spec)
 
-    def forward(self, x, cos, sin, kv_cache, meta):  # type: ignore[no-untyped-def]
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv_cache, meta)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x, residual, positions, cos_table, sin_table, kv_cache, meta):  # type: ignore[no-untyped-def]
+        """x: this layer's input delta; residual: the running sum (None before the first layer)."""
+        h, residual = self.input_layernorm(x, residual)
+        h = self.self_attn(h, positions, cos_table, sin_table, kv_cache, meta)
+        h, residual = self.post_attention_layernorm(h, residual)
+        return self.mlp(h), residual
 
 
 class CausalLM(nn.Module):
@@ -123,13 +110,11 @@ class CausalLM(nn.Module):
         input_ids: torch.Tensor,  # [T]
         positions: torch.Tensor,  # [T]
         kv_caches: torch.Tensor,  # [L, S, 2, Hkv, D]
-        meta: AttentionMetadata,
+        meta,  # attention backend metadata for this step
         logits_indices: torch.Tensor,  # [N] rows whose next-token logits are wanted
     ) -> torch.Tensor:  # [N, vocab] fp32
-        x = self.embed_tokens(input_ids)
-        cos = self.cos_table[positions].to(x.dtype)[:, None, :]
-        sin = self.sin_table[positions].to(x.dtype)[:, None, :]
+        x, residual = self.embed_tokens(input_ids), None
         for layer, kv_cache in zip(self.layers, kv_caches):
-            x = layer(x, cos, sin, kv_cache, meta)
-        x = self.norm(x[logits_indices])
+            x, residual = layer(x, residual, positions, self.cos_table, self.sin_table, kv_cache, meta)
+        x, _ = self.norm(x[logits_indices], residual[logits_indices])
         return self.lm_head(x).float()
