@@ -146,6 +146,9 @@ class EngineCore:
                 request.num_cached_prompt_tokens = seq.num_computed_tokens
                 request.prompt_cache_recorded = True
             seq.num_computed_tokens += chunk.num_new_tokens
+            # Blocks whose tokens are all known can be shared at once: any later reader runs after
+            # this step on the compute stream, so it sees their KV.
+            self.block_manager.commit(seq)
         for i, row in enumerate(step.rows):
             parent = row.seq
             if row.candidate_index == parent.candidate_index:
