@@ -84,7 +84,7 @@ def test_decode_graph_replay_equals_eager_forward(tiny_checkpoint) -> None:
         bucket = graphs.bucket(batch)
         graphs.ids[:bucket] = torch.randint(0, 256, (bucket,), device="cuda")
         graphs.context_lens[:bucket] = torch.randint(1, 60, (bucket,), device="cuda")
-        graphs.block_tables[:bucket, :4] = torch.randint(0, 200, (bucket, 4), device="cuda")
+        graphs.block_tables[:bucket, :4] = torch.randperm(200, device="cuda")[: bucket * 4].view(bucket, 4)
         graph, logits = graphs.graphs[bucket]
         with torch.inference_mode():
             with torch.cuda.stream(graphs.stream):

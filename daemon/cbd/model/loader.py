@@ -23,7 +23,7 @@ import torch
 from cbd.model.llama import CausalLM
 from cbd.model.packed_linear import pack_linears, packing_available
 from cbd.model.spec import ModelSpec, rope_inv_freq, spec_from_hf_config
-from cbd.model.weights import load_weights
+from cbd.model.weights import copy_weights, load_weights
 
 log = logging.getLogger(__name__)
 
@@ -151,6 +151,24 @@ def load_model(
         checkpoint_dir=directory,
         name=display_name(model),
     )
+
+
+def model_from_hf(hf_model: Any, device: torch.device | str, dtype: torch.dtype, max_positions: int | None = None) -> LoadedModel:
+    """Build the engine's model from a live transformers model (benchmarks and tests; no tokenizer)."""
+    hf_config = hf_model.config
+    spec = spec_from_hf_config(hf_config)
+    with torch.device("meta"):
+        net = CausalLM(spec)
+    net = net.to_empty(device=device).to(dtype)
+    if spec.tie_word_embeddings:
+        net.lm_head.weight = net.embed_tokens.weight
+    copy_weights(net, hf_model.state_dict().items())
+    inv_freq, scale = rope_inv_freq(hf_config, spec)
+    net.set_rope(inv_freq, scale, max_positions or spec.max_position_embeddings)
+    net.eval()
+    eos = hf_config.eos_token_id
+    eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
+    return LoadedModel(net, spec, hf_config, None, eos_ids, Path("."), type(hf_model).__name__)
 
 
 def _load_tokenizer(directory: Path) -> Any | None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 import torch
@@ -36,6 +37,18 @@ def checkpoint_files(directory: Path) -> list[Path]:
 
 def load_weights(model: CausalLM, directory: Path) -> None:
     """Fill every parameter of `model` from the checkpoint; unknown or missing tensors are errors."""
+
+    def tensors() -> Iterator[tuple[str, torch.Tensor]]:
+        for path in checkpoint_files(directory):
+            with safe_open(str(path), framework="pt", device="cpu") as f:
+                for name in f.keys():
+                    yield name, f.get_tensor(name)
+
+    copy_weights(model, tensors())
+
+
+def copy_weights(model: CausalLM, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+    """Fill every parameter of `model` from HF-named tensors (a checkpoint's, or a live model's state)."""
     spec = model.spec
     params = dict(model.named_parameters(remove_duplicate=False))
     shard_sizes = {
@@ -43,21 +56,18 @@ def load_weights(model: CausalLM, directory: Path) -> None:
         "mlp.gate_up_proj": [spec.intermediate_size, spec.intermediate_size],
     }
     filled: set[str] = set()
-    for path in checkpoint_files(directory):
-        with safe_open(str(path), framework="pt", device="cpu") as f:
-            for name in f.keys():
-                if _IGNORED.match(name):
-                    continue
-                target, rows = _target(name, shard_sizes)
-                if target not in params:
-                    raise ValueError(f"checkpoint tensor {name!r} has no place in the {spec.model_type} model")
-                param = params[target]
-                dest = param.data if rows is None else param.data[rows[0] : rows[1]]
-                tensor = f.get_tensor(name)
-                if tuple(tensor.shape) != tuple(dest.shape):
-                    raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)} != expected {tuple(dest.shape)}")
-                dest.copy_(tensor.to(dtype=dest.dtype))
-                filled.add(target if rows is None else f"{target}[{rows[0]}]")
+    for name, tensor in named_tensors:
+        if _IGNORED.match(name) or (spec.tie_word_embeddings and name == "lm_head.weight"):
+            continue
+        target, rows = _target(name, shard_sizes)
+        if target not in params:
+            raise ValueError(f"checkpoint tensor {name!r} has no place in the {spec.model_type} model")
+        param = params[target]
+        dest = param.data if rows is None else param.data[rows[0] : rows[1]]
+        if tuple(tensor.shape) != tuple(dest.shape):
+            raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)} != expected {tuple(dest.shape)}")
+        dest.copy_(tensor.to(dtype=dest.dtype))
+        filled.add(target if rows is None else f"{target}[{rows[0]}]")
     if spec.tie_word_embeddings:
         filled.add("lm_head.weight")
     missing = [n for n in _expected_keys(params, shard_sizes) if n not in filled]
