@@ -49,3 +49,16 @@ def test_unsupported_architecture_is_refused_by_name(tmp_path) -> None:
 def test_missing_model_path_is_a_clear_error(tmp_path) -> None:
     with pytest.raises(FileNotFoundError, match="neither a checkpoint directory nor a .gguf file"):
         load_model(str(tmp_path / "nope"))
+
+
+def test_model_from_live_hf_model_equals_checkpoint_load(tiny_checkpoint) -> None:
+    from transformers import AutoModelForCausalLM
+
+    from cbd.model.loader import load_model, model_from_hf
+
+    directory = tiny_checkpoint("qwen2")
+    hf = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32)
+    live = model_from_hf(hf, "cpu", torch.float32)
+    saved = load_model(str(directory))
+    for (name, a), (_, b) in zip(live.model.state_dict().items(), saved.model.state_dict().items()):
+        assert torch.equal(a, b), name
