@@ -99,6 +99,7 @@ def run_cbd(core: EngineCore, prompts: list[list[int]], new_tokens: int, profile
             torch.cuda.synchronize()
             prof.__exit__(None, None, None)
             busy = busy_fraction(prof)
+            _dump_profile(prof, f"profile_cbd_{'async' if core.overlap else 'sync'}.txt")
     torch.cuda.synchronize()
     end = time.perf_counter()
     assert decode_from is not None and core.block_manager.num_used_blocks == 0
@@ -117,6 +118,12 @@ def _profiler():  # type: ignore[no-untyped-def]
     from torch.profiler import ProfilerActivity, profile
 
     return profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA])
+
+
+def _dump_profile(prof, name: str) -> None:  # type: ignore[no-untyped-def]
+    table = prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=30, max_name_column_width=70)
+    with open(os.path.join(OUT, name), "w") as f:
+        f.write(table)
 
 
 def busy_fraction(prof, tail: float = 1.0) -> float:  # type: ignore[no-untyped-def]
@@ -156,14 +163,17 @@ def varlen_paged_attention(module, query, key, value, attention_mask, scaling=No
     if not _seen_kwargs:
         _seen_kwargs.extend(sorted(kwargs))
     cache = kwargs.pop("cache", None)
-    if cache is not None:
+    if cache is not None:  # write the new K/V into the paged cache, read back each sequence's whole K/V
         params = inspect.signature(cache.update).parameters
         if "kwargs" in params and params["kwargs"].kind is inspect.Parameter.POSITIONAL_OR_KEYWORD:
             key, value = cache.update(key, value, module.layer_idx, kwargs)
-        else:
+        elif any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
             key, value = cache.update(key, value, module.layer_idx, **kwargs)
+        else:
+            key, value = cache.update(key, value, module.layer_idx, **{k: v for k, v in kwargs.items() if k in params})
     cu_q, cu_k = kwargs["cu_seq_lens_q"], kwargs["cu_seq_lens_k"]
-    max_q, max_k = kwargs["max_length_q"], kwargs["max_length_k"]
+    max_q = kwargs.get("max_seqlen_q", kwargs.get("max_length_q"))
+    max_k = kwargs.get("max_seqlen_k", kwargs.get("max_length_k"))
     if isinstance(cu_k, dict):
         cu_k, max_k = cu_k["full_attention"], max_k["full_attention"]
     q = query.transpose(1, 2).squeeze(0)  # [T, H, D]
@@ -207,6 +217,7 @@ def run_hf(hf, prompts: list[list[int]], new_tokens: int, use_async: bool, profi
     end = time.perf_counter()
     if prof is not None:
         prof.__exit__(None, None, None)
+        _dump_profile(prof, f"profile_hf_{'async' if use_async else 'sync'}.txt")
         return {"busy": busy_fraction(prof, tail=0.5)}
     generated = sum(len(o.generated_tokens) for o in outputs.values())
     per_request = []

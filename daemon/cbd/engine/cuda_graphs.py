@@ -57,9 +57,10 @@ class DecodeGraphs:
         self.pool = None
 
     def bucket(self, num_seqs: int) -> int | None:
+        """The captured graph for num_seqs sequences, or None (not captured yet, or too large: run eagerly)."""
         for b in self.buckets:
             if b >= num_seqs:
-                return b
+                return b if b in self.graphs else None
         return None
 
     def _forward(self, batch: int) -> torch.Tensor:

@@ -29,10 +29,13 @@ class PackedStep:
     float_fields: dict[str, tuple[int, int]] = field(default_factory=dict)
 
     def add(self, name: str, values: list[int]) -> None:
+        if len(self.ints) % 2:
+            self.ints.append(0)  # 16-byte aligned views: kernels see one alignment, so compile once
         self.int_fields[name] = (len(self.ints), len(values))
         self.ints += values
 
     def add_float(self, name: str, values: list[float]) -> None:
+        self.floats += [0.0] * (-len(self.floats) % 4)
         self.float_fields[name] = (len(self.floats), len(values))
         self.floats += values
 

@@ -19,7 +19,7 @@ import triton
 import triton.language as tl
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["sbt_b"])  # the table width changes from step to step
 def _decode_kernel(
     Q, KV, BT, CTX, O_PART, LSE_PART, OUT, scale,
     sq_t, sq_h, skv_s, skv_kv, skv_h, sbt_b, sop_b, sop_h, sop_s, sl_b, sl_h, so_t, so_h,
@@ -153,7 +153,7 @@ def decode(
     return out
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["sbt_b"])
 def _extend_kernel(
     Q, KV, BT, QSTART, CTX, OUT, scale,
     sq_t, sq_h, skv_s, skv_kv, skv_h, sbt_b, so_t, so_h,

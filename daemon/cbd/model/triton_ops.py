@@ -1,8 +1,8 @@
 """Fused elementwise kernels for CUDA (Triton): one launch where the torch form needs several.
 
-Each kernel reproduces the rounding of the unfused bf16/fp16 torch form that transformers runs
-(intermediates rounded to the activation dtype where transformers rounds them), so fused and
-unfused agree bit for bit in most positions; `ops.py` falls back to torch where Triton is absent.
+Each kernel rounds intermediates to the activation dtype where the unfused bf16/fp16 torch form
+that transformers runs rounds them, so fused and unfused agree to within one unit in the last
+place; `ops.py` falls back to torch where Triton is absent.
 """
 
 from __future__ import annotations
