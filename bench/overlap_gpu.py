@@ -88,6 +88,8 @@ def run_cbd(core: EngineCore, prompts: list[list[int]], new_tokens: int, profile
             prof = _profiler()
             prof.__enter__()
             prof_start = len(stamps)
+        if not profile_steps and decode_from is not None and core.runner.step_events is None:
+            core.runner.step_events = []  # bracket every decode step's device work with CUDA events
         outputs = core.step()
         stamps.append(time.perf_counter())
         generated += sum(len(d.token_ids) for o in outputs for d in o.candidates)
@@ -105,12 +107,17 @@ def run_cbd(core: EngineCore, prompts: list[list[int]], new_tokens: int, profile
     assert decode_from is not None and core.block_manager.num_used_blocks == 0
     if profile_steps:
         return {"busy": busy}
+    events, core.runner.step_events = core.runner.step_events or [], None
+    events = events[4:-4]  # steady decode steps only
+    device_ms = sum(a.elapsed_time(b) for a, b in events)
+    span_ms = events[0][0].elapsed_time(events[-1][1])
     steady = stamps[decode_from + 4 :]
     return {
         "ms_step": 1000 * (steady[-1] - steady[0]) / (len(steady) - 1),
         "tok_s": generated / (end - start),
         "e2e": end - start,
         "generated": generated,
+        "stream_busy": device_ms / span_ms,
     }
 
 
@@ -162,6 +169,7 @@ def varlen_paged_attention(module, query, key, value, attention_mask, scaling=No
 
     if not _seen_kwargs:
         _seen_kwargs.extend(sorted(kwargs))
+        _seen_kwargs.append("-")
     cache = kwargs.pop("cache", None)
     if cache is not None:  # write the new K/V into the paged cache, read back each sequence's whole K/V
         params = inspect.signature(cache.update).parameters
@@ -176,9 +184,16 @@ def varlen_paged_attention(module, query, key, value, attention_mask, scaling=No
     max_k = kwargs.get("max_seqlen_k", kwargs.get("max_length_k"))
     if isinstance(cu_k, dict):
         cu_k, max_k = cu_k["full_attention"], max_k["full_attention"]
-    q = query.transpose(1, 2).squeeze(0)  # [T, H, D]
-    k = key.transpose(1, 2).squeeze(0)
-    v = value.transpose(1, 2).squeeze(0)
+    config = module.config
+    q = _tokens_first(query, config.num_attention_heads)  # [T, H, D]
+    k = _tokens_first(key, config.num_key_value_heads)
+    v = _tokens_first(value, config.num_key_value_heads)
+    if len(_seen_kwargs) == len(kwargs) + 1 and not hasattr(varlen_paged_attention, "logged"):
+        varlen_paged_attention.logged = True  # type: ignore[attr-defined]
+        log.info("first paged|varlen call: q %s k %s v %s max_q %s max_k %s cu_q %s cu_k %s", tuple(q.shape),
+                 tuple(k.shape), tuple(v.shape), max_q, max_k, tuple(cu_q.shape), tuple(cu_k.shape))  # fmt: skip
+        for h in log.handlers + logging.getLogger().handlers:
+            h.flush()
     names = inspect.signature(varlen_attn).parameters
     extra = {}
     if "enable_gqa" in names:
@@ -193,6 +208,15 @@ def varlen_paged_attention(module, query, key, value, attention_mask, scaling=No
     out = varlen_attn(q, k, v, cu_q.to(torch.int32), cu_k.to(torch.int32), int(max_q), int(max_k),
                       scale=scaling, **extra)  # fmt: skip
     return out.unsqueeze(0), None
+
+
+def _tokens_first(x: torch.Tensor, heads: int) -> torch.Tensor:
+    """[1, heads, T, D] or [1, T, heads, D] or 3-D forms -> [T, heads, D]."""
+    if x.dim() == 4:
+        x = x.squeeze(0)
+    if x.shape[0] == heads and x.shape[1] != heads:
+        x = x.transpose(0, 1)
+    return x
 
 
 def run_hf(hf, prompts: list[list[int]], new_tokens: int, use_async: bool, profile: bool = False) -> dict:  # type: ignore[no-untyped-def]
@@ -230,6 +254,42 @@ def run_hf(hf, prompts: list[list[int]], new_tokens: int, use_async: bool, profi
             "timed_by": "timestamps" if per_request else "e2e/new_tokens"}  # fmt: skip
 
 
+def _hf_subprocess(args: argparse.Namespace, attn: str, use_async: bool) -> dict | None:
+    """transformers in its own process: its memory is gone afterwards and a crash cannot end the run."""
+    import subprocess
+    import sys
+
+    cmd = [sys.executable, __file__, "--hf-worker", attn, "--hf-async", str(int(use_async)),
+           "--requests", str(args.requests), "--prompt-len", str(args.prompt_len),
+           "--new-tokens", str(args.new_tokens), "--layers", str(args.layers)]  # fmt: skip
+    log.info("transformers worker: %s", " ".join(cmd[2:]))
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    with open(os.path.join(OUT, f"hf_{attn.replace('|', '_')}_{'async' if use_async else 'sync'}.log"), "w") as f:
+        f.write(proc.stdout + proc.stderr)
+    for line in proc.stdout.splitlines():
+        if line.startswith("HF_RESULT "):
+            return json.loads(line.removeprefix("HF_RESULT "))
+    log.error("transformers worker (%s, async=%s) failed with rc %s: %s", attn, use_async, proc.returncode,
+              proc.stderr[-2000:])  # fmt: skip
+    return None
+
+
+def hf_worker(args: argparse.Namespace, prompts: list[list[int]]) -> None:
+    hf = build_hf(args.layers)
+    if args.hf_worker.startswith("paged|"):
+        from transformers import AttentionInterface
+
+        AttentionInterface.register(args.hf_worker, varlen_paged_attention)
+    hf.set_attn_implementation(args.hf_worker)
+    hf.generation_config.eos_token_id = None
+    use_async = bool(args.hf_async)
+    run_hf(hf, prompts[:4], 16, use_async)  # compiles and warms
+    row = run_hf(hf, prompts, args.new_tokens, use_async)
+    row.update(run_hf(hf, prompts, 160, use_async, profile=True))
+    row["attention_kwargs"] = _seen_kwargs
+    print("HF_RESULT " + json.dumps(row), flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--requests", type=int, default=32)
@@ -240,11 +300,16 @@ def main() -> None:
     parser.add_argument("--scaling-new-tokens", type=int, default=192)
     parser.add_argument("--profile-steps", type=int, default=48)
     parser.add_argument("--skip-hf", action="store_true")
+    parser.add_argument("--hf-worker", help=argparse.SUPPRESS)
+    parser.add_argument("--hf-async", type=int, default=1, help=argparse.SUPPRESS)
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     rng = random.Random(0)
     vocab = SHAPE["vocab_size"]
     prompts = [[rng.randrange(vocab) for _ in range(args.prompt_len)] for _ in range(args.requests)]
+    if args.hf_worker:
+        hf_worker(args, prompts)
+        return
     scaling = [int(x) for x in args.scaling.split(",") if x]
     max_seqs = max([args.requests, *scaling])
     max_len = args.prompt_len + max(args.new_tokens, args.scaling_new_tokens) + 16
@@ -275,23 +340,19 @@ def main() -> None:
     gc.collect()
     torch.cuda.empty_cache()
 
+    del hf
+    gc.collect()
+    torch.cuda.empty_cache()
     if not args.skip_hf:
-        try:
-            from transformers import AttentionInterface
-
-            AttentionInterface.register("paged|varlen", varlen_paged_attention)
-            hf.set_attn_implementation("paged|varlen")
-            hf.generation_config.eos_token_id = None
-            run_hf(hf, prompts[:4], 16, True)  # first call compiles and warms
-            for use_async in (True, False):
-                name = f"transformers generate_batch ({'async' if use_async else 'sync'})"
-                rows[name] = run_hf(hf, prompts, args.new_tokens, use_async)
-                rows[name].update(run_hf(hf, prompts, 160, use_async, profile=True))
-                log.info("%s: %s", name, rows[name])
-        except Exception:
-            log.error("transformers peer failed:\n%s", traceback.format_exc())
-            results["hf_error"] = traceback.format_exc()
-        results["hf_attention_kwargs"] = _seen_kwargs
+        for use_async in (True, False):
+            name = f"transformers generate_batch ({'async' if use_async else 'sync'})"
+            for attn in ("paged|varlen", "sdpa"):  # the best available first; a crash falls back
+                row = _hf_subprocess(args, attn, use_async)
+                if row is not None:
+                    row["attention"] = attn
+                    rows[name] = row
+                    break
+    results["rows"] = rows
     results["rows"] = rows
     with open(os.path.join(OUT, "overlap_gpu.json"), "w") as f:
         json.dump(results, f, indent=1, default=str)
@@ -300,10 +361,15 @@ def main() -> None:
           f"({args.layers} layers), random bf16 weights; {args.requests} requests x {args.prompt_len} prompt tokens "
           f"x {args.new_tokens} new tokens, greedy, EOS ignored")  # fmt: skip
     ref = rows.get("cbd async", {}).get("ms_step")
-    print(f"{'engine':40s} {'ms/step':>8s} {'tok/s':>9s} {'e2e s':>8s} {'GPU busy':>9s} {'vs async':>9s}")
+    print(f"{'engine':44s} {'ms/step':>8s} {'tok/s':>9s} {'e2e s':>8s} {'busy(ev)':>9s} {'busy(k)':>8s} {'vs async':>9s}")
+    nan = float("nan")
     for name, r in rows.items():
-        ratio = r["ms_step"] / ref if ref else float("nan")
-        print(f"{name:40s} {r['ms_step']:8.2f} {r['tok_s']:9.1f} {r['e2e']:8.1f} {100 * r.get('busy', float('nan')):8.1f}% {ratio:8.2f}x")
+        ratio = r["ms_step"] / ref if ref else nan
+        label = name + (f" [{r['attention']}]" if "attention" in r else "")
+        print(f"{label:44s} {r['ms_step']:8.2f} {r['tok_s']:9.1f} {r['e2e']:8.1f} "
+              f"{100 * r.get('stream_busy', nan):8.1f}% {100 * r.get('busy', nan):7.1f}% {ratio:8.2f}x")  # fmt: skip
+    print("busy(ev): device time of each decode step's stream work (CUDA events) over the loop's wall time, "
+          "whole run; busy(k): union of kernel/copy intervals over their span (profiler, 48-step window)")
     if "scaling" in results:
         print("\ncbd async, ms per decode step by batch size "
               f"({args.prompt_len} prompt + {args.scaling_new_tokens} new tokens):")  # fmt: skip

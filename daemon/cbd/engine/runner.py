@@ -94,6 +94,8 @@ class ModelRunner:
                 self.scratch_block, self.streams.compute,
             )  # fmt: skip
         self._last_sampled: torch.Tensor | None = None
+        # When a list, every launch appends (start, end) CUDA events bracketing its compute-stream work.
+        self.step_events: list[tuple[torch.cuda.Event, torch.cuda.Event]] | None = None
 
     @staticmethod
     def kv_bytes_per_block(model: CausalLM, block_size: int) -> int:
@@ -114,6 +116,10 @@ class ModelRunner:
         s = self.streams
         with s.on(s.compute):
             s.wait(s.compute, staged.slot.h2d_done)
+            timing = None
+            if self.step_events is not None and s.cuda:
+                timing = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+                timing[0].record(s.compute)
             self._copy_blocks(plan.block_copies)
             ids = staged["ids"]
             if "carry_dst" in staged.tensors:
@@ -128,6 +134,9 @@ class ModelRunner:
             self.stager.release(staged)
             compute_done = s.event()
             s.record(compute_done, s.compute)
+            if timing is not None:
+                timing[1].record(s.compute)
+                self.step_events.append(timing)  # type: ignore[union-attr]
         if result is None:
             self._last_sampled = None
             return InflightStep(plan, rows, None, None, None, [staged])
