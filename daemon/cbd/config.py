@@ -31,6 +31,9 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     # CPU fp32 only: pre-pack GEMM weights for oneDNN (faster; logits differ from BLAS in the last bits).
     cpu_packed_gemm: bool = True
+    # Open sessions at most (OpenSession beyond it is RESOURCE_EXHAUSTED) and their default idle TTL in seconds.
+    max_sessions: int = 1024
+    session_ttl: float = 600.0
     # Keep one step in flight while the CPU prepares the next: "auto" (on for CUDA, off on CPU) | "on" | "off".
     overlap: str = "auto"
     # "auto" (flash-attn if installed and usable, else Triton on CUDA, else torch) | "torch" | "triton" | "flash".
@@ -62,6 +65,10 @@ class EngineConfig:
             raise ValueError(
                 f"attention_backend must be 'auto', 'torch', 'triton' or 'flash', got {self.attention_backend!r}"
             )
+        if self.max_sessions < 0:
+            raise ValueError(f"max_sessions must be >= 0, got {self.max_sessions}")
+        if self.session_ttl <= 0:
+            raise ValueError(f"session_ttl must be > 0, got {self.session_ttl}")
         if self.cuda_graph_max_batch < 1:
             raise ValueError(f"cuda_graph_max_batch must be >= 1, got {self.cuda_graph_max_batch}")
         if not (self.device == "auto" or self.device == "cpu" or self.device.startswith("cuda")):

@@ -29,3 +29,14 @@ class UnsupportedModel(CbdError, ValueError):
 
 class Unimplemented(CbdError):
     """The request uses a feature this version reserves but does not implement."""
+
+
+class UnknownSession(CbdError, KeyError):
+    """No open session carries the given id (never opened, closed, or expired)."""
+
+    def __str__(self) -> str:  # KeyError would quote the message
+        return str(self.args[0]) if self.args else ""
+
+
+class SessionBusy(CbdError):
+    """The session cannot take this call in its current state (a turn in flight, candidates pending)."""

@@ -113,6 +113,9 @@ class BlockManager:
     def can_append(self, seq: Sequence, num_new_tokens: int) -> bool:
         return self._new_blocks_needed(seq, num_new_tokens) <= self.num_free_blocks
 
+    def blocks_needed_for(self, seq: Sequence, num_new_tokens: int) -> int:
+        return self._new_blocks_needed(seq, num_new_tokens)
+
     def append(self, seq: Sequence, num_new_tokens: int) -> list[tuple[int, int]]:
         """Make seq's table cover its next num_new_tokens positions; returns (src, dst) block copies."""
         copies: list[tuple[int, int]] = []
@@ -134,9 +137,20 @@ class BlockManager:
         child.block_table = list(parent.block_table)
         child.block_hashes = list(parent.block_hashes)
 
+    def share(self, block_table: list[int]) -> list[int]:
+        """Take one more reference on each block (a session keeping KV, a turn starting from it)."""
+        for block_id in block_table:
+            self._take(block_id)
+        return list(block_table)
+
     def free(self, seq: Sequence) -> None:
+        self.release(seq.block_table)
+        seq.block_table = []
+
+    def release(self, block_table: list[int]) -> None:
+        """Drop one reference on each block."""
         # Tail blocks first, so under LRU a prefix outlives the blocks that extend it.
-        for block_id in reversed(seq.block_table):
+        for block_id in reversed(block_table):
             block = self.blocks[block_id]
             block.ref_count -= 1
             if block.ref_count == 0:
@@ -144,7 +158,6 @@ class BlockManager:
                     self.cached_free[block_id] = None
                 else:
                     self.free_ids.append(block_id)
-        seq.block_table = []
 
     # ---- internals --------------------------------------------------------------------------
     def _new_blocks_needed(self, seq: Sequence, num_new_tokens: int) -> int:

@@ -24,6 +24,7 @@ from cbd.engine.runner import InflightStep, ModelRunner, StepResult
 from cbd.engine.sampling_params import SamplingParams
 from cbd.engine.scheduler import Scheduler, StepPlan
 from cbd.engine.sequence import PLACEHOLDER, FinishReason, Request, Sequence
+from cbd.engine.sessions import SessionManager
 from cbd.errors import InvalidRequest, UnknownRequest
 from cbd.model.loader import LoadedModel
 
@@ -41,7 +42,10 @@ class EngineCore:
         )
         self.max_model_len = min(config.max_model_len or spec.max_position_embeddings, num_blocks * bs)
         self.block_manager = BlockManager(num_blocks, bs, config.enable_prefix_caching)
-        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
+        self.sessions = SessionManager(self.block_manager, config.max_sessions, config.session_ttl)
+        self.scheduler = Scheduler(
+            self.block_manager, config.max_num_seqs, config.max_num_batched_tokens, reclaim=self.sessions.evict
+        )
         self.runner = ModelRunner(
             loaded.model, num_blocks, bs, self.max_model_len, config.attention_backend,
             min(config.cuda_graph_max_batch, config.max_num_seqs) if config.cuda_graphs else 0,
@@ -85,6 +89,36 @@ class EngineCore:
         seq = self._new_sequence(request, 0, list(prompt_token_ids))
         seq.pending_forks = params.n - 1
         self.requests[request_id] = request
+        self.scheduler.add(seq)
+        return request
+
+    def add_session_turn(
+        self,
+        session_id: str,
+        tokens: list[int],
+        params: SamplingParams,
+        *,
+        replace: bool = False,
+        parent_candidate: int | None = None,
+        transcript: list[dict] | None = None,
+        request_id: str | None = None,
+    ) -> Request:
+        """A turn of a session: its prompt is the history plus `tokens` (or, with `replace`, the
+        re-rendered conversation `tokens`); its first sequence starts from the session's resident KV."""
+        session = self.sessions.get(session_id)
+        request_id = request_id or f"req-{next(self._request_ids)}"
+        if request_id in self.requests:
+            raise InvalidRequest(f"request id {request_id!r} is already in use")
+        start = self.sessions.begin_turn(
+            session, tokens, replace, parent_candidate, transcript, lambda prompt: self.validate(prompt, params)
+        )
+        seed = params.seed if params.seed is not None else secrets.randbits(63)
+        request = Request(request_id, start.prompt, params, seed)
+        seq = self._new_sequence(request, 0, list(start.prompt))
+        seq.block_table, seq.num_computed_tokens = start.block_table, start.num_computed
+        seq.pending_forks = params.n - 1
+        self.requests[request_id] = request
+        self.sessions.turn_started(session, request)
         self.scheduler.add(seq)
         return request
 
@@ -134,6 +168,8 @@ class EngineCore:
             num_preemptions=self.scheduler.num_preemptions,
             num_steps=self.num_steps,
             num_generated_tokens=self.num_generated_tokens,
+            num_sessions=len(self.sessions.sessions),
+            num_session_evictions=self.sessions.num_evictions,
         )
 
     # ---- internals --------------------------------------------------------------------------
@@ -185,6 +221,8 @@ class EngineCore:
             if delta.finish_reason is not None:
                 del seq.token_ids[row.position + 1 :]  # a token already in flight for it is dropped
                 seq.num_placeholders = 0
+                if seq.request.session is not None:  # keep its KV for the session's next turn
+                    self.sessions.candidate_finished(seq.request.session, seq, self._reply_text(seq))
                 self.scheduler.finish(seq)
                 delta.usage = self._usage(seq.request, seq.num_output_tokens)
             deltas.setdefault(seq.request.request_id, []).append(delta)
@@ -213,10 +251,21 @@ class EngineCore:
     def _output(self, request: Request, deltas: list[CandidateDelta]) -> RequestOutput:
         out = RequestOutput(request.request_id, deltas)
         if request.is_finished:
+            if request.session is not None:
+                ok = all(sq.finish_reason in (FinishReason.STOP, FinishReason.LENGTH) for sq in request.sequences)
+                self.sessions.end_turn(request.session, request, ok and len(request.sequences) == request.params.n)
             out.finished = True
             out.usage = self._usage(request, sum(s.num_output_tokens for s in request.sequences))
             del self.requests[request.request_id]
         return out
+
+    def _reply_text(self, seq: Sequence) -> str | None:
+        """The candidate's reply as text, for a chat session's transcript."""
+        session = seq.request.session
+        if session is None or session.turn_transcript is None or self.loaded.tokenizer is None:
+            return None
+        reply = [t for t in seq.token_ids[seq.num_prompt_tokens :] if t not in self.outputs.eos_token_ids]
+        return self.loaded.tokenizer.decode(reply, skip_special_tokens=True)
 
     @staticmethod
     def _usage(request: Request, completion_tokens: int) -> Usage:

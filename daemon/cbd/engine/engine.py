@@ -14,7 +14,9 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
+from concurrent.futures import Future
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 from cbd.config import EngineConfig
 from cbd.engine.core import EngineCore
@@ -26,6 +28,7 @@ from cbd.model.loader import LoadedModel, load_model
 
 log = logging.getLogger(__name__)
 OutputCallback = Callable[[RequestOutput], None]
+T = TypeVar("T")
 
 
 @dataclass(slots=True)
@@ -122,6 +125,61 @@ class Engine:
             raise EngineStopped("the engine is shutting down")
         self.core.validate(prompt_token_ids, params)
         request_id = request_id or uuid.uuid4().hex
+        self._reserve(request_id)
+        self._inbox.put(("add", prompt_token_ids, params, request_id, on_output))
+        self._wake.set()
+        return request_id
+
+    def call(self, fn: Callable[[EngineCore], T]) -> Future[T]:
+        """Run fn(core) in the engine thread between steps; the future holds its result or exception."""
+        if self._stopping:
+            raise EngineStopped("the engine is shutting down")
+        future: Future[T] = Future()
+        self._inbox.put(("call", fn, future))
+        self._wake.set()
+        return future
+
+    def submit_turn(
+        self,
+        session_id: str,
+        tokens: list[int],
+        params: SamplingParams,
+        *,
+        replace: bool = False,
+        parent_candidate: int | None = None,
+        transcript: list[dict] | None = None,
+        request_id: str | None = None,
+        on_output: OutputCallback | None = None,
+    ) -> Future[str]:
+        """Queue a turn of a session (see EngineCore.add_session_turn). The future resolves to the
+        request id once the engine thread accepted it, or raises UnknownSession, SessionBusy,
+        InvalidRequest; CapacityExceeded and EngineStopped raise at once."""
+        request_id = request_id or uuid.uuid4().hex
+        self._reserve(request_id)
+
+        def add(core: EngineCore) -> str:
+            try:
+                core.add_session_turn(
+                    session_id, tokens, params, replace=replace, parent_candidate=parent_candidate,
+                    transcript=transcript, request_id=request_id,
+                )  # fmt: skip
+            except BaseException:
+                with self._live_lock:
+                    self._live_ids.discard(request_id)
+                raise
+            self._callbacks[request_id] = on_output
+            return request_id
+
+        try:
+            return self.call(add)
+        except BaseException:
+            with self._live_lock:
+                self._live_ids.discard(request_id)
+            raise
+
+    def _reserve(self, request_id: str) -> None:
+        if self._stopping:
+            raise EngineStopped("the engine is shutting down")
         with self._live_lock:
             if request_id in self._live_ids:
                 raise InvalidRequest(f"request id {request_id!r} is already in use by a live request")
@@ -130,9 +188,6 @@ class Engine:
                     f"{len(self._live_ids)} requests are live, the limit is {self.config.max_queued_requests}; retry later"
                 )
             self._live_ids.add(request_id)
-        self._inbox.put(("add", prompt_token_ids, params, request_id, on_output))
-        self._wake.set()
-        return request_id
 
     def stream(self, prompt_token_ids: list[int], params: SamplingParams) -> RequestStream:
         request_id = uuid.uuid4().hex
@@ -197,10 +252,17 @@ class Engine:
 
     def _loop(self) -> None:
         core = self.core
+        next_expiry = 0.0
         while True:
             if not core.has_work():
-                self._wake.wait()
+                # Sessions expire by time, so an idle engine still wakes now and then.
+                self._wake.wait(timeout=1.0 if core.sessions.sessions else None)
             self._wake.clear()
+            now = time.monotonic()
+            if now >= next_expiry:
+                next_expiry = now + 1.0
+                for session_id in core.sessions.expire(now):
+                    log.info("session %s expired", session_id)
             if not self._drain_inbox():
                 break
             try:
@@ -216,6 +278,8 @@ class Engine:
                 command = self._inbox.get_nowait()
             except queue.Empty:
                 break
+            if command[0] == "call" and command[2].set_running_or_notify_cancel():
+                command[2].set_exception(EngineStopped("the engine is shutting down"))
             if command[0] == "add":
                 self._callbacks[command[3]] = command[4]
                 self._reject(command[3], command[2].n, FinishReason.ABORT)
@@ -238,6 +302,13 @@ class Engine:
                 except Exception as exc:  # submit validated it; this is a bug, but the caller still gets an answer
                     log.exception("request %s could not be added: %s", request_id, exc)
                     self._reject(request_id, params.n, FinishReason.ERROR)
+            elif command[0] == "call":
+                _, fn, future = command
+                if future.set_running_or_notify_cancel():
+                    try:
+                        future.set_result(fn(self.core))
+                    except BaseException as exc:
+                        future.set_exception(exc)
             elif command[0] == "reset_prefix_cache":
                 log.info("prefix cache reset: %d blocks dropped", self.core.block_manager.reset_prefix_cache())
             elif command[0] == "abort" and command[1] in self.core.requests:

@@ -50,3 +50,5 @@ class EngineStats:
     num_preemptions: int
     num_steps: int
     num_generated_tokens: int
+    num_sessions: int = 0
+    num_session_evictions: int = 0

@@ -16,6 +16,7 @@ The plan knows nothing about devices.
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from cbd.engine.block_manager import BlockManager
@@ -47,8 +48,16 @@ class StepPlan:
 
 
 class Scheduler:
-    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int) -> None:
+    def __init__(
+        self,
+        block_manager: BlockManager,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        reclaim: Callable[[int], int] | None = None,
+    ) -> None:
         self.block_manager = block_manager
+        # Frees blocks held by idle sessions (running requests win over them); returns how many it freed.
+        self.reclaim = reclaim
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.waiting: deque[Sequence] = deque()
@@ -74,6 +83,8 @@ class Scheduler:
                 continue
             num_new = min(seq.num_uncomputed, budget)
             while not bm.can_append(seq, num_new):
+                if self._reclaim(seq, num_new):
+                    continue
                 victim = self.running.pop()
                 self._preempt(victim, plan)
                 if victim is seq:
@@ -111,7 +122,7 @@ class Scheduler:
             if not seq.block_table:
                 seq.num_computed_tokens = bm.allocate_prefix(seq)
             num_new = min(seq.num_uncomputed, budget)
-            if not bm.can_append(seq, num_new):
+            if not bm.can_append(seq, num_new) and not (self._reclaim(seq, num_new) and bm.can_append(seq, num_new)):
                 bm.free(seq)
                 seq.num_computed_tokens = 0
                 break
@@ -125,6 +136,11 @@ class Scheduler:
             if bm.enable_prefix_caching:
                 inflight.update(bm.cacheable_hashes(seq, seq.num_computed_tokens + num_new))
         self.waiting.extendleft(reversed(deferred))
+
+    def _reclaim(self, seq: Sequence, num_new: int) -> bool:
+        if self.reclaim is None:
+            return False
+        return self.reclaim(self.block_manager.blocks_needed_for(seq, num_new)) > 0
 
     def add_running(self, seq: Sequence, after: Sequence) -> None:
         """Insert a forked sequence right after its parent, keeping admission order."""

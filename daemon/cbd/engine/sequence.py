@@ -100,6 +100,7 @@ class Request:
     sequences: list[Sequence] = field(default_factory=list)
     num_cached_prompt_tokens: int = 0
     prompt_cache_recorded: bool = False
+    session: Any = None  # the engine Session this request is a turn of
 
     @property
     def is_finished(self) -> bool:

@@ -9,7 +9,16 @@ from typing import Any, TypeVar
 
 import grpc
 
-from cbd.errors import CapacityExceeded, CbdError, EngineStopped, InvalidRequest, Unimplemented, UnknownRequest
+from cbd.errors import (
+    CapacityExceeded,
+    CbdError,
+    EngineStopped,
+    InvalidRequest,
+    SessionBusy,
+    Unimplemented,
+    UnknownRequest,
+    UnknownSession,
+)
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -19,6 +28,8 @@ _CODES: list[tuple[type[BaseException], grpc.StatusCode]] = [
     (CapacityExceeded, grpc.StatusCode.RESOURCE_EXHAUSTED),
     (EngineStopped, grpc.StatusCode.UNAVAILABLE),
     (UnknownRequest, grpc.StatusCode.NOT_FOUND),
+    (UnknownSession, grpc.StatusCode.NOT_FOUND),
+    (SessionBusy, grpc.StatusCode.FAILED_PRECONDITION),
     (Unimplemented, grpc.StatusCode.UNIMPLEMENTED),
 ]
 

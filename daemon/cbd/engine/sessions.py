@@ -1,0 +1,287 @@
+"""Sessions: multi-turn conversations whose KV stays resident between turns.
+
+A session holds its history's token ids and references to the KV blocks that cover the first
+`num_computed` of them. A turn builds its prompt from the history (append the new tokens, or replace
+the history by a re-rendered conversation that shares its longest common prefix); the turn's sequence
+starts from the session's blocks, so only the new tokens are prefilled. When the turn ends, the
+session adopts the finished sequence's tokens and blocks (n = 1), or keeps every candidate as a
+branch until the next turn names the one that continues (`parent_candidate`).
+
+Idle sessions yield to running requests: when the pool runs short, the least recently used idle
+session's blocks are released (its tokens stay; the next turn recomputes, reviving whatever the
+prefix cache still holds). Sessions expire after their idle TTL; their number is capped.
+Engine-thread only, like the block manager it shares.
+"""
+
+from __future__ import annotations
+
+import itertools
+import secrets
+import time
+from dataclasses import dataclass, field
+from collections.abc import Callable
+
+from cbd.engine.block_manager import BlockManager
+from cbd.engine.sequence import Request, Sequence
+from cbd.errors import CapacityExceeded, InvalidRequest, SessionBusy, UnknownSession
+
+
+@dataclass(slots=True)
+class Branch:
+    """One candidate of a fan-out turn, kept until the next turn picks it."""
+
+    token_ids: list[int]
+    block_table: list[int]
+    num_computed: int
+    transcript: list[dict] | None
+
+
+@dataclass(slots=True)
+class Session:
+    session_id: str
+    ttl: float | None  # idle seconds before expiry; None: never
+    token_ids: list[int] = field(default_factory=list)
+    block_table: list[int] = field(default_factory=list)  # resident KV for token_ids[:num_computed]
+    num_computed: int = 0
+    transcript: list[dict] | None = None  # chat messages so far, for chat sessions
+    branches: list[Branch] = field(default_factory=list)
+    busy: Request | None = None  # the turn in flight
+    last_used: float = field(default_factory=time.monotonic)
+    # Set while a turn runs: the history it started from, restored if the turn fails.
+    turn_transcript: list[dict] | None = None
+
+    @property
+    def is_chat(self) -> bool:
+        return self.transcript is not None
+
+    def idle_seconds(self, now: float | None = None) -> float:
+        return (now if now is not None else time.monotonic()) - self.last_used
+
+
+@dataclass(slots=True)
+class SessionInfo:
+    session_id: str
+    num_tokens: int
+    resident_blocks: int
+    pending_candidates: int
+    idle_seconds: float
+    busy: bool
+    ttl: float | None
+    is_chat: bool
+
+
+@dataclass(slots=True)
+class TurnStart:
+    """What a turn's first sequence starts from."""
+
+    prompt: list[int]
+    block_table: list[int]  # shared references, already counted
+    num_computed: int
+
+
+class SessionManager:
+    def __init__(self, block_manager: BlockManager, max_sessions: int, default_ttl: float | None) -> None:
+        self.bm = block_manager
+        self.max_sessions = max_sessions
+        self.default_ttl = default_ttl
+        self.sessions: dict[str, Session] = {}
+        self._ids = itertools.count()
+        self.num_evictions = 0
+        self.num_expired = 0
+
+    # ---- lifecycle ----------------------------------------------------------------------------
+    def open(self, ttl: float | None = None, transcript: list[dict] | None = None, session_id: str | None = None) -> Session:
+        if len(self.sessions) >= self.max_sessions:
+            raise CapacityExceeded(f"{len(self.sessions)} sessions are open, the limit is {self.max_sessions}")
+        if ttl is not None and ttl <= 0:
+            raise InvalidRequest(f"ttl_seconds must be > 0, got {ttl}")
+        session_id = session_id or f"s-{next(self._ids)}-{secrets.token_hex(6)}"
+        session = Session(session_id, ttl if ttl is not None else self.default_ttl, transcript=transcript)
+        self.sessions[session_id] = session
+        return session
+
+    def get(self, session_id: str) -> Session:
+        session = self.sessions.get(session_id)
+        if session is None:
+            raise UnknownSession(f"no open session {session_id!r} (closed, expired, or never opened)")
+        return session
+
+    def close(self, session_id: str) -> None:
+        """Close a session; a turn in flight keeps running, its result is not kept."""
+        session = self.get(session_id)
+        del self.sessions[session_id]
+        self._release(session)
+
+    def fork(self, session_id: str, candidate: int | None = None, ttl: float | None = None) -> Session:
+        """A new session continuing from this one (or from one of its pending candidates); copy-on-write."""
+        source = self.get(session_id)
+        if source.busy is not None:
+            raise SessionBusy(f"session {session_id!r} has a turn in flight; fork it when the turn ends")
+        if candidate is not None:
+            if not 0 <= candidate < len(source.branches):
+                raise InvalidRequest(
+                    f"candidate {candidate} does not exist: session {session_id!r} has {len(source.branches)} pending"
+                )
+            b = source.branches[candidate]
+            tokens, table, computed, transcript = b.token_ids, b.block_table, b.num_computed, b.transcript
+        elif source.branches:
+            raise InvalidRequest(f"session {session_id!r} has {len(source.branches)} pending candidates; name one")
+        else:
+            tokens, table, computed, transcript = source.token_ids, source.block_table, source.num_computed, source.transcript
+        child = self.open(ttl if ttl is not None else source.ttl, None if transcript is None else list(transcript))
+        child.token_ids = list(tokens)
+        child.block_table = self.bm.share(table)
+        child.num_computed = computed
+        return child
+
+    def info(self, session: Session) -> SessionInfo:
+        resident = set(session.block_table)
+        for b in session.branches:
+            resident.update(b.block_table)
+        return SessionInfo(
+            session.session_id, len(session.token_ids), len(resident), len(session.branches),
+            session.idle_seconds(), session.busy is not None, session.ttl, session.is_chat,
+        )  # fmt: skip
+
+    # ---- turns --------------------------------------------------------------------------------
+    def begin_turn(
+        self, session: Session, tokens: list[int], replace: bool, parent_candidate: int | None,
+        transcript: list[dict] | None, validate: Callable[[list[int]], None],
+    ) -> TurnStart:  # fmt: skip
+        """Resolve a turn's prompt and the KV it starts from. `replace`: `tokens` is the whole
+        re-rendered conversation (chat; its longest common prefix with the history is reused);
+        otherwise they are appended to the history. `validate(prompt)` runs before any change."""
+        if session.busy is not None:
+            raise SessionBusy(f"session {session.session_id!r} already has a turn in flight")
+        if replace and session.token_ids and not session.is_chat:
+            raise InvalidRequest("this session holds a text / token history; send text or token ids, not chat")
+        if not replace and session.is_chat:
+            raise InvalidRequest("this session holds a chat; send chat messages")
+        if not tokens:
+            raise InvalidRequest("a turn must add at least one token")
+        base: Session | Branch = session
+        if session.branches:
+            if parent_candidate is None:
+                raise SessionBusy(
+                    f"session {session.session_id!r} has {len(session.branches)} candidates from its last turn; "
+                    "set parent_candidate to the one that continues"
+                )
+            if not 0 <= parent_candidate < len(session.branches):
+                raise InvalidRequest(
+                    f"parent_candidate {parent_candidate} does not exist: {len(session.branches)} candidates pending"
+                )
+            base = session.branches[parent_candidate]
+        elif parent_candidate not in (None, 0):
+            raise InvalidRequest("parent_candidate names a candidate of the last turn, and it had only one")
+        history = base.token_ids
+        prompt = list(tokens) if replace else history + list(tokens)
+        validate(prompt)
+        if session.branches:
+            self._adopt(session, session.branches.pop(parent_candidate))  # type: ignore[arg-type]
+            self._release_branches(session)
+        common = _common_prefix(session.token_ids, prompt) if replace else len(session.token_ids)
+        # Reuse the resident KV of the common prefix; at least one token is computed (for logits).
+        computed = min(session.num_computed, common, len(prompt) - 1)
+        table = self.bm.share(session.block_table[: -(-computed // self.bm.block_size)])
+        session.turn_transcript = transcript
+        return TurnStart(prompt, table, computed)
+
+    def transcript_for(self, session_id: str, parent_candidate: int | None) -> list[dict]:
+        """The chat messages a chat turn continues (of the named candidate when a fan-out is pending)."""
+        session = self.get(session_id)
+        if session.branches and parent_candidate is not None and 0 <= parent_candidate < len(session.branches):
+            return list(session.branches[parent_candidate].transcript or [])
+        return list(session.transcript or [])
+
+    def turn_started(self, session: Session, request: Request) -> None:
+        session.busy = request
+        session.last_used = time.monotonic()
+        request.session = session
+
+    def candidate_finished(self, session: Session, seq: Sequence, reply_text: str | None) -> None:
+        """Called before a finished candidate's blocks are freed: keep them as a branch."""
+        if session.session_id not in self.sessions or session.busy is not seq.request:
+            return  # the session was closed meanwhile
+        computed = min(seq.num_computed_tokens, seq.num_known_tokens)
+        table = self.bm.share(seq.block_table[: -(-computed // self.bm.block_size)])
+        transcript = None
+        if session.turn_transcript is not None:
+            transcript = [*session.turn_transcript, {"role": "assistant", "content": reply_text or ""}]
+        branch = Branch(seq.token_ids[: seq.num_known_tokens], table, computed, transcript)
+        while len(session.branches) <= seq.candidate_index:
+            session.branches.append(Branch([], [], 0, None))
+        session.branches[seq.candidate_index] = branch
+
+    def end_turn(self, session: Session, request: Request, ok: bool) -> None:
+        """The turn's request is finished: adopt its single candidate, or keep the fan-out's branches."""
+        if session.busy is not request:
+            return
+        session.busy = None
+        session.last_used = time.monotonic()
+        session.turn_transcript = None
+        if session.session_id not in self.sessions:
+            return
+        if not ok:  # aborted or failed: the session stays as it was before the turn
+            self._release_branches(session)
+            return
+        if len(session.branches) == 1:
+            self._adopt(session, session.branches.pop())
+        elif session.transcript is None and session.branches and session.branches[0].transcript is not None:
+            session.transcript = []  # a chat session's first turn fanned out: it is a chat from now on
+
+    # ---- memory pressure and expiry -------------------------------------------------------------
+    def evict(self, blocks_needed: int) -> int:
+        """Release idle sessions' KV, least recently used first, until blocks_needed are free."""
+        freed = 0
+        idle = sorted((s for s in self.sessions.values() if s.busy is None), key=lambda s: s.last_used)
+        for session in idle:
+            if self.bm.num_free_blocks >= blocks_needed:
+                break
+            if not session.block_table and not any(b.block_table for b in session.branches):
+                continue
+            before = self.bm.num_free_blocks
+            self.bm.release(session.block_table)
+            session.block_table, session.num_computed = [], 0
+            for b in session.branches:
+                self.bm.release(b.block_table)
+                b.block_table, b.num_computed = [], 0
+            freed += self.bm.num_free_blocks - before
+            self.num_evictions += 1
+        return freed
+
+    def expire(self, now: float | None = None) -> list[str]:
+        now = now if now is not None else time.monotonic()
+        gone = [
+            s.session_id for s in self.sessions.values()
+            if s.busy is None and s.ttl is not None and s.idle_seconds(now) > s.ttl
+        ]  # fmt: skip
+        for session_id in gone:
+            self.close(session_id)
+        self.num_expired += len(gone)
+        return gone
+
+    # ---- internals ------------------------------------------------------------------------------
+    def _adopt(self, session: Session, branch: Branch) -> None:
+        self.bm.release(session.block_table)
+        session.token_ids, session.block_table, session.num_computed = branch.token_ids, branch.block_table, branch.num_computed
+        if branch.transcript is not None:
+            session.transcript = branch.transcript
+
+    def _release_branches(self, session: Session) -> None:
+        for b in session.branches:
+            self.bm.release(b.block_table)
+        session.branches = []
+
+    def _release(self, session: Session) -> None:
+        self.bm.release(session.block_table)
+        session.block_table, session.num_computed = [], 0
+        self._release_branches(session)
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
+

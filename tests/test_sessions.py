@@ -1,0 +1,172 @@
+"""Sessions: resident KV between turns, fan-out branches, fork, eviction under pressure, expiry, no leaks.
+
+The oracle is a stateless engine (prefix caching off) fed the whole history every turn.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from cbd.engine.core import EngineCore
+from cbd.engine.sampling_params import SamplingParams
+from cbd.errors import InvalidRequest, SessionBusy, UnknownSession
+from conftest import make_core
+from helpers import run_all
+
+GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+
+
+def _turn(core: EngineCore, session_id: str, tokens: list[int], params: SamplingParams = GREEDY, **kw) -> dict:
+    request = core.add_session_turn(session_id, tokens, params, **kw)
+    result = {"tokens": {}, "usage": None, "finish": {}}
+    while request.request_id in core.requests:
+        for out in core.step():
+            if out.request_id != request.request_id:
+                continue
+            for d in out.candidates:
+                result["tokens"].setdefault(d.index, []).extend(d.token_ids)
+                if d.finish_reason is not None:
+                    result["finish"][d.index] = d.finish_reason
+            if out.finished:
+                result["usage"] = out.usage
+    while core.has_work():  # a step may still be in flight (overlap)
+        core.step()
+    return result
+
+
+def _stateless(loaded, history: list[int], params: SamplingParams = GREEDY) -> dict:  # type: ignore[no-untyped-def]
+    core = make_core(loaded, enable_prefix_caching=False, block_size=4)
+    return run_all(core, [history], params)[0]
+
+
+def _turns(rng: random.Random, count: int) -> list[list[int]]:
+    return [[rng.randrange(2, 256) for _ in range(rng.randrange(3, 30))] for _ in range(count)]
+
+
+@pytest.mark.parametrize("overlap", ["off", "on"])
+def test_five_turns_equal_stateless_and_reuse_the_history(tiny_loaded, overlap: str) -> None:
+    core = make_core(tiny_loaded, block_size=4, overlap=overlap)
+    session = core.sessions.open()
+    history: list[int] = []
+    for k, turn in enumerate(_turns(random.Random(1), 5)):
+        result = _turn(core, session.session_id, turn)
+        expected = _stateless(tiny_loaded, history + turn)
+        assert result["tokens"] == expected["tokens"], k
+        if k:  # every earlier token was resident but the previous reply's last (its KV comes with this turn)
+            assert result["usage"].cached_prompt_tokens in (len(history) - 1, len(history)), k
+        history += turn + result["tokens"][0]
+        assert session.token_ids == history and session.busy is None
+    assert core.sessions.info(session).resident_blocks >= len(history) // 4
+    core.sessions.close(session.session_id)
+    assert core.block_manager.num_used_blocks == 0
+
+
+def test_fan_out_turn_then_continue_from_a_candidate(tiny_loaded) -> None:
+    core = make_core(tiny_loaded, block_size=4)
+    session = core.sessions.open()
+    first = [5, 6, 7, 8, 9, 10, 11]
+    sampled = SamplingParams(max_tokens=8, temperature=1.0, seed=3, n=4, ignore_eos=True)
+    fan = _turn(core, session.session_id, first, sampled)
+    assert len(fan["tokens"]) == 4 and core.sessions.info(session).pending_candidates == 4
+    with pytest.raises(SessionBusy):  # the next turn must name the candidate that continues
+        core.add_session_turn(session.session_id, [20, 21], GREEDY)
+    result = _turn(core, session.session_id, [20, 21], parent_candidate=2)
+    history = first + fan["tokens"][2] + [20, 21]
+    assert result["tokens"] == _stateless(tiny_loaded, history)["tokens"]
+    assert result["usage"].cached_prompt_tokens >= len(first + fan["tokens"][2]) - 1
+    assert core.sessions.info(session).pending_candidates == 0
+    core.sessions.close(session.session_id)
+    assert core.block_manager.num_used_blocks == 0
+
+
+def test_fork_isolation(tiny_loaded) -> None:
+    core = make_core(tiny_loaded, block_size=4)
+    trunk = core.sessions.open()
+    base = [3, 4, 5, 6, 7, 8, 9, 10, 11, 12]
+    reply = _turn(core, trunk.session_id, base)["tokens"][0]
+    branch = core.sessions.fork(trunk.session_id)
+    a = _turn(core, trunk.session_id, [40, 41, 42])
+    b = _turn(core, branch.session_id, [50, 51])
+    a2 = _turn(core, trunk.session_id, [43])
+    assert a["tokens"] == _stateless(tiny_loaded, base + reply + [40, 41, 42])["tokens"]
+    assert b["tokens"] == _stateless(tiny_loaded, base + reply + [50, 51])["tokens"]
+    assert a2["tokens"] == _stateless(tiny_loaded, base + reply + [40, 41, 42] + a["tokens"][0] + [43])["tokens"]
+    assert branch.token_ids == base + reply + [50, 51] + b["tokens"][0]
+    for s in (trunk, branch):
+        core.sessions.close(s.session_id)
+    assert core.block_manager.num_used_blocks == 0
+
+
+def test_eviction_under_a_small_pool_keeps_every_answer(tiny_loaded) -> None:
+    rng = random.Random(7)
+    scripts = [_turns(rng, 4) for _ in range(6)]
+
+    def play(core: EngineCore) -> list[list[list[int]]]:
+        sessions = [core.sessions.open() for _ in scripts]
+        answers: list[list[list[int]]] = [[] for _ in scripts]
+        for k in range(4):  # round-robin: every agent's turn k, then k + 1 (sessions idle in between)
+            for i, (session, script) in enumerate(zip(sessions, scripts)):
+                answers[i].append(_turn(core, session.session_id, script[k])["tokens"][0])
+        for session in sessions:
+            core.sessions.close(session.session_id)
+        assert core.block_manager.num_used_blocks == 0
+        return answers
+
+    roomy = make_core(tiny_loaded, block_size=4, num_kv_blocks=512)
+    tight = make_core(tiny_loaded, block_size=4, num_kv_blocks=40)
+    assert play(tight) == play(roomy)
+    assert tight.sessions.num_evictions > 0 and roomy.sessions.num_evictions == 0
+
+
+@pytest.mark.slow
+def test_fan_out_memory_shares_the_prompt(default_model) -> None:
+    core = make_core(default_model, block_size=8, num_kv_blocks=400, max_num_batched_tokens=1024)
+    prompt = [random.Random(2).randrange(2, 20000) for _ in range(1000)]
+    params = SamplingParams(max_tokens=4, temperature=1.0, seed=1, n=8, ignore_eos=True)
+    core.add_request(prompt, params)
+    peak = 0
+    while core.has_work():
+        core.step()
+        peak = max(peak, core.block_manager.num_used_blocks)
+    prompt_blocks = -(-1000 // 8)
+    # the prompt once, plus per candidate its copy of the partial last block and the blocks of its new tokens
+    assert peak <= prompt_blocks + 8 * (1 + -(-4 // 8))
+    assert core.block_manager.num_used_blocks == 0
+
+
+def test_busy_unknown_expired_and_aborted_turns(tiny_loaded) -> None:
+    core = make_core(tiny_loaded, block_size=4)
+    session = core.sessions.open(ttl=5.0)
+    request = core.add_session_turn(session.session_id, [5, 6, 7], GREEDY)
+    with pytest.raises(SessionBusy):
+        core.add_session_turn(session.session_id, [8], GREEDY)
+    core.step()
+    core.abort_request(request.request_id)  # an aborted turn leaves the session as it was
+    while core.has_work():
+        core.step()
+    assert session.token_ids == [] and session.busy is None
+    _turn(core, session.session_id, [5, 6, 7])
+    assert len(session.token_ids) == 3 + GREEDY.max_tokens
+    with pytest.raises(UnknownSession):
+        core.add_session_turn("nope", [1], GREEDY)
+    with pytest.raises(InvalidRequest):
+        core.add_session_turn(session.session_id, [], GREEDY)
+    with pytest.raises(InvalidRequest):  # too long for the context: nothing changes
+        core.add_session_turn(session.session_id, [3] * 10_000, GREEDY)
+    assert session.busy is None
+    assert core.sessions.expire(now=session.last_used + 6.0) == [session.session_id]
+    with pytest.raises(UnknownSession):
+        core.sessions.get(session.session_id)
+    assert core.block_manager.num_used_blocks == 0
+
+
+def test_session_cap(tiny_loaded) -> None:
+    from cbd.errors import CapacityExceeded
+
+    core = make_core(tiny_loaded, max_sessions=2)
+    core.sessions.open()
+    core.sessions.open()
+    with pytest.raises(CapacityExceeded):
+        core.sessions.open()
