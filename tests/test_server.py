@@ -129,7 +129,59 @@ def test_missing_prompt_and_sessions(daemon) -> None:  # type: ignore[no-untyped
         assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "prompt is required" in info.value.details()
         with pytest.raises(grpc.RpcError) as info:
             list(stub.Generate(pb.GenerateRequest(text="hi", session_id="s1")))
-        assert info.value.code() == grpc.StatusCode.UNIMPLEMENTED
+        assert info.value.code() == grpc.StatusCode.NOT_FOUND and "no open session" in info.value.details()
+
+
+def test_chat_session_turns_equal_stateless_and_reuse_kv(client) -> None:  # type: ignore[no-untyped-def]
+    system = [{"role": "system", "content": "You are a helpful assistant. Answer in one short sentence."}]
+    questions = ["What is the capital of France?", "And of Italy?", "Which of the two is larger?",
+                 "Name a river in the first one.", "Thanks! Say goodbye."]  # fmt: skip
+    conversation = list(system)
+    with client.session(system, ttl=60) as session:
+        assert session.info().is_chat
+        previous_prompt = 0
+        for k, q in enumerate(questions):
+            turn = [{"role": "user", "content": q}]
+            reply = session.send(turn, max_tokens=24, temperature=0)
+            conversation += turn
+            stateless = client.generate(conversation, max_tokens=24, temperature=0)
+            assert reply.text == stateless.text, k
+            assert reply.usage.prompt_tokens == stateless.usage.prompt_tokens, k  # same rendered conversation
+            if k:  # the whole history was resident (the reply's end marker is re-rendered by the template)
+                assert reply.usage.cached_prompt_tokens >= previous_prompt, k
+            previous_prompt = reply.usage.prompt_tokens
+            conversation.append({"role": "assistant", "content": reply.text})
+        info = session.info()
+        assert info.num_tokens >= previous_prompt and info.resident_blocks > 0 and not info.busy
+    with pytest.raises(CbdError) as gone:
+        client.get_session(info.session_id)
+    assert gone.value.code == grpc.StatusCode.NOT_FOUND
+    wait_until_idle(client)
+
+
+def test_session_fan_out_choose_fork_and_busy(client) -> None:  # type: ignore[no-untyped-def]
+    with client.session([{"role": "system", "content": "Be brief."}]) as session:
+        options = session.send([{"role": "user", "content": "Name a fruit."}], n=3, temperature=1.0, seed=5, max_tokens=8)
+        assert len(options.candidates) == 3 and session.info().pending_candidates == 3
+        with pytest.raises(CbdError) as info:  # the next turn must name the candidate that continues
+            session.send([{"role": "user", "content": "Why?"}], max_tokens=4)
+        assert info.value.code == grpc.StatusCode.FAILED_PRECONDITION and "parent_candidate" in info.value.details
+        branch = session.fork(candidate=0)
+        session.choose(2)
+        session.send([{"role": "user", "content": "Why that one?"}], max_tokens=8, temperature=0)
+        assert session.info().pending_candidates == 0
+        stream = session.stream([{"role": "user", "content": "Tell me more, at length."}], max_tokens=2000,
+                                temperature=0, ignore_eos=True)  # fmt: skip
+        next(stream)
+        with pytest.raises(CbdError) as info:  # one turn at a time
+            session.send([{"role": "user", "content": "Hello?"}], max_tokens=4)
+        assert info.value.code == grpc.StatusCode.FAILED_PRECONDITION
+        stream.close()
+        with branch:
+            alone = branch.send([{"role": "user", "content": "Why?"}], max_tokens=8, temperature=0)
+            assert alone.usage.cached_prompt_tokens > 0
+    time.sleep(0.2)
+    wait_until_idle(client)
 
 
 def test_model_info_tokenize_and_reflection(client, daemon) -> None:  # type: ignore[no-untyped-def]

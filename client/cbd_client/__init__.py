@@ -4,9 +4,10 @@ from cbd_client.aio import AsyncClient
 from cbd_client.address import default_address
 from cbd_client.client import Client
 from cbd_client.errors import CbdError
-from cbd_client.types import Candidate, Completion, Delta, ModelInfo, Stats, TokenLogprob, Usage
+from cbd_client.session import AsyncSession, Session
+from cbd_client.types import Candidate, Completion, Delta, ModelInfo, SessionInfo, Stats, TokenLogprob, Usage
 
 __all__ = [
-    "AsyncClient", "Candidate", "CbdError", "Client", "Completion", "Delta", "ModelInfo", "Stats",
-    "TokenLogprob", "Usage", "default_address",
+    "AsyncClient", "AsyncSession", "Candidate", "CbdError", "Client", "Completion", "Delta", "ModelInfo",
+    "Session", "SessionInfo", "Stats", "TokenLogprob", "Usage", "default_address",
 ]

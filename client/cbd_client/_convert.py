@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from cbd_client.types import Candidate, Completion, Delta, ModelInfo, Stats, TokenLogprob, Usage
+from cbd_client.types import Candidate, Completion, Delta, ModelInfo, SessionInfo, Stats, TokenLogprob, Usage
 from cbd_client.v1 import cbd_pb2 as pb
 
 Prompt = str | Sequence[int] | Sequence[dict[str, str]]
@@ -18,23 +18,28 @@ _FINISH = {
 _SAMPLING_FIELDS = frozenset(pb.SamplingParams.DESCRIPTOR.fields_by_name)
 
 
-def set_prompt(message: pb.GenerateRequest | pb.TokenizeRequest, prompt: Prompt) -> None:
+def set_prompt(message: pb.GenerateRequest | pb.TokenizeRequest | pb.OpenSessionRequest, prompt: Prompt) -> None:
     """A str is text; a list of ints is token ids; a list of {"role", "content"} dicts is a chat."""
     if isinstance(prompt, str):
         message.text = prompt
     elif prompt and all(isinstance(m, dict) for m in prompt):
         message.chat.messages.extend(pb.ChatMessage(role=m["role"], content=m["content"]) for m in prompt)  # type: ignore[index]
-    elif isinstance(message, pb.GenerateRequest) and all(isinstance(t, int) for t in prompt):
+    elif isinstance(message, (pb.GenerateRequest, pb.OpenSessionRequest)) and all(isinstance(t, int) for t in prompt):
         message.tokens.ids.extend(prompt)  # type: ignore[arg-type]
     else:
         raise TypeError("prompt must be a str, a list of token ids, or a list of chat message dicts")
 
 
-def generate_request(prompt: Prompt, n: int, request_id: str, sampling: dict[str, object]) -> pb.GenerateRequest:
+def generate_request(
+    prompt: Prompt, n: int, request_id: str, sampling: dict[str, object], session_id: str = "",
+    parent_candidate: int | None = None,
+) -> pb.GenerateRequest:  # fmt: skip
     unknown = sorted(set(sampling) - _SAMPLING_FIELDS)
     if unknown:
         raise TypeError(f"unknown sampling parameters {unknown}; known: {sorted(_SAMPLING_FIELDS)}")
-    request = pb.GenerateRequest(n=n, request_id=request_id)
+    request = pb.GenerateRequest(n=n, request_id=request_id, session_id=session_id)
+    if parent_candidate is not None:
+        request.parent_candidate = parent_candidate
     set_prompt(request, prompt)
     for name, value in sampling.items():
         if value is None:
@@ -100,3 +105,14 @@ def model_info(message: pb.ModelInfo) -> ModelInfo:
 
 def stats(message: pb.Stats) -> Stats:
     return Stats(**{f.name: getattr(message, f.name) for f in pb.Stats.DESCRIPTOR.fields})
+
+
+def session_info(message: pb.SessionInfo) -> SessionInfo:
+    return SessionInfo(**{f.name: getattr(message, f.name) for f in pb.SessionInfo.DESCRIPTOR.fields})
+
+
+def open_session_request(prefix: Prompt | None, ttl: float | None) -> pb.OpenSessionRequest:
+    request = pb.OpenSessionRequest(ttl_seconds=ttl or 0.0)
+    if prefix is not None:
+        set_prompt(request, prefix)
+    return request

@@ -17,7 +17,8 @@ from cbd_client import _convert
 from cbd_client._convert import Prompt
 from cbd_client.address import default_address
 from cbd_client.errors import CbdError
-from cbd_client.types import Completion, Delta, ModelInfo, Stats
+from cbd_client.session import AsyncSession
+from cbd_client.types import Completion, Delta, ModelInfo, SessionInfo, Stats
 from cbd_client.v1 import cbd_pb2 as pb
 from cbd_client.v1.cbd_pb2_grpc import CbdStub
 
@@ -29,9 +30,9 @@ class AsyncClient:
         self._channel = grpc.aio.insecure_channel(self.address)
         self._stub = CbdStub(self._channel)
 
-    async def generate(self, prompt: Prompt, *, n: int = 1, request_id: str = "", timeout: float | None = None, **sampling) -> Completion:  # type: ignore[no-untyped-def]
+    async def generate(self, prompt: Prompt, *, n: int = 1, request_id: str = "", timeout: float | None = None, session_id: str = "", parent_candidate: int | None = None, **sampling) -> Completion:  # type: ignore[no-untyped-def]
         builder = _convert.CompletionBuilder(n)
-        request = _convert.generate_request(prompt, n, request_id, sampling)
+        request = _convert.generate_request(prompt, n, request_id, sampling, session_id, parent_candidate)
         try:
             async for response in self._stub.Generate(request, timeout=timeout or self.timeout):
                 builder.add(response)
@@ -39,9 +40,9 @@ class AsyncClient:
             raise CbdError.from_rpc(e) from None
         return builder.result()
 
-    async def stream(self, prompt: Prompt, *, n: int = 1, request_id: str = "", timeout: float | None = None, **sampling) -> AsyncIterator[Delta]:  # type: ignore[no-untyped-def]
+    async def stream(self, prompt: Prompt, *, n: int = 1, request_id: str = "", timeout: float | None = None, session_id: str = "", parent_candidate: int | None = None, **sampling) -> AsyncIterator[Delta]:  # type: ignore[no-untyped-def]
         """Yield deltas as they arrive; closing the iterator early cancels the request on the daemon."""
-        request = _convert.generate_request(prompt, n, request_id, sampling)
+        request = _convert.generate_request(prompt, n, request_id, sampling, session_id, parent_candidate)
         call = self._stub.Generate(request, timeout=timeout or self.timeout)
         try:
             async for response in call:
@@ -62,6 +63,23 @@ class AsyncClient:
 
     async def stats(self) -> Stats:
         return _convert.stats(await self._call(self._stub.GetStats, pb.GetStatsRequest()))
+
+    async def session(self, prefix: Prompt | None = None, ttl: float | None = None) -> AsyncSession:
+        """Open a session (optionally starting with a system prompt or earlier messages)."""
+        info = _convert.session_info(await self._call(self._stub.OpenSession, _convert.open_session_request(prefix, ttl)))
+        return AsyncSession(self, info)
+
+    async def get_session(self, session_id: str) -> SessionInfo:
+        return _convert.session_info(await self._call(self._stub.GetSession, pb.GetSessionRequest(session_id=session_id)))
+
+    async def fork_session(self, session_id: str, candidate: int | None = None, ttl: float | None = None) -> SessionInfo:
+        request = pb.ForkSessionRequest(session_id=session_id, ttl_seconds=ttl or 0.0)
+        if candidate is not None:
+            request.candidate = candidate
+        return _convert.session_info(await self._call(self._stub.ForkSession, request))
+
+    async def close_session(self, session_id: str) -> None:
+        await self._call(self._stub.CloseSession, pb.CloseSessionRequest(session_id=session_id))
 
     async def wait_ready(self, timeout: float = 120.0) -> ModelInfo:
         deadline = time.monotonic() + timeout

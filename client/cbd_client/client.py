@@ -20,7 +20,8 @@ from cbd_client import _convert
 from cbd_client._convert import Prompt
 from cbd_client.address import default_address
 from cbd_client.errors import CbdError
-from cbd_client.types import Completion, Delta, ModelInfo, Stats
+from cbd_client.session import Session
+from cbd_client.types import Completion, Delta, ModelInfo, SessionInfo, Stats
 from cbd_client.v1 import cbd_pb2 as pb
 from cbd_client.v1.cbd_pb2_grpc import CbdStub
 
@@ -32,10 +33,10 @@ class Client:
         self._channel = grpc.insecure_channel(self.address)
         self._stub = CbdStub(self._channel)
 
-    def generate(self, prompt: Prompt, *, n: int = 1, request_id: str = "", timeout: float | None = None, **sampling) -> Completion:  # type: ignore[no-untyped-def]
+    def generate(self, prompt: Prompt, *, n: int = 1, request_id: str = "", timeout: float | None = None, session_id: str = "", parent_candidate: int | None = None, **sampling) -> Completion:  # type: ignore[no-untyped-def]
         """Run to completion and return every candidate."""
         builder = _convert.CompletionBuilder(n)
-        request = _convert.generate_request(prompt, n, request_id, sampling)
+        request = _convert.generate_request(prompt, n, request_id, sampling, session_id, parent_candidate)
         try:
             for response in self._stub.Generate(request, timeout=timeout or self.timeout):
                 builder.add(response)
@@ -43,9 +44,9 @@ class Client:
             raise CbdError.from_rpc(e) from None
         return builder.result()
 
-    def stream(self, prompt: Prompt, *, n: int = 1, request_id: str = "", timeout: float | None = None, **sampling) -> Iterator[Delta]:  # type: ignore[no-untyped-def]
+    def stream(self, prompt: Prompt, *, n: int = 1, request_id: str = "", timeout: float | None = None, session_id: str = "", parent_candidate: int | None = None, **sampling) -> Iterator[Delta]:  # type: ignore[no-untyped-def]
         """Yield deltas as they arrive; leaving the loop early cancels the request on the daemon."""
-        request = _convert.generate_request(prompt, n, request_id, sampling)
+        request = _convert.generate_request(prompt, n, request_id, sampling, session_id, parent_candidate)
         call = self._stub.Generate(request, timeout=timeout or self.timeout)
         try:
             for response in call:
@@ -65,6 +66,23 @@ class Client:
 
     def stats(self) -> Stats:
         return _convert.stats(self._call(self._stub.GetStats, pb.GetStatsRequest()))
+
+    def session(self, prefix: Prompt | None = None, ttl: float | None = None) -> Session:
+        """Open a session (optionally starting with a system prompt or earlier messages)."""
+        info = _convert.session_info(self._call(self._stub.OpenSession, _convert.open_session_request(prefix, ttl)))
+        return Session(self, info)
+
+    def get_session(self, session_id: str) -> SessionInfo:
+        return _convert.session_info(self._call(self._stub.GetSession, pb.GetSessionRequest(session_id=session_id)))
+
+    def fork_session(self, session_id: str, candidate: int | None = None, ttl: float | None = None) -> SessionInfo:
+        request = pb.ForkSessionRequest(session_id=session_id, ttl_seconds=ttl or 0.0)
+        if candidate is not None:
+            request.candidate = candidate
+        return _convert.session_info(self._call(self._stub.ForkSession, request))
+
+    def close_session(self, session_id: str) -> None:
+        self._call(self._stub.CloseSession, pb.CloseSessionRequest(session_id=session_id))
 
     def wait_ready(self, timeout: float = 120.0) -> ModelInfo:
         """Block until the daemon is up and warm (it answers UNAVAILABLE while loading)."""

@@ -87,3 +87,17 @@ class Stats:
     num_preemptions: int
     num_steps: int
     generated_tokens: int
+    open_sessions: int = 0
+    session_evictions: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class SessionInfo:
+    session_id: str
+    num_tokens: int  # tokens in the session's history
+    resident_blocks: int  # KV blocks held now (0 after a release under memory pressure)
+    pending_candidates: int  # candidates of an n > 1 turn waiting for the next turn to pick one
+    idle_seconds: float
+    busy: bool
+    ttl_seconds: float
+    is_chat: bool

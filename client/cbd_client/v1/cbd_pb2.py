@@ -24,15 +24,15 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x10\x63\x62\x64/v1/cbd.proto\x12\x06\x63\x62\x64.v1\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"k\n\x04\x43hat\x12%\n\x08messages\x18\x01 \x03(\x0b\x32\x13.cbd.v1.ChatMessage\x12\"\n\x15\x61\x64\x64_generation_prompt\x18\x02 \x01(\x08H\x00\x88\x01\x01\x42\x18\n\x16_add_generation_prompt\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"\xd6\x02\n\x0eSamplingParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\rH\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x02\x88\x01\x01\x12\x12\n\x05top_k\x18\x04 \x01(\rH\x03\x88\x01\x01\x12\x12\n\x05min_p\x18\x05 \x01(\x02H\x04\x88\x01\x01\x12\x11\n\x04seed\x18\x06 \x01(\x04H\x05\x88\x01\x01\x12\x0c\n\x04stop\x18\x07 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x08 \x03(\r\x12\x12\n\nignore_eos\x18\t \x01(\x08\x12\x15\n\x08logprobs\x18\n \x01(\rH\x06\x88\x01\x01\x12\x1e\n\x16include_special_tokens\x18\x0b \x01(\x08\x42\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x08\n\x06_min_pB\x07\n\x05_seedB\x0b\n\t_logprobs\"\xc9\x01\n\x0fGenerateRequest\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12\x1c\n\x04\x63hat\x18\x02 \x01(\x0b\x32\x0c.cbd.v1.ChatH\x00\x12\"\n\x06tokens\x18\x03 \x01(\x0b\x32\x10.cbd.v1.TokenIdsH\x00\x12(\n\x08sampling\x18\x04 \x01(\x0b\x32\x16.cbd.v1.SamplingParams\x12\t\n\x01n\x18\x05 \x01(\r\x12\x12\n\nrequest_id\x18\x06 \x01(\t\x12\x12\n\nsession_id\x18\x07 \x01(\tB\x07\n\x05input\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"R\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\x1f\n\x03top\x18\x03 \x03(\x0b\x32\x12.cbd.v1.TopLogprob\"W\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x02 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x03 \x01(\r\"\xb3\x01\n\x0e\x43\x61ndidateDelta\x12\r\n\x05index\x18\x01 \x01(\r\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12&\n\x08logprobs\x18\x04 \x03(\x0b\x32\x14.cbd.v1.TokenLogprob\x12+\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x14.cbd.v1.FinishReason\x12\x1c\n\x05usage\x18\x06 \x01(\x0b\x32\r.cbd.v1.Usage\"p\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12*\n\ncandidates\x18\x02 \x03(\x0b\x32\x16.cbd.v1.CandidateDelta\x12\x1c\n\x05usage\x18\x03 \x01(\x0b\x32\r.cbd.v1.Usage\"H\n\x0fTokenizeRequest\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12\x1c\n\x04\x63hat\x18\x02 \x01(\x0b\x32\x0c.cbd.v1.ChatH\x00\x42\x07\n\x05input\"4\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\r\n\x05\x63ount\x18\x02 \x01(\r\"\x15\n\x13GetModelInfoRequest\"\xea\x02\n\tModelInfo\x12\r\n\x05model\x18\x01 \x01(\t\x12\x14\n\x0c\x61rchitecture\x18\x02 \x01(\t\x12\x16\n\x0e\x63ontext_length\x18\x03 \x01(\r\x12\x12\n\nvocab_size\x18\x04 \x01(\r\x12\r\n\x05\x64type\x18\x05 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x06 \x01(\t\x12\x12\n\nblock_size\x18\x07 \x01(\r\x12\x15\n\rnum_kv_blocks\x18\x08 \x01(\r\x12\x14\n\x0cmax_num_seqs\x18\t \x01(\r\x12\x1e\n\x16max_num_batched_tokens\x18\n \x01(\r\x12\r\n\x05max_n\x18\x0b \x01(\r\x12\x14\n\x0cmax_logprobs\x18\x0c \x01(\r\x12\x18\n\x10max_stop_strings\x18\r \x01(\r\x12\x1b\n\x13max_queued_requests\x18\x0e \x01(\r\x12\x15\n\reos_token_ids\x18\x0f \x03(\r\x12\x19\n\x11has_chat_template\x18\x10 \x01(\x08\"\x11\n\x0fGetStatsRequest\"\x81\x02\n\x05Stats\x12\x0f\n\x07running\x18\x01 \x01(\r\x12\x0f\n\x07waiting\x18\x02 \x01(\r\x12\x15\n\rlive_requests\x18\x03 \x01(\r\x12\x17\n\x0fkv_blocks_total\x18\x04 \x01(\r\x12\x16\n\x0ekv_blocks_used\x18\x05 \x01(\r\x12\x16\n\x0ekv_blocks_free\x18\x06 \x01(\r\x12\x18\n\x10kv_blocks_cached\x18\x07 \x01(\r\x12\x16\n\x0euptime_seconds\x18\x08 \x01(\x01\x12\x17\n\x0fnum_preemptions\x18\t \x01(\x04\x12\x11\n\tnum_steps\x18\n \x01(\x04\x12\x18\n\x10generated_tokens\x18\x0b \x01(\x04*\x91\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x12\x17\n\x13\x46INISH_REASON_ERROR\x10\x04\x32\xf9\x01\n\x03\x43\x62\x64\x12?\n\x08Generate\x12\x17.cbd.v1.GenerateRequest\x1a\x18.cbd.v1.GenerateResponse0\x01\x12=\n\x08Tokenize\x12\x17.cbd.v1.TokenizeRequest\x1a\x18.cbd.v1.TokenizeResponse\x12>\n\x0cGetModelInfo\x12\x1b.cbd.v1.GetModelInfoRequest\x1a\x11.cbd.v1.ModelInfo\x12\x32\n\x08GetStats\x12\x17.cbd.v1.GetStatsRequest\x1a\r.cbd.v1.Statsb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x10\x63\x62\x64/v1/cbd.proto\x12\x06\x63\x62\x64.v1\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"k\n\x04\x43hat\x12%\n\x08messages\x18\x01 \x03(\x0b\x32\x13.cbd.v1.ChatMessage\x12\"\n\x15\x61\x64\x64_generation_prompt\x18\x02 \x01(\x08H\x00\x88\x01\x01\x42\x18\n\x16_add_generation_prompt\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"\xd6\x02\n\x0eSamplingParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\rH\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x02\x88\x01\x01\x12\x12\n\x05top_k\x18\x04 \x01(\rH\x03\x88\x01\x01\x12\x12\n\x05min_p\x18\x05 \x01(\x02H\x04\x88\x01\x01\x12\x11\n\x04seed\x18\x06 \x01(\x04H\x05\x88\x01\x01\x12\x0c\n\x04stop\x18\x07 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x08 \x03(\r\x12\x12\n\nignore_eos\x18\t \x01(\x08\x12\x15\n\x08logprobs\x18\n \x01(\rH\x06\x88\x01\x01\x12\x1e\n\x16include_special_tokens\x18\x0b \x01(\x08\x42\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x08\n\x06_min_pB\x07\n\x05_seedB\x0b\n\t_logprobs\"\xfd\x01\n\x0fGenerateRequest\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12\x1c\n\x04\x63hat\x18\x02 \x01(\x0b\x32\x0c.cbd.v1.ChatH\x00\x12\"\n\x06tokens\x18\x03 \x01(\x0b\x32\x10.cbd.v1.TokenIdsH\x00\x12(\n\x08sampling\x18\x04 \x01(\x0b\x32\x16.cbd.v1.SamplingParams\x12\t\n\x01n\x18\x05 \x01(\r\x12\x12\n\nrequest_id\x18\x06 \x01(\t\x12\x12\n\nsession_id\x18\x07 \x01(\t\x12\x1d\n\x10parent_candidate\x18\x08 \x01(\rH\x01\x88\x01\x01\x42\x07\n\x05inputB\x13\n\x11_parent_candidate\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"R\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\x1f\n\x03top\x18\x03 \x03(\x0b\x32\x12.cbd.v1.TopLogprob\"W\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x02 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x03 \x01(\r\"\xb3\x01\n\x0e\x43\x61ndidateDelta\x12\r\n\x05index\x18\x01 \x01(\r\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12&\n\x08logprobs\x18\x04 \x03(\x0b\x32\x14.cbd.v1.TokenLogprob\x12+\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x14.cbd.v1.FinishReason\x12\x1c\n\x05usage\x18\x06 \x01(\x0b\x32\r.cbd.v1.Usage\"p\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12*\n\ncandidates\x18\x02 \x03(\x0b\x32\x16.cbd.v1.CandidateDelta\x12\x1c\n\x05usage\x18\x03 \x01(\x0b\x32\r.cbd.v1.Usage\"H\n\x0fTokenizeRequest\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12\x1c\n\x04\x63hat\x18\x02 \x01(\x0b\x32\x0c.cbd.v1.ChatH\x00\x42\x07\n\x05input\"4\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\r\n\x05\x63ount\x18\x02 \x01(\r\"\x15\n\x13GetModelInfoRequest\"\xea\x02\n\tModelInfo\x12\r\n\x05model\x18\x01 \x01(\t\x12\x14\n\x0c\x61rchitecture\x18\x02 \x01(\t\x12\x16\n\x0e\x63ontext_length\x18\x03 \x01(\r\x12\x12\n\nvocab_size\x18\x04 \x01(\r\x12\r\n\x05\x64type\x18\x05 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x06 \x01(\t\x12\x12\n\nblock_size\x18\x07 \x01(\r\x12\x15\n\rnum_kv_blocks\x18\x08 \x01(\r\x12\x14\n\x0cmax_num_seqs\x18\t \x01(\r\x12\x1e\n\x16max_num_batched_tokens\x18\n \x01(\r\x12\r\n\x05max_n\x18\x0b \x01(\r\x12\x14\n\x0cmax_logprobs\x18\x0c \x01(\r\x12\x18\n\x10max_stop_strings\x18\r \x01(\r\x12\x1b\n\x13max_queued_requests\x18\x0e \x01(\r\x12\x15\n\reos_token_ids\x18\x0f \x03(\r\x12\x19\n\x11has_chat_template\x18\x10 \x01(\x08\"\x11\n\x0fGetStatsRequest\"\xb3\x02\n\x05Stats\x12\x0f\n\x07running\x18\x01 \x01(\r\x12\x0f\n\x07waiting\x18\x02 \x01(\r\x12\x15\n\rlive_requests\x18\x03 \x01(\r\x12\x17\n\x0fkv_blocks_total\x18\x04 \x01(\r\x12\x16\n\x0ekv_blocks_used\x18\x05 \x01(\r\x12\x16\n\x0ekv_blocks_free\x18\x06 \x01(\r\x12\x18\n\x10kv_blocks_cached\x18\x07 \x01(\r\x12\x16\n\x0euptime_seconds\x18\x08 \x01(\x01\x12\x17\n\x0fnum_preemptions\x18\t \x01(\x04\x12\x11\n\tnum_steps\x18\n \x01(\x04\x12\x18\n\x10generated_tokens\x18\x0b \x01(\x04\x12\x15\n\ropen_sessions\x18\x0c \x01(\r\x12\x19\n\x11session_evictions\x18\r \x01(\x04\"\x85\x01\n\x12OpenSessionRequest\x12\x13\n\x0bttl_seconds\x18\x01 \x01(\x01\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12\x1c\n\x04\x63hat\x18\x03 \x01(\x0b\x32\x0c.cbd.v1.ChatH\x00\x12\"\n\x06tokens\x18\x04 \x01(\x0b\x32\x10.cbd.v1.TokenIdsH\x00\x42\x08\n\x06prefix\"\xb4\x01\n\x0bSessionInfo\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x12\n\nnum_tokens\x18\x02 \x01(\r\x12\x17\n\x0fresident_blocks\x18\x03 \x01(\r\x12\x1a\n\x12pending_candidates\x18\x04 \x01(\r\x12\x14\n\x0cidle_seconds\x18\x05 \x01(\x01\x12\x0c\n\x04\x62usy\x18\x06 \x01(\x08\x12\x13\n\x0bttl_seconds\x18\x07 \x01(\x01\x12\x0f\n\x07is_chat\x18\x08 \x01(\x08\")\n\x13\x43loseSessionRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\"\x16\n\x14\x43loseSessionResponse\"\'\n\x11GetSessionRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\"c\n\x12\x46orkSessionRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x16\n\tcandidate\x18\x02 \x01(\rH\x00\x88\x01\x01\x12\x13\n\x0bttl_seconds\x18\x03 \x01(\x01\x42\x0c\n\n_candidate*\x91\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x12\x17\n\x13\x46INISH_REASON_ERROR\x10\x04\x32\x82\x04\n\x03\x43\x62\x64\x12?\n\x08Generate\x12\x17.cbd.v1.GenerateRequest\x1a\x18.cbd.v1.GenerateResponse0\x01\x12=\n\x08Tokenize\x12\x17.cbd.v1.TokenizeRequest\x1a\x18.cbd.v1.TokenizeResponse\x12>\n\x0cGetModelInfo\x12\x1b.cbd.v1.GetModelInfoRequest\x1a\x11.cbd.v1.ModelInfo\x12\x32\n\x08GetStats\x12\x17.cbd.v1.GetStatsRequest\x1a\r.cbd.v1.Stats\x12>\n\x0bOpenSession\x12\x1a.cbd.v1.OpenSessionRequest\x1a\x13.cbd.v1.SessionInfo\x12I\n\x0c\x43loseSession\x12\x1b.cbd.v1.CloseSessionRequest\x1a\x1c.cbd.v1.CloseSessionResponse\x12<\n\nGetSession\x12\x19.cbd.v1.GetSessionRequest\x1a\x13.cbd.v1.SessionInfo\x12>\n\x0b\x46orkSession\x12\x1a.cbd.v1.ForkSessionRequest\x1a\x13.cbd.v1.SessionInfob\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'cbd.v1.cbd_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_FINISHREASON']._serialized_start=2071
-  _globals['_FINISHREASON']._serialized_end=2216
+  _globals['_FINISHREASON']._serialized_start=2701
+  _globals['_FINISHREASON']._serialized_end=2846
   _globals['_CHATMESSAGE']._serialized_start=28
   _globals['_CHATMESSAGE']._serialized_end=72
   _globals['_CHAT']._serialized_start=74
@@ -42,29 +42,41 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_SAMPLINGPARAMS']._serialized_start=209
   _globals['_SAMPLINGPARAMS']._serialized_end=551
   _globals['_GENERATEREQUEST']._serialized_start=554
-  _globals['_GENERATEREQUEST']._serialized_end=755
-  _globals['_TOPLOGPROB']._serialized_start=757
-  _globals['_TOPLOGPROB']._serialized_end=804
-  _globals['_TOKENLOGPROB']._serialized_start=806
-  _globals['_TOKENLOGPROB']._serialized_end=888
-  _globals['_USAGE']._serialized_start=890
-  _globals['_USAGE']._serialized_end=977
-  _globals['_CANDIDATEDELTA']._serialized_start=980
-  _globals['_CANDIDATEDELTA']._serialized_end=1159
-  _globals['_GENERATERESPONSE']._serialized_start=1161
-  _globals['_GENERATERESPONSE']._serialized_end=1273
-  _globals['_TOKENIZEREQUEST']._serialized_start=1275
-  _globals['_TOKENIZEREQUEST']._serialized_end=1347
-  _globals['_TOKENIZERESPONSE']._serialized_start=1349
-  _globals['_TOKENIZERESPONSE']._serialized_end=1401
-  _globals['_GETMODELINFOREQUEST']._serialized_start=1403
-  _globals['_GETMODELINFOREQUEST']._serialized_end=1424
-  _globals['_MODELINFO']._serialized_start=1427
-  _globals['_MODELINFO']._serialized_end=1789
-  _globals['_GETSTATSREQUEST']._serialized_start=1791
-  _globals['_GETSTATSREQUEST']._serialized_end=1808
-  _globals['_STATS']._serialized_start=1811
-  _globals['_STATS']._serialized_end=2068
-  _globals['_CBD']._serialized_start=2219
-  _globals['_CBD']._serialized_end=2468
+  _globals['_GENERATEREQUEST']._serialized_end=807
+  _globals['_TOPLOGPROB']._serialized_start=809
+  _globals['_TOPLOGPROB']._serialized_end=856
+  _globals['_TOKENLOGPROB']._serialized_start=858
+  _globals['_TOKENLOGPROB']._serialized_end=940
+  _globals['_USAGE']._serialized_start=942
+  _globals['_USAGE']._serialized_end=1029
+  _globals['_CANDIDATEDELTA']._serialized_start=1032
+  _globals['_CANDIDATEDELTA']._serialized_end=1211
+  _globals['_GENERATERESPONSE']._serialized_start=1213
+  _globals['_GENERATERESPONSE']._serialized_end=1325
+  _globals['_TOKENIZEREQUEST']._serialized_start=1327
+  _globals['_TOKENIZEREQUEST']._serialized_end=1399
+  _globals['_TOKENIZERESPONSE']._serialized_start=1401
+  _globals['_TOKENIZERESPONSE']._serialized_end=1453
+  _globals['_GETMODELINFOREQUEST']._serialized_start=1455
+  _globals['_GETMODELINFOREQUEST']._serialized_end=1476
+  _globals['_MODELINFO']._serialized_start=1479
+  _globals['_MODELINFO']._serialized_end=1841
+  _globals['_GETSTATSREQUEST']._serialized_start=1843
+  _globals['_GETSTATSREQUEST']._serialized_end=1860
+  _globals['_STATS']._serialized_start=1863
+  _globals['_STATS']._serialized_end=2170
+  _globals['_OPENSESSIONREQUEST']._serialized_start=2173
+  _globals['_OPENSESSIONREQUEST']._serialized_end=2306
+  _globals['_SESSIONINFO']._serialized_start=2309
+  _globals['_SESSIONINFO']._serialized_end=2489
+  _globals['_CLOSESESSIONREQUEST']._serialized_start=2491
+  _globals['_CLOSESESSIONREQUEST']._serialized_end=2532
+  _globals['_CLOSESESSIONRESPONSE']._serialized_start=2534
+  _globals['_CLOSESESSIONRESPONSE']._serialized_end=2556
+  _globals['_GETSESSIONREQUEST']._serialized_start=2558
+  _globals['_GETSESSIONREQUEST']._serialized_end=2597
+  _globals['_FORKSESSIONREQUEST']._serialized_start=2599
+  _globals['_FORKSESSIONREQUEST']._serialized_end=2698
+  _globals['_CBD']._serialized_start=2849
+  _globals['_CBD']._serialized_end=3363
 # @@protoc_insertion_point(module_scope)

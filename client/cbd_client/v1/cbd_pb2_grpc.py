@@ -54,6 +54,26 @@ class CbdStub:
                 request_serializer=cbd_dot_v1_dot_cbd__pb2.GetStatsRequest.SerializeToString,
                 response_deserializer=cbd_dot_v1_dot_cbd__pb2.Stats.FromString,
                 _registered_method=True)
+        self.OpenSession = channel.unary_unary(
+                '/cbd.v1.Cbd/OpenSession',
+                request_serializer=cbd_dot_v1_dot_cbd__pb2.OpenSessionRequest.SerializeToString,
+                response_deserializer=cbd_dot_v1_dot_cbd__pb2.SessionInfo.FromString,
+                _registered_method=True)
+        self.CloseSession = channel.unary_unary(
+                '/cbd.v1.Cbd/CloseSession',
+                request_serializer=cbd_dot_v1_dot_cbd__pb2.CloseSessionRequest.SerializeToString,
+                response_deserializer=cbd_dot_v1_dot_cbd__pb2.CloseSessionResponse.FromString,
+                _registered_method=True)
+        self.GetSession = channel.unary_unary(
+                '/cbd.v1.Cbd/GetSession',
+                request_serializer=cbd_dot_v1_dot_cbd__pb2.GetSessionRequest.SerializeToString,
+                response_deserializer=cbd_dot_v1_dot_cbd__pb2.SessionInfo.FromString,
+                _registered_method=True)
+        self.ForkSession = channel.unary_unary(
+                '/cbd.v1.Cbd/ForkSession',
+                request_serializer=cbd_dot_v1_dot_cbd__pb2.ForkSessionRequest.SerializeToString,
+                response_deserializer=cbd_dot_v1_dot_cbd__pb2.SessionInfo.FromString,
+                _registered_method=True)
 
 
 class CbdServicer:
@@ -89,6 +109,37 @@ class CbdServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def OpenSession(self, request, context):
+        """Sessions: multi-turn conversations whose KV cache stays resident between turns. A Generate call
+        with session_id carries only the new turn; the daemon prefills only what the session lacks.
+        A session accepts one turn at a time (a second concurrent turn is FAILED_PRECONDITION). Idle
+        sessions yield their KV to running requests under memory pressure (their tokens stay, the next
+        turn recomputes) and close themselves after their idle TTL.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def CloseSession(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GetSession(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ForkSession(self, request, context):
+        """A new session that continues from this one (or from one of its pending candidates), sharing its
+        KV copy-on-write: turns on either never change the other.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_CbdServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -111,6 +162,26 @@ def add_CbdServicer_to_server(servicer, server):
                     servicer.GetStats,
                     request_deserializer=cbd_dot_v1_dot_cbd__pb2.GetStatsRequest.FromString,
                     response_serializer=cbd_dot_v1_dot_cbd__pb2.Stats.SerializeToString,
+            ),
+            'OpenSession': grpc.unary_unary_rpc_method_handler(
+                    servicer.OpenSession,
+                    request_deserializer=cbd_dot_v1_dot_cbd__pb2.OpenSessionRequest.FromString,
+                    response_serializer=cbd_dot_v1_dot_cbd__pb2.SessionInfo.SerializeToString,
+            ),
+            'CloseSession': grpc.unary_unary_rpc_method_handler(
+                    servicer.CloseSession,
+                    request_deserializer=cbd_dot_v1_dot_cbd__pb2.CloseSessionRequest.FromString,
+                    response_serializer=cbd_dot_v1_dot_cbd__pb2.CloseSessionResponse.SerializeToString,
+            ),
+            'GetSession': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetSession,
+                    request_deserializer=cbd_dot_v1_dot_cbd__pb2.GetSessionRequest.FromString,
+                    response_serializer=cbd_dot_v1_dot_cbd__pb2.SessionInfo.SerializeToString,
+            ),
+            'ForkSession': grpc.unary_unary_rpc_method_handler(
+                    servicer.ForkSession,
+                    request_deserializer=cbd_dot_v1_dot_cbd__pb2.ForkSessionRequest.FromString,
+                    response_serializer=cbd_dot_v1_dot_cbd__pb2.SessionInfo.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -221,6 +292,114 @@ class Cbd:
             '/cbd.v1.Cbd/GetStats',
             cbd_dot_v1_dot_cbd__pb2.GetStatsRequest.SerializeToString,
             cbd_dot_v1_dot_cbd__pb2.Stats.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def OpenSession(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/cbd.v1.Cbd/OpenSession',
+            cbd_dot_v1_dot_cbd__pb2.OpenSessionRequest.SerializeToString,
+            cbd_dot_v1_dot_cbd__pb2.SessionInfo.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CloseSession(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/cbd.v1.Cbd/CloseSession',
+            cbd_dot_v1_dot_cbd__pb2.CloseSessionRequest.SerializeToString,
+            cbd_dot_v1_dot_cbd__pb2.CloseSessionResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetSession(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/cbd.v1.Cbd/GetSession',
+            cbd_dot_v1_dot_cbd__pb2.GetSessionRequest.SerializeToString,
+            cbd_dot_v1_dot_cbd__pb2.SessionInfo.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ForkSession(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/cbd.v1.Cbd/ForkSession',
+            cbd_dot_v1_dot_cbd__pb2.ForkSessionRequest.SerializeToString,
+            cbd_dot_v1_dot_cbd__pb2.SessionInfo.FromString,
             options,
             channel_credentials,
             insecure,

@@ -32,6 +32,10 @@ class PromptEncoder:
         return self.tokenizer
 
     def _chat(self, chat: pb.Chat) -> list[int]:
+        add_prompt = chat.add_generation_prompt if chat.HasField("add_generation_prompt") else True
+        return self.render(self.messages(chat), add_prompt)
+
+    def messages(self, chat: pb.Chat) -> list[dict]:
         if not self.has_chat_template:
             raise InvalidRequest("this model has no chat template; send text or token ids")
         if not chat.messages:
@@ -41,11 +45,19 @@ class PromptEncoder:
             if not m.role:
                 raise InvalidRequest(f"chat message {i} has no role")
             messages.append({"role": m.role, "content": m.content})
-        add_prompt = chat.add_generation_prompt if chat.HasField("add_generation_prompt") else True
+        return messages
+
+    def render(self, messages: list[dict], add_generation_prompt: bool) -> list[int]:
         try:
             rendered = self.tokenizer.apply_chat_template(
-                messages, add_generation_prompt=add_prompt, tokenize=True, return_dict=True
+                messages, add_generation_prompt=add_generation_prompt, tokenize=True, return_dict=True
             )
         except Exception as exc:  # jinja errors raised by the template itself (e.g. role order)
             raise InvalidRequest(f"the chat template rejected the messages: {exc}") from exc
         return list(rendered["input_ids"])
+
+    def continuation(self, message: pb.GenerateRequest | pb.OpenSessionRequest, field: str) -> list[int]:
+        """Token ids of text or token input that extends a session (no special tokens added)."""
+        if field == "tokens":
+            return list(message.tokens.ids)  # type: ignore[union-attr]
+        return self._tokenizer().encode(message.text, add_special_tokens=False)

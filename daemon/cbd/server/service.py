@@ -10,8 +10,9 @@ import grpc
 
 from cbd.engine.engine import Engine
 from cbd.engine.outputs import RequestOutput
-from cbd.engine.sampling_params import MAX_CANDIDATES, MAX_LOGPROBS, MAX_STOP_STRINGS
-from cbd.errors import EngineStopped, Unimplemented
+from cbd.engine.sampling_params import MAX_CANDIDATES, MAX_LOGPROBS, MAX_STOP_STRINGS, SamplingParams
+from cbd.engine.sessions import SessionInfo
+from cbd.errors import EngineStopped, InvalidRequest
 from cbd.server import convert, status
 from cbd.server.metrics import Metrics
 from cbd.server.prompts import PromptEncoder
@@ -45,16 +46,19 @@ class CbdService(_Base):
     @status.streaming
     async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[pb.GenerateResponse]:  # noqa: N802
         engine = self._engine()
-        if request.session_id:
-            raise Unimplemented("sessions (session_id) are not implemented in this version")
         params = convert.sampling_params(request)
-        prompt = self.prompts.encode(request)
         loop = asyncio.get_running_loop()
         outputs: asyncio.Queue[RequestOutput] = asyncio.Queue()
         arrived = time.monotonic()
-        request_id = engine.submit(  # makes an id when the caller sent none
-            prompt, params, request.request_id or None, lambda out: loop.call_soon_threadsafe(outputs.put_nowait, out)
-        )
+
+        def on_output(out: RequestOutput) -> None:
+            loop.call_soon_threadsafe(outputs.put_nowait, out)
+
+        if request.session_id:
+            request_id = await self._submit_turn(engine, request, params, on_output)
+        else:
+            prompt = self.prompts.encode(request)
+            request_id = engine.submit(prompt, params, request.request_id or None, on_output)  # makes an id if none
         output: RequestOutput | None = None
         waiting_first_token = True
         try:
@@ -70,6 +74,72 @@ class CbdService(_Base):
             if output is None or not output.finished:  # cancelled, deadline passed, or the client went away
                 engine.abort(request_id)
                 self.metrics.cancelled(time.monotonic() - arrived)
+
+    async def _submit_turn(self, engine: Engine, request: pb.GenerateRequest, params, on_output) -> str:  # type: ignore[no-untyped-def]
+        sid = request.session_id
+        parent = request.parent_candidate if request.HasField("parent_candidate") else None
+        kind = request.WhichOneof("input")
+        if kind is None:
+            raise InvalidRequest("a turn needs an input: set one of text, chat or tokens")
+        if kind == "chat":  # render the whole conversation; its common prefix with the history is reused
+            new_messages = self.prompts.messages(request.chat)
+            history = await asyncio.wrap_future(engine.call(lambda core: core.sessions.transcript_for(sid, parent)))
+            messages = history + new_messages
+            tokens = self.prompts.render(messages, add_generation_prompt=True)
+            future = engine.submit_turn(sid, tokens, params, replace=True, parent_candidate=parent,
+                                        transcript=messages, request_id=request.request_id or None,
+                                        on_output=on_output)  # fmt: skip
+        else:
+            tokens = self.prompts.continuation(request, kind)
+            future = engine.submit_turn(sid, tokens, params, parent_candidate=parent,
+                                        request_id=request.request_id or None, on_output=on_output)  # fmt: skip
+        return await asyncio.wrap_future(future)
+
+    @status.unary
+    async def OpenSession(self, request: pb.OpenSessionRequest, context: grpc.aio.ServicerContext) -> pb.SessionInfo:  # noqa: N802
+        engine = self._engine()
+        ttl = request.ttl_seconds or None
+        kind = request.WhichOneof("prefix")
+        transcript, tokens = None, []
+        if kind == "chat":
+            transcript = self.prompts.messages(request.chat)
+            tokens = self.prompts.render(transcript, add_generation_prompt=False)
+        elif kind is not None:
+            tokens = self.prompts.continuation(request, kind)
+        if tokens:
+            engine.core.validate(tokens + [0], SamplingParams())
+
+        def open_session(core):  # type: ignore[no-untyped-def]
+            session = core.sessions.open(ttl, transcript)
+            session.token_ids = list(tokens)
+            return core.sessions.info(session)
+
+        return _session_info(await asyncio.wrap_future(engine.call(open_session)))
+
+    @status.unary
+    async def CloseSession(self, request: pb.CloseSessionRequest, context: grpc.aio.ServicerContext) -> pb.CloseSessionResponse:  # noqa: N802
+        engine = self._engine()
+        await asyncio.wrap_future(engine.call(lambda core: core.sessions.close(request.session_id)))
+        return pb.CloseSessionResponse()
+
+    @status.unary
+    async def GetSession(self, request: pb.GetSessionRequest, context: grpc.aio.ServicerContext) -> pb.SessionInfo:  # noqa: N802
+        engine = self._engine()
+        info = await asyncio.wrap_future(
+            engine.call(lambda core: core.sessions.info(core.sessions.get(request.session_id)))
+        )
+        return _session_info(info)
+
+    @status.unary
+    async def ForkSession(self, request: pb.ForkSessionRequest, context: grpc.aio.ServicerContext) -> pb.SessionInfo:  # noqa: N802
+        engine = self._engine()
+        candidate = request.candidate if request.HasField("candidate") else None
+        ttl = request.ttl_seconds or None
+
+        def fork(core):  # type: ignore[no-untyped-def]
+            return core.sessions.info(core.sessions.fork(request.session_id, candidate, ttl))
+
+        return _session_info(await asyncio.wrap_future(engine.call(fork)))
 
     @status.unary
     async def Tokenize(self, request: pb.TokenizeRequest, context: grpc.aio.ServicerContext) -> pb.TokenizeResponse:  # noqa: N802
@@ -116,4 +186,19 @@ class CbdService(_Base):
             num_preemptions=s.num_preemptions,
             num_steps=s.num_steps,
             generated_tokens=s.num_generated_tokens,
+            open_sessions=s.num_sessions,
+            session_evictions=s.num_session_evictions,
         )
+
+
+def _session_info(info: SessionInfo) -> pb.SessionInfo:
+    return pb.SessionInfo(
+        session_id=info.session_id,
+        num_tokens=info.num_tokens,
+        resident_blocks=info.resident_blocks,
+        pending_candidates=info.pending_candidates,
+        idle_seconds=info.idle_seconds,
+        busy=info.busy,
+        ttl_seconds=info.ttl or 0.0,
+        is_chat=info.is_chat,
+    )
