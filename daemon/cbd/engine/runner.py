@@ -104,9 +104,36 @@ class ModelRunner:
         return spec.num_layers * 2 * block_size * spec.num_kv_heads * spec.head_dim * itemsize
 
     def warm_up(self) -> None:
-        """Capture the decode graphs (before the daemon reports SERVING)."""
+        """Compile every kernel variant a step can need and capture the decode graphs, so that the
+        first requests after the daemon reports SERVING pay no JIT compilation."""
+        if self.streams.cuda:
+            self._warm_eager()
         if self.graphs is not None and not self.graphs.graphs:
             self.graphs.capture()
+
+    @torch.inference_mode()
+    def _warm_eager(self) -> None:
+        """Eager forwards of each kernel shape class (decode, short and long extends) on the scratch block."""
+        bs, scratch = self.block_size, self.scratch_block
+        with self.streams.on(self.streams.compute):
+            for q_len in (1, 16, 80):
+                num_seqs = 2
+                width = -(-q_len // bs)
+                pos = torch.arange(q_len, device=self.device).repeat(num_seqs)
+                layout = BatchLayout(
+                    slot_mapping=scratch * bs + pos % bs,
+                    query_start=torch.arange(num_seqs + 1, device=self.device) * q_len,
+                    context_lens=torch.full((num_seqs,), q_len, device=self.device),
+                    block_tables=torch.full((num_seqs, width), scratch, device=self.device),
+                    max_query_len=q_len,
+                    max_context_len=q_len,
+                )
+                splits = self.backend.decode_splits(num_seqs) if q_len == 1 and hasattr(self.backend, "decode_splits") else 0
+                meta = self.backend.prepare(layout, decode_splits=splits)
+                ids = torch.zeros(num_seqs * q_len, dtype=torch.int64, device=self.device)
+                rows = torch.arange(num_seqs, device=self.device) * q_len + q_len - 1
+                self.model(ids, pos, self.kv_caches, meta, rows)
+        torch.cuda.synchronize(self.device)
 
     # ---- launch -----------------------------------------------------------------------------
     @torch.inference_mode()
