@@ -64,6 +64,7 @@ def run(core: EngineCore, system: list[int], scripts: list[list[list[int]]], new
     peak = 0
     generated = 0
     by_request: dict[str, Agent] = {}
+    reported = 0
 
     def submit(agent: Agent) -> None:
         turn = agent.turn
@@ -102,6 +103,11 @@ def run(core: EngineCore, system: list[int], scripts: list[list[list[int]]], new
                 agent.history += agent.tokens[chosen]
                 agent.parent = chosen if len(agent.tokens) > 1 else None
                 agent.turn += 1
+                done = min(a.turn for a in agents)
+                if done > reported:
+                    reported = done
+                    log.info("%s: every agent finished turn %d (%.1f s)", "sessions" if sessions else "stateless",
+                             done, now - start)  # fmt: skip
                 if agent.turn < len(agent.script):
                     submit(agent)
     total = time.perf_counter() - start

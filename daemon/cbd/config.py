@@ -31,6 +31,8 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     # CPU fp32 only: pre-pack GEMM weights for oneDNN (faster; logits differ from BLAS in the last bits).
     cpu_packed_gemm: bool = True
+    # Shard the model over this many GPUs of the host (or CPU processes); the engine starts the ranks itself.
+    tensor_parallel_size: int = 1
     # Open sessions at most (OpenSession beyond it is RESOURCE_EXHAUSTED) and their default idle TTL in seconds.
     max_sessions: int = 1024
     session_ttl: float = 600.0
@@ -65,6 +67,8 @@ class EngineConfig:
             raise ValueError(
                 f"attention_backend must be 'auto', 'torch', 'triton' or 'flash', got {self.attention_backend!r}"
             )
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
         if self.max_sessions < 0:
             raise ValueError(f"max_sessions must be >= 0, got {self.max_sessions}")
         if self.session_ttl <= 0:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import itertools
 import logging
 import secrets
+from typing import Any
 
 from cbd.config import EngineConfig
 from cbd.engine.block_manager import BlockManager
@@ -32,7 +33,8 @@ log = logging.getLogger(__name__)
 
 
 class EngineCore:
-    def __init__(self, loaded: LoadedModel, config: EngineConfig) -> None:
+    def __init__(self, loaded: LoadedModel, config: EngineConfig, tp_group: Any = None) -> None:
+        """tp_group: rank 0's TensorParallelGroup when the model is sharded (its workers mirror every step)."""
         self.config = config
         self.loaded = loaded
         spec = loaded.spec
@@ -50,6 +52,10 @@ class EngineCore:
             loaded.model, num_blocks, bs, self.max_model_len, config.attention_backend,
             min(config.cuda_graph_max_batch, config.max_num_seqs) if config.cuda_graphs else 0,
         )  # fmt: skip
+        if tp_group is not None:
+            graph_batch = min(config.cuda_graph_max_batch, config.max_num_seqs) if config.cuda_graphs else 0
+            tp_group.broadcast(("setup", num_blocks, self.max_model_len, graph_batch))
+            self.runner.broadcast = tp_group.broadcast
         self.overlap = config.overlap_enabled(self.runner.device)
         self._inflight: InflightStep | None = None
         self.outputs = OutputProcessor(loaded.tokenizer, loaded.eos_token_ids, self.max_model_len)

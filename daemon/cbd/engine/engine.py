@@ -100,6 +100,7 @@ class Engine:
         self._live_ids: set[str] = set()  # submitted and not yet finished
         self._started = threading.Event()
         self._start_error: BaseException | None = None
+        self._tp = None  # rank 0's TensorParallelGroup when tensor_parallel_size > 1
         self._thread = threading.Thread(target=self._run, args=(loaded,), name="cbd-engine", daemon=True)
         self._thread.start()
         self._started.wait()
@@ -235,12 +236,20 @@ class Engine:
     # ---- engine thread -----------------------------------------------------------------------
     def _run(self, loaded: LoadedModel | None) -> None:
         try:
-            if loaded is None:
-                c = self.config
+            c = self.config
+            if c.tensor_parallel_size > 1:
+                from cbd.engine.tp_group import TensorParallelGroup
+
+                self._tp = TensorParallelGroup(c)  # spawns ranks 1.. and joins them as rank 0
+                loaded = load_model(
+                    c.model, c.cache_dir, self._tp.device, c.torch_dtype(), pack_cpu_gemm=c.cpu_packed_gemm,
+                    tensor_parallel=(0, c.tensor_parallel_size),
+                )  # fmt: skip
+            elif loaded is None:
                 loaded = load_model(
                     c.model, c.cache_dir, c.torch_device(), c.torch_dtype(), pack_cpu_gemm=c.cpu_packed_gemm
                 )
-            self.core = EngineCore(loaded, self.config)
+            self.core = EngineCore(loaded, self.config, self._tp)
             self.core.warm_up()  # CUDA graphs are captured before the engine reports started
             self._stats = self.core.stats()
         except BaseException as exc:  # handed to the constructor, which re-raises it
@@ -284,6 +293,8 @@ class Engine:
                 self._callbacks[command[3]] = command[4]
                 self._reject(command[3], command[2].n, FinishReason.ABORT)
         self._stats = core.stats()
+        if self._tp is not None:
+            self._tp.stop()
 
     def _drain_inbox(self) -> bool:
         """Apply queued commands; False once a stop command arrives."""

@@ -16,6 +16,7 @@ candidate, all reading the same logits row (prefill once, then fork).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -94,6 +95,8 @@ class ModelRunner:
                 self.scratch_block, self.streams.compute,
             )  # fmt: skip
         self._last_sampled: torch.Tensor | None = None
+        # Tensor parallelism: sends each step (and warm-up) to the worker ranks before running it here.
+        self.broadcast: Callable[[tuple], None] | None = None
         # When a list, every launch appends (start, end) CUDA events bracketing its compute-stream work.
         self.step_events: list[tuple[torch.cuda.Event, torch.cuda.Event]] | None = None
 
@@ -106,6 +109,8 @@ class ModelRunner:
     def warm_up(self) -> None:
         """Compile every kernel variant a step can need and capture the decode graphs, so that the
         first requests after the daemon reports SERVING pay no JIT compilation."""
+        if self.broadcast is not None:
+            self.broadcast(("warm_up",))
         if self.streams.cuda:
             self._warm_eager()
         if self.graphs is not None and not self.graphs.graphs:
@@ -139,6 +144,16 @@ class ModelRunner:
     @torch.inference_mode()
     def launch(self, plan: StepPlan) -> InflightStep:
         rows, packed, info = self._pack(plan)
+        if self.broadcast is not None:  # tensor-parallel workers run the same step on their shards
+            self.broadcast(("step", packed, info, plan.block_copies, len(rows)))
+        sampled, host, done, keep = self.launch_packed(packed, info, plan.block_copies, len(rows))
+        return InflightStep(plan, rows, sampled, host, done, keep)
+
+    @torch.inference_mode()
+    def launch_packed(
+        self, packed: PackedStep, info: dict, block_copies: list[tuple[int, int]], num_rows: int
+    ) -> tuple[torch.Tensor | None, SampleResult | None, torch.cuda.Event | None, list]:
+        """Stage and enqueue one packed step (rank 0 and tensor-parallel workers alike)."""
         staged = self.stager.stage(packed)
         s = self.streams
         with s.on(s.compute):
@@ -147,17 +162,17 @@ class ModelRunner:
             if self.step_events is not None and s.cuda:
                 timing = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
                 timing[0].record(s.compute)
-            self._copy_blocks(plan.block_copies)
+            self._copy_blocks(block_copies)
             ids = staged["ids"]
             if "carry_dst" in staged.tensors:
                 assert self._last_sampled is not None
                 ids.index_copy_(0, staged["carry_dst"], self._last_sampled.index_select(0, staged["carry_src"]))
             logits = self._forward(staged, info)
             result = None
-            if rows:
+            if num_rows:
                 if "row_logits" in staged.tensors:
                     logits = logits.index_select(0, staged["row_logits"])
-                result = sample(logits[: len(rows)], self._sampling_batch(rows, staged, info))
+                result = sample(logits[:num_rows], self._sampling_batch(staged, info))
             self.stager.release(staged)
             compute_done = s.event()
             s.record(compute_done, s.compute)
@@ -166,7 +181,7 @@ class ModelRunner:
                 self.step_events.append(timing)  # type: ignore[union-attr]
         if result is None:
             self._last_sampled = None
-            return InflightStep(plan, rows, None, None, None, [staged])
+            return None, None, None, [staged]
         host = _to_pinned(result, s)
         done = s.event()
         with s.on(s.d2h):
@@ -174,7 +189,7 @@ class ModelRunner:
             _copy_result(host, result)
             s.record(done, s.d2h)
         self._last_sampled = result.token_ids
-        return InflightStep(plan, rows, result.token_ids, host, done, [staged, result])
+        return result.token_ids, host, done, [staged, result]
 
     def wait(self, step: InflightStep) -> StepResult:
         """Block until the step's tokens are on the host; the only host sync of the loop."""
@@ -298,7 +313,7 @@ class ModelRunner:
         meta = self.backend.prepare(layout, decode_splits=splits)
         return self.model(ids, positions, self.kv_caches, meta, staged["logits_rows"])
 
-    def _sampling_batch(self, rows: list[SampleRow], staged: StagedStep, info: dict) -> SamplingBatch:
+    def _sampling_batch(self, staged: StagedStep, info: dict) -> SamplingBatch:
         params = info["params"]
         wanted = [p.logprobs for p in params if p.logprobs is not None]
         any_random = info["any_random"]

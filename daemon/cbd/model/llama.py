@@ -33,6 +33,7 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps) if spec.qk_norm else None
         self.k_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps) if spec.qk_norm else None
         self.scale = spec.head_dim**-0.5
+        self.tp = None  # tensor-parallel collectives, when this rank holds a shard
 
     def forward(
         self,
@@ -54,7 +55,8 @@ class Attention(nn.Module):
             k = self.k_norm(k.reshape(-1, s.head_dim))[0].view(num_tokens, s.num_kv_heads, s.head_dim)
         q = ops.rope_and_write_kv(q, k, v, positions, cos_table, sin_table, kv_cache, meta.slot_mapping)
         out = meta.attend(q, kv_cache, self.scale)
-        return self.o_proj(out.reshape(-1, s.q_size))
+        out = self.o_proj(out.reshape(-1, s.q_size))
+        return out if self.tp is None else self.tp.all_reduce(out)
 
 
 class MLP(nn.Module):
@@ -62,9 +64,11 @@ class MLP(nn.Module):
         super().__init__()
         self.gate_up_proj = nn.Linear(spec.hidden_size, 2 * spec.intermediate_size, bias=spec.mlp_bias)
         self.down_proj = nn.Linear(spec.intermediate_size, spec.hidden_size, bias=spec.mlp_bias)
+        self.tp = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(ops.silu_mul(self.gate_up_proj(x)))
+        out = self.down_proj(ops.silu_mul(self.gate_up_proj(x)))
+        return out if self.tp is None else self.tp.all_reduce(out)
 
 
 class DecoderLayer(nn.Module):
@@ -91,6 +95,8 @@ class CausalLM(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(spec) for _ in range(spec.num_layers))
         self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
         self.lm_head = nn.Linear(spec.hidden_size, spec.vocab_size, bias=False)
+        self.tp = None
+        self.full_vocab_size = spec.vocab_size
         if spec.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         # cos/sin tables [max_positions, D] in fp32, filled by set_rope().
@@ -113,8 +119,19 @@ class CausalLM(nn.Module):
         meta,  # attention backend metadata for this step
         logits_indices: torch.Tensor,  # [N] rows whose next-token logits are wanted
     ) -> torch.Tensor:  # [N, vocab] fp32
-        x, residual = self.embed_tokens(input_ids), None
+        tp = self.tp
+        x = self.embed_tokens(input_ids) if tp is None else tp.embed(self.embed_tokens, input_ids)
+        residual = None
         for layer, kv_cache in zip(self.layers, kv_caches):
             x, residual = layer(x, residual, positions, self.cos_table, self.sin_table, kv_cache, meta)
         x, _ = self.norm(x[logits_indices], residual[logits_indices])
-        return self.lm_head(x).float()
+        logits = self.lm_head(x)
+        if tp is not None:
+            logits = tp.gather_logits(logits, self.full_vocab_size)
+        return logits.float()
+
+    def set_tensor_parallel(self, tp, full_vocab_size: int) -> None:  # type: ignore[no-untyped-def]
+        """Install the collectives of a tensor-parallel rank (see tensor_parallel.py) on every layer."""
+        self.tp, self.full_vocab_size = tp, full_vocab_size
+        for layer in self.layers:
+            layer.self_attn.tp = layer.mlp.tp = tp

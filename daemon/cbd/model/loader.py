@@ -23,6 +23,7 @@ import torch
 from cbd.model.llama import CausalLM
 from cbd.model.packed_linear import pack_linears, packing_available
 from cbd.model.spec import ModelSpec, rope_inv_freq, spec_from_hf_config
+from cbd.model.tensor_parallel import TensorParallel, local_spec, shard_of, shard_tensor
 from cbd.model.weights import copy_weights, load_weights
 
 log = logging.getLogger(__name__)
@@ -124,23 +125,30 @@ def load_model(
     dtype: torch.dtype = torch.float32,
     max_positions: int | None = None,
     pack_cpu_gemm: bool = False,
+    tensor_parallel: tuple[int, int] | None = None,
 ) -> LoadedModel:
+    """tensor_parallel=(rank, world): build and fill only this rank's shard (see tensor_parallel.py);
+    the returned spec stays the full model's, the network's is the local one."""
     from transformers import AutoConfig
 
     directory = resolve_checkpoint(model, cache_dir)
     hf_config = AutoConfig.from_pretrained(directory)
     spec = spec_from_hf_config(hf_config)
+    shard = shard_of(spec, *tensor_parallel) if tensor_parallel and tensor_parallel[1] > 1 else None
     with torch.device("meta"):
-        net = CausalLM(spec)
+        net = CausalLM(local_spec(spec, shard) if shard else spec)
     net = net.to_empty(device=device).to(dtype)
     if spec.tie_word_embeddings:
         net.lm_head.weight = net.embed_tokens.weight
-    load_weights(net, directory)
+    transform = None if shard is None else (lambda name, t: shard_tensor(name, t, spec, shard))
+    load_weights(net, directory, transform)
     inv_freq, scale = rope_inv_freq(hf_config, spec)
     net.set_rope(inv_freq, scale, max_positions or spec.max_position_embeddings)
     net.eval()
     if pack_cpu_gemm and torch.device(device).type == "cpu" and dtype == torch.float32 and packing_available():
         pack_linears(net)
+    if shard is not None:
+        net.set_tensor_parallel(TensorParallel(shard), spec.vocab_size)
     tokenizer = _load_tokenizer(directory)
     return LoadedModel(
         model=net,

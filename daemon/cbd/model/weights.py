@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 
 import torch
@@ -35,14 +35,18 @@ def checkpoint_files(directory: Path) -> list[Path]:
     return files
 
 
-def load_weights(model: CausalLM, directory: Path) -> None:
-    """Fill every parameter of `model` from the checkpoint; unknown or missing tensors are errors."""
+def load_weights(
+    model: CausalLM, directory: Path, transform: Callable[[str, torch.Tensor], torch.Tensor] | None = None
+) -> None:
+    """Fill every parameter of `model` from the checkpoint; unknown or missing tensors are errors.
+    `transform(name, tensor)` may cut each tensor first (a tensor-parallel shard)."""
 
     def tensors() -> Iterator[tuple[str, torch.Tensor]]:
         for path in checkpoint_files(directory):
             with safe_open(str(path), framework="pt", device="cpu") as f:
                 for name in f.keys():
-                    yield name, f.get_tensor(name)
+                    tensor = f.get_tensor(name)
+                    yield name, tensor if transform is None else transform(name, tensor)
 
     copy_weights(model, tensors())
 
