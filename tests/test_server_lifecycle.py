@@ -68,18 +68,77 @@ def test_shutdown_ends_every_stream_with_a_finish_reason(tiny_daemon) -> None:  
     assert "abort" in finishes
 
 
-def test_systemd_notify_ready_after_warmup_and_stopping(tiny_daemon, tmp_path) -> None:  # type: ignore[no-untyped-def]
+def test_systemd_notify_status_ready_watchdog_and_stopping(tiny_daemon, tmp_path) -> None:  # type: ignore[no-untyped-def]
     import socket
 
     path = tmp_path / "notify.sock"
     with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as sock:
         sock.bind(str(path))
         sock.settimeout(30)
-        d = tiny_daemon(env={"NOTIFY_SOCKET": str(path)})
-        assert sock.recv(64) == b"READY=1"  # wait_serving returned, so READY must already be queued
+        d = tiny_daemon(env={"NOTIFY_SOCKET": str(path), "WATCHDOG_USEC": "200000"})
+        messages = [sock.recv(256).decode() for _ in range(3)]
+        assert messages[0] == "STATUS=loading the model"
+        assert messages[1].startswith("READY=1\nSTATUS=serving")  # wait_serving returned: already queued
+        assert messages[2] == "WATCHDOG=1"  # fed while the engine loop is healthy
         d.process.terminate()
-        assert sock.recv(64) == b"STOPPING=1"
+        while (message := sock.recv(256).decode()) == "WATCHDOG=1":
+            pass
+        assert message == "STOPPING=1\nSTATUS=draining"
         assert d.process.wait(30) == 0
+
+
+def test_unix_socket_is_group_only(tiny_daemon, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    import stat
+
+    d = tiny_daemon()
+    mode = stat.S_IMODE((tmp_path / "cbd.sock").stat().st_mode)
+    assert mode == 0o660
+
+
+def test_bearer_token_is_required_except_for_health(tiny_daemon, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    token_file = tmp_path / "token"
+    token_file.write_text("s3cret-token\n")
+    d = tiny_daemon("--auth-token-file", str(token_file))  # wait_serving polls health without a token
+    for token in (None, "wrong"):
+        with Client(d.address, timeout=30, token=token) as client, pytest.raises(CbdError) as info:
+            client.generate(PROMPT, max_tokens=2)
+        assert info.value.code == grpc.StatusCode.UNAUTHENTICATED
+        with Client(d.address, timeout=30, token=token) as client, pytest.raises(CbdError) as info:
+            client.stats()
+        assert info.value.code == grpc.StatusCode.UNAUTHENTICATED
+    with Client(d.address, timeout=30, token="s3cret-token") as client:
+        assert len(client.generate(PROMPT, max_tokens=3, ignore_eos=True).candidates[0].token_ids) == 3
+    assert "s3cret" not in d.log()
+
+
+def test_config_error_exits_78_naming_the_key(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    import subprocess
+    import sys
+
+    bad = tmp_path / "cbd.toml"
+    bad.write_text("[engine]\nblock_sise = 8\n")
+    proc = subprocess.run([sys.executable, "-m", "cbd.server.app", "serve", "--config", str(bad)],
+                          capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert proc.returncode == 78 and "block_sise" in proc.stderr
+
+
+def test_print_defaults_is_a_documented_config_equal_to_the_defaults(tmp_path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    import os
+    import subprocess
+    import sys
+
+    from cbd.config import EngineConfig
+    from cbd.server.settings import ServerConfig, load_settings
+
+    proc = subprocess.run([sys.executable, "-m", "cbd.server.app", "config", "--print-defaults"],
+                          capture_output=True, text=True, timeout=60, check=True)  # fmt: skip
+    assert "# Keep one step in flight" in proc.stdout
+    path = tmp_path / "cbd.toml"
+    path.write_text(proc.stdout)
+    for name in [k for k in os.environ if k.startswith("CBD_")]:
+        monkeypatch.delenv(name)
+    engine, server = load_settings(["serve", "--config", str(path)])
+    assert engine == EngineConfig() and server == ServerConfig()
 
 
 def test_prometheus_metrics_count_requests_tokens_and_kv(tiny_daemon) -> None:  # type: ignore[no-untyped-def]
@@ -103,3 +162,23 @@ def test_prometheus_metrics_count_requests_tokens_and_kv(tiny_daemon) -> None:  
     assert values["cbd_prompt_tokens_total"] == len(PROMPT)
     assert values["cbd_time_to_first_token_seconds_count"] >= 1
     assert values["cbd_live_requests"] == 1 and values["cbd_kv_blocks_used"] > 0
+    assert 0 < values["cbd_kv_usage_ratio"] <= 1 and values["cbd_open_sessions"] == 0
+    assert values["cbd_inter_token_latency_seconds_count"] >= 4
+
+
+def test_systemd_unit_verifies(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    import shutil
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    analyze = shutil.which("systemd-analyze")
+    if analyze is None:
+        pytest.skip("systemd-analyze is not installed")
+    unit = (Path(__file__).parents[1] / "systemd" / "cbd.service").read_text()
+    cbd = Path(sys.executable).with_name("cbd")  # the installed entry point stands in for /usr/local/bin/cbd
+    path = tmp_path / "cbd.service"
+    path.write_text(unit.replace("/usr/local/bin/cbd", str(cbd)))
+    proc = subprocess.run([analyze, "verify", str(path)], capture_output=True, text=True, timeout=60)
+    problems = [line for line in (proc.stdout + proc.stderr).splitlines() if "cbd.service" in line]
+    assert proc.returncode == 0 and not problems, proc.stdout + proc.stderr

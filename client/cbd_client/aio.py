@@ -24,8 +24,10 @@ from cbd_client.v1.cbd_pb2_grpc import CbdStub
 
 
 class AsyncClient:
-    def __init__(self, address: str | None = None, timeout: float | None = None) -> None:
+    def __init__(self, address: str | None = None, timeout: float | None = None, token: str | None = None) -> None:
+        """token: the daemon's bearer token, when it runs with auth_token_file."""
         self.address = address or default_address()
+        self._metadata = (("authorization", f"Bearer {token}"),) if token else None
         self.timeout = timeout
         self._channel = grpc.aio.insecure_channel(self.address)
         self._stub = CbdStub(self._channel)
@@ -34,7 +36,7 @@ class AsyncClient:
         builder = _convert.CompletionBuilder(n)
         request = _convert.generate_request(prompt, n, request_id, sampling, session_id, parent_candidate)
         try:
-            async for response in self._stub.Generate(request, timeout=timeout or self.timeout):
+            async for response in self._stub.Generate(request, timeout=timeout or self.timeout, metadata=self._metadata):
                 builder.add(response)
         except grpc.RpcError as e:
             raise CbdError.from_rpc(e) from None
@@ -43,7 +45,7 @@ class AsyncClient:
     async def stream(self, prompt: Prompt, *, n: int = 1, request_id: str = "", timeout: float | None = None, session_id: str = "", parent_candidate: int | None = None, **sampling) -> AsyncIterator[Delta]:  # type: ignore[no-untyped-def]
         """Yield deltas as they arrive; closing the iterator early cancels the request on the daemon."""
         request = _convert.generate_request(prompt, n, request_id, sampling, session_id, parent_candidate)
-        call = self._stub.Generate(request, timeout=timeout or self.timeout)
+        call = self._stub.Generate(request, timeout=timeout or self.timeout, metadata=self._metadata)
         try:
             async for response in call:
                 for delta in _convert.deltas(response):
@@ -102,6 +104,6 @@ class AsyncClient:
 
     async def _call(self, method, request):  # type: ignore[no-untyped-def]
         try:
-            return await method(request, timeout=self.timeout)
+            return await method(request, timeout=self.timeout, metadata=self._metadata)
         except grpc.RpcError as e:
             raise CbdError.from_rpc(e) from None

@@ -27,8 +27,10 @@ from cbd_client.v1.cbd_pb2_grpc import CbdStub
 
 
 class Client:
-    def __init__(self, address: str | None = None, timeout: float | None = None) -> None:
+    def __init__(self, address: str | None = None, timeout: float | None = None, token: str | None = None) -> None:
+        """token: the daemon's bearer token, when it runs with auth_token_file."""
         self.address = address or default_address()
+        self._metadata = (("authorization", f"Bearer {token}"),) if token else None
         self.timeout = timeout  # default deadline per call, in seconds
         self._channel = grpc.insecure_channel(self.address)
         self._stub = CbdStub(self._channel)
@@ -38,7 +40,7 @@ class Client:
         builder = _convert.CompletionBuilder(n)
         request = _convert.generate_request(prompt, n, request_id, sampling, session_id, parent_candidate)
         try:
-            for response in self._stub.Generate(request, timeout=timeout or self.timeout):
+            for response in self._stub.Generate(request, timeout=timeout or self.timeout, metadata=self._metadata):
                 builder.add(response)
         except grpc.RpcError as e:
             raise CbdError.from_rpc(e) from None
@@ -47,7 +49,7 @@ class Client:
     def stream(self, prompt: Prompt, *, n: int = 1, request_id: str = "", timeout: float | None = None, session_id: str = "", parent_candidate: int | None = None, **sampling) -> Iterator[Delta]:  # type: ignore[no-untyped-def]
         """Yield deltas as they arrive; leaving the loop early cancels the request on the daemon."""
         request = _convert.generate_request(prompt, n, request_id, sampling, session_id, parent_candidate)
-        call = self._stub.Generate(request, timeout=timeout or self.timeout)
+        call = self._stub.Generate(request, timeout=timeout or self.timeout, metadata=self._metadata)
         try:
             for response in call:
                 yield from _convert.deltas(response)
@@ -106,6 +108,6 @@ class Client:
 
     def _call(self, method, request):  # type: ignore[no-untyped-def]
         try:
-            return method(request, timeout=self.timeout)
+            return method(request, timeout=self.timeout, metadata=self._metadata)
         except grpc.RpcError as e:
             raise CbdError.from_rpc(e) from None

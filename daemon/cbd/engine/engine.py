@@ -101,6 +101,7 @@ class Engine:
         self._started = threading.Event()
         self._start_error: BaseException | None = None
         self._tp = None  # rank 0's TensorParallelGroup when tensor_parallel_size > 1
+        self.heartbeat = time.monotonic()  # the engine loop's last iteration (watchdog, health)
         self._thread = threading.Thread(target=self._run, args=(loaded,), name="cbd-engine", daemon=True)
         self._thread.start()
         self._started.wait()
@@ -218,6 +219,10 @@ class Engine:
     def num_live_requests(self) -> int:
         return len(self._live_ids)
 
+    def stalled(self, seconds: float) -> bool:
+        """Work is pending but the loop has not turned for `seconds` (a wedged step or device)."""
+        return bool(self._live_ids) and time.monotonic() - self.heartbeat > seconds
+
     def drain(self, timeout: float) -> bool:
         """Wait until no request is live (True) or timeout seconds pass (False); accepts no new ones."""
         self._stopping = True
@@ -263,6 +268,7 @@ class Engine:
         core = self.core
         next_expiry = 0.0
         while True:
+            self.heartbeat = time.monotonic()
             if not core.has_work():
                 # Sessions expire by time, so an idle engine still wakes now and then.
                 self._wake.wait(timeout=1.0 if core.sessions.sessions else None)

@@ -19,6 +19,27 @@ import triton
 import triton.language as tl
 
 
+@triton.jit
+def _online_softmax_block(q, ptr, kv_mask, allowed, skv_kv, qk_scale, m_i, l_i, acc, IEEE: tl.constexpr):
+    """One tile of keys for flash attention: scores, running max / sum, and the weighted values."""
+    k = tl.load(ptr, mask=kv_mask, other=0.0)
+    if IEEE:
+        s = tl.dot(q, tl.trans(k), input_precision="ieee")
+    else:
+        s = tl.dot(q, tl.trans(k))
+    s = tl.where(allowed, s * qk_scale, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    v = tl.load(ptr + skv_kv, mask=kv_mask, other=0.0)
+    if IEEE:
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+    else:
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+    return m_new, l_i, acc
+
+
 @triton.jit(do_not_specialize=["sbt_b"])  # the table width changes from step to step
 def _decode_kernel(
     Q, KV, BT, CTX, O_PART, LSE_PART, OUT, scale,
@@ -56,22 +77,7 @@ def _decode_kernel(
         slot = page.to(tl.int64) * PAGE + n % PAGE
         ptr = kv_base + slot[:, None] * skv_s + d[None, :]
         kv_mask = n_mask[:, None] & d_mask[None, :]
-        k = tl.load(ptr, mask=kv_mask, other=0.0)
-        if IEEE:
-            s = tl.dot(q, tl.trans(k), input_precision="ieee")
-        else:
-            s = tl.dot(q, tl.trans(k))
-        s = tl.where(n_mask[None, :], s * qk_scale, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(ptr + skv_kv, mask=kv_mask, other=0.0)
-        if IEEE:
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
-        else:
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-        m_i = m_new
+        m_i, l_i, acc = _online_softmax_block(q, ptr, kv_mask, n_mask[None, :], skv_kv, qk_scale, m_i, l_i, acc, IEEE)
     empty = l_i == 0.0
     out = acc / tl.where(empty, 1.0, l_i)[:, None]
     mask = g_mask[:, None] & d_mask[None, :]
@@ -192,25 +198,10 @@ def _extend_kernel(
         slot = page.to(tl.int64) * PAGE + n % PAGE
         ptr = kv_base + slot[:, None] * skv_s + d[None, :]
         kv_mask = n_mask[:, None] & d_mask[None, :]
-        k = tl.load(ptr, mask=kv_mask, other=0.0)
-        if IEEE:
-            s = tl.dot(q, tl.trans(k), input_precision="ieee")
-        else:
-            s = tl.dot(q, tl.trans(k))
         allowed = n_mask[None, :] & (n[None, :] <= q_pos[:, None])
         if WINDOW > 0:
             allowed = allowed & (n[None, :] > q_pos[:, None] - WINDOW)
-        s = tl.where(allowed, s * qk_scale, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(ptr + skv_kv, mask=kv_mask, other=0.0)
-        if IEEE:
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
-        else:
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-        m_i = m_new
+        m_i, l_i, acc = _online_softmax_block(q, ptr, kv_mask, allowed, skv_kv, qk_scale, m_i, l_i, acc, IEEE)
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
     tl.store(OUT + rows[:, None] * so_t + head * so_h + d[None, :], out.to(OUT.dtype.element_ty),
              mask=m_mask[:, None] & d_mask[None, :])  # fmt: skip

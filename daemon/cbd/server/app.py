@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
+import shutil
 import signal
 import sys
 from pathlib import Path
@@ -21,9 +23,10 @@ from grpc_reflection.v1alpha import reflection
 from cbd.config import EngineConfig
 from cbd.engine.engine import Engine
 from cbd.engine.sampling_params import SamplingParams
+from cbd.server.auth import BearerTokenInterceptor, read_token
 from cbd.server.notify import sd_notify
 from cbd.server.service import CbdService
-from cbd.server.settings import ServerConfig, load_settings
+from cbd.server.settings import EX_CONFIG, ServerConfig, load_settings, render_defaults
 from cbd_client.v1 import cbd_pb2, cbd_pb2_grpc
 
 log = logging.getLogger("cbd")
@@ -31,7 +34,10 @@ SERVICE_NAME = cbd_pb2.DESCRIPTOR.services_by_name["Cbd"].full_name
 
 
 async def serve(engine_config: EngineConfig, server_config: ServerConfig) -> None:
-    server = grpc.aio.server()
+    interceptors = []
+    if server_config.auth_token_file:
+        interceptors.append(BearerTokenInterceptor(read_token(server_config.auth_token_file)))
+    server = grpc.aio.server(interceptors=interceptors)
     service = CbdService()
     cbd_pb2_grpc.add_CbdServicer_to_server(service, server)
     health_servicer = health.aio.HealthServicer()
@@ -46,14 +52,25 @@ async def serve(engine_config: EngineConfig, server_config: ServerConfig) -> Non
     if server_config.metrics_port:
         service.metrics.serve(server_config.metrics_port, server_config.metrics_address)
     await server.start()
+    for address in server_config.addresses():
+        _restrict_unix_socket(address, server_config.socket_mode, server_config.socket_group)
     log.info("listening on %s; loading the model", ", ".join(server_config.addresses()))
+    sd_notify("STATUS=loading the model")
 
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
+
+    def on_signal() -> None:
+        if stop.is_set():  # a second signal: exit at once
+            log.warning("second signal: exiting now")
+            os._exit(1)
+        stop.set()
+
     for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
+        loop.add_signal_handler(sig, on_signal)
 
     engine = None
+    watchdog = None
     try:
         load = asyncio.ensure_future(asyncio.to_thread(_start_engine, engine_config, server_config.warmup))
         await asyncio.wait([load, asyncio.ensure_future(stop.wait())], return_when=asyncio.FIRST_COMPLETED)
@@ -61,18 +78,40 @@ async def serve(engine_config: EngineConfig, server_config: ServerConfig) -> Non
             engine = load.result()
             service.attach(engine)
             await _set_health(health_servicer, health_pb2.HealthCheckResponse.SERVING)
-            sd_notify("READY=1")
+            sd_notify(f"READY=1\nSTATUS=serving {engine.loaded.name}")
             log.info("serving %s", engine.loaded.name)
+            watchdog = asyncio.ensure_future(_watch(engine, health_servicer, server_config.stall_seconds))
             await stop.wait()
     finally:
         log.info("shutting down: no new requests; %.1fs for live ones", server_config.shutdown_grace)
-        sd_notify("STOPPING=1")
+        sd_notify("STOPPING=1\nSTATUS=draining")
+        if watchdog is not None:
+            watchdog.cancel()
         await _set_health(health_servicer, health_pb2.HealthCheckResponse.NOT_SERVING)
         service.detach()  # new calls get UNAVAILABLE
         if engine is not None:
             await asyncio.to_thread(engine.drain, server_config.shutdown_grace)
             await asyncio.to_thread(engine.shutdown)  # what is left finishes with ABORT, streamed out
         await server.stop(5.0)
+
+
+async def _watch(engine: Engine, health_servicer: health.aio.HealthServicer, stall_seconds: float) -> None:
+    """Feed systemd's watchdog only while the engine loop turns; report NOT_SERVING while it is wedged."""
+    usec = os.environ.get("WATCHDOG_USEC")
+    interval = min(1.0, int(usec) / 2e6) if usec and usec.isdigit() else 1.0
+    stalled = False
+    while True:
+        now_stalled = engine.stalled(stall_seconds)
+        if now_stalled != stalled:
+            stalled = now_stalled
+            status = health_pb2.HealthCheckResponse.NOT_SERVING if stalled else health_pb2.HealthCheckResponse.SERVING
+            await _set_health(health_servicer, status)
+            log.error("engine loop stalled for over %.0fs with work pending", stall_seconds) if stalled else log.info(
+                "engine loop running again")  # fmt: skip
+            sd_notify("STATUS=engine stalled" if stalled else "STATUS=serving")
+        if usec and not stalled:
+            sd_notify("WATCHDOG=1")
+        await asyncio.sleep(interval)
 
 
 def _start_engine(config: EngineConfig, warmup: bool) -> Engine:
@@ -97,12 +136,30 @@ def _prepare_unix_socket(address: str) -> None:
         path.unlink()  # a stale socket from an earlier run
 
 
+def _restrict_unix_socket(address: str, mode: str, group: str) -> None:
+    if not address.startswith("unix:"):
+        return
+    path = address.removeprefix("unix:").removeprefix("//")
+    if group:
+        shutil.chown(path, group=group)
+    os.chmod(path, int(mode, 8))
+
+
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["config"]:
+        if "--print-defaults" in argv:
+            print(render_defaults())
+            return 0
+        print("usage: cbd config --print-defaults", file=sys.stderr)
+        return 2
     try:
         engine_config, server_config = load_settings(argv)
-    except (ValueError, OSError) as exc:
-        print(f"cbd: {exc}", file=sys.stderr)
-        return 2
+        if server_config.auth_token_file:
+            read_token(server_config.auth_token_file)
+    except (ValueError, OSError) as exc:  # a configuration error: do not let systemd restart-loop on it
+        print(f"cbd: configuration error: {exc}", file=sys.stderr)
+        return EX_CONFIG
     logging.basicConfig(
         level=server_config.log_level.upper(),
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",

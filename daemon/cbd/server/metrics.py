@@ -28,9 +28,15 @@ class _EngineCollector(Collector):
             ("cbd_kv_blocks_total", s.num_blocks, "KV blocks in the pool."),
             ("cbd_kv_blocks_used", s.num_blocks_used, "KV blocks held by live sequences."),
             ("cbd_kv_blocks_cached", s.num_blocks_cached, "Free KV blocks that still hold a reusable prefix."),
+            ("cbd_kv_usage_ratio", s.num_blocks_used / max(1, s.num_blocks), "Fraction of KV blocks in use."),
+            ("cbd_open_sessions", s.num_sessions, "Open sessions."),
         ):
             yield GaugeMetricFamily(name, doc, value=value)
         yield CounterMetricFamily("cbd_preemptions", "Sequences preempted for KV space.", value=s.num_preemptions)
+        yield CounterMetricFamily(
+            "cbd_session_evictions", "Idle sessions whose KV was released for running requests.",
+            value=s.num_session_evictions,
+        )  # fmt: skip
         yield CounterMetricFamily("cbd_engine_steps", "Engine steps run.", value=s.num_steps)
 
 
@@ -52,6 +58,10 @@ class Metrics:
         self.first_token = Histogram(
             "cbd_time_to_first_token_seconds", "From request arrival to its first token.",
             buckets=_LATENCY_BUCKETS, registry=self.registry,
+        )  # fmt: skip
+        self.inter_token = Histogram(
+            "cbd_inter_token_latency_seconds", "Time between consecutive messages carrying new tokens of a request.",
+            buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5), registry=self.registry,
         )  # fmt: skip
         self.duration = Histogram(
             "cbd_request_duration_seconds", "From request arrival to its last message.",

@@ -61,13 +61,18 @@ class CbdService(_Base):
             request_id = engine.submit(prompt, params, request.request_id or None, on_output)  # makes an id if none
         output: RequestOutput | None = None
         waiting_first_token = True
+        last_token_at = 0.0
         try:
             while output is None or not output.finished:
                 output = await outputs.get()
                 elapsed = time.monotonic() - arrived
-                if waiting_first_token and any(d.token_ids for d in output.candidates):
-                    self.metrics.first_token.observe(elapsed)
-                    waiting_first_token = False
+                if any(d.token_ids for d in output.candidates):
+                    if waiting_first_token:
+                        self.metrics.first_token.observe(elapsed)
+                        waiting_first_token = False
+                    else:
+                        self.metrics.inter_token.observe(elapsed - last_token_at)
+                    last_token_at = elapsed
                 self.metrics.observe(output, elapsed)
                 yield convert.response(output)
         finally:

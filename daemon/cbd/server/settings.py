@@ -28,12 +28,28 @@ class ServerConfig:
     # Prometheus metrics over HTTP on this port (0: off), bound to metrics_address.
     metrics_port: int = 0
     metrics_address: str = "127.0.0.1"
+    # Permissions (octal) and group of unix sockets the daemon creates; "" keeps the process's group.
+    socket_mode: str = "0660"
+    socket_group: str = ""
+    # File holding a bearer token every RPC but health must present ("authorization: Bearer <token>"); "" = off.
+    auth_token_file: str = ""
+    # Seconds the engine loop may go without a step while work is pending before health turns NOT_SERVING
+    # and the systemd watchdog stops being fed.
+    stall_seconds: float = 30.0
 
     def __post_init__(self) -> None:
         if self.shutdown_grace < 0:
             raise ValueError(f"shutdown_grace must be >= 0, got {self.shutdown_grace}")
         if not 0 <= self.metrics_port < 65536:
             raise ValueError(f"metrics_port must be in [0, 65535], got {self.metrics_port}")
+        try:
+            mode = int(self.socket_mode, 8)
+        except ValueError:
+            raise ValueError(f"socket_mode must be octal, e.g. '0660', got {self.socket_mode!r}") from None
+        if not 0 <= mode <= 0o777:
+            raise ValueError(f"socket_mode must be in 0000..0777, got {self.socket_mode!r}")
+        if self.stall_seconds <= 0:
+            raise ValueError(f"stall_seconds must be > 0, got {self.stall_seconds}")
         if self.log_level.upper() not in ("DEBUG", "INFO", "WARNING", "ERROR"):
             raise ValueError(f"log_level must be DEBUG, INFO, WARNING or ERROR, got {self.log_level!r}")
 
@@ -57,11 +73,19 @@ def _parse(annotation: str, text: str) -> Any:
     return {"int": int, "float": float, "str": str}[base](text)
 
 
+DEFAULT_CONFIG_FILE = "/etc/cbd/cbd.toml"
+EX_CONFIG = 78  # sysexits.h: configuration error (systemd does not restart-loop on it with RestartPreventExitStatus)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="cbd", description="cbd: continuous-batching LLM daemon")
     sub = parser.add_subparsers(dest="command", required=True)
+    config = sub.add_parser("config", help="configuration helpers")
+    config.add_argument("--print-defaults", action="store_true", help="print a documented default cbd.toml")
     serve = sub.add_parser("serve", help="load the model and serve gRPC until SIGTERM/SIGINT")
-    serve.add_argument("--config", help="TOML file with [engine] and [server] tables")
+    serve.add_argument(
+        "--config", help=f"TOML file with [engine] and [server] tables (default {DEFAULT_CONFIG_FILE} if it exists)"
+    )
     for section, cls in _SECTIONS.items():
         group = serve.add_argument_group(section)
         for f in fields(cls):
@@ -75,12 +99,16 @@ def build_parser() -> argparse.ArgumentParser:
 def load_settings(argv: list[str] | None = None) -> tuple[EngineConfig, ServerConfig]:
     args = build_parser().parse_args(argv)
     values: dict[str, dict[str, Any]] = {name: {} for name in _SECTIONS}
-    if args.config:
-        with open(args.config, "rb") as fh:
-            document = tomllib.load(fh)
+    path = args.config or os.environ.get("CBD_CONFIG") or (DEFAULT_CONFIG_FILE if os.path.exists(DEFAULT_CONFIG_FILE) else None)
+    if path:
+        try:
+            with open(path, "rb") as fh:
+                document = tomllib.load(fh)
+        except tomllib.TOMLDecodeError as exc:
+            raise ValueError(f"{path} is not valid TOML: {exc}") from None
         unknown = sorted(set(document) - set(_SECTIONS))
         if unknown:
-            raise ValueError(f"unknown tables in {args.config}: {unknown}; known: {sorted(_SECTIONS)}")
+            raise ValueError(f"unknown tables in {path}: {unknown}; known: {sorted(_SECTIONS)}")
         for section, table in document.items():
             values[section].update(table)
     for section, cls in _SECTIONS.items():
@@ -92,3 +120,47 @@ def load_settings(argv: list[str] | None = None) -> tuple[EngineConfig, ServerCo
             if flag is not None:
                 values[section][f.name] = _parse(str(f.type), flag)
     return EngineConfig.from_dict(values["engine"]), config_from_dict(ServerConfig, values["server"], "server config")
+
+
+def render_defaults() -> str:
+    """A cbd.toml holding every setting at its default, each with the comment from its definition."""
+    import inspect
+
+    out = ["# cbd configuration (TOML). Every key is optional; shown at its default.",
+           "# Precedence: defaults < this file < CBD_<KEY> environment variables < command-line flags.", ""]  # fmt: skip
+    for section, cls in _SECTIONS.items():
+        comments = _field_comments(inspect.getsource(cls))
+        out.append(f"[{section}]")
+        for f in fields(cls):
+            out += [f"# {line}" for line in comments.get(f.name, [])]
+            value = f.default
+            if value is None:
+                out.append(f"# {f.name} =   (unset)")
+            else:
+                out.append(f"{f.name} = {_toml_value(value)}")
+        out.append("")
+    return "\n".join(out)
+
+
+def _field_comments(source: str) -> dict[str, list[str]]:
+    comments: dict[str, list[str]] = {}
+    pending: list[str] = []
+    for line in source.splitlines():
+        stripped = line.strip()
+        if stripped.startswith("#"):
+            pending.append(stripped.lstrip("# ").rstrip())
+        elif ":" in stripped and not stripped.startswith(("def ", "class ", "@", '"')) and "=" in stripped:
+            trailing = stripped.split("  # ", 1)[1:] if "  # " in stripped else []
+            comments[stripped.split(":")[0].strip()] = pending + trailing
+            pending = []
+        else:
+            pending = []
+    return comments
+
+
+def _toml_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, str):
+        return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
+    return repr(value)
