@@ -182,3 +182,110 @@ def test_systemd_unit_verifies(tmp_path) -> None:  # type: ignore[no-untyped-def
     proc = subprocess.run([analyze, "verify", str(path)], capture_output=True, text=True, timeout=60)
     problems = [line for line in (proc.stdout + proc.stderr).splitlines() if "cbd.service" in line]
     assert proc.returncode == 0 and not problems, proc.stdout + proc.stderr
+
+
+def test_one_json_log_line_per_request_without_prompt_text(tiny_daemon) -> None:  # type: ignore[no-untyped-def]
+    import json
+
+    d = tiny_daemon()
+    with Client(d.address, timeout=60) as client:
+        client.generate(PROMPT, max_tokens=3, ignore_eos=True, request_id="req-log-1")
+    time.sleep(0.2)
+    records = [json.loads(line) for line in d.log().splitlines() if line.startswith("{")]
+    assert records and all("event" in r and "level" in r and "timestamp" in r for r in records)
+    lines = [r for r in records if r.get("logger") == "cbd.request" and r.get("request_id") == "req-log-1"]
+    assert len(lines) == 1
+    line = lines[0]
+    assert line["outcome"] == "completed" and line["completion_tokens"] == 3 and line["finish_reasons"] == ["length"]
+    assert line["prompt_tokens"] > 0 and line["ttft_s"] > 0 and line["duration_s"] >= line["ttft_s"]
+    assert ", ".join(map(str, PROMPT[:8])) not in d.log()  # no prompt content
+
+
+def _certificates(directory):  # type: ignore[no-untyped-def]
+    """A CA, a server certificate for 127.0.0.1 / localhost and a client certificate, as PEM files."""
+    import datetime
+    import ipaddress
+
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    now = datetime.datetime.now(datetime.timezone.utc)
+
+    def make(name, issuer=None, issuer_key=None, ca=False, san=None):  # type: ignore[no-untyped-def]
+        key = ec.generate_private_key(ec.SECP256R1())
+        subject = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, name)])
+        builder = (
+            x509.CertificateBuilder().subject_name(subject).issuer_name(issuer or subject)
+            .public_key(key.public_key()).serial_number(x509.random_serial_number())
+            .not_valid_before(now - datetime.timedelta(minutes=5)).not_valid_after(now + datetime.timedelta(days=1))
+            .add_extension(x509.BasicConstraints(ca=ca, path_length=None), critical=True)
+        )  # fmt: skip
+        if san:
+            builder = builder.add_extension(x509.SubjectAlternativeName(san), critical=False)
+        cert = builder.sign(issuer_key or key, hashes.SHA256())
+        return key, cert
+
+    ca_key, ca = make("cbd test CA", ca=True)
+    san = [x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]
+    server_key, server = make("localhost", ca.subject, ca_key, san=san)
+    client_key, client = make("agent", ca.subject, ca_key)
+    paths = {}
+    for name, key, cert in (("ca", ca_key, ca), ("server", server_key, server), ("client", client_key, client)):
+        (directory / f"{name}.pem").write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+        (directory / f"{name}.key").write_bytes(key.private_bytes(
+            serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()))  # fmt: skip
+        paths[name] = (str(directory / f"{name}.pem"), str(directory / f"{name}.key"))
+    return paths
+
+
+def test_mutual_tls_on_tcp(tiny_daemon, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    import socket
+
+    pem = _certificates(tmp_path)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    tcp = f"127.0.0.1:{port}"
+    d = tiny_daemon("--listen", f"unix:{tmp_path / 'cbd.sock'},{tcp}", "--tls-cert-file", pem["server"][0],
+                    "--tls-key-file", pem["server"][1], "--tls-client-ca-file", pem["ca"][0])  # fmt: skip
+    ca = pem["ca"][0]
+    with Client(tcp, timeout=30, tls_ca=ca, tls_cert=pem["client"][0], tls_key=pem["client"][1]) as client:
+        assert len(client.generate(PROMPT, max_tokens=2, ignore_eos=True).candidates[0].token_ids) == 2
+    with Client(tcp, timeout=10, tls_ca=ca) as client, pytest.raises(CbdError):  # no client certificate
+        client.stats()
+    with Client(tcp, timeout=10) as client, pytest.raises(CbdError):  # plaintext to a TLS port
+        client.stats()
+    assert d.process.poll() is None
+
+
+def test_sigterm_lets_eight_running_streams_finish_and_refuses_new_calls(tiny_daemon) -> None:  # type: ignore[no-untyped-def]
+    d = tiny_daemon("--shutdown-grace", "60")
+    results: list[object] = []
+
+    def run() -> None:
+        with Client(d.address, timeout=120) as client:
+            try:
+                results.append(client.generate(PROMPT, max_tokens=200, ignore_eos=True).candidates[0])
+            except Exception as exc:  # noqa: BLE001 - asserted below
+                results.append(exc)
+
+    threads = [threading.Thread(target=run) for _ in range(8)]
+    for t in threads:
+        t.start()
+    with Client(d.address, timeout=10) as probe:
+        deadline = time.monotonic() + 30
+        while probe.stats().running < 8:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        d.process.terminate()
+        time.sleep(0.3)
+        with pytest.raises(CbdError) as info:
+            probe.generate(PROMPT, max_tokens=2)
+        assert info.value.code == grpc.StatusCode.UNAVAILABLE
+    for t in threads:
+        t.join(120)
+    assert d.process.wait(60) == 0, d.log()
+    assert len(results) == 8 and all(getattr(r, "finish_reason", None) == "length" for r in results), results
+    assert all(len(r.token_ids) == 200 for r in results)  # type: ignore[union-attr]

@@ -14,3 +14,16 @@ def default_address() -> str:
     if runtime:
         return f"unix:{runtime}/cbd.sock"
     return f"unix:/tmp/cbd-{os.getuid()}.sock"
+
+
+def tls_credentials(ca: str, cert: str | None = None, key: str | None = None):  # type: ignore[no-untyped-def]
+    """Channel credentials from PEM files: the CA that signed the daemon, and optionally our own cert/key."""
+    import grpc
+
+    def read(path: str | None) -> bytes | None:
+        if path is None:
+            return None
+        with open(path, "rb") as f:
+            return f.read()
+
+    return grpc.ssl_channel_credentials(read(ca), read(key), read(cert))

@@ -18,7 +18,7 @@ import grpc
 
 from cbd_client import _convert
 from cbd_client._convert import Prompt
-from cbd_client.address import default_address
+from cbd_client.address import default_address, tls_credentials
 from cbd_client.errors import CbdError
 from cbd_client.session import Session
 from cbd_client.types import Completion, Delta, ModelInfo, SessionInfo, Stats
@@ -27,12 +27,24 @@ from cbd_client.v1.cbd_pb2_grpc import CbdStub
 
 
 class Client:
-    def __init__(self, address: str | None = None, timeout: float | None = None, token: str | None = None) -> None:
-        """token: the daemon's bearer token, when it runs with auth_token_file."""
+    def __init__(
+        self,
+        address: str | None = None,
+        timeout: float | None = None,
+        token: str | None = None,
+        tls_ca: str | None = None,
+        tls_cert: str | None = None,
+        tls_key: str | None = None,
+    ) -> None:
+        """token: the daemon's bearer token (auth_token_file). tls_ca: PEM file of the CA that signed the
+        daemon's certificate (TCP with TLS); tls_cert / tls_key: this client's certificate (mutual TLS)."""
         self.address = address or default_address()
         self._metadata = (("authorization", f"Bearer {token}"),) if token else None
         self.timeout = timeout  # default deadline per call, in seconds
-        self._channel = grpc.insecure_channel(self.address)
+        if tls_ca:
+            self._channel = grpc.secure_channel(self.address, tls_credentials(tls_ca, tls_cert, tls_key))
+        else:
+            self._channel = grpc.insecure_channel(self.address)
         self._stub = CbdStub(self._channel)
 
     def generate(self, prompt: Prompt, *, n: int = 1, request_id: str = "", timeout: float | None = None, session_id: str = "", parent_candidate: int | None = None, **sampling) -> Completion:  # type: ignore[no-untyped-def]

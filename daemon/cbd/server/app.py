@@ -24,6 +24,7 @@ from cbd.config import EngineConfig
 from cbd.engine.engine import Engine
 from cbd.engine.sampling_params import SamplingParams
 from cbd.server.auth import BearerTokenInterceptor, read_token
+from cbd.server.logs import configure as configure_logging
 from cbd.server.notify import sd_notify
 from cbd.server.service import CbdService
 from cbd.server.settings import EX_CONFIG, ServerConfig, load_settings, render_defaults
@@ -45,9 +46,13 @@ async def serve(engine_config: EngineConfig, server_config: ServerConfig) -> Non
     reflection.enable_server_reflection(
         (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME), server
     )
+    credentials = _server_credentials(server_config)
     for address in server_config.addresses():
         _prepare_unix_socket(address)
-        server.add_insecure_port(address)
+        if credentials is not None and not address.startswith("unix:"):
+            server.add_secure_port(address, credentials)
+        else:
+            server.add_insecure_port(address)
     await _set_health(health_servicer, health_pb2.HealthCheckResponse.NOT_SERVING)
     if server_config.metrics_port:
         service.metrics.serve(server_config.metrics_port, server_config.metrics_address)
@@ -136,6 +141,14 @@ def _prepare_unix_socket(address: str) -> None:
         path.unlink()  # a stale socket from an earlier run
 
 
+def _server_credentials(config: ServerConfig) -> grpc.ServerCredentials | None:
+    if not config.tls_cert_file:
+        return None
+    key, chain = Path(config.tls_key_file).read_bytes(), Path(config.tls_cert_file).read_bytes()
+    ca = Path(config.tls_client_ca_file).read_bytes() if config.tls_client_ca_file else None
+    return grpc.ssl_server_credentials([(key, chain)], root_certificates=ca, require_client_auth=ca is not None)
+
+
 def _restrict_unix_socket(address: str, mode: str, group: str) -> None:
     if not address.startswith("unix:"):
         return
@@ -157,14 +170,11 @@ def main(argv: list[str] | None = None) -> int:
         engine_config, server_config = load_settings(argv)
         if server_config.auth_token_file:
             read_token(server_config.auth_token_file)
+        _server_credentials(server_config)  # unreadable certificate files are configuration errors
     except (ValueError, OSError) as exc:  # a configuration error: do not let systemd restart-loop on it
         print(f"cbd: configuration error: {exc}", file=sys.stderr)
         return EX_CONFIG
-    logging.basicConfig(
-        level=server_config.log_level.upper(),
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-        stream=sys.stderr,
-    )
+    configure_logging(server_config.log_level)
     try:
         asyncio.run(serve(engine_config, server_config))
     except Exception as exc:

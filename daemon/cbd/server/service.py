@@ -14,6 +14,7 @@ from cbd.engine.sampling_params import MAX_CANDIDATES, MAX_LOGPROBS, MAX_STOP_ST
 from cbd.engine.sessions import SessionInfo
 from cbd.errors import EngineStopped, InvalidRequest
 from cbd.server import convert, status
+from cbd.server.logs import request_line
 from cbd.server.metrics import Metrics
 from cbd.server.prompts import PromptEncoder
 from cbd_client.v1 import cbd_pb2 as pb
@@ -61,24 +62,39 @@ class CbdService(_Base):
             request_id = engine.submit(prompt, params, request.request_id or None, on_output)  # makes an id if none
         output: RequestOutput | None = None
         waiting_first_token = True
-        last_token_at = 0.0
+        last_token_at = first_token_at = 0.0
+        finishes: set[str] = set()
         try:
             while output is None or not output.finished:
                 output = await outputs.get()
                 elapsed = time.monotonic() - arrived
+                finishes.update(d.finish_reason.value for d in output.candidates if d.finish_reason is not None)
                 if any(d.token_ids for d in output.candidates):
                     if waiting_first_token:
                         self.metrics.first_token.observe(elapsed)
                         waiting_first_token = False
+                        first_token_at = elapsed
                     else:
                         self.metrics.inter_token.observe(elapsed - last_token_at)
                     last_token_at = elapsed
                 self.metrics.observe(output, elapsed)
                 yield convert.response(output)
         finally:
-            if output is None or not output.finished:  # cancelled, deadline passed, or the client went away
+            duration = time.monotonic() - arrived
+            completed = output is not None and output.finished
+            if not completed:  # cancelled, deadline passed, or the client went away
                 engine.abort(request_id)
-                self.metrics.cancelled(time.monotonic() - arrived)
+                self.metrics.cancelled(duration)
+            usage = output.usage if completed and output is not None else None
+            request_line(
+                request_id=request_id, session_id=request.session_id or None, n=params.n,
+                outcome="completed" if completed else "cancelled",
+                prompt_tokens=usage.prompt_tokens if usage else None,
+                cached_prompt_tokens=usage.cached_prompt_tokens if usage else None,
+                completion_tokens=usage.completion_tokens if usage else None,
+                ttft_s=None if waiting_first_token else round(first_token_at, 4),
+                duration_s=round(duration, 4), finish_reasons=sorted(finishes) or None,
+            )  # fmt: skip
 
     async def _submit_turn(self, engine: Engine, request: pb.GenerateRequest, params, on_output) -> str:  # type: ignore[no-untyped-def]
         sid = request.session_id

@@ -33,6 +33,11 @@ class ServerConfig:
     socket_group: str = ""
     # File holding a bearer token every RPC but health must present ("authorization: Bearer <token>"); "" = off.
     auth_token_file: str = ""
+    # TLS for TCP addresses (unix sockets rely on their permissions): PEM certificate chain and key;
+    # with tls_client_ca_file, clients must present a certificate signed by that CA (mutual TLS).
+    tls_cert_file: str = ""
+    tls_key_file: str = ""
+    tls_client_ca_file: str = ""
     # Seconds the engine loop may go without a step while work is pending before health turns NOT_SERVING
     # and the systemd watchdog stops being fed.
     stall_seconds: float = 30.0
@@ -48,6 +53,10 @@ class ServerConfig:
             raise ValueError(f"socket_mode must be octal, e.g. '0660', got {self.socket_mode!r}") from None
         if not 0 <= mode <= 0o777:
             raise ValueError(f"socket_mode must be in 0000..0777, got {self.socket_mode!r}")
+        if bool(self.tls_cert_file) != bool(self.tls_key_file):
+            raise ValueError("tls_cert_file and tls_key_file go together")
+        if self.tls_client_ca_file and not self.tls_cert_file:
+            raise ValueError("tls_client_ca_file (mutual TLS) needs tls_cert_file and tls_key_file")
         if self.stall_seconds <= 0:
             raise ValueError(f"stall_seconds must be > 0, got {self.stall_seconds}")
         if self.log_level.upper() not in ("DEBUG", "INFO", "WARNING", "ERROR"):
