@@ -289,3 +289,55 @@ def test_sigterm_lets_eight_running_streams_finish_and_refuses_new_calls(tiny_da
     assert d.process.wait(60) == 0, d.log()
     assert len(results) == 8 and all(getattr(r, "finish_reason", None) == "length" for r in results), results
     assert all(len(r.token_ids) == 200 for r in results)  # type: ignore[union-attr]
+
+
+def test_injected_step_error_fails_its_request_with_internal_and_the_daemon_goes_on(tiny_daemon) -> None:  # type: ignore[no-untyped-def]
+    d = tiny_daemon(env={"CBD_INJECT_FAULT": "error:8"})  # warm-up uses the first steps
+    with Client(d.address, timeout=60) as client:
+        with pytest.raises(CbdError) as info:
+            client.generate(PROMPT, max_tokens=50, ignore_eos=True)
+        assert info.value.code == grpc.StatusCode.INTERNAL
+        assert len(client.generate(PROMPT, max_tokens=4, ignore_eos=True).candidates[0].token_ids) == 4
+        assert client.stats().kv_blocks_used == 0
+    assert d.process.poll() is None
+
+
+def test_injected_device_error_fails_requests_and_exits_non_zero(tiny_daemon) -> None:  # type: ignore[no-untyped-def]
+    d = tiny_daemon(env={"CBD_INJECT_FAULT": "device-error:8"})
+    with Client(d.address, timeout=60) as client, pytest.raises(CbdError) as info:
+        client.generate(PROMPT, max_tokens=50, ignore_eos=True)
+    assert info.value.code == grpc.StatusCode.INTERNAL
+    assert d.process.wait(30) == 1
+
+
+def test_wedged_engine_stops_the_watchdog_and_turns_health_not_serving(tiny_daemon, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    import socket
+
+    path = tmp_path / "notify.sock"
+    with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as sock:
+        sock.bind(str(path))
+        sock.settimeout(30)
+        env = {"NOTIFY_SOCKET": str(path), "WATCHDOG_USEC": "200000", "CBD_INJECT_FAULT": "stall:8:4"}
+        d = tiny_daemon("--stall-seconds", "1", env=env)
+        done: list[object] = []
+        worker = threading.Thread(target=lambda: done.append(
+            Client(d.address, timeout=60).generate(PROMPT, max_tokens=20, ignore_eos=True)))  # fmt: skip
+        worker.start()
+        events: list[tuple[float, str]] = []
+        health_seen: set[str | None] = set()
+        deadline = time.monotonic() + 15
+        while time.monotonic() < deadline and not done:
+            sock.settimeout(0.1)
+            try:
+                events.append((time.monotonic(), sock.recv(256).decode()))
+            except TimeoutError:
+                pass
+            health_seen.add(d.health(timeout=0.5))
+        worker.join(30)
+    messages = [m for _, m in events]
+    assert "STATUS=engine stalled" in messages and "STATUS=serving" in messages[messages.index("STATUS=engine stalled"):]
+    stalled_at = events[messages.index("STATUS=engine stalled")][0]
+    resumed_at = events[messages.index("STATUS=serving", messages.index("STATUS=engine stalled"))][0]
+    pings_while_stalled = [t for t, m in events if m == "WATCHDOG=1" and stalled_at < t < resumed_at]
+    assert resumed_at - stalled_at > 1.5 and not pings_while_stalled
+    assert "NOT_SERVING" in health_seen and done and len(done[0].candidates[0].token_ids) == 20  # type: ignore[attr-defined]

@@ -40,3 +40,7 @@ class UnknownSession(CbdError, KeyError):
 
 class SessionBusy(CbdError):
     """The session cannot take this call in its current state (a turn in flight, candidates pending)."""
+
+
+class EngineFailure(CbdError):
+    """The engine failed while running the request (INTERNAL)."""

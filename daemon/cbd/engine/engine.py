@@ -20,6 +20,7 @@ from typing import TypeVar
 
 from cbd.config import EngineConfig
 from cbd.engine.core import EngineCore
+from cbd.engine.faults import FaultPlan, is_device_fault
 from cbd.engine.outputs import CandidateDelta, EngineStats, RequestOutput, Usage
 from cbd.engine.sampling_params import SamplingParams
 from cbd.engine.sequence import FinishReason
@@ -102,6 +103,8 @@ class Engine:
         self._start_error: BaseException | None = None
         self._tp = None  # rank 0's TensorParallelGroup when tensor_parallel_size > 1
         self.heartbeat = time.monotonic()  # the engine loop's last iteration (watchdog, health)
+        self.fatal: BaseException | None = None  # set when a device error stopped the engine
+        self._faults = FaultPlan.from_env()
         self._thread = threading.Thread(target=self._run, args=(loaded,), name="cbd-engine", daemon=True)
         self._thread.start()
         self._started.wait()
@@ -281,9 +284,17 @@ class Engine:
             if not self._drain_inbox():
                 break
             try:
+                if self._faults is not None and core.scheduler.has_work():
+                    self._faults.before_step(core.num_steps)
                 outputs = core.step()
-            except Exception:
-                log.exception("engine step failed; failing every live request")
+            except Exception as exc:
+                if is_device_fault(exc):
+                    log.critical("device error: failing every live request and stopping the engine: %s", exc)
+                    self.fatal = exc
+                    self._stopping = True
+                    self._deliver(core.fail_all(FinishReason.ERROR))
+                    break
+                log.exception("engine step failed; failing the requests it held")
                 outputs = core.fail_all(FinishReason.ERROR)
             self._stats = core.stats()
             self._deliver(outputs)

@@ -85,7 +85,7 @@ async def serve(engine_config: EngineConfig, server_config: ServerConfig) -> Non
             await _set_health(health_servicer, health_pb2.HealthCheckResponse.SERVING)
             sd_notify(f"READY=1\nSTATUS=serving {engine.loaded.name}")
             log.info("serving %s", engine.loaded.name)
-            watchdog = asyncio.ensure_future(_watch(engine, health_servicer, server_config.stall_seconds))
+            watchdog = asyncio.ensure_future(_watch(engine, health_servicer, server_config.stall_seconds, stop))
             await stop.wait()
     finally:
         log.info("shutting down: no new requests; %.1fs for live ones", server_config.shutdown_grace)
@@ -98,14 +98,22 @@ async def serve(engine_config: EngineConfig, server_config: ServerConfig) -> Non
             await asyncio.to_thread(engine.drain, server_config.shutdown_grace)
             await asyncio.to_thread(engine.shutdown)  # what is left finishes with ABORT, streamed out
         await server.stop(5.0)
+    if engine is not None and engine.fatal is not None:
+        raise RuntimeError(f"the engine stopped on a device error: {engine.fatal}")
 
 
-async def _watch(engine: Engine, health_servicer: health.aio.HealthServicer, stall_seconds: float) -> None:
+async def _watch(
+    engine: Engine, health_servicer: health.aio.HealthServicer, stall_seconds: float, stop_on_fatal: asyncio.Event
+) -> None:
     """Feed systemd's watchdog only while the engine loop turns; report NOT_SERVING while it is wedged."""
     usec = os.environ.get("WATCHDOG_USEC")
     interval = min(1.0, int(usec) / 2e6) if usec and usec.isdigit() else 1.0
     stalled = False
     while True:
+        if engine.fatal is not None:  # the device failed: exit non-zero so that systemd restarts us
+            sd_notify("STATUS=device error")
+            stop_on_fatal.set()
+            return
         now_stalled = engine.stalled(stall_seconds)
         if now_stalled != stalled:
             stalled = now_stalled

@@ -12,7 +12,8 @@ from cbd.engine.engine import Engine
 from cbd.engine.outputs import RequestOutput
 from cbd.engine.sampling_params import MAX_CANDIDATES, MAX_LOGPROBS, MAX_STOP_STRINGS, SamplingParams
 from cbd.engine.sessions import SessionInfo
-from cbd.errors import EngineStopped, InvalidRequest
+from cbd.engine.sequence import FinishReason
+from cbd.errors import EngineFailure, EngineStopped, InvalidRequest
 from cbd.server import convert, status
 from cbd.server.logs import request_line
 from cbd.server.metrics import Metrics
@@ -79,6 +80,8 @@ class CbdService(_Base):
                     last_token_at = elapsed
                 self.metrics.observe(output, elapsed)
                 yield convert.response(output)
+                if output.finished and any(d.finish_reason is FinishReason.ERROR for d in output.candidates):
+                    raise EngineFailure("the engine failed while running this request; see the daemon's log")
         finally:
             duration = time.monotonic() - arrived
             completed = output is not None and output.finished

@@ -12,6 +12,7 @@ import grpc
 from cbd.errors import (
     CapacityExceeded,
     CbdError,
+    EngineFailure,
     EngineStopped,
     InvalidRequest,
     SessionBusy,
@@ -30,6 +31,7 @@ _CODES: list[tuple[type[BaseException], grpc.StatusCode]] = [
     (UnknownRequest, grpc.StatusCode.NOT_FOUND),
     (UnknownSession, grpc.StatusCode.NOT_FOUND),
     (SessionBusy, grpc.StatusCode.FAILED_PRECONDITION),
+    (EngineFailure, grpc.StatusCode.INTERNAL),
     (Unimplemented, grpc.StatusCode.UNIMPLEMENTED),
 ]
 
