@@ -88,7 +88,7 @@ def run_cbd(core: EngineCore, prompts: list[list[int]], new_tokens: int, profile
             prof = _profiler()
             prof.__enter__()
             prof_start = len(stamps)
-        if not profile_steps and decode_from is not None and core.runner.step_events is None:
+        if not profile_steps and decode_from is not None and not isinstance(core.runner.step_events, list):
             core.runner.step_events = []  # bracket every decode step's device work with CUDA events
         outputs = core.step()
         stamps.append(time.perf_counter())
@@ -107,7 +107,7 @@ def run_cbd(core: EngineCore, prompts: list[list[int]], new_tokens: int, profile
     assert decode_from is not None and core.block_manager.num_used_blocks == 0
     if profile_steps:
         return {"busy": busy}
-    events, core.runner.step_events = core.runner.step_events or [], None
+    events, core.runner.step_events = list(core.runner.step_events or []), None
     events = events[4:-4]  # steady decode steps only
     device_ms = sum(a.elapsed_time(b) for a, b in events)
     span_ms = events[0][0].elapsed_time(events[-1][1])

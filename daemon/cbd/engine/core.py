@@ -15,6 +15,7 @@ from __future__ import annotations
 import itertools
 import logging
 import secrets
+import time
 from typing import Any
 
 from cbd.config import EngineConfig
@@ -58,6 +59,7 @@ class EngineCore:
             self.runner.broadcast = tp_group.broadcast
         self.overlap = config.overlap_enabled(self.runner.device)
         self._inflight: InflightStep | None = None
+        self._gpu_busy_at, self._gpu_busy_value = 0.0, None
         self.outputs = OutputProcessor(loaded.tokenizer, loaded.eos_token_ids, self.max_model_len)
         self.requests: dict[str, Request] = {}
         self._seq_ids = itertools.count()
@@ -176,7 +178,14 @@ class EngineCore:
             num_generated_tokens=self.num_generated_tokens,
             num_sessions=len(self.sessions.sessions),
             num_session_evictions=self.sessions.num_evictions,
+            gpu_busy=self._gpu_busy(),
         )
+
+    def _gpu_busy(self) -> float | None:
+        now = time.monotonic()
+        if now - self._gpu_busy_at > 1.0:  # reading events costs a little: at most once a second
+            self._gpu_busy_at, self._gpu_busy_value = now, self.runner.gpu_busy_fraction()
+        return self._gpu_busy_value
 
     # ---- internals --------------------------------------------------------------------------
     def _launch(self, plan: StepPlan) -> InflightStep:
@@ -187,6 +196,7 @@ class EngineCore:
             if not request.prompt_cache_recorded and seq.candidate_index == 0:
                 request.num_cached_prompt_tokens = seq.num_computed_tokens
                 request.prompt_cache_recorded = True
+                request.first_scheduled = time.monotonic()
             seq.num_computed_tokens += chunk.num_new_tokens
             # Blocks whose tokens are all known can be shared at once: any later reader runs after
             # this step on the compute stream, so it sees their KV.
@@ -256,6 +266,9 @@ class EngineCore:
 
     def _output(self, request: Request, deltas: list[CandidateDelta]) -> RequestOutput:
         out = RequestOutput(request.request_id, deltas)
+        if not request.queue_reported and request.first_scheduled is not None:
+            out.queue_seconds = request.first_scheduled - request.arrival_time
+            request.queue_reported = True
         if request.is_finished:
             if request.session is not None:
                 ok = all(sq.finish_reason in (FinishReason.STOP, FinishReason.LENGTH) for sq in request.sequences)

@@ -37,6 +37,7 @@ class RequestOutput:
     candidates: list[CandidateDelta]
     finished: bool = False
     usage: Usage | None = None  # set on the last output of a request
+    queue_seconds: float | None = None  # on the first output: from submission to first being scheduled
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,3 +53,4 @@ class EngineStats:
     num_generated_tokens: int
     num_sessions: int = 0
     num_session_evictions: int = 0
+    gpu_busy: float | None = None  # device busy fraction of the recent steps (CUDA only)

@@ -16,6 +16,7 @@ candidate, all reading the same logits row (prefill once, then fork).
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -97,8 +98,17 @@ class ModelRunner:
         self._last_sampled: torch.Tensor | None = None
         # Tensor parallelism: sends each step (and warm-up) to the worker ranks before running it here.
         self.broadcast: Callable[[tuple], None] | None = None
-        # When a list, every launch appends (start, end) CUDA events bracketing its compute-stream work.
-        self.step_events: list[tuple[torch.cuda.Event, torch.cuda.Event]] | None = None
+        # Every launch appends (start, end) CUDA events bracketing its compute-stream work: the last 64
+        # steps on CUDA (the GPU-busy gauge); a benchmark may put a plain list here to keep them all.
+        self.step_events: deque | list | None = deque(maxlen=64) if self.streams.cuda else None
+
+    def gpu_busy_fraction(self) -> float | None:
+        """Device time of the recent steps' work over the wall time they span (None on CPU / no steps)."""
+        events = [e for e in list(self.step_events or []) if e[1].query()]
+        if len(events) < 2:
+            return None
+        span = events[0][0].elapsed_time(events[-1][1])
+        return min(1.0, sum(a.elapsed_time(b) for a, b in events) / span) if span > 0 else None
 
     @staticmethod
     def kv_bytes_per_block(model: CausalLM, block_size: int) -> int:

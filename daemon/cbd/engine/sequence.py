@@ -101,6 +101,8 @@ class Request:
     num_cached_prompt_tokens: int = 0
     prompt_cache_recorded: bool = False
     session: Any = None  # the engine Session this request is a turn of
+    first_scheduled: float | None = None  # monotonic time of its first step
+    queue_reported: bool = False
 
     @property
     def is_finished(self) -> bool:

@@ -32,6 +32,11 @@ class _EngineCollector(Collector):
             ("cbd_open_sessions", s.num_sessions, "Open sessions."),
         ):
             yield GaugeMetricFamily(name, doc, value=value)
+        if s.gpu_busy is not None:
+            yield GaugeMetricFamily(
+                "cbd_gpu_idle_ratio", "Fraction of the engine loop's recent wall time the GPU had no step to run.",
+                value=1.0 - s.gpu_busy,
+            )  # fmt: skip
         yield CounterMetricFamily("cbd_preemptions", "Sequences preempted for KV space.", value=s.num_preemptions)
         yield CounterMetricFamily(
             "cbd_session_evictions", "Idle sessions whose KV was released for running requests.",
@@ -63,6 +68,10 @@ class Metrics:
             "cbd_inter_token_latency_seconds", "Time between consecutive messages carrying new tokens of a request.",
             buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5), registry=self.registry,
         )  # fmt: skip
+        self.queue = Histogram(
+            "cbd_queue_seconds", "From submission to the engine to the request's first step.",
+            buckets=_LATENCY_BUCKETS, registry=self.registry,
+        )  # fmt: skip
         self.duration = Histogram(
             "cbd_request_duration_seconds", "From request arrival to its last message.",
             buckets=_LATENCY_BUCKETS, registry=self.registry,
@@ -73,6 +82,8 @@ class Metrics:
 
     def observe(self, output: RequestOutput, elapsed: float) -> None:
         """Account one engine output of a request that arrived `elapsed` seconds ago."""
+        if output.queue_seconds is not None:
+            self.queue.observe(output.queue_seconds)
         for delta in output.candidates:
             if delta.finish_reason is not None:
                 self.candidates.labels(delta.finish_reason.value).inc()
