@@ -341,3 +341,33 @@ def test_wedged_engine_stops_the_watchdog_and_turns_health_not_serving(tiny_daem
     pings_while_stalled = [t for t, m in events if m == "WATCHDOG=1" and stalled_at < t < resumed_at]
     assert resumed_at - stalled_at > 1.5 and not pings_while_stalled
     assert "NOT_SERVING" in health_seen and done and len(done[0].candidates[0].token_ids) == 20  # type: ignore[attr-defined]
+
+
+def test_limits_on_queued_tokens_stop_lists_and_message_size(tiny_daemon) -> None:  # type: ignore[no-untyped-def]
+    d = tiny_daemon("--max-queued-tokens", "60", "--max-message-bytes", "4096")
+    with Client(d.address, timeout=60) as client:
+        stream = client.stream(PROMPT, max_tokens=400, ignore_eos=True)  # 38 prompt tokens queued
+        next(stream)
+        with pytest.raises(CbdError) as info:
+            client.generate(PROMPT, max_tokens=2)
+        assert info.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED and "retry" in info.value.details
+        stream.close()
+        time.sleep(0.3)
+        assert len(client.generate(PROMPT, max_tokens=2, ignore_eos=True).candidates[0].token_ids) == 2
+        for kw, match in ((dict(stop_token_ids=list(range(65))), "at most 64 ids"),):
+            with pytest.raises(CbdError) as info:
+                client.generate(PROMPT, max_tokens=2, **kw)
+            assert info.value.code == grpc.StatusCode.INVALID_ARGUMENT and match in info.value.details
+        with pytest.raises(CbdError) as info:  # over the message limit: refused by gRPC before any work
+            client.generate(list(range(2, 200)) * 20, max_tokens=2)
+        assert info.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+
+
+def test_stop_strings_are_bounded() -> None:
+    from cbd.engine.sampling_params import SamplingParams
+    from cbd.errors import InvalidRequest
+
+    with pytest.raises(InvalidRequest, match="at most 256 characters"):
+        SamplingParams(stop=("x" * 257,))
+    with pytest.raises(InvalidRequest, match="at most 16 non-empty strings"):
+        SamplingParams(stop=tuple("abcdefghijklmnopq"))

@@ -26,6 +26,9 @@ class EngineConfig:
     max_num_batched_tokens: int = 2048
     # Live requests (queued or running) beyond which submit refuses with CapacityExceeded.
     max_queued_requests: int = 4096
+    # Prompt tokens of live requests beyond which submit refuses with CapacityExceeded (bounds memory
+    # whatever the offered load).
+    max_queued_tokens: int = 1_048_576
     # None: the model's own context length.
     max_model_len: int | None = None
     enable_prefix_caching: bool = True
@@ -55,6 +58,8 @@ class EngineConfig:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
         if self.max_num_batched_tokens < 1:
             raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
+        if self.max_queued_tokens < 1:
+            raise ValueError(f"max_queued_tokens must be >= 1, got {self.max_queued_tokens}")
         if self.max_queued_requests < 1:
             raise ValueError(f"max_queued_requests must be >= 1, got {self.max_queued_requests}")
         if self.max_model_len is not None and self.max_model_len < 2:

@@ -98,7 +98,8 @@ class Engine:
         self._stopping = False
         self._callbacks: dict[str, OutputCallback | None] = {}  # live request ids; engine thread only
         self._live_lock = threading.Lock()
-        self._live_ids: set[str] = set()  # submitted and not yet finished
+        self._live_ids: dict[str, int] = {}  # submitted and not yet finished -> prompt tokens
+        self._live_tokens = 0
         self._started = threading.Event()
         self._start_error: BaseException | None = None
         self._tp = None  # rank 0's TensorParallelGroup when tensor_parallel_size > 1
@@ -130,7 +131,7 @@ class Engine:
             raise EngineStopped("the engine is shutting down")
         self.core.validate(prompt_token_ids, params)
         request_id = request_id or uuid.uuid4().hex
-        self._reserve(request_id)
+        self._reserve(request_id, len(prompt_token_ids))
         self._inbox.put(("add", prompt_token_ids, params, request_id, on_output))
         self._wake.set()
         return request_id
@@ -160,7 +161,7 @@ class Engine:
         request id once the engine thread accepted it, or raises UnknownSession, SessionBusy,
         InvalidRequest; CapacityExceeded and EngineStopped raise at once."""
         request_id = request_id or uuid.uuid4().hex
-        self._reserve(request_id)
+        self._reserve(request_id, len(tokens))
 
         def add(core: EngineCore) -> str:
             try:
@@ -169,8 +170,7 @@ class Engine:
                     transcript=transcript, request_id=request_id,
                 )  # fmt: skip
             except BaseException:
-                with self._live_lock:
-                    self._live_ids.discard(request_id)
+                self._release(request_id)
                 raise
             self._callbacks[request_id] = on_output
             return request_id
@@ -178,11 +178,10 @@ class Engine:
         try:
             return self.call(add)
         except BaseException:
-            with self._live_lock:
-                self._live_ids.discard(request_id)
+            self._release(request_id)
             raise
 
-    def _reserve(self, request_id: str) -> None:
+    def _reserve(self, request_id: str, num_tokens: int) -> None:
         if self._stopping:
             raise EngineStopped("the engine is shutting down")
         with self._live_lock:
@@ -190,9 +189,20 @@ class Engine:
                 raise InvalidRequest(f"request id {request_id!r} is already in use by a live request")
             if len(self._live_ids) >= self.config.max_queued_requests:
                 raise CapacityExceeded(
-                    f"{len(self._live_ids)} requests are live, the limit is {self.config.max_queued_requests}; retry later"
+                    f"{len(self._live_ids)} requests are live, the limit is {self.config.max_queued_requests}; "
+                    "retry in a few seconds"
                 )
-            self._live_ids.add(request_id)
+            if self._live_tokens + num_tokens > self.config.max_queued_tokens:
+                raise CapacityExceeded(
+                    f"{self._live_tokens} prompt tokens are queued or running, the limit is "
+                    f"{self.config.max_queued_tokens}; retry in a few seconds"
+                )
+            self._live_ids[request_id] = num_tokens
+            self._live_tokens += num_tokens
+
+    def _release(self, request_id: str) -> None:
+        with self._live_lock:
+            self._live_tokens -= self._live_ids.pop(request_id, 0)
 
     def stream(self, prompt_token_ids: list[int], params: SamplingParams) -> RequestStream:
         request_id = uuid.uuid4().hex
@@ -353,8 +363,7 @@ class Engine:
             callback = self._callbacks[output.request_id]
             if output.finished:
                 del self._callbacks[output.request_id]
-                with self._live_lock:
-                    self._live_ids.discard(output.request_id)
+                self._release(output.request_id)
             if callback is None:
                 continue
             try:

@@ -8,6 +8,8 @@ from cbd.errors import InvalidRequest
 
 MAX_LOGPROBS = 20
 MAX_STOP_STRINGS = 16
+MAX_STOP_STRING_CHARS = 256
+MAX_STOP_TOKEN_IDS = 64
 MAX_CANDIDATES = 64
 
 
@@ -40,7 +42,11 @@ class SamplingParams:
         if self.seed is not None and not 0 <= self.seed < 2**63:
             raise InvalidRequest(f"seed must be in [0, 2**63), got {self.seed}")
         if len(self.stop) > MAX_STOP_STRINGS or any(not s for s in self.stop):
-            raise InvalidRequest(f"stop takes at most {MAX_STOP_STRINGS} non-empty strings")
+            raise InvalidRequest(f"stop takes at most {MAX_STOP_STRINGS} non-empty strings, got {len(self.stop)}")
+        if any(len(s) > MAX_STOP_STRING_CHARS for s in self.stop):
+            raise InvalidRequest(f"each stop string has at most {MAX_STOP_STRING_CHARS} characters")
+        if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+            raise InvalidRequest(f"stop_token_ids takes at most {MAX_STOP_TOKEN_IDS} ids, got {len(self.stop_token_ids)}")
         if any(t < 0 for t in self.stop_token_ids):
             raise InvalidRequest("stop_token_ids must be non-negative token ids")
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:

@@ -38,7 +38,9 @@ async def serve(engine_config: EngineConfig, server_config: ServerConfig) -> Non
     interceptors = []
     if server_config.auth_token_file:
         interceptors.append(BearerTokenInterceptor(read_token(server_config.auth_token_file)))
-    server = grpc.aio.server(interceptors=interceptors)
+    limit = server_config.max_message_bytes
+    options = [("grpc.max_receive_message_length", limit), ("grpc.max_send_message_length", limit)]
+    server = grpc.aio.server(interceptors=interceptors, options=options)
     service = CbdService()
     cbd_pb2_grpc.add_CbdServicer_to_server(service, server)
     health_servicer = health.aio.HealthServicer()

@@ -33,6 +33,8 @@ class ServerConfig:
     socket_group: str = ""
     # File holding a bearer token every RPC but health must present ("authorization: Bearer <token>"); "" = off.
     auth_token_file: str = ""
+    # Largest gRPC message accepted or sent, in bytes (a bigger request is refused with RESOURCE_EXHAUSTED).
+    max_message_bytes: int = 8 * 1024 * 1024
     # TLS for TCP addresses (unix sockets rely on their permissions): PEM certificate chain and key;
     # with tls_client_ca_file, clients must present a certificate signed by that CA (mutual TLS).
     tls_cert_file: str = ""
@@ -53,6 +55,8 @@ class ServerConfig:
             raise ValueError(f"socket_mode must be octal, e.g. '0660', got {self.socket_mode!r}") from None
         if not 0 <= mode <= 0o777:
             raise ValueError(f"socket_mode must be in 0000..0777, got {self.socket_mode!r}")
+        if self.max_message_bytes < 1024:
+            raise ValueError(f"max_message_bytes must be >= 1024, got {self.max_message_bytes}")
         if bool(self.tls_cert_file) != bool(self.tls_key_file):
             raise ValueError("tls_cert_file and tls_key_file go together")
         if self.tls_client_ca_file and not self.tls_cert_file:
