@@ -37,7 +37,29 @@ _token_ids = st.lists(st.one_of(st.integers(0, 300), st.integers(0, 2**32 - 1)),
 
 
 @st.composite
-def generate_requests(draw):  # type: ignore[no-untyped-def]
+def valid_requests(draw):  # type: ignore[no-untyped-def]
+    """Requests within every limit (their variety exercises the engine: fan-outs, sampling, logprobs)."""
+    request = pb.GenerateRequest()
+    request.tokens.ids.extend(draw(st.lists(st.integers(2, 255), min_size=1, max_size=40)))
+    request.n = draw(st.integers(0, 3))
+    s = request.sampling
+    s.max_tokens = draw(st.integers(1, 4))
+    s.temperature = draw(st.floats(0.0, 2.0))
+    s.top_p = draw(st.floats(0.01, 1.0))
+    s.min_p = draw(st.floats(0.0, 1.0))
+    s.top_k = draw(st.integers(0, 300))
+    if draw(st.booleans()):
+        s.seed = draw(st.integers(0, 2**63 - 1))
+    if draw(st.booleans()):
+        s.logprobs = draw(st.integers(0, 20))
+    s.stop_token_ids.extend(draw(st.lists(st.integers(0, 255), max_size=3)))
+    s.ignore_eos = draw(st.booleans())
+    return request
+
+
+@st.composite
+def wild_requests(draw):  # type: ignore[no-untyped-def]
+    """Any field anywhere in (and past) its range."""
     request = pb.GenerateRequest()
     kind = draw(st.sampled_from(["tokens", "tokens", "tokens", "text", "chat", "none"]))
     if kind == "tokens":
@@ -94,7 +116,7 @@ def test_fuzzed_requests_end_cleanly_and_the_daemon_keeps_serving(fuzz_daemon) -
 
         @settings(max_examples=EXAMPLES, deadline=None, database=None, derandomize=True,
                   suppress_health_check=list(HealthCheck))  # fmt: skip
-        @given(generate_requests())
+        @given(st.one_of(valid_requests(), wild_requests()))
         def check(request: pb.GenerateRequest) -> None:
             try:
                 responses = list(stub.Generate(request, timeout=60))
