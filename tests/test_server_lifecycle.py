@@ -371,3 +371,60 @@ def test_stop_strings_are_bounded() -> None:
         SamplingParams(stop=("x" * 257,))
     with pytest.raises(InvalidRequest, match="at most 16 non-empty strings"):
         SamplingParams(stop=tuple("abcdefghijklmnopq"))
+
+
+def test_a_thousand_streams_cancelled_at_random_points_leave_nothing_behind(tiny_daemon) -> None:  # type: ignore[no-untyped-def]
+    """Cancelled before their first token, mid-stream, mid-fan-out and mid-session-turn: all KV comes back."""
+    import asyncio
+    import random
+
+    from cbd_client import AsyncClient
+
+    d = tiny_daemon("--max-queued-requests", "2000", "--num-kv-blocks", "512")
+    rng = random.Random(11)
+
+    async def one(client: AsyncClient, i: int, session) -> str:  # type: ignore[no-untyped-def]
+        kw = dict(max_tokens=rng.randrange(5, 200), ignore_eos=True, temperature=0.7, seed=i)
+        if i % 5 == 1:
+            kw["n"] = rng.randrange(2, 5)  # a fan-out
+        prompt = [rng.randrange(2, 250) for _ in range(rng.randrange(3, 60))]
+        stream = session.stream(prompt, **kw) if session is not None else client.stream(prompt, **kw)
+        stop_after = rng.choice([0, 0, 1, 3, 10, 1000])
+        seen = 0
+        try:
+            async for _ in stream:
+                seen += 1
+                if seen >= stop_after:
+                    break
+        except CbdError as e:  # a session turn may find its session busy: that is a clean refusal
+            assert e.code == grpc.StatusCode.FAILED_PRECONDITION, e
+        finally:
+            await stream.aclose()  # cancels the call on the daemon
+        return "done"
+
+    async def main() -> None:
+        async with AsyncClient(d.address, timeout=120) as client:
+            sessions = [await client.session(ttl=120) for _ in range(20)]
+            tasks = []
+            for i in range(1000):
+                session = sessions[i % 20] if i % 7 == 3 else None
+                tasks.append(asyncio.ensure_future(one(client, i, session)))
+                if i % 50 == 0:
+                    await asyncio.sleep(0.01)
+            # some calls are cancelled from outside before they produced anything at all
+            for t in rng.sample(tasks, 50):
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            for s in sessions:
+                await s.close()
+            deadline = time.monotonic() + 30
+            while True:
+                stats = await client.stats()
+                if (stats.running, stats.waiting, stats.kv_blocks_used, stats.live_requests) == (0, 0, 0, 0):
+                    break
+                assert time.monotonic() < deadline, stats
+                await asyncio.sleep(0.1)
+            assert stats.open_sessions == 0
+
+    asyncio.run(main())
+    assert d.process.poll() is None
