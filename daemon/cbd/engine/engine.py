@@ -176,10 +176,14 @@ class Engine:
             return request_id
 
         try:
-            return self.call(add)
+            future = self.call(add)
         except BaseException:
             self._release(request_id)
             raise
+        # A caller that gives up before the engine thread took the turn cancels the future; the
+        # turn never runs, so its reservation must be returned here.
+        future.add_done_callback(lambda f: self._release(request_id) if f.cancelled() else None)
+        return future
 
     def _reserve(self, request_id: str, num_tokens: int) -> None:
         if self._stopping:
