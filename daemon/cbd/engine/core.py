@@ -89,14 +89,28 @@ class EngineCore:
         self, prompt_token_ids: list[int], params: SamplingParams, request_id: str | None = None
     ) -> Request:
         self.validate(prompt_token_ids, params)
+        request_id = self._fresh_request_id(request_id)
+        return self._start_request(request_id, list(prompt_token_ids), params)
+
+    def _fresh_request_id(self, request_id: str | None) -> str:
         request_id = request_id or f"req-{next(self._request_ids)}"
         if request_id in self.requests:
             raise InvalidRequest(f"request id {request_id!r} is already in use")
+        return request_id
+
+    def _start_request(
+        self, request_id: str, prompt: list[int], params: SamplingParams, block_table: list[int] | None = None,
+        num_computed: int = 0, session: Any = None,
+    ) -> Request:  # fmt: skip
+        """Create the request and its first sequence (starting from `block_table` KV, if any) and queue it."""
         seed = params.seed if params.seed is not None else secrets.randbits(63)
-        request = Request(request_id, list(prompt_token_ids), params, seed)
-        seq = self._new_sequence(request, 0, list(prompt_token_ids))
+        request = Request(request_id, prompt, params, seed)
+        seq = self._new_sequence(request, 0, list(prompt))
+        seq.block_table, seq.num_computed_tokens = block_table or [], num_computed
         seq.pending_forks = params.n - 1
         self.requests[request_id] = request
+        if session is not None:
+            self.sessions.turn_started(session, request)
         self.scheduler.add(seq)
         return request
 
@@ -114,21 +128,11 @@ class EngineCore:
         """A turn of a session: its prompt is the history plus `tokens` (or, with `replace`, the
         re-rendered conversation `tokens`); its first sequence starts from the session's resident KV."""
         session = self.sessions.get(session_id)
-        request_id = request_id or f"req-{next(self._request_ids)}"
-        if request_id in self.requests:
-            raise InvalidRequest(f"request id {request_id!r} is already in use")
+        request_id = self._fresh_request_id(request_id)
         start = self.sessions.begin_turn(
             session, tokens, replace, parent_candidate, transcript, lambda prompt: self.validate(prompt, params)
         )
-        seed = params.seed if params.seed is not None else secrets.randbits(63)
-        request = Request(request_id, start.prompt, params, seed)
-        seq = self._new_sequence(request, 0, list(start.prompt))
-        seq.block_table, seq.num_computed_tokens = start.block_table, start.num_computed
-        seq.pending_forks = params.n - 1
-        self.requests[request_id] = request
-        self.sessions.turn_started(session, request)
-        self.scheduler.add(seq)
-        return request
+        return self._start_request(request_id, start.prompt, params, start.block_table, start.num_computed, session)
 
     def abort_request(self, request_id: str) -> RequestOutput:
         request = self.requests.get(request_id)

@@ -135,16 +135,10 @@ def load_model(
     hf_config = AutoConfig.from_pretrained(directory)
     spec = spec_from_hf_config(hf_config)
     shard = shard_of(spec, *tensor_parallel) if tensor_parallel and tensor_parallel[1] > 1 else None
-    with torch.device("meta"):
-        net = CausalLM(local_spec(spec, shard) if shard else spec)
-    net = net.to_empty(device=device).to(dtype)
-    if spec.tie_word_embeddings:
-        net.lm_head.weight = net.embed_tokens.weight
+    net = _empty_network(local_spec(spec, shard) if shard else spec, device, dtype)
     transform = None if shard is None else (lambda name, t: shard_tensor(name, t, spec, shard))
     load_weights(net, directory, transform)
-    inv_freq, scale = rope_inv_freq(hf_config, spec)
-    net.set_rope(inv_freq, scale, max_positions or spec.max_position_embeddings)
-    net.eval()
+    _finish_network(net, hf_config, spec, max_positions)
     if pack_cpu_gemm and torch.device(device).type == "cpu" and dtype == torch.float32 and packing_available():
         pack_linears(net)
     if shard is not None:
@@ -165,18 +159,28 @@ def model_from_hf(hf_model: Any, device: torch.device | str, dtype: torch.dtype,
     """Build the engine's model from a live transformers model (benchmarks and tests; no tokenizer)."""
     hf_config = hf_model.config
     spec = spec_from_hf_config(hf_config)
+    net = _empty_network(spec, device, dtype)
+    copy_weights(net, hf_model.state_dict().items())
+    _finish_network(net, hf_config, spec, max_positions)
+    eos = hf_config.eos_token_id
+    eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
+    return LoadedModel(net, spec, hf_config, None, eos_ids, Path("."), type(hf_model).__name__)
+
+
+def _empty_network(spec: ModelSpec, device: torch.device | str, dtype: torch.dtype) -> CausalLM:
+    """The network with uninitialised weights on `device` (built on the meta device: no init cost)."""
     with torch.device("meta"):
         net = CausalLM(spec)
     net = net.to_empty(device=device).to(dtype)
     if spec.tie_word_embeddings:
         net.lm_head.weight = net.embed_tokens.weight
-    copy_weights(net, hf_model.state_dict().items())
+    return net
+
+
+def _finish_network(net: CausalLM, hf_config: Any, spec: ModelSpec, max_positions: int | None) -> None:
     inv_freq, scale = rope_inv_freq(hf_config, spec)
     net.set_rope(inv_freq, scale, max_positions or spec.max_position_embeddings)
     net.eval()
-    eos = hf_config.eos_token_id
-    eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
-    return LoadedModel(net, spec, hf_config, None, eos_ids, Path("."), type(hf_model).__name__)
 
 
 def _load_tokenizer(directory: Path) -> Any | None:
