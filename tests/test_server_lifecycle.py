@@ -36,7 +36,24 @@ def test_full_queue_is_resource_exhausted(tiny_daemon) -> None:  # type: ignore[
         with pytest.raises(CbdError) as info:
             client.generate(PROMPT, max_tokens=2)
         assert info.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED and "limit is 1" in info.value.details
+        assert info.value.retry_after is not None and 0.05 <= info.value.retry_after <= 30  # the pushback trailer
         stream.close()
+
+
+def test_a_refused_session_turn_keeps_the_chosen_candidate(tiny_daemon) -> None:  # type: ignore[no-untyped-def]
+    d = tiny_daemon("--max-queued-requests", "1")
+    with Client(d.address, timeout=60) as client, client.session(PROMPT) as session:
+        session.send([5, 6, 7], n=2, max_tokens=4, temperature=0.9, seed=3)
+        session.choose(1)
+        blocker = client.stream(PROMPT, max_tokens=400, ignore_eos=True)
+        next(blocker)  # the one seat is taken
+        with pytest.raises(CbdError) as info:
+            session.send([8, 9], max_tokens=3)
+        assert info.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+        blocker.close()
+        time.sleep(0.3)
+        reply = session.send([8, 9], max_tokens=3, ignore_eos=True)  # retried: still continues candidate 1
+        assert len(reply.candidates[0].token_ids) == 3 and session.info().pending_candidates == 0
 
 
 def test_shutdown_ends_every_stream_with_a_finish_reason(tiny_daemon) -> None:  # type: ignore[no-untyped-def]
@@ -351,6 +368,7 @@ def test_limits_on_queued_tokens_stop_lists_and_message_size(tiny_daemon) -> Non
         with pytest.raises(CbdError) as info:
             client.generate(PROMPT, max_tokens=2)
         assert info.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED and "retry" in info.value.details
+        assert info.value.retry_after is not None
         stream.close()
         time.sleep(0.3)
         assert len(client.generate(PROMPT, max_tokens=2, ignore_eos=True).candidates[0].token_ids) == 2

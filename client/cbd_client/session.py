@@ -16,7 +16,10 @@ from __future__ import annotations
 from collections.abc import AsyncIterator, Iterator
 from typing import TYPE_CHECKING
 
+import grpc
+
 from cbd_client._convert import Prompt
+from cbd_client.errors import CbdError
 from cbd_client.types import Completion, Delta, SessionInfo
 
 if TYPE_CHECKING:
@@ -24,24 +27,58 @@ if TYPE_CHECKING:
     from cbd_client.client import Client
 
 
-class Session:
-    def __init__(self, client: Client, info: SessionInfo) -> None:
-        self.client = client
-        self.session_id = info.session_id
+# Answers the daemon gives before a turn starts: the session is as it was, so the choice still holds.
+_REFUSALS = frozenset({
+    grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.INVALID_ARGUMENT,
+    grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.NOT_FOUND,
+})  # fmt: skip
+
+
+class _ChosenCandidate:
+    """The candidate `choose` picked; used by the next turn, kept if the daemon refuses that turn."""
+
+    def __init__(self) -> None:
         self._parent: int | None = None
-
-    def send(self, prompt: Prompt, *, n: int = 1, parent_candidate: int | None = None, **sampling) -> Completion:  # type: ignore[no-untyped-def]
-        """One turn, run to completion. With n > 1, call `choose` before the next turn."""
-        parent = self._take_parent(parent_candidate)
-        return self.client.generate(prompt, n=n, session_id=self.session_id, parent_candidate=parent, **sampling)
-
-    def stream(self, prompt: Prompt, *, n: int = 1, parent_candidate: int | None = None, **sampling) -> Iterator[Delta]:  # type: ignore[no-untyped-def]
-        parent = self._take_parent(parent_candidate)
-        yield from self.client.stream(prompt, n=n, session_id=self.session_id, parent_candidate=parent, **sampling)
 
     def choose(self, candidate: int) -> None:
         """The candidate of the last (n > 1) turn that the next turn continues; the others are released then."""
         self._parent = candidate
+
+    def _take_parent(self, explicit: int | None) -> int | None:
+        parent = explicit if explicit is not None else self._parent
+        self._parent = None
+        return parent
+
+    def _refused(self, parent: int | None, explicit: int | None, error: CbdError, streamed: bool) -> None:
+        if explicit is None and not streamed and error.code in _REFUSALS and self._parent is None:
+            self._parent = parent  # a refused turn (e.g. retried after RESOURCE_EXHAUSTED) keeps the choice
+
+
+class Session(_ChosenCandidate):
+    def __init__(self, client: Client, info: SessionInfo) -> None:
+        super().__init__()
+        self.client = client
+        self.session_id = info.session_id
+
+    def send(self, prompt: Prompt, *, n: int = 1, parent_candidate: int | None = None, **sampling) -> Completion:  # type: ignore[no-untyped-def]
+        """One turn, run to completion. With n > 1, call `choose` before the next turn."""
+        parent = self._take_parent(parent_candidate)
+        try:
+            return self.client.generate(prompt, n=n, session_id=self.session_id, parent_candidate=parent, **sampling)
+        except CbdError as e:
+            self._refused(parent, parent_candidate, e, streamed=False)
+            raise
+
+    def stream(self, prompt: Prompt, *, n: int = 1, parent_candidate: int | None = None, **sampling) -> Iterator[Delta]:  # type: ignore[no-untyped-def]
+        parent = self._take_parent(parent_candidate)
+        streamed = False
+        try:
+            for delta in self.client.stream(prompt, n=n, session_id=self.session_id, parent_candidate=parent, **sampling):
+                streamed = True
+                yield delta
+        except CbdError as e:
+            self._refused(parent, parent_candidate, e, streamed)
+            raise
 
     def fork(self, candidate: int | None = None, ttl: float | None = None) -> Session:
         """A new session continuing from this one (or from a pending candidate), sharing its KV copy-on-write."""
@@ -59,29 +96,33 @@ class Session:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def _take_parent(self, explicit: int | None) -> int | None:
-        parent = explicit if explicit is not None else self._parent
-        self._parent = None
-        return parent
 
-
-class AsyncSession:
+class AsyncSession(_ChosenCandidate):
     def __init__(self, client: AsyncClient, info: SessionInfo) -> None:
+        super().__init__()
         self.client = client
         self.session_id = info.session_id
-        self._parent: int | None = None
 
     async def send(self, prompt: Prompt, *, n: int = 1, parent_candidate: int | None = None, **sampling) -> Completion:  # type: ignore[no-untyped-def]
         parent = self._take_parent(parent_candidate)
-        return await self.client.generate(prompt, n=n, session_id=self.session_id, parent_candidate=parent, **sampling)
+        try:
+            return await self.client.generate(prompt, n=n, session_id=self.session_id, parent_candidate=parent,
+                                              **sampling)  # fmt: skip
+        except CbdError as e:
+            self._refused(parent, parent_candidate, e, streamed=False)
+            raise
 
     async def stream(self, prompt: Prompt, *, n: int = 1, parent_candidate: int | None = None, **sampling) -> AsyncIterator[Delta]:  # type: ignore[no-untyped-def]
         parent = self._take_parent(parent_candidate)
-        async for delta in self.client.stream(prompt, n=n, session_id=self.session_id, parent_candidate=parent, **sampling):
-            yield delta
-
-    def choose(self, candidate: int) -> None:
-        self._parent = candidate
+        streamed = False
+        try:
+            async for delta in self.client.stream(prompt, n=n, session_id=self.session_id, parent_candidate=parent,
+                                                  **sampling):  # fmt: skip
+                streamed = True
+                yield delta
+        except CbdError as e:
+            self._refused(parent, parent_candidate, e, streamed)
+            raise
 
     async def fork(self, candidate: int | None = None, ttl: float | None = None) -> AsyncSession:
         return AsyncSession(self.client, await self.client.fork_session(self.session_id, candidate, ttl))
@@ -97,8 +138,3 @@ class AsyncSession:
 
     async def __aexit__(self, *exc: object) -> None:
         await self.close()
-
-    def _take_parent(self, explicit: int | None) -> int | None:
-        parent = explicit if explicit is not None else self._parent
-        self._parent = None
-        return parent

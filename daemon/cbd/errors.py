@@ -12,7 +12,11 @@ class InvalidRequest(CbdError, ValueError):
 
 
 class CapacityExceeded(CbdError):
-    """The request can never fit (context length, KV pool) or the engine is full."""
+    """The engine is full (live requests, queued tokens, sessions); `retry_after` is a hint in seconds."""
+
+    def __init__(self, message: str, retry_after: float | None = None) -> None:
+        super().__init__(message)
+        self.retry_after = retry_after
 
 
 class UnknownRequest(CbdError, KeyError):

@@ -19,12 +19,13 @@ from dataclasses import dataclass, field
 from typing import TypeVar
 
 from cbd.config import EngineConfig
+from cbd.engine.admission import Admission
 from cbd.engine.core import EngineCore
 from cbd.engine.faults import FaultPlan, is_device_fault
 from cbd.engine.outputs import CandidateDelta, EngineStats, RequestOutput, Usage
 from cbd.engine.sampling_params import SamplingParams
 from cbd.engine.sequence import FinishReason
-from cbd.errors import CapacityExceeded, EngineStopped, InvalidRequest
+from cbd.errors import EngineStopped
 from cbd.model.loader import LoadedModel, load_model
 
 log = logging.getLogger(__name__)
@@ -97,9 +98,8 @@ class Engine:
         self._wake = threading.Event()
         self._stopping = False
         self._callbacks: dict[str, OutputCallback | None] = {}  # live request ids; engine thread only
-        self._live_lock = threading.Lock()
-        self._live_ids: dict[str, int] = {}  # submitted and not yet finished -> prompt tokens
-        self._live_tokens = 0
+        # submitted and not yet finished: seats and prompt tokens, capped
+        self.admission = Admission(self.config.max_queued_requests, self.config.max_queued_tokens)
         self._started = threading.Event()
         self._start_error: BaseException | None = None
         self._tp = None  # rank 0's TensorParallelGroup when tensor_parallel_size > 1
@@ -188,25 +188,10 @@ class Engine:
     def _reserve(self, request_id: str, num_tokens: int) -> None:
         if self._stopping:
             raise EngineStopped("the engine is shutting down")
-        with self._live_lock:
-            if request_id in self._live_ids:
-                raise InvalidRequest(f"request id {request_id!r} is already in use by a live request")
-            if len(self._live_ids) >= self.config.max_queued_requests:
-                raise CapacityExceeded(
-                    f"{len(self._live_ids)} requests are live, the limit is {self.config.max_queued_requests}; "
-                    "retry in a few seconds"
-                )
-            if self._live_tokens + num_tokens > self.config.max_queued_tokens:
-                raise CapacityExceeded(
-                    f"{self._live_tokens} prompt tokens are queued or running, the limit is "
-                    f"{self.config.max_queued_tokens}; retry in a few seconds"
-                )
-            self._live_ids[request_id] = num_tokens
-            self._live_tokens += num_tokens
+        self.admission.reserve(request_id, num_tokens)
 
     def _release(self, request_id: str) -> None:
-        with self._live_lock:
-            self._live_tokens -= self._live_ids.pop(request_id, 0)
+        self.admission.release(request_id)
 
     def stream(self, prompt_token_ids: list[int], params: SamplingParams) -> RequestStream:
         request_id = uuid.uuid4().hex
@@ -234,19 +219,19 @@ class Engine:
 
     @property
     def num_live_requests(self) -> int:
-        return len(self._live_ids)
+        return self.admission.num_live
 
     def stalled(self, seconds: float) -> bool:
         """Work is pending but the loop has not turned for `seconds` (a wedged step or device)."""
-        return bool(self._live_ids) and time.monotonic() - self.heartbeat > seconds
+        return self.admission.num_live > 0 and time.monotonic() - self.heartbeat > seconds
 
     def drain(self, timeout: float) -> bool:
         """Wait until no request is live (True) or timeout seconds pass (False); accepts no new ones."""
         self._stopping = True
         deadline = time.monotonic() + timeout
-        while self._live_ids and time.monotonic() < deadline:
+        while self.admission.num_live and time.monotonic() < deadline:
             time.sleep(0.02)
-        return not self._live_ids
+        return not self.admission.num_live
 
     def shutdown(self, timeout: float | None = 30.0) -> None:
         """Stop the loop; live requests finish with reason ABORT."""

@@ -43,11 +43,19 @@ def status_of(exc: BaseException) -> tuple[grpc.StatusCode, str]:
     return grpc.StatusCode.INTERNAL, f"internal error: {type(exc).__name__}: {exc}"
 
 
+# gRPC's own name for a server's "retry after this many milliseconds" hint (gRFC A6); cbd_client reads
+# it into CbdError.retry_after, and grpc's built-in retry policy honours it.
+RETRY_PUSHBACK_KEY = "grpc-retry-pushback-ms"
+
+
 async def _abort(context: grpc.aio.ServicerContext, exc: Exception) -> None:
     code, message = status_of(exc)
     if not isinstance(exc, CbdError):
         log.exception("unexpected error in a handler", exc_info=exc)
-    await context.abort(code, message)
+    trailers: tuple[tuple[str, str], ...] = ()
+    if isinstance(exc, CapacityExceeded) and exc.retry_after is not None:
+        trailers = ((RETRY_PUSHBACK_KEY, str(max(1, round(exc.retry_after * 1000)))),)
+    await context.abort(code, message, trailing_metadata=trailers)
 
 
 def unary(handler: Callable[..., Awaitable[T]]) -> Callable[..., Awaitable[T]]:

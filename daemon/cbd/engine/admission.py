@@ -1,0 +1,79 @@
+"""Admission control: caps on live requests and on their prompt tokens, with a retry hint.
+
+Every request (plain or session turn) reserves a seat and its prompt tokens before it is queued and
+gives them back when it finishes, fails or is cancelled. Beyond either cap `reserve` refuses at once
+with CapacityExceeded, so memory stays bounded whatever the offered load. The refusal carries a retry
+hint: the time in which, at the rate requests have been finishing lately, enough of the live ones will
+have finished to make room.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+import time
+from collections import deque
+
+from cbd.errors import CapacityExceeded, InvalidRequest
+
+# Bounds of the retry hint, seconds.
+MIN_RETRY_AFTER = 0.05
+MAX_RETRY_AFTER = 30.0
+# How many recent finishes the rate is measured over.
+_RATE_WINDOW = 256
+
+
+class Admission:
+    def __init__(self, max_requests: int, max_tokens: int) -> None:
+        self.max_requests = max_requests
+        self.max_tokens = max_tokens
+        self._lock = threading.Lock()
+        self._live: dict[str, int] = {}  # request id -> prompt tokens
+        self._tokens = 0
+        self._finished_at: deque[float] = deque(maxlen=_RATE_WINDOW)
+
+    @property
+    def num_live(self) -> int:
+        return len(self._live)
+
+    @property
+    def num_tokens(self) -> int:
+        return self._tokens
+
+    def reserve(self, request_id: str, num_tokens: int) -> None:
+        with self._lock:
+            if request_id in self._live:
+                raise InvalidRequest(f"request id {request_id!r} is already in use by a live request")
+            if len(self._live) >= self.max_requests:
+                wait = self._retry_after(len(self._live) - self.max_requests + 1)
+                raise CapacityExceeded(
+                    f"{len(self._live)} requests are live, the limit is {self.max_requests}; "
+                    f"retry in {wait:.2f} s", retry_after=wait,
+                )  # fmt: skip
+            if self._tokens + num_tokens > self.max_tokens:
+                wait = self._retry_after(self._requests_to_free(self._tokens + num_tokens - self.max_tokens))
+                raise CapacityExceeded(
+                    f"{self._tokens} prompt tokens are queued or running, the limit is {self.max_tokens}; "
+                    f"retry in {wait:.2f} s", retry_after=wait,
+                )  # fmt: skip
+            self._live[request_id] = num_tokens
+            self._tokens += num_tokens
+
+    def release(self, request_id: str) -> None:
+        """Give back a request's reservation (idempotent: a second call for the same id does nothing)."""
+        with self._lock:
+            if request_id in self._live:
+                self._tokens -= self._live.pop(request_id)
+                self._finished_at.append(time.monotonic())
+
+    def _requests_to_free(self, excess_tokens: int) -> int:
+        mean = self._tokens / max(1, len(self._live))
+        return max(1, math.ceil(excess_tokens / max(1.0, mean)))
+
+    def _retry_after(self, requests: int) -> float:
+        """Seconds until `requests` live requests have likely finished, from the recent finish rate."""
+        if len(self._finished_at) < 2:
+            return 1.0
+        span = time.monotonic() - self._finished_at[0]
+        rate = (len(self._finished_at) - 1) / max(span, 1e-3)
+        return min(MAX_RETRY_AFTER, max(MIN_RETRY_AFTER, requests / rate))
