@@ -170,3 +170,36 @@ def test_session_cap(tiny_loaded) -> None:
     core.sessions.open()
     with pytest.raises(CapacityExceeded):
         core.sessions.open()
+
+
+@pytest.mark.parametrize("num_blocks", [24, 32, 40])
+def test_concurrent_turns_of_sessions_that_pin_most_of_the_pool_all_finish(tiny_loaded, num_blocks) -> None:  # type: ignore[no-untyped-def]
+    """Busy sessions' resident history is released too when the pool runs dry, else turns waiting to be
+    recomputed can never be admitted (each session pins the blocks its own turn needs to grow)."""
+    rng = random.Random(num_blocks)
+    histories = [[rng.randrange(2, 256) for _ in range(rng.randrange(16, 29))] for _ in range(4)]
+    rounds = [[[rng.randrange(2, 256) for _ in range(rng.randrange(3, 11))] for _ in histories] for _ in range(2)]
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+
+    def play(core: EngineCore) -> list[list[int]]:
+        sessions = [core.sessions.open() for _ in histories]
+        answers = [_turn(core, s.session_id, h, params)["tokens"][0] for s, h in zip(sessions, histories)]
+        for turns in rounds:  # every session's next turn at once
+            ids = [core.add_session_turn(s.session_id, t, params).request_id for s, t in zip(sessions, turns)]
+            tokens: dict[str, list[int]] = {rid: [] for rid in ids}
+            steps = 0
+            while core.has_work():
+                for out in core.step():
+                    tokens[out.request_id].extend(t for d in out.candidates for t in d.token_ids)
+                steps += 1
+                assert steps < 5_000, f"no progress: {core.stats()}"
+            answers += [tokens[rid] for rid in ids]
+        for s in sessions:
+            core.sessions.close(s.session_id)
+        assert core.block_manager.num_used_blocks == 0
+        return answers
+
+    roomy = make_core(tiny_loaded, block_size=4, num_kv_blocks=1024)
+    tight = make_core(tiny_loaded, block_size=4, num_kv_blocks=num_blocks)
+    assert play(tight) == play(roomy)
+    assert tight.scheduler.num_preemptions > 0

@@ -53,10 +53,12 @@ class Scheduler:
         block_manager: BlockManager,
         max_num_seqs: int,
         max_num_batched_tokens: int,
-        reclaim: Callable[[int], int] | None = None,
+        reclaim: Callable[[int, bool], int] | None = None,
     ) -> None:
         self.block_manager = block_manager
-        # Frees blocks held by idle sessions (running requests win over them); returns how many it freed.
+        # reclaim(blocks_needed, include_busy): releases the KV that sessions hold (idle ones; with
+        # include_busy also those whose turn is queued or running), least recently used first, until
+        # blocks_needed are free; returns how many blocks it freed. Running requests win over sessions.
         self.reclaim = reclaim
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -82,9 +84,7 @@ class Scheduler:
                 index += 1  # its last token is being sampled: nothing left to compute
                 continue
             num_new = min(seq.num_uncomputed, budget)
-            while not bm.can_append(seq, num_new):
-                if self._reclaim(seq, num_new):
-                    continue
+            while not self._make_room(seq, num_new):
                 victim = self.running.pop()
                 self._preempt(victim, plan)
                 if victim is seq:
@@ -122,7 +122,7 @@ class Scheduler:
             if not seq.block_table:
                 seq.num_computed_tokens = bm.allocate_prefix(seq)
             num_new = min(seq.num_uncomputed, budget)
-            if not bm.can_append(seq, num_new) and not (self._reclaim(seq, num_new) and bm.can_append(seq, num_new)):
+            if not self._make_room(seq, num_new):
                 bm.free(seq)
                 seq.num_computed_tokens = 0
                 break
@@ -137,10 +137,27 @@ class Scheduler:
                 inflight.update(bm.cacheable_hashes(seq, seq.num_computed_tokens + num_new))
         self.waiting.extendleft(reversed(deferred))
 
-    def _reclaim(self, seq: Sequence, num_new: int) -> bool:
-        if self.reclaim is None:
-            return False
-        return self.reclaim(self.block_manager.blocks_needed_for(seq, num_new)) > 0
+    def _make_room(self, seq: Sequence, num_new: int) -> bool:
+        """Whether seq can grow by num_new tokens, after freeing what no running sequence needs:
+        idle sessions' KV first; then the blocks that queued sequences merely hold (a session turn
+        starts from its session's blocks) and busy sessions' references to them. Otherwise queued
+        turns could pin the very blocks the head of the queue needs, and nothing would ever run.
+        What is freed stays in the prefix cache until reused, so a turn often revives it."""
+        bm = self.block_manager
+        if bm.can_append(seq, num_new):
+            return True
+        needed = bm.blocks_needed_for(seq, num_new)
+        if self.reclaim is not None:
+            self.reclaim(needed, False)
+            if bm.can_append(seq, num_new):
+                return True
+        for other in self.waiting:
+            if other is not seq and other.block_table and not other.num_placeholders:
+                bm.free(other)
+                other.num_computed_tokens = 0
+        if self.reclaim is not None:
+            self.reclaim(needed, True)
+        return bm.can_append(seq, num_new)
 
     def add_running(self, seq: Sequence, after: Sequence) -> None:
         """Insert a forked sequence right after its parent, keeping admission order."""

@@ -230,11 +230,15 @@ class SessionManager:
             session.transcript = []  # a chat session's first turn fanned out: it is a chat from now on
 
     # ---- memory pressure and expiry -------------------------------------------------------------
-    def evict(self, blocks_needed: int) -> int:
-        """Release idle sessions' KV, least recently used first, until blocks_needed are free."""
+    def evict(self, blocks_needed: int, include_busy: bool = False) -> int:
+        """Release sessions' KV, least recently used first, until blocks_needed are free: idle sessions
+        only, or also those with a turn in flight (the turn's sequence keeps its own references, so
+        this frees only what nothing running needs; the session recomputes later)."""
         freed = 0
-        idle = sorted((s for s in self.sessions.values() if s.busy is None), key=lambda s: s.last_used)
-        for session in idle:
+        candidates = sorted(
+            (s for s in self.sessions.values() if include_busy or s.busy is None), key=lambda s: s.last_used
+        )
+        for session in candidates:
             if self.bm.num_free_blocks >= blocks_needed:
                 break
             if not session.block_table and not any(b.block_table for b in session.branches):
