@@ -66,3 +66,32 @@ def test_chunked_paged_attention_equals_dense(block_size: int, heads: tuple[int,
 def test_metadata_rejects_tables_that_do_not_cover_the_context() -> None:
     with pytest.raises(ValueError, match="do not cover"):
         build_metadata([1], [9], [[0, 1]], block_size=4)
+
+
+@pytest.mark.parametrize("window", [None, 7])
+def test_grouped_reference_equals_padded_on_a_mixed_step(window) -> None:
+    """One long prefill chunk among many short decodes: grouped by shape (CPU path) == padded reference."""
+    from cbd.model.attention import GroupedMetadata, grouped_metadata, layout_from_lists, reference_metadata
+
+    rng = random.Random(3)
+    torch.manual_seed(3)
+    block_size, num_heads, num_kv_heads, head_dim = 4, 6, 2, 8
+    query_lens = [1] * 20 + [3, 90, 17]
+    context_lens = [rng.randrange(1, 60) for _ in range(20)] + [5, 150, 40]
+    num_blocks = sum(-(-c // block_size) for c in context_lens)
+    free = list(range(num_blocks))
+    rng.shuffle(free)
+    tables = [[free.pop() for _ in range(-(-c // block_size))] for c in context_lens]
+    order = list(range(len(query_lens)))
+    rng.shuffle(order)  # decodes and prefills interleaved in the packed rows
+    query_lens, context_lens, tables = ([xs[i] for i in order] for xs in (query_lens, context_lens, tables))
+    kv_cache = torch.randn(num_blocks * block_size, 2, num_kv_heads, head_dim)
+    q = torch.randn(sum(query_lens), num_heads, head_dim)
+    layout = layout_from_lists(query_lens, context_lens, tables, block_size)
+    grouped = grouped_metadata(layout, block_size, window)
+    assert isinstance(grouped, GroupedMetadata) and len(grouped.groups) > 1
+    assert torch.equal(grouped.slot_mapping, layout.slot_mapping)
+    expected = paged_attention(q, kv_cache, reference_metadata(layout, block_size, window), 0.3)
+    torch.testing.assert_close(grouped.attend(q, kv_cache, 0.3), expected, atol=1e-6, rtol=1e-5)
+    uniform = layout_from_lists([1] * 4, [9, 10, 11, 12], tables[:4], block_size)
+    assert not isinstance(grouped_metadata(uniform, block_size), GroupedMetadata)  # nothing to gain

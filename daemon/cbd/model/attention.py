@@ -110,6 +110,77 @@ def reference_metadata(layout: BatchLayout, block_size: int, sliding_window: int
     return AttentionMetadata(layout.slot_mapping, query_index, output_index, key_slots, mask[:, None])
 
 
+@dataclass(slots=True)
+class GroupedMetadata:
+    """A step whose sequences differ a lot in shape, attended group by group (see `grouped_metadata`)."""
+
+    slot_mapping: torch.Tensor  # [T] int64
+    groups: list[tuple[torch.Tensor, AttentionMetadata]]  # (the group's packed rows, its metadata)
+
+    @property
+    def num_tokens(self) -> int:
+        return self.slot_mapping.shape[0]
+
+    def attend(self, q: torch.Tensor, kv_cache: torch.Tensor, scale: float) -> torch.Tensor:
+        out = torch.empty_like(q)
+        for rows, meta in self.groups:
+            out.index_copy_(0, rows, paged_attention(q.index_select(0, rows), kv_cache, meta, scale))
+        return out
+
+
+# A group may pad its (query x key) grid to at most this many times its sequences' real work.
+PADDING_LIMIT = 2.0
+
+
+def grouped_metadata(
+    layout: BatchLayout, block_size: int, sliding_window: int | None = None
+) -> AttentionMetadata | GroupedMetadata:
+    """The reference metadata, split into groups of similar shape when padding would dominate.
+
+    The reference pads every sequence to the step's longest query and context: a step that mixes one
+    long prefill chunk with many decodes would compute (and mask) B x Qmax x Kmax scores instead of the
+    sum of q x k. Sequences sorted by (query, context) length are grouped greedily so that each group's
+    padded grid stays within PADDING_LIMIT x its real one. Reads the lengths on the host: for the CPU.
+    """
+    q_lens = (layout.query_start[1:] - layout.query_start[:-1]).tolist()
+    ctx_lens = layout.context_lens.tolist()
+    real = sum(q * k for q, k in zip(q_lens, ctx_lens))
+    if len(q_lens) * layout.max_query_len * layout.max_context_len <= PADDING_LIMIT * real:
+        return reference_metadata(layout, block_size, sliding_window)
+    order = sorted(range(len(q_lens)), key=lambda b: (q_lens[b], ctx_lens[b]))
+    groups: list[list[int]] = []
+    area = q_max = k_max = 0
+    for b in order:
+        q, k = q_lens[b], ctx_lens[b]
+        grown_q, grown_k = max(q_max, q), max(k_max, k)
+        if groups and (len(groups[-1]) + 1) * grown_q * grown_k > PADDING_LIMIT * (area + q * k):
+            groups.append([])
+            area = q_max = k_max = 0
+            grown_q, grown_k = q, k
+        if not groups:
+            groups.append([])
+        groups[-1].append(b)
+        area, q_max, k_max = area + q * k, grown_q, grown_k
+    starts = layout.query_start.tolist()
+    out: list[tuple[torch.Tensor, AttentionMetadata]] = []
+    for members in groups:
+        rows = torch.cat([torch.arange(starts[b], starts[b + 1]) for b in members]).to(layout.slot_mapping.device)
+        index = torch.tensor(members, device=layout.context_lens.device)
+        sub_q = [q_lens[b] for b in members]
+        sub_start = torch.zeros(len(members) + 1, dtype=torch.int64)
+        sub_start[1:] = torch.cumsum(torch.tensor(sub_q, dtype=torch.int64), 0)
+        sub = BatchLayout(
+            slot_mapping=layout.slot_mapping.index_select(0, rows),
+            query_start=sub_start.to(layout.query_start.device),
+            context_lens=layout.context_lens.index_select(0, index),
+            block_tables=layout.block_tables.index_select(0, index),
+            max_query_len=max(sub_q),
+            max_context_len=max(ctx_lens[b] for b in members),
+        )
+        out.append((rows, reference_metadata(sub, block_size, sliding_window)))
+    return GroupedMetadata(layout.slot_mapping, out)
+
+
 def build_metadata(
     query_lens: list[int],
     context_lens: list[int],

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from cbd.errors import UnsupportedModel
-from cbd.model.attention import BatchLayout, reference_metadata
+from cbd.model.attention import BatchLayout, grouped_metadata, reference_metadata
 
 BACKENDS = ("auto", "torch", "triton", "flash")
 
@@ -29,6 +29,8 @@ class TorchBackend:
         self.sliding_window = sliding_window
 
     def prepare(self, layout: BatchLayout, decode_splits: int = 0):  # type: ignore[no-untyped-def]
+        if layout.context_lens.device.type == "cpu":  # lengths are on the host: group by shape
+            return grouped_metadata(layout, self.block_size, self.sliding_window)
         return reference_metadata(layout, self.block_size, self.sliding_window)
 
 
