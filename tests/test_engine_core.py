@@ -183,3 +183,36 @@ def test_requests_sharing_a_prefix_in_one_step_compute_it_once(tiny_loaded) -> N
     while core.has_work():
         core.step()
     assert b.num_cached_prompt_tokens == 12
+
+
+def test_an_engine_that_can_schedule_nothing_reports_a_stall_without_spinning(tiny_loaded) -> None:  # type: ignore[no-untyped-def]
+    """A loop that turns but computes nothing is no heartbeat: health and the watchdog see the stall."""
+    import time
+
+    from cbd.config import EngineConfig
+    from cbd.engine.engine import Engine
+    from cbd.engine.scheduler import StepPlan
+
+    engine = Engine(EngineConfig(block_size=4, num_kv_blocks=64), loaded=tiny_loaded)
+    try:
+        calls = 0
+
+        def schedule_nothing() -> StepPlan:
+            nonlocal calls
+            calls += 1
+            return StepPlan()
+
+        result = engine.call(lambda core: setattr(core.scheduler, "schedule", schedule_nothing))
+        result.result(timeout=10)
+        engine.submit([5, 6, 7], SamplingParams(max_tokens=4))
+        time.sleep(0.6)
+        assert engine.stalled(0.3)
+        assert calls < 0.6 / 0.005 + 10  # it waited between attempts instead of spinning
+        del engine.core.scheduler.schedule  # the real scheduler again: the request runs, the stall clears
+        engine._wake.set()
+        deadline = time.monotonic() + 10
+        while engine.num_live_requests and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert engine.num_live_requests == 0 and not engine.stalled(0.3)
+    finally:
+        engine.shutdown()

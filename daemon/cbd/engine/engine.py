@@ -103,7 +103,9 @@ class Engine:
         self._started = threading.Event()
         self._start_error: BaseException | None = None
         self._tp = None  # rank 0's TensorParallelGroup when tensor_parallel_size > 1
-        self.heartbeat = time.monotonic()  # the engine loop's last iteration (watchdog, health)
+        # The engine loop's last iteration that computed something or had nothing to do (watchdog,
+        # health): a wedged step and a loop that can schedule nothing both leave it behind.
+        self.heartbeat = time.monotonic()
         self.fatal: BaseException | None = None  # set when a device error stopped the engine
         self._faults = FaultPlan.from_env()
         self._thread = threading.Thread(target=self._run, args=(loaded,), name="cbd-engine", daemon=True)
@@ -222,7 +224,8 @@ class Engine:
         return self.admission.num_live
 
     def stalled(self, seconds: float) -> bool:
-        """Work is pending but the loop has not turned for `seconds` (a wedged step or device)."""
+        """Work is pending but the loop has made no progress for `seconds` (a wedged step or device, or a
+        scheduler that can admit nothing)."""
         return self.admission.num_live > 0 and time.monotonic() - self.heartbeat > seconds
 
     def drain(self, timeout: float) -> bool:
@@ -269,8 +272,10 @@ class Engine:
     def _loop(self) -> None:
         core = self.core
         next_expiry = 0.0
+        progressed = True
         while True:
-            self.heartbeat = time.monotonic()
+            if progressed:  # a loop that turns without computing anything is not a heartbeat
+                self.heartbeat = time.monotonic()
             if not core.has_work():
                 # Sessions expire by time, so an idle engine still wakes now and then.
                 self._wake.wait(timeout=1.0 if core.sessions.sessions else None)
@@ -285,7 +290,11 @@ class Engine:
             try:
                 if self._faults is not None and core.scheduler.has_work():
                     self._faults.before_step(core.num_steps)
+                steps_before = core.num_steps
                 outputs = core.step()
+                progressed = bool(outputs) or core.num_steps != steps_before or not core.has_work()
+                if not progressed:  # nothing could be scheduled: wait for a change instead of spinning
+                    self._wake.wait(timeout=0.005)
             except Exception as exc:
                 if is_device_fault(exc):
                     log.critical("device error: failing every live request and stopping the engine: %s", exc)
