@@ -62,11 +62,18 @@ def test_retry_hint_is_the_time_for_enough_requests_to_finish(clock) -> None:  #
     with pytest.raises(CapacityExceeded) as info:
         a.reserve("over", 5)
     assert info.value.retry_after == pytest.approx(0.1)  # one seat at 10 finishes/s
+    hints = []
+    for _ in range(3):  # callers refused while the first still waits queue up behind it
+        with pytest.raises(CapacityExceeded) as info:
+            a.reserve("over", 5)
+        hints.append(info.value.retry_after)
+    assert hints == pytest.approx([0.2, 0.3, 0.4])
+    clock.now += 0.45  # their hinted times have passed: the queue is empty again
     a.max_tokens = 50  # the token cap: 5 more tokens need one 5-token request to finish
     a.max_requests = 100
     with pytest.raises(CapacityExceeded) as info:
         a.reserve("big", 25)  # 25 over the cap: five of the 5-token requests
-    assert info.value.retry_after == pytest.approx(0.5)
+    assert info.value.retry_after == pytest.approx(0.5 * (2.45 / 2.0), rel=0.01)  # the rate fell meanwhile
 
 
 def test_retry_hint_is_bounded(clock) -> None:  # type: ignore[no-untyped-def]

@@ -4,11 +4,14 @@ Every request (plain or session turn) reserves a seat and its prompt tokens befo
 gives them back when it finishes, fails or is cancelled. Beyond either cap `reserve` refuses at once
 with CapacityExceeded, so memory stays bounded whatever the offered load. The refusal carries a retry
 hint: the time in which, at the rate requests have been finishing lately, enough of the live ones will
-have finished to make room.
+have finished to make room for this caller *after* the callers refused before it whose hinted time has
+not come yet (a virtual queue: a crowd of refused clients is spread over time instead of retrying
+all at once).
 """
 
 from __future__ import annotations
 
+import heapq
 import math
 import threading
 import time
@@ -21,6 +24,8 @@ MIN_RETRY_AFTER = 0.05
 MAX_RETRY_AFTER = 30.0
 # How many recent finishes the rate is measured over.
 _RATE_WINDOW = 256
+# Refused callers remembered for the virtual queue at most.
+_MAX_HINTED = 100_000
 
 
 class Admission:
@@ -31,6 +36,7 @@ class Admission:
         self._live: dict[str, int] = {}  # request id -> prompt tokens
         self._tokens = 0
         self._finished_at: deque[float] = deque(maxlen=_RATE_WINDOW)
+        self._hinted: list[float] = []  # heap: when refused callers still waiting were told to come back
 
     @property
     def num_live(self) -> int:
@@ -71,9 +77,16 @@ class Admission:
         return max(1, math.ceil(excess_tokens / max(1.0, mean)))
 
     def _retry_after(self, requests: int) -> float:
-        """Seconds until `requests` live requests have likely finished, from the recent finish rate."""
+        """Seconds until `requests` live requests, plus one per caller still waiting on an earlier hint,
+        have likely finished, from the recent finish rate."""
+        now = time.monotonic()
+        while self._hinted and self._hinted[0] <= now:
+            heapq.heappop(self._hinted)
         if len(self._finished_at) < 2:
-            return 1.0
-        span = time.monotonic() - self._finished_at[0]
-        rate = (len(self._finished_at) - 1) / max(span, 1e-3)
-        return min(MAX_RETRY_AFTER, max(MIN_RETRY_AFTER, requests / rate))
+            wait = 1.0
+        else:
+            rate = (len(self._finished_at) - 1) / max(now - self._finished_at[0], 1e-3)
+            wait = min(MAX_RETRY_AFTER, max(MIN_RETRY_AFTER, (requests + len(self._hinted)) / rate))
+        if len(self._hinted) < _MAX_HINTED:
+            heapq.heappush(self._hinted, now + wait)
+        return wait
