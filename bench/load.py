@@ -56,6 +56,7 @@ class LoadReport:
     duration_s: float
     requests_completed: int = 0  # Generate calls that ended with every candidate finished
     clients_cancelled_at_limit: int = 0
+    given_up_at_time_limit: int = 0  # refused calls whose retry would have come after --duration
     jobs_completed: int = 0
     tokens_generated: int = 0
     refusals: int = 0  # RESOURCE_EXHAUSTED answers (retried after the hint)
@@ -87,6 +88,7 @@ class LoadReport:
             "refusals_resource_exhausted": self.refusals,
             "unexpected_errors": self.errors,
             "unexpected_error_examples": self.error_examples,
+            "refused_calls_not_retried_after_the_time_limit": self.given_up_at_time_limit,
             "clients_cancelled_at_time_limit": self.clients_cancelled_at_limit,
             "leaked_blocks": self.leaked_blocks,
             "leftover_after_idle": self.leftover,
@@ -163,6 +165,9 @@ class LoadGenerator:
             except CbdError as e:
                 if e.code == grpc.StatusCode.RESOURCE_EXHAUSTED and first is None:
                     self.report.refusals += 1
+                    if time.monotonic() + (e.retry_after or 1.0) >= self.stop_at:
+                        self.report.given_up_at_time_limit += 1  # the run is over: do not come back
+                        return "given up"
                     await asyncio.sleep(e.retry_after or 1.0)
                     continue
                 self.error(e.code.name, e.details)
@@ -200,7 +205,7 @@ class LoadGenerator:
         prefix = [{"role": "system", "content": work.system}] if work.chat else work.system
         while True:
             try:
-                session = await client.session(prefix, ttl=120)
+                session = await client.session(prefix, ttl=self.args.session_ttl)
                 break
             except CbdError as e:
                 if e.code != grpc.StatusCode.RESOURCE_EXHAUSTED:
@@ -287,9 +292,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--clients", type=int, default=500)
     parser.add_argument("--requests", type=int, default=2000, help="Generate calls to start at most")
     parser.add_argument("--duration", type=float, default=300.0, help="seconds after which no job starts")
-    parser.add_argument("--grace", type=float, default=120.0, help="seconds after --duration before cancelling")
+    parser.add_argument("--grace", type=float, default=300.0, help="seconds after --duration before cancelling")
     parser.add_argument("--ramp", type=float, default=5.0, help="clients start spread over this many seconds")
     parser.add_argument("--call-timeout", type=float, default=600.0)
+    parser.add_argument("--session-ttl", type=float, default=600.0, help="idle TTL of the agents' sessions")
     parser.add_argument("--sample-every", type=float, default=10.0)
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--address", help="a running daemon (default: start one on the default model)")

@@ -203,3 +203,27 @@ def test_concurrent_turns_of_sessions_that_pin_most_of_the_pool_all_finish(tiny_
     tight = make_core(tiny_loaded, block_size=4, num_kv_blocks=num_blocks)
     assert play(tight) == play(roomy)
     assert tight.scheduler.num_preemptions > 0
+
+
+def test_a_session_whose_turns_are_refused_for_now_does_not_expire(tiny_loaded) -> None:  # type: ignore[no-untyped-def]
+    """Admission refusing a turn (RESOURCE_EXHAUSTED) counts as use: the client is retrying, not gone."""
+    import time
+
+    from cbd.config import EngineConfig
+    from cbd.engine.engine import Engine
+    from cbd.errors import CapacityExceeded
+
+    engine = Engine(EngineConfig(block_size=4, num_kv_blocks=256, max_queued_requests=1), loaded=tiny_loaded)
+    try:
+        session = engine.call(lambda core: core.sessions.open(ttl=1.2)).result(timeout=10)
+        engine.admission.reserve("seat-holder", 3)  # the one seat is taken
+        for _ in range(8):  # 2.4 s of refusals, twice the TTL
+            with pytest.raises(CapacityExceeded):
+                engine.submit_turn(session.session_id, [8, 9], GREEDY)
+            time.sleep(0.3)
+        assert engine.call(lambda core: session.session_id in core.sessions.sessions).result(timeout=10)
+        engine.admission.release("seat-holder")
+        time.sleep(2.5)  # left alone, it expires
+        assert not engine.call(lambda core: session.session_id in core.sessions.sessions).result(timeout=10)
+    finally:
+        engine.shutdown()

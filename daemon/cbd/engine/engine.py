@@ -25,7 +25,7 @@ from cbd.engine.faults import FaultPlan, is_device_fault
 from cbd.engine.outputs import CandidateDelta, EngineStats, RequestOutput, Usage
 from cbd.engine.sampling_params import SamplingParams
 from cbd.engine.sequence import FinishReason
-from cbd.errors import EngineStopped
+from cbd.errors import CapacityExceeded, EngineStopped
 from cbd.model.loader import LoadedModel, load_model
 
 log = logging.getLogger(__name__)
@@ -163,7 +163,12 @@ class Engine:
         request id once the engine thread accepted it, or raises UnknownSession, SessionBusy,
         InvalidRequest; CapacityExceeded and EngineStopped raise at once."""
         request_id = request_id or uuid.uuid4().hex
-        self._reserve(request_id, len(tokens))
+        try:
+            self._reserve(request_id, len(tokens))
+        except CapacityExceeded:  # refused for now; the session must not expire while its client retries
+            self._inbox.put(("call", lambda core: core.sessions.touch(session_id), Future()))
+            self._wake.set()
+            raise
 
         def add(core: EngineCore) -> str:
             try:

@@ -134,6 +134,12 @@ class SessionManager:
         child.num_computed = computed
         return child
 
+    def touch(self, session_id: str) -> None:
+        """Its client is still there (e.g. retrying a refused turn): the idle TTL starts over."""
+        session = self.sessions.get(session_id)
+        if session is not None:
+            session.last_used = time.monotonic()
+
     def info(self, session: Session) -> SessionInfo:
         resident = set(session.block_table)
         for b in session.branches:
