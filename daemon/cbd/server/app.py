@@ -25,7 +25,6 @@ from cbd.engine.engine import Engine
 from cbd.engine.sampling_params import SamplingParams
 from cbd.server.auth import BearerTokenInterceptor, read_token
 from cbd.server.logs import configure as configure_logging
-from cbd.server.malloc import pin_mmap_threshold
 from cbd.server.notify import sd_notify
 from cbd.server.service import CbdService
 from cbd.server.settings import EX_CONFIG, ServerConfig, load_settings, render_defaults
@@ -186,7 +185,6 @@ def main(argv: list[str] | None = None) -> int:
         print(f"cbd: configuration error: {exc}", file=sys.stderr)
         return EX_CONFIG
     configure_logging(server_config.log_level)
-    pin_mmap_threshold()  # flat memory over days of ever-changing batch shapes
     try:
         asyncio.run(serve(engine_config, server_config))
     except Exception as exc:
