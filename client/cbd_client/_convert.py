@@ -4,6 +4,11 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import grpc
+from google.protobuf.descriptor import FieldDescriptor
+from google.protobuf.message import Message
+
+from cbd_client.errors import CbdError
 from cbd_client.types import Candidate, Completion, Delta, ModelInfo, SessionInfo, Stats, TokenLogprob, Usage
 from cbd_client.v1 import cbd_pb2 as pb
 
@@ -18,16 +23,29 @@ _FINISH = {
 _SAMPLING_FIELDS = frozenset(pb.SamplingParams.DESCRIPTOR.fields_by_name)
 
 
+def invalid(message: str) -> CbdError:
+    """A request the contract's types cannot carry, refused before it is sent, as the daemon would."""
+    return CbdError(grpc.StatusCode.INVALID_ARGUMENT, message)
+
+
 def set_prompt(message: pb.GenerateRequest | pb.TokenizeRequest | pb.OpenSessionRequest, prompt: Prompt) -> None:
     """A str is text; a list of ints is token ids; a list of {"role", "content"} dicts is a chat."""
     if isinstance(prompt, str):
         message.text = prompt
-    elif prompt and all(isinstance(m, dict) for m in prompt):
-        message.chat.messages.extend(pb.ChatMessage(role=m["role"], content=m["content"]) for m in prompt)  # type: ignore[index]
-    elif isinstance(message, (pb.GenerateRequest, pb.OpenSessionRequest)) and all(isinstance(t, int) for t in prompt):
+    elif isinstance(prompt, Sequence) and prompt and all(isinstance(m, dict) for m in prompt):
+        for i, m in enumerate(prompt):
+            if not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):  # type: ignore[union-attr]
+                raise invalid(f"chat message {i} needs a string 'role' and a string 'content', got {m!r}")
+            message.chat.messages.add(role=m["role"], content=m["content"])  # type: ignore[index]
+    elif isinstance(message, (pb.GenerateRequest, pb.OpenSessionRequest)) and isinstance(prompt, Sequence) and all(
+        isinstance(t, int) and not isinstance(t, bool) for t in prompt
+    ):
+        if any(not 0 <= t < 2**32 for t in prompt):  # type: ignore[operator]
+            raise invalid("token ids must be non-negative integers below 2^32")
         message.tokens.ids.extend(prompt)  # type: ignore[arg-type]
     else:
-        raise TypeError("prompt must be a str, a list of token ids, or a list of chat message dicts")
+        kinds = "a str, a list of token ids, or a list of chat message dicts"
+        raise invalid(f"prompt must be {kinds if not isinstance(message, pb.TokenizeRequest) else 'a str or chat message dicts'}")
 
 
 def generate_request(
@@ -37,18 +55,37 @@ def generate_request(
     unknown = sorted(set(sampling) - _SAMPLING_FIELDS)
     if unknown:
         raise TypeError(f"unknown sampling parameters {unknown}; known: {sorted(_SAMPLING_FIELDS)}")
-    request = pb.GenerateRequest(n=n, request_id=request_id, session_id=session_id)
+    if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+        raise invalid(f"n must be an integer >= 1, got {n!r}")
+    request = pb.GenerateRequest()
+    _set(request, "n", n)
+    _set(request, "request_id", request_id)
+    _set(request, "session_id", session_id)
     if parent_candidate is not None:
-        request.parent_candidate = parent_candidate
+        _set(request, "parent_candidate", parent_candidate)
     set_prompt(request, prompt)
     for name, value in sampling.items():
-        if value is None:
-            continue
-        if isinstance(value, (list, tuple)):
-            getattr(request.sampling, name).extend(value)
-        else:
-            setattr(request.sampling, name, value)
+        if value is not None:
+            _set(request.sampling, name, [value] if isinstance(value, str) and name == "stop" else value)
     return request
+
+
+def _set(message: Message, name: str, value: object) -> None:
+    """Set a field, turning protobuf's ValueError / TypeError into the daemon's style of message."""
+    field = message.DESCRIPTOR.fields_by_name[name]
+    unsigned = field.cpp_type in (FieldDescriptor.CPPTYPE_UINT32, FieldDescriptor.CPPTYPE_UINT64)
+    try:
+        values = list(value) if field.is_repeated else [value]  # type: ignore[call-overload]
+        if unsigned and any(isinstance(v, int) and v < 0 for v in values):
+            raise ValueError("negative")
+        if field.is_repeated:
+            getattr(message, name).extend(values)
+        else:
+            setattr(message, name, value)
+    except ValueError:
+        raise invalid(f"{name} must be {'a non-negative integer' if unsigned else 'in range'}, got {value!r}") from None
+    except TypeError:
+        raise invalid(f"{name} has the wrong type: got {type(value).__name__} {value!r}") from None
 
 
 def _usage(message: pb.Usage) -> Usage:
@@ -112,7 +149,8 @@ def session_info(message: pb.SessionInfo) -> SessionInfo:
 
 
 def open_session_request(prefix: Prompt | None, ttl: float | None) -> pb.OpenSessionRequest:
-    request = pb.OpenSessionRequest(ttl_seconds=ttl or 0.0)
+    request = pb.OpenSessionRequest()
+    _set(request, "ttl_seconds", ttl or 0.0)
     if prefix is not None:
         set_prompt(request, prefix)
     return request

@@ -8,12 +8,11 @@
 from __future__ import annotations
 
 import asyncio
-import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 import grpc
 
-from cbd_client import _convert
+from cbd_client import _convert, readiness
 from cbd_client._convert import Prompt
 from cbd_client.address import default_address, tls_credentials
 from cbd_client.errors import CbdError
@@ -95,15 +94,18 @@ class AsyncClient:
     async def close_session(self, session_id: str) -> None:
         await self._call(self._stub.CloseSession, pb.CloseSessionRequest(session_id=session_id))
 
-    async def wait_ready(self, timeout: float = 120.0) -> ModelInfo:
-        deadline = time.monotonic() + timeout
+    async def wait_ready(self, timeout: float = 120.0, on_wait: Callable[[str], None] | None = None) -> ModelInfo:
+        """As Client.wait_ready: fail at once where no daemon listens, wait while one is loading."""
+        waiter = readiness.Waiter(self.address, timeout, on_wait)
+        check = self._channel.unary_unary(readiness.HEALTH_CHECK)
         while True:
             try:
+                outcome: bytes | grpc.RpcError = await check(readiness.HEALTH_REQUEST, timeout=readiness.CHECK_TIMEOUT)
+            except grpc.RpcError as e:
+                outcome = e
+            if waiter.ready(outcome):
                 return await self.model_info()
-            except CbdError as e:
-                if e.code != grpc.StatusCode.UNAVAILABLE or time.monotonic() > deadline:
-                    raise
-            await asyncio.sleep(0.2)
+            await asyncio.sleep(readiness.POLL_SECONDS)
 
     async def close(self) -> None:
         await self._channel.close()

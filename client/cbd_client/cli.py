@@ -4,6 +4,9 @@
     cbd-client --raw "Once upon a time"              one-shot with plain text instead of chat
     cbd-client chat                                  interactive multi-turn chat (Ctrl-D to quit)
     cbd-client info | stats                          model information / live statistics
+
+The answer goes to stdout, messages (waiting for the daemon, errors) to stderr. Exit status: 0, or 1 with one
+line on stderr when a call fails (no daemon, invalid input, ...), 2 for bad command-line usage.
 """
 
 from __future__ import annotations
@@ -68,11 +71,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int)
     parser.add_argument("--stop", action="append", help="a stop string (repeatable)")
     parser.add_argument("-n", type=int, default=1, help="number of candidates")
-    parser.add_argument("--wait", type=float, default=120.0, help="seconds to wait for the daemon to be ready")
+    parser.add_argument("--wait", type=float, default=120.0,
+                        help="seconds to wait for a daemon that is still loading its model (default 120); with no "
+                             "daemon at the address (no socket file, connection refused) the client fails at once")  # fmt: skip
     args = parser.parse_args(argv)
     try:
         with Client(args.address) as client:
-            client.wait_ready(args.wait)
+            client.wait_ready(args.wait, on_wait=lambda message: print(f"cbd-client: {message}", file=sys.stderr))
             command = args.prompt[0] if len(args.prompt) == 1 else None
             if command in ("info", "stats"):
                 result = client.model_info() if command == "info" else client.stats()
@@ -88,6 +93,8 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     except KeyboardInterrupt:
         return 130
+    except BrokenPipeError:  # the reader went away (`| head`)
+        return 141
     return 0
 
 

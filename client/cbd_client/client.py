@@ -12,11 +12,11 @@ A prompt is a str (text), a list of ints (token ids) or a list of {"role", "cont
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import grpc
 
-from cbd_client import _convert
+from cbd_client import _convert, readiness
 from cbd_client._convert import Prompt
 from cbd_client.address import default_address, tls_credentials
 from cbd_client.errors import CbdError
@@ -98,16 +98,20 @@ class Client:
     def close_session(self, session_id: str) -> None:
         self._call(self._stub.CloseSession, pb.CloseSessionRequest(session_id=session_id))
 
-    def wait_ready(self, timeout: float = 120.0) -> ModelInfo:
-        """Block until the daemon is up and warm (it answers UNAVAILABLE while loading)."""
-        deadline = time.monotonic() + timeout
+    def wait_ready(self, timeout: float = 120.0, on_wait: Callable[[str], None] | None = None) -> ModelInfo:
+        """Block until the daemon is up and warm. No daemon at the address (no socket file, connection
+        refused) fails at once with UNAVAILABLE; a daemon that is still loading is waited for up to
+        `timeout` seconds (then DEADLINE_EXCEEDED), and `on_wait` is told once that we wait."""
+        waiter = readiness.Waiter(self.address, timeout, on_wait)
+        check = self._channel.unary_unary(readiness.HEALTH_CHECK)
         while True:
             try:
+                outcome: bytes | grpc.RpcError = check(readiness.HEALTH_REQUEST, timeout=readiness.CHECK_TIMEOUT)
+            except grpc.RpcError as e:
+                outcome = e
+            if waiter.ready(outcome):
                 return self.model_info()
-            except CbdError as e:
-                if e.code != grpc.StatusCode.UNAVAILABLE or time.monotonic() > deadline:
-                    raise
-            time.sleep(0.2)
+            time.sleep(readiness.POLL_SECONDS)
 
     def close(self) -> None:
         self._channel.close()

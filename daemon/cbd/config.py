@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, fields
 from typing import Any, TypeVar
 
@@ -18,11 +19,15 @@ class EngineConfig:
     cache_dir: str | None = None
     device: str = "auto"  # "auto" | "cpu" | "cuda" | "cuda:N"
     dtype: str = "auto"  # "auto" (fp32 on CPU, bf16 on CUDA) | "float32" | "bfloat16" | "float16"
-    block_size: int = 8  # small blocks let prompts that share a prefix share more of it
+    # Tokens per KV block, a power of two (small blocks let prompts that share a prefix share more of it).
+    block_size: int = 8
     # KV pool size in blocks; None sizes it from kv_cache_gib.
     num_kv_blocks: int | None = None
+    # KV pool size in GiB, used when num_kv_blocks is not set.
     kv_cache_gib: float = 0.5
+    # Sequences (candidates) running at once.
     max_num_seqs: int = 128
+    # Token budget of one engine step; longer prefills are split into chunks that fit.
     max_num_batched_tokens: int = 2048
     # Live requests (queued or running) beyond which submit refuses with CapacityExceeded.
     max_queued_requests: int = 4096
@@ -31,21 +36,28 @@ class EngineConfig:
     max_queued_tokens: int = 1_048_576
     # None: the model's own context length.
     max_model_len: int | None = None
+    # Reuse the KV of prompt prefixes shared between requests.
     enable_prefix_caching: bool = True
     # CPU fp32 only: pre-pack GEMM weights for oneDNN (faster; logits differ from BLAS in the last bits).
     cpu_packed_gemm: bool = True
     # Shard the model over this many GPUs of the host (or CPU processes); the engine starts the ranks itself.
     tensor_parallel_size: int = 1
-    # Open sessions at most (OpenSession beyond it is RESOURCE_EXHAUSTED) and their default idle TTL in seconds.
+    # Open sessions at most (OpenSession beyond it is RESOURCE_EXHAUSTED).
     max_sessions: int = 1024
+    # Default idle seconds after which a session closes itself.
     session_ttl: float = 600.0
     # Keep one step in flight while the CPU prepares the next: "auto" (on for CUDA, off on CPU) | "on" | "off".
     overlap: str = "auto"
     # "auto" (flash-attn if installed and usable, else Triton on CUDA, else torch) | "torch" | "triton" | "flash".
     attention_backend: str = "auto"
-    # CUDA graphs for decode steps of up to this many sequences (capped by max_num_seqs).
+    # Capture CUDA graphs for decode steps before reporting ready.
     cuda_graphs: bool = True
+    # Largest decode batch with a CUDA graph (capped by max_num_seqs).
     cuda_graph_max_batch: int = 256
+    # Threads torch uses inside one CPU operation (intra-op); 0: the cores this process may run on (its CPU
+    # affinity mask). On a shared host, set it to the cores cbd may use alone: oversubscribed threads slow
+    # every step many times over.
+    num_threads: int = 0
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
@@ -80,12 +92,17 @@ class EngineConfig:
             raise ValueError(f"session_ttl must be > 0, got {self.session_ttl}")
         if self.cuda_graph_max_batch < 1:
             raise ValueError(f"cuda_graph_max_batch must be >= 1, got {self.cuda_graph_max_batch}")
+        if self.num_threads < 0:
+            raise ValueError(f"num_threads must be >= 0, got {self.num_threads}")
         if not (self.device == "auto" or self.device == "cpu" or self.device.startswith("cuda")):
             raise ValueError(f"device must be 'auto', 'cpu' or 'cuda[:N]', got {self.device!r}")
 
     @classmethod
     def from_dict(cls, values: dict[str, object]) -> EngineConfig:
         return config_from_dict(cls, values, "engine config")
+
+    def intra_op_threads(self) -> int:
+        return self.num_threads or len(os.sched_getaffinity(0))
 
     def torch_device(self) -> torch.device:
         if self.device == "auto":
@@ -107,7 +124,24 @@ def config_from_dict(cls: type[T], values: dict[str, Any], label: str) -> T:
     unknown = sorted(set(values) - known)
     if unknown:
         raise ValueError(f"unknown {label} keys: {unknown}; known: {sorted(known)}")
+    for f in fields(cls):  # type: ignore[arg-type]
+        if f.name in values and not _has_type(values[f.name], str(f.type)):
+            raise ValueError(f"{label}: {f.name} must be {f.type}, got {values[f.name]!r}")
     return cls(**values)
+
+
+def _has_type(value: Any, annotation: str) -> bool:
+    """Values read from TOML against a field's annotation (`int`, `float`, `str`, `bool`, `X | None`)."""
+    base = annotation.replace(" | None", "")
+    if value is None:
+        return annotation.endswith("| None")
+    if base == "bool":
+        return isinstance(value, bool)
+    if base == "int":
+        return isinstance(value, int) and not isinstance(value, bool)
+    if base == "float":
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    return isinstance(value, str)
 
 
 _DTYPES: dict[str, torch.dtype] = {

@@ -41,8 +41,10 @@ class SamplingParams:
             raise InvalidRequest(f"min_p must be in [0, 1], got {self.min_p}")
         if self.seed is not None and not 0 <= self.seed < 2**63:
             raise InvalidRequest(f"seed must be in [0, 2**63), got {self.seed}")
-        if len(self.stop) > MAX_STOP_STRINGS or any(not s for s in self.stop):
-            raise InvalidRequest(f"stop takes at most {MAX_STOP_STRINGS} non-empty strings, got {len(self.stop)}")
+        if len(self.stop) > MAX_STOP_STRINGS:
+            raise InvalidRequest(f"stop takes at most {MAX_STOP_STRINGS} strings, got {len(self.stop)}")
+        if any(not s for s in self.stop):
+            raise InvalidRequest("stop strings must not be empty (an empty string would stop before any text)")
         if any(len(s) > MAX_STOP_STRING_CHARS for s in self.stop):
             raise InvalidRequest(f"each stop string has at most {MAX_STOP_STRING_CHARS} characters")
         if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:

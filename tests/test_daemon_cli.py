@@ -1,0 +1,211 @@
+"""The daemon's command line as a new user meets it: one daemon per address, start-up failures that say what
+to fix (exit 78, nothing left behind), `cbd serve --detach` / `cbd stop`, signals, help. Real processes."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from cbd_client import Client
+from daemon_process import DaemonProcess
+
+PROMPT = list(range(2, 40))
+CBD = [sys.executable, "-m", "cbd.server.app"]
+
+
+def run_cbd(*args: str, env: dict[str, str] | None = None, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([*CBD, *args], capture_output=True, text=True, timeout=timeout, env={**os.environ, **(env or {})})
+
+
+def assert_one_clear_line(proc: subprocess.CompletedProcess[str], *needles: str) -> None:
+    assert proc.returncode == 78, proc.stderr
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert "Traceback" not in proc.stderr and len(lines) == 1, proc.stderr
+    for needle in needles:
+        assert needle in lines[0], lines[0]
+
+
+@pytest.fixture()
+def tiny(tiny_checkpoint, tmp_path):  # type: ignore[no-untyped-def]
+    started: list[DaemonProcess] = []
+
+    def start(*flags: str, socket_name: str = "cbd.sock") -> DaemonProcess:
+        d = DaemonProcess(tmp_path / socket_name, "--model", str(tiny_checkpoint("llama")), *flags)
+        d.wait_serving(120)
+        started.append(d)
+        return d
+
+    yield start
+    for d in started:
+        d.stop()
+
+
+def test_a_second_daemon_on_the_same_socket_is_refused_and_the_first_keeps_serving(tiny, tiny_checkpoint, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    first = tiny()
+    second = run_cbd("serve", "--listen", first.address, "--model", str(tiny_checkpoint("llama")))
+    assert second.returncode == 78, second.stderr
+    assert f"pid {first.process.pid}" in second.stderr and "already serves" in second.stderr
+    with Client(first.address, timeout=30) as client:
+        assert len(client.generate(PROMPT, max_tokens=3, ignore_eos=True).candidates[0].token_ids) == 3
+    assert first.stop() == 0
+    assert not (tmp_path / "cbd.sock").exists() and not (tmp_path / "cbd.sock.lock").exists()
+
+
+def test_a_second_daemon_on_the_same_tcp_port_is_refused(tiny, tiny_checkpoint, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    address = f"127.0.0.1:{port}"
+    first = tiny("--listen", f"unix:{tmp_path / 'cbd.sock'},{address}")
+    second = run_cbd("serve", "--listen", address, "--model", str(tiny_checkpoint("llama")))
+    assert second.returncode == 78 and "port is in use" in second.stderr, second.stderr
+    for _ in range(5):  # every connection reaches the first daemon: the port is not shared
+        with Client(address, timeout=30) as client:
+            assert client.stats().uptime_seconds > 0
+    assert first.process.poll() is None
+
+
+def test_a_stale_socket_is_replaced_and_a_foreign_file_is_refused(tiny_checkpoint, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    stale = tmp_path / "stale.sock"
+    with socket.socket(socket.AF_UNIX) as s:
+        s.bind(str(stale))  # a socket file nothing listens on, as a killed daemon leaves it
+    d = DaemonProcess(stale, "--model", str(tiny_checkpoint("llama")))
+    try:
+        d.wait_serving(120)
+    finally:
+        assert d.stop() == 0
+    assert not stale.exists()
+
+    foreign = tmp_path / "foreign.sock"
+    foreign.write_text("not a socket")
+    proc = run_cbd("serve", "--listen", f"unix:{foreign}", "--model", str(tiny_checkpoint("llama")))
+    assert proc.returncode == 78 and "is not a socket" in proc.stderr, proc.stderr
+    assert foreign.read_text() == "not a socket"
+
+
+@pytest.mark.parametrize(
+    "args, env, toml, needles",
+    [
+        (["--model", "/nonexistent/model"], {}, None, ["model", "/nonexistent/model", "does not exist"]),
+        (["--socket-group", "no-such-group-xyz"], {}, None, ["socket_group", "no-such-group-xyz"]),
+        (["--block-size", "abc"], {}, None, ["--block-size", "abc"]),
+        ([], {"CBD_MAX_NUM_SEQS": "many"}, None, ["CBD_MAX_NUM_SEQS", "many"]),
+        ([], {}, '[engine]\nblock_size = "abc"\n', ["block_size", "abc"]),
+        ([], {}, "[server]\nshutdown_grace = true\n", ["shutdown_grace"]),
+    ],
+)
+def test_start_up_failures_exit_78_with_one_line_and_leave_nothing_behind(tmp_path, args, env, toml, needles) -> None:  # type: ignore[no-untyped-def]
+    if toml is not None:
+        (tmp_path / "cbd.toml").write_text(toml)
+        args = [*args, "--config", str(tmp_path / "cbd.toml")]
+    sock = tmp_path / "cbd.sock"
+    proc = run_cbd("serve", "--listen", f"unix:{sock}", *args, env=env)
+    assert_one_clear_line(proc, *needles)
+    assert sorted(p.name for p in tmp_path.iterdir()) == (["cbd.toml"] if toml else [])
+
+
+def test_cuda_without_cuda_is_a_configuration_error(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("CUDA is available here")
+    proc = run_cbd("serve", "--listen", f"unix:{tmp_path / 'cbd.sock'}", "--device", "cuda")
+    assert_one_clear_line(proc, "device", "CUDA is not available")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_detach_prints_the_pid_and_cbd_stop_stops_exactly_that_daemon(tiny_checkpoint, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    address, pid_file, log_file = f"unix:{tmp_path / 'cbd.sock'}", tmp_path / "cbd.pid", tmp_path / "cbd.log"
+    started = run_cbd("serve", "--detach", "--listen", address, "--model", str(tiny_checkpoint("llama")),
+                      "--pid-file", str(pid_file), "--log-file", str(log_file))  # fmt: skip
+    assert started.returncode == 0, started.stderr
+    pid = int(started.stdout.strip())
+    try:
+        assert pid_file.read_text().strip() == str(pid)
+        with Client(address, timeout=60) as client:  # detach returns once it listens; the model may still load
+            client.wait_ready(120)
+            assert len(client.generate(PROMPT, max_tokens=2, ignore_eos=True).candidates[0].token_ids) == 2
+        stopped = run_cbd("stop", address)
+        assert stopped.returncode == 0 and f"stopped pid {pid}" in stopped.stderr, stopped.stderr
+        assert not Path(f"/proc/{pid}").exists() or "Z" in Path(f"/proc/{pid}/stat").read_text().split()[2]
+        assert not (tmp_path / "cbd.sock").exists() and not pid_file.exists()
+        assert "serving" in log_file.read_text()
+    finally:
+        if Path(f"/proc/{pid}").exists():
+            os.kill(pid, signal.SIGKILL)
+    again = run_cbd("stop", address)
+    assert again.returncode == 1 and "no daemon is listening" in again.stderr
+
+
+def test_stop_by_pid_file_refuses_a_process_that_is_not_cbd(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    sleeper = subprocess.Popen(["sleep", "30"])
+    try:
+        pid_file = tmp_path / "x.pid"
+        pid_file.write_text(str(sleeper.pid))
+        proc = run_cbd("stop", "--pid-file", str(pid_file))
+        assert proc.returncode == 1 and "not a cbd daemon" in proc.stderr
+        assert sleeper.poll() is None
+    finally:
+        sleeper.kill()
+
+
+def test_sighup_drains_and_a_second_signal_exits_at_once_leaving_no_socket(tiny, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    d = tiny(socket_name="hup.sock")
+    d.process.send_signal(signal.SIGHUP)
+    assert d.process.wait(60) == 0
+    assert not (tmp_path / "hup.sock").exists()
+
+    d = tiny("--shutdown-grace", "60", socket_name="twice.sock")
+    with Client(d.address, timeout=120) as client:
+        stream = client.stream(PROMPT, max_tokens=400, ignore_eos=True)
+        next(stream)  # a live request keeps the first signal's drain waiting
+        d.process.send_signal(signal.SIGTERM)
+        time.sleep(0.5)
+        d.process.send_signal(signal.SIGTERM)
+        assert d.process.wait(30) == 1
+        stream.close()
+    assert not (tmp_path / "twice.sock").exists() and not (tmp_path / "twice.sock.lock").exists()
+
+
+def test_help_says_what_each_flag_means_with_its_real_default(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    from cbd.server.settings import build_parser, default_listen
+
+    monkeypatch.delenv("CBD_LISTEN", raising=False)
+    monkeypatch.delenv("CBD_ADDRESS", raising=False)
+    text = " ".join(run_cbd("serve", "--help", env={"CBD_ADDRESS": ""}).stdout.split())
+    assert "embedded SmolLM2-135M-Instruct" in text and f"Default: {default_listen()}" in text
+    serve = next(a for a in build_parser()._subparsers._group_actions[0].choices.items() if a[0] == "serve")[1]  # type: ignore[union-attr]
+    settings = [a for a in serve._actions if a.dest.startswith(("engine.", "server."))]
+    assert len(settings) > 30
+    for action in settings:
+        assert action.help and "Default:" in action.help and "env CBD_" in action.help, action.option_strings
+        assert len(action.help.split(". Default:")[0]) > 10, (action.option_strings, action.help)  # says what it means
+    config = run_cbd("config")
+    assert config.returncode == 0 and "--print-defaults" in config.stdout
+    top = subprocess.run([*CBD, "--help"], capture_output=True, text=True, timeout=60).stdout
+    assert all(command in top for command in ("serve", "stop", "config"))
+
+
+@pytest.mark.slow
+def test_readme_serve_and_ask_with_the_embedded_model(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """README's first command after the install: `cbd serve --detach && cbd-client "..."`, then `cbd stop`."""
+    env = {**os.environ, "CBD_ADDRESS": f"unix:{tmp_path / 'cbd.sock'}"}
+    shell = 'cbd serve --detach --log-file "$LOG" && cbd-client --max-tokens 24 "What is the capital of France?"'
+    bin_dir = Path(sys.executable).parent
+    env["PATH"] = f"{bin_dir}{os.pathsep}{env['PATH']}"
+    try:
+        proc = subprocess.run(["bash", "-c", shell], capture_output=True, text=True, timeout=600,
+                              env={**env, "LOG": str(tmp_path / "cbd.log")})  # fmt: skip
+        assert proc.returncode == 0, proc.stderr
+        assert "Paris" in proc.stdout
+    finally:
+        stopped = subprocess.run([str(bin_dir / "cbd"), "stop"], capture_output=True, text=True, timeout=120, env=env)
+    assert stopped.returncode == 0, stopped.stderr
+    assert not (tmp_path / "cbd.sock").exists()

@@ -1,0 +1,107 @@
+"""README's service install, followed as written on this host: `systemd/install.sh`, then the unit *as shipped*.
+
+It changes the host (a `cbd` user, /opt/cbd, /etc/cbd, /etc/systemd/system/cbd.service), so it runs only as
+root and only where asked: CI=true (a throw-away machine) or CBD_TEST_SERVICE_INSTALL=1. Without systemd
+as PID 1, the unit's start is reproduced from the unit file itself: ExecStart, User, Group and
+Environment= as written, with the RuntimeDirectory and CacheDirectory systemd would create.
+"""
+
+from __future__ import annotations
+
+import os
+import pwd
+import shlex
+import shutil
+import stat
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from cbd_client import Client
+
+ROOT = Path(__file__).parents[1]
+UNIT = ROOT / "systemd" / "cbd.service"
+INSTALLED_UNIT = Path("/etc/systemd/system/cbd.service")
+
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(
+        os.geteuid() != 0 or not (os.environ.get("CI") == "true" or os.environ.get("CBD_TEST_SERVICE_INSTALL") == "1"),
+        reason="installs a system service: root, with CI=true or CBD_TEST_SERVICE_INSTALL=1",
+    ),
+]
+
+
+def unit_values(text: str) -> dict[str, list[str]]:
+    values: dict[str, list[str]] = {}
+    for line in text.splitlines():
+        if "=" in line and not line.startswith(("#", "[")):
+            key, value = line.split("=", 1)
+            values.setdefault(key.strip(), []).append(value.strip())
+    return values
+
+
+@pytest.fixture(scope="module")
+def installed() -> Path:
+    proc = subprocess.run(["bash", str(ROOT / "systemd" / "install.sh"), "--no-start"], capture_output=True, text=True,
+                          timeout=1800)  # fmt: skip
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return INSTALLED_UNIT
+
+
+def test_the_unit_is_installed_unmodified_and_verifies(installed) -> None:  # type: ignore[no-untyped-def]
+    assert installed.read_bytes() == UNIT.read_bytes()
+    analyze = shutil.which("systemd-analyze")
+    if analyze is None:
+        pytest.skip("systemd-analyze is not installed")
+    proc = subprocess.run([analyze, "verify", str(installed)], capture_output=True, text=True, timeout=120)
+    problems = [line for line in (proc.stdout + proc.stderr).splitlines() if "cbd.service" in line]
+    assert proc.returncode == 0 and not problems, proc.stdout + proc.stderr
+    values = unit_values(UNIT.read_text())
+    doc = values["Documentation"][0].removeprefix("file://")
+    assert Path(doc).is_file(), doc
+    assert "--listen" not in values["ExecStart"][0] and "--socket-group" not in values["ExecStart"][0]
+
+
+def test_the_service_starts_as_its_user_and_serves_on_the_documented_socket(installed) -> None:  # type: ignore[no-untyped-def]
+    values = unit_values(installed.read_text())
+    user, group = values["User"][0], values["Group"][0]
+    account = pwd.getpwnam(user)
+    runtime = Path("/run") / values["RuntimeDirectory"][0]
+    cache = Path("/var/cache") / values["CacheDirectory"][0]
+    state = Path("/var/lib") / values["StateDirectory"][0]
+    for directory, mode in ((runtime, int(values["RuntimeDirectoryMode"][0], 8)), (cache, 0o755), (state, 0o755)):
+        directory.mkdir(parents=True, exist_ok=True)
+        os.chown(directory, account.pw_uid, account.pw_gid)
+        directory.chmod(mode)
+    env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": account.pw_dir, "RUNTIME_DIRECTORY": str(runtime),
+           "CACHE_DIRECTORY": str(cache), "NOTIFY_SOCKET": ""}  # fmt: skip
+    for assignment in values.get("Environment", []):
+        key, value = assignment.split("=", 1)
+        env[key] = value
+    command = shlex.split(values["ExecStart"][0])
+    # setpriv execs the daemon itself (no intermediate process), so SIGTERM reaches it as systemd's stop would.
+    process = subprocess.Popen(["setpriv", f"--reuid={user}", f"--regid={group}", "--init-groups", "--", "env", "-i",
+                                *[f"{k}={v}" for k, v in env.items()], *command],
+                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)  # fmt: skip
+    sock = runtime / "cbd.sock"
+    try:
+        with Client(f"unix:{sock}", timeout=120) as client:
+            deadline = time.monotonic() + 600
+            while not sock.exists() and process.poll() is None and time.monotonic() < deadline:
+                time.sleep(0.2)
+            assert process.poll() is None, process.stdout.read() if process.stdout else ""
+            info = client.wait_ready(600)  # the first start converts the embedded model
+            assert info.model.startswith("SmolLM2-135M-Instruct")
+            reply = client.generate([{"role": "user", "content": "What is the capital of France?"}], max_tokens=16,
+                                     temperature=0.0)
+            assert "Paris" in reply.text
+        st = sock.stat()
+        assert stat.S_IMODE(st.st_mode) == 0o660 and st.st_gid == account.pw_gid and st.st_uid == account.pw_uid
+    finally:
+        process.terminate()
+        output = process.communicate(timeout=120)[0]
+    assert process.returncode == 0, output
+    assert not sock.exists()
