@@ -1,0 +1,156 @@
+"""Constrained decoding with xgrammar: grammars compiled once per spec, one matcher per constrained sequence.
+
+Why xgrammar: it compiles JSON schemas, regexes, EBNF grammars and structural tags (free text with
+triggered, schema-constrained tool calls) to a token-level automaton with a precomputed mask cache, so
+filling one sequence's next-token bitmask takes microseconds on the host; its matchers fork (fan-out
+candidates) and roll back; and it applies a batch of bitmasks to logits on the CPU or the GPU.
+
+Threads: `GrammarCompiler.compile` is thread-safe and is called off the engine thread (the request waits,
+not the batch). Its cache is keyed by the spec's text, so a repeated schema or tool set costs a lookup.
+A `GrammarState` belongs to one sequence and is used only by the engine thread.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass
+from enum import Enum
+from typing import Any
+
+import torch
+
+from cbd.errors import InvalidRequest
+
+MAX_GRAMMAR_BYTES = 64 * 1024  # a schema, regex, grammar or tool set larger than this is refused
+_JSON_SEPARATORS = (", ", ": ")  # compact JSON as models write it; no unbounded whitespace runs
+
+
+class GrammarKind(Enum):
+    JSON_SCHEMA = "json_schema"  # source: a JSON schema, as JSON text
+    JSON_OBJECT = "json_object"  # any JSON object; source unused
+    REGEX = "regex"
+    GRAMMAR = "grammar"  # EBNF in xgrammar's dialect (GBNF-like), root rule `root`
+    STRUCTURAL_TAG = "structural_tag"  # xgrammar structural tag, as JSON text (tool calls)
+
+
+@dataclass(frozen=True, slots=True)
+class GrammarSpec:
+    kind: GrammarKind
+    source: str = ""
+
+    def __post_init__(self) -> None:
+        if len(self.source.encode()) > MAX_GRAMMAR_BYTES:
+            raise InvalidRequest(f"{self.kind.value} is {len(self.source.encode())} bytes; at most {MAX_GRAMMAR_BYTES}")
+
+
+class GrammarCompiler:
+    """Compiles specs against the served tokenizer; a bounded LRU of compiled grammars."""
+
+    def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: tuple[int, ...], cache_size: int = 256) -> None:
+        import xgrammar as xgr
+
+        self._xgr = xgr
+        self.info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size, stop_token_ids=list(stop_token_ids))
+        self._compiler = xgr.GrammarCompiler(self.info, max_threads=2, cache_enabled=False)
+        self._cache: OrderedDict[GrammarSpec, Any] = OrderedDict()
+        self._lock = threading.Lock()
+        self._cache_size = cache_size
+        self.vocab_size = vocab_size
+
+    def compile(self, spec: GrammarSpec) -> CompiledGrammar:
+        with self._lock:
+            hit = self._cache.get(spec)
+            if hit is not None:
+                self._cache.move_to_end(spec)
+                return CompiledGrammar(spec, hit)
+        compiled = self._compile(spec)  # outside the lock: two different specs compile at once
+        with self._lock:
+            self._cache[spec] = compiled
+            while len(self._cache) > self._cache_size:
+                self._cache.popitem(last=False)
+        return CompiledGrammar(spec, compiled)
+
+    def _compile(self, spec: GrammarSpec) -> Any:
+        c = self._compiler
+        try:
+            if spec.kind is GrammarKind.JSON_OBJECT:
+                return c.compile_json_schema('{"type": "object"}', any_whitespace=False, separators=_JSON_SEPARATORS)
+            if spec.kind is GrammarKind.JSON_SCHEMA:
+                json.loads(spec.source)  # a clear message for text that is not JSON at all
+                return c.compile_json_schema(spec.source, any_whitespace=False, separators=_JSON_SEPARATORS)
+            if spec.kind is GrammarKind.REGEX:
+                return c.compile_regex(spec.source)
+            if spec.kind is GrammarKind.GRAMMAR:
+                return c.compile_grammar(spec.source)
+            return c.compile_structural_tag(spec.source)
+        except json.JSONDecodeError as exc:
+            raise InvalidRequest(f"{spec.kind.value} is not valid JSON: {exc}") from None
+        except (RuntimeError, ValueError, TypeError) as exc:
+            raise InvalidRequest(f"invalid {spec.kind.value}: {_first_line(exc)}") from None
+
+    def new_bitmask(self, rows: int, device: torch.device | str = "cpu") -> torch.Tensor:
+        """[rows, ceil(vocab / 32)] int32, every token allowed."""
+        bitmask = self._xgr.allocate_token_bitmask(rows, self.vocab_size)
+        return bitmask.to(device) if str(device) != "cpu" else bitmask
+
+
+@dataclass(frozen=True, slots=True)
+class CompiledGrammar:
+    spec: GrammarSpec
+    compiled: Any
+
+    def new_state(self) -> GrammarState:
+        return GrammarState(self)
+
+
+class GrammarState:
+    """One sequence's position in its grammar: advanced by every sampled token, read for the next mask."""
+
+    __slots__ = ("grammar", "_matcher", "num_accepted")
+
+    def __init__(self, grammar: CompiledGrammar, matcher: Any = None) -> None:
+        import xgrammar as xgr
+
+        self.grammar = grammar
+        self._matcher = matcher if matcher is not None else xgr.GrammarMatcher(grammar.compiled)
+        self.num_accepted = 0
+
+    def accept(self, token_id: int) -> bool:
+        """Advance by one sampled token; False when the grammar rejects it (never for a masked sample)."""
+        ok = bool(self._matcher.accept_token(token_id))
+        if ok:
+            self.num_accepted += 1
+        return ok
+
+    def fill(self, bitmask: torch.Tensor, row: int) -> None:
+        self._matcher.fill_next_token_bitmask(bitmask, row)
+
+    @property
+    def finished(self) -> bool:
+        """The grammar is complete and its stop token was accepted: nothing more may follow."""
+        return bool(self._matcher.is_terminated())
+
+    def fork(self) -> GrammarState:
+        state = GrammarState(self.grammar, self._matcher.fork())
+        state.num_accepted = self.num_accepted
+        return state
+
+    def rollback(self, num_tokens: int) -> None:
+        self._matcher.rollback(num_tokens)
+        self.num_accepted -= num_tokens
+
+
+def _first_line(exc: Exception) -> str:
+    """The library's message without its log prefix ("[12:00:00] /path/file.cc:42: ")."""
+    text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    return re.sub(r"^\[[\d:]+\]\s*\S+:\d+:\s*", "", text)
+
+
+def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int] | None = None) -> None:
+    """Set the logits of disallowed tokens to -inf in place. logits: [B, V]; bitmask: [B or len(rows), W]."""
+    import xgrammar as xgr
+
+    xgr.apply_token_bitmask_inplace(logits, bitmask.to(logits.device, non_blocking=True), indices=rows)
