@@ -44,7 +44,7 @@ def walk(state: GrammarState, compiler: GrammarCompiler, seed: int, max_tokens: 
     number or container get a bonus: a uniform walk would almost never end a free-form string."""
     generator = torch.Generator().manual_seed(seed)
     closing = torch.tensor([8.0 if any(c in t for c in b'"}]),') else 0.0 for t in compiler.info.decoded_vocab])
-    closing[list(compiler.info.stop_token_ids)] = 8.0
+    closing[list(compiler.info.stop_token_ids)] = 14.0  # ends free text after a tool call soon
     bitmask = compiler.new_bitmask(1)
     tokens: list[int] = []
     while not state.finished and len(tokens) < max_tokens:
