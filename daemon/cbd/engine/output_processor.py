@@ -22,15 +22,6 @@ class OutputProcessor:
         self.eos_token_ids = frozenset(eos_token_ids)
         self.max_model_len = max_model_len
 
-    def length_limit_reached(self, seq: Sequence, num_tokens: int) -> bool:
-        """The length rule, written once: whether seq's token at index num_tokens - 1 is its last by
-        max_tokens or by the context length."""
-        return num_tokens - seq.num_prompt_tokens >= seq.request.params.max_tokens or num_tokens >= self.max_model_len
-
-    def reaches_length_limit(self, seq: Sequence) -> bool:
-        """Whether seq's newest token (known or in flight) is its last one."""
-        return self.length_limit_reached(seq, seq.num_tokens)
-
     def attach(self, seq: Sequence) -> None:
         params = seq.request.params
         detok = None
@@ -51,7 +42,7 @@ class OutputProcessor:
             text, hit = state.matcher.feed(state.detokenizer.push(token_id))
             if hit:
                 reason = FinishReason.STOP
-        if reason is None and self.length_limit_reached(seq, position + 1):
+        if reason is None and seq.length_limit_reached(position + 1, self.max_model_len):
             reason = FinishReason.LENGTH
         if reason is not None and not hit:
             text += state.matcher.flush()  # the held-back tail was not the start of a stop string
