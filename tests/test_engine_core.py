@@ -215,3 +215,29 @@ def test_an_engine_that_can_schedule_nothing_reports_a_stall_without_spinning(ti
         assert engine.num_live_requests == 0 and not engine.stalled(0.3)
     finally:
         engine.shutdown()
+
+
+def test_a_finished_request_is_out_of_the_stats_its_callback_reads(tiny_loaded) -> None:  # type: ignore[no-untyped-def]
+    """Outputs are delivered after the stats snapshot is refreshed: whoever has seen a request finish
+    (a client that then asks GetStats) never reads stats that still count it."""
+    import threading
+
+    from cbd.config import EngineConfig
+    from cbd.engine.engine import Engine
+
+    engine = Engine(EngineConfig(block_size=4, num_kv_blocks=64), loaded=tiny_loaded)
+    seen: list[tuple[int, int, int]] = []
+    done = threading.Event()
+
+    def on_output(out) -> None:  # type: ignore[no-untyped-def]  # in the engine thread
+        if out.finished:
+            s = engine.stats()
+            seen.append((s.num_running, s.num_blocks_used, engine.num_live_requests))
+            done.set()
+
+    try:
+        engine.submit([5, 6, 7, 8], SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True), on_output=on_output)
+        assert done.wait(60)
+    finally:
+        engine.shutdown()
+    assert seen == [(0, 0, 0)]

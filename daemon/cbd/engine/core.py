@@ -14,8 +14,10 @@ placeholder token that the device fills in: carry-over), so the next plan never 
 Outputs of a sequence that finished or was aborted while a later step was already in flight are
 discarded, never streamed.
 Live requests are records in `live` (an `Admission`, the one registry; see live.py): a request is
-reserved there before it is queued, its outputs are delivered through its record's `on_output`
-here, and its record is released when it finishes, fails or is aborted.
+reserved there before it is queued, and its record is released when it finishes, fails or is
+aborted. Outputs for records with an `on_output` wait in an outbox until the owner calls
+`deliver()`: the threaded engine first refreshes its stats snapshot, so a caller that has seen its
+request finish never reads stats from before it.
 Not thread-safe: the threaded Engine (engine.py) is the only caller of its mutating methods.
 """
 
@@ -88,6 +90,8 @@ class EngineCore:
         self._gpu_busy_at, self._gpu_busy_value = 0.0, None
         self.outputs = OutputProcessor(loaded.tokenizer, loaded.eos_token_ids, self.max_model_len)
         self.live = live if live is not None else Admission.unbounded()
+        # Outputs made and not yet handed to their callbacks (see deliver); pairs, in order.
+        self._outbox: list[tuple[LiveRequest, RequestOutput]] = []
         self._seq_ids = itertools.count()
         self._request_ids = itertools.count()
         self.num_steps = 0
@@ -304,11 +308,17 @@ class EngineCore:
         else:
             live = self.live.get(request.request_id)
         if live is not None and live.on_output is not None:
-            try:
-                live.on_output(out)
-            except Exception:
-                log.exception("output callback for %s failed", request.request_id)
+            self._outbox.append((live, out))
         return out
+
+    def deliver(self) -> None:
+        """Hand the outputs made since the last call to their requests' callbacks, in order."""
+        outbox, self._outbox = self._outbox, []
+        for live, out in outbox:
+            try:
+                live.on_output(out)  # type: ignore[misc]
+            except Exception:
+                log.exception("output callback for %s failed", live.request_id)
 
     @staticmethod
     def _usage(request: Request, completion_tokens: int) -> Usage:

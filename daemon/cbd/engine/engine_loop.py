@@ -1,7 +1,8 @@
 """The engine thread: applies the inbox's typed commands between steps and runs the core's steps.
 
-Every command is dispatched by type to one handler here; outputs reach each request's callback
-from inside the core (through its live record). Besides steps, the loop expires idle sessions
+Every command is dispatched by type to one handler here. Outputs reach each request's callback
+through its live record when the loop calls `core.deliver()`: after a step, only once the stats
+snapshot has been refreshed (a caller that saw its request finish then reads stats without it). Besides steps, the loop expires idle sessions
 once a second (it wakes for that even when idle) and keeps the heartbeat that the daemon's
 watchdog and health read.
 """
@@ -109,7 +110,7 @@ class EngineLoop:
                 if self._faults is not None and core.scheduler.has_work():
                     self._faults.before_step(core.num_steps)
                 steps_before = core.num_steps
-                outputs = core.step()  # delivered to each request's on_output as they are made
+                outputs = core.step()
                 progressed = bool(outputs) or core.num_steps != steps_before or not core.has_work()
                 if not progressed:  # nothing could be scheduled: wait for a change instead of spinning
                     self._wake.wait(timeout=0.005)
@@ -118,11 +119,14 @@ class EngineLoop:
                     log.critical("device error: failing every live request and stopping the engine: %s", exc)
                     self.fatal = exc  # the Engine refuses new work from now on
                     core.fail_all(FinishReason.ERROR)
+                    core.deliver()
                     break
                 log.exception("engine step failed; failing the requests it held")
                 core.fail_all(FinishReason.ERROR)
             self.stats = core.stats()
+            core.deliver()
         core.fail_all(FinishReason.ABORT)
+        core.deliver()
         while True:  # commands that raced with shutdown: answer them rather than leave them hanging
             try:
                 command = self._inbox.get_nowait()
@@ -172,7 +176,8 @@ class EngineLoop:
     def _abort(self, c: cmd.Abort) -> None:
         live = self.admission.get(c.request_id)
         if live is not None and live.request is not None:
-            self.core.abort_request(c.request_id)  # delivers the final output itself
+            self.core.abort_request(c.request_id)
+            self.core.deliver()
 
     def _open_session(self, c: cmd.OpenSession) -> None:
         sessions = self.core.sessions
