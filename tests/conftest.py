@@ -7,8 +7,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from cbd.config import EngineConfig
-from cbd.engine.core import EngineCore
 from cbd.model.loader import LoadedModel, load_model
 
 torch.set_num_threads(max(1, min(2, torch.get_num_threads())))
@@ -89,7 +87,3 @@ def default_hf(default_model):  # type: ignore[no-untyped-def]
     from transformers import AutoModelForCausalLM
 
     return AutoModelForCausalLM.from_pretrained(default_model.checkpoint_dir, dtype=torch.float32).eval()
-
-
-def make_core(loaded: LoadedModel, **overrides) -> EngineCore:  # type: ignore[no-untyped-def]
-    return EngineCore(loaded, EngineConfig(**{"num_kv_blocks": 256, **overrides}))

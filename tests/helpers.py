@@ -1,14 +1,28 @@
-"""Test helpers: drive an EngineCore to completion and compare greedy outputs with transformers."""
+"""Test helpers: build an EngineCore, step it with the block manager's invariants checked after every
+step, drive it to completion, and compare greedy outputs with transformers."""
 
 from __future__ import annotations
 
 import torch
 
+from cbd.config import EngineConfig
 from cbd.engine.core import EngineCore
 from cbd.engine.outputs import RequestOutput
 from cbd.engine.sampling_params import SamplingParams
+from cbd.model.loader import LoadedModel
 
 NEAR_TIE = 1e-4
+
+
+def make_core(loaded: LoadedModel, **overrides) -> EngineCore:  # type: ignore[no-untyped-def]
+    return EngineCore(loaded, EngineConfig(**{"num_kv_blocks": 256, **overrides}))
+
+
+def checked_step(core: EngineCore) -> list[RequestOutput]:
+    """One engine step, then the KV accounting's invariants (ref counts, free list, hash table, holders)."""
+    outputs = core.step()
+    core.check_integrity()
+    return outputs
 
 
 def run_all(core: EngineCore, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]) -> list[dict]:
@@ -18,7 +32,7 @@ def run_all(core: EngineCore, prompts: list[list[int]], params: SamplingParams |
     results = {rid: {"tokens": {}, "text": {}, "finish": {}, "usage": None, "outputs": []} for rid in ids}
     steps = 0
     while core.has_work():
-        for out in core.step():
+        for out in checked_step(core):
             collect(results[out.request_id], out)
         steps += 1
         assert steps < 100_000, "engine made no progress"

@@ -90,4 +90,11 @@ def test_retry_hint_is_bounded(clock) -> None:  # type: ignore[no-untyped-def]
     with pytest.raises(CapacityExceeded) as info:  # one finish per 1000 s: capped
         a.reserve("y", 1)
     assert info.value.retry_after == MAX_RETRY_AFTER
-    assert MIN_RETRY_AFTER > 0
+    fast = Admission(max_requests=1, max_tokens=10**6)
+    for i in range(10):  # ten finishes within one instant: a hint of ~0 s, raised to the floor
+        fast.reserve(f"f{i}", 1)
+        fast.release(f"f{i}")
+    fast.reserve("busy", 1)
+    with pytest.raises(CapacityExceeded) as info:
+        fast.reserve("z", 1)
+    assert info.value.retry_after == MIN_RETRY_AFTER > 0

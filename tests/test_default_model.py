@@ -10,8 +10,7 @@ from cbd.engine.engine import Engine
 from cbd.engine.sampling_params import SamplingParams
 from cbd.engine.sequence import FinishReason
 from cbd.model.loader import load_model
-from conftest import make_core
-from helpers import assert_greedy_matches, hf_greedy, run_all
+from helpers import assert_greedy_matches, hf_greedy, make_core, run_all
 
 pytestmark = pytest.mark.slow
 

@@ -9,8 +9,7 @@ import pytest
 from cbd.engine.sampling_params import SamplingParams
 from cbd.engine.sequence import FinishReason
 from cbd.errors import InvalidRequest, UnknownRequest
-from conftest import make_core
-from helpers import run_all
+from helpers import checked_step, make_core, run_all
 
 GREEDY = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
 
@@ -37,7 +36,7 @@ def test_max_num_seqs_caps_the_running_set(tiny_loaded) -> None:
     for p in prompts(7):
         core.add_request(p, GREEDY)
     while core.has_work():
-        core.step()
+        checked_step(core)
         assert len(core.scheduler.running) <= 3
 
 
@@ -65,7 +64,7 @@ def test_fan_out_prefills_once_and_forks(tiny_loaded) -> None:
     assert all(s.block_table[:5] == shared for s in request.sequences)
     assert all(core.block_manager.blocks[b].ref_count == 4 for b in shared)
     while core.has_work():
-        core.step()
+        checked_step(core)
     assert core.block_manager.num_used_blocks == 0
 
 
@@ -97,7 +96,7 @@ def test_abort_frees_blocks_at_once_and_reports_every_candidate(tiny_loaded) -> 
     a = core.add_request(list(range(2, 40)), SamplingParams(max_tokens=50, n=3, ignore_eos=True))
     b = core.add_request(list(range(2, 40)), SamplingParams(max_tokens=50, ignore_eos=True))
     for _ in range(3):
-        core.step()
+        checked_step(core)
     out = core.abort_request(a.request_id)
     assert out.finished and sorted(d.index for d in out.candidates) == [0, 1, 2]
     assert all(d.finish_reason is FinishReason.ABORT for d in out.candidates)
@@ -178,10 +177,10 @@ def test_requests_sharing_a_prefix_in_one_step_compute_it_once(tiny_loaded) -> N
     core._complete(core._launch(first))
     second = core.scheduler.schedule()
     chunk_b = next(c for c in second.chunks if c.seq.request is b)
-    assert chunk_b.seq.num_computed_tokens == 12 and chunk_b.num_new_tokens == 3
+    assert chunk_b.start == 12 and chunk_b.num_new_tokens == 3  # its first 12 tokens revived, not computed
     core._complete(core._launch(second))
     while core.has_work():
-        core.step()
+        checked_step(core)
     assert b.num_cached_prompt_tokens == 12
 
 

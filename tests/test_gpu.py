@@ -9,8 +9,7 @@ import torch
 
 from cbd.engine.sampling_params import SamplingParams
 from cbd.model.loader import load_model
-from conftest import make_core
-from helpers import assert_greedy_matches, run_all
+from helpers import assert_greedy_matches, make_core, run_all
 
 pytestmark = pytest.mark.gpu
 

@@ -11,8 +11,8 @@ import torch
 from cbd.engine.sampling_params import SamplingParams
 from cbd.errors import UnsupportedModel
 from cbd.model.loader import load_model
-from conftest import TINY_CONFIGS, make_core
-from helpers import assert_greedy_matches, hf_greedy, run_all
+from conftest import TINY_CONFIGS
+from helpers import assert_greedy_matches, hf_greedy, make_core, run_all
 
 
 def _prompts(count: int, seed: int = 1) -> list[list[int]]:

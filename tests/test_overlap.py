@@ -13,8 +13,7 @@ import pytest
 from cbd.engine.core import EngineCore
 from cbd.engine.sampling_params import SamplingParams
 from cbd.engine.sequence import FinishReason
-from conftest import make_core
-from helpers import collect, run_all
+from helpers import checked_step, collect, make_core, run_all
 
 
 def _drive(core: EngineCore, arrivals: dict[int, list[tuple[list[int], SamplingParams]]],
@@ -31,7 +30,7 @@ def _drive(core: EngineCore, arrivals: dict[int, list[tuple[list[int], SamplingP
         for index in aborts.get(step, []):
             if ids[index] in core.requests:
                 collect(results[ids[index]], core.abort_request(ids[index]))
-        for out in core.step():
+        for out in checked_step(core):
             collect(results[out.request_id], out)
         step += 1
         assert step < 10_000

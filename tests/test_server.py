@@ -218,3 +218,57 @@ def test_duplicate_live_request_id_is_refused_and_the_first_keeps_streaming(clie
     assert info.value.code == grpc.StatusCode.INVALID_ARGUMENT and "already in use" in info.value.details
     rest = list(first)
     assert rest[-1].finish_reason == "length" and rest[-1].request_id == "dup-1"
+
+
+def test_session_ttl_nan_is_refused_and_inf_never_expires(daemon) -> None:  # type: ignore[no-untyped-def]
+    from cbd_client.v1 import cbd_pb2 as pb
+    from cbd_client.v1.cbd_pb2_grpc import CbdStub
+
+    with grpc.insecure_channel(daemon.address) as channel:
+        stub = CbdStub(channel)
+        for bad in (float("nan"), float("-inf"), -1.0):
+            with pytest.raises(grpc.RpcError) as info:
+                stub.OpenSession(pb.OpenSessionRequest(ttl_seconds=bad))
+            assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "ttl_seconds" in info.value.details()
+        forever = stub.OpenSession(pb.OpenSessionRequest(ttl_seconds=float("inf"), tokens=pb.TokenIds(ids=[1, 2, 3])))
+        assert forever.ttl_seconds == float("inf")
+        with pytest.raises(grpc.RpcError) as info:
+            stub.ForkSession(pb.ForkSessionRequest(session_id=forever.session_id, ttl_seconds=float("nan")))
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "ttl_seconds" in info.value.details()
+        child = stub.ForkSession(pb.ForkSessionRequest(session_id=forever.session_id))
+        assert child.ttl_seconds == float("inf") and child.num_tokens == 3
+        for sid in (forever.session_id, child.session_id):
+            stub.CloseSession(pb.CloseSessionRequest(session_id=sid))
+
+
+def test_parent_candidate_without_session_is_refused(daemon) -> None:  # type: ignore[no-untyped-def]
+    from cbd_client.v1 import cbd_pb2 as pb
+    from cbd_client.v1.cbd_pb2_grpc import CbdStub
+
+    with grpc.insecure_channel(daemon.address) as channel:
+        with pytest.raises(grpc.RpcError) as info:
+            list(CbdStub(channel).Generate(pb.GenerateRequest(text="hi", parent_candidate=0)))
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "session_id" in info.value.details()
+
+
+def test_fork_without_candidate_while_candidates_are_pending_is_failed_precondition_like_a_turn(client, daemon) -> None:  # type: ignore[no-untyped-def]
+    from cbd_client.v1 import cbd_pb2 as pb
+    from cbd_client.v1.cbd_pb2_grpc import CbdStub
+
+    with grpc.insecure_channel(daemon.address) as channel:
+        stub = CbdStub(channel)
+        sid = stub.OpenSession(pb.OpenSessionRequest(tokens=pb.TokenIds(ids=[1, 2, 3]))).session_id
+        fan = pb.GenerateRequest(tokens=pb.TokenIds(ids=[4, 5]), session_id=sid, n=2, sampling=pb.SamplingParams(max_tokens=2, ignore_eos=True))
+        list(stub.Generate(fan))
+        assert stub.GetSession(pb.GetSessionRequest(session_id=sid)).pending_candidates == 2
+        with pytest.raises(grpc.RpcError) as fork:
+            stub.ForkSession(pb.ForkSessionRequest(session_id=sid))
+        with pytest.raises(grpc.RpcError) as turn:
+            list(stub.Generate(pb.GenerateRequest(tokens=pb.TokenIds(ids=[6]), session_id=sid)))
+        assert fork.value.code() == turn.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        assert "candidate" in fork.value.details() and "parent_candidate" in turn.value.details()
+        child = stub.ForkSession(pb.ForkSessionRequest(session_id=sid, candidate=1))
+        assert child.num_tokens == 7 and child.pending_candidates == 0
+        for s in (sid, child.session_id):
+            stub.CloseSession(pb.CloseSessionRequest(session_id=s))
+    wait_until_idle(client)

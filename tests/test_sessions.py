@@ -11,9 +11,9 @@ import pytest
 
 from cbd.engine.core import EngineCore
 from cbd.engine.sampling_params import SamplingParams
+from cbd.engine.sessions import TurnInput
 from cbd.errors import InvalidRequest, SessionBusy, UnknownSession
-from conftest import make_core
-from helpers import run_all
+from helpers import checked_step, make_core, run_all
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
 
@@ -22,7 +22,7 @@ def _turn(core: EngineCore, session_id: str, tokens: list[int], params: Sampling
     request = core.add_session_turn(session_id, tokens, params, **kw)
     result = {"tokens": {}, "usage": None, "finish": {}}
     while request.request_id in core.requests:
-        for out in core.step():
+        for out in checked_step(core):
             if out.request_id != request.request_id:
                 continue
             for d in out.candidates:
@@ -32,7 +32,7 @@ def _turn(core: EngineCore, session_id: str, tokens: list[int], params: Sampling
             if out.finished:
                 result["usage"] = out.usage
     while core.has_work():  # a step may still be in flight (overlap)
-        core.step()
+        checked_step(core)
     return result
 
 
@@ -128,7 +128,7 @@ def test_fan_out_memory_shares_the_prompt(default_model) -> None:
     core.add_request(prompt, params)
     peak = 0
     while core.has_work():
-        core.step()
+        checked_step(core)
         peak = max(peak, core.block_manager.num_used_blocks)
     prompt_blocks = -(-1000 // 8)
     # the prompt once, plus per candidate its copy of the partial last block and the blocks of its new tokens
@@ -142,10 +142,10 @@ def test_busy_unknown_expired_and_aborted_turns(tiny_loaded) -> None:
     request = core.add_session_turn(session.session_id, [5, 6, 7], GREEDY)
     with pytest.raises(SessionBusy):
         core.add_session_turn(session.session_id, [8], GREEDY)
-    core.step()
+    checked_step(core)
     core.abort_request(request.request_id)  # an aborted turn leaves the session as it was
     while core.has_work():
-        core.step()
+        checked_step(core)
     assert session.token_ids == [] and session.busy is None
     _turn(core, session.session_id, [5, 6, 7])
     assert len(session.token_ids) == 3 + GREEDY.max_tokens
@@ -189,7 +189,7 @@ def test_concurrent_turns_of_sessions_that_pin_most_of_the_pool_all_finish(tiny_
             tokens: dict[str, list[int]] = {rid: [] for rid in ids}
             steps = 0
             while core.has_work():
-                for out in core.step():
+                for out in checked_step(core):
                     tokens[out.request_id].extend(t for d in out.candidates for t in d.token_ids)
                 steps += 1
                 assert steps < 5_000, f"no progress: {core.stats()}"
@@ -215,15 +215,16 @@ def test_a_session_whose_turns_are_refused_for_now_does_not_expire(tiny_loaded) 
 
     engine = Engine(EngineConfig(block_size=4, num_kv_blocks=256, max_queued_requests=1), loaded=tiny_loaded)
     try:
-        session = engine.call(lambda core: core.sessions.open(ttl=1.2)).result(timeout=10)
+        session = engine.open_session(ttl=1.2).result(timeout=10)
         engine.admission.reserve("seat-holder", 3)  # the one seat is taken
         for _ in range(8):  # 2.4 s of refusals, twice the TTL
             with pytest.raises(CapacityExceeded):
-                engine.submit_turn(session.session_id, [8, 9], GREEDY)
+                engine.submit_turn(session.session_id, TurnInput([8, 9]), GREEDY)
             time.sleep(0.3)
-        assert engine.call(lambda core: session.session_id in core.sessions.sessions).result(timeout=10)
+        assert engine.get_session(session.session_id).result(timeout=10).session_id == session.session_id
         engine.admission.release("seat-holder")
         time.sleep(2.5)  # left alone, it expires
-        assert not engine.call(lambda core: session.session_id in core.sessions.sessions).result(timeout=10)
+        with pytest.raises(UnknownSession):
+            engine.get_session(session.session_id).result(timeout=10)
     finally:
         engine.shutdown()

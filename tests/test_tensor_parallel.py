@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import pytest
@@ -10,6 +11,7 @@ import torch
 from cbd.config import EngineConfig
 from cbd.engine.engine import Engine
 from cbd.engine.sampling_params import SamplingParams
+from cbd.errors import UnsupportedModel
 from cbd.model.loader import load_model
 from cbd.model.spec import ModelSpec
 from cbd.model.tensor_parallel import local_spec, shard_of, shard_tensor
@@ -31,10 +33,17 @@ def _greedy(config: EngineConfig, prompts: list[list[int]]) -> list[list[int]]:
 
 def test_shards_cover_every_weight_once(tiny_checkpoint) -> None:
     """Column shards concatenate to the full rows, row shards to the full columns, uneven splits included."""
-    loaded = load_model(str(tiny_checkpoint("qwen2")))
-    spec: ModelSpec = loaded.spec
-    for world in (2, 3) if spec.num_kv_heads >= 3 else (2,):
+    tiny: ModelSpec = load_model(str(tiny_checkpoint("qwen2"))).spec  # 4 query / 2 KV heads
+    with pytest.raises(UnsupportedModel, match="exceeds the model's 2 KV heads"):
+        shard_of(tiny, 0, 3)
+    # The tiny model splits evenly over 2 ranks; 4 KV heads (8 query heads) over 3 ranks split 2|1|1,
+    # the MLP's 128 rows 43|43|42 and the 256-row vocabulary 86|86|84 (the last slice padded).
+    wide = dataclasses.replace(tiny, num_heads=8, num_kv_heads=4)
+    for spec, world in ((tiny, 2), (wide, 3)):
         shards = [shard_of(spec, r, world) for r in range(world)]
+        if world == 3:
+            assert [len(s.kv_heads) for s in shards] == [2, 1, 1]
+            assert [len(s.inter) for s in shards] == [43, 43, 42]
         assert sum(len(s.kv_heads) for s in shards) == spec.num_kv_heads
         assert sum(local_spec(spec, s).intermediate_size for s in shards) == spec.intermediate_size
         full_q = torch.randn(spec.q_size, spec.hidden_size)

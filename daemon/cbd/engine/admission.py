@@ -7,6 +7,9 @@ hint: the time in which, at the rate requests have been finishing lately, enough
 have finished to make room for this caller *after* the callers refused before it whose hinted time has
 not come yet (a virtual queue: a crowd of refused clients is spread over time instead of retrying
 all at once).
+
+Admission is also the one registry of live requests (`LiveRequest` records, see live.py): reserving
+is where a request id is checked for uniqueness, once.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ import threading
 import time
 from collections import deque
 
+from cbd.engine.live import LiveRequest, OutputCallback
 from cbd.errors import CapacityExceeded, InvalidRequest
 
 # Bounds of the retry hint, seconds.
@@ -33,7 +37,9 @@ class Admission:
         self.max_requests = max_requests
         self.max_tokens = max_tokens
         self._lock = threading.Lock()
-        self._live: dict[str, int] = {}  # request id -> prompt tokens
+        # request id -> record. Written under the lock; the engine thread reads it without (a dict
+        # lookup is atomic, and a record is only removed by `release`).
+        self._live: dict[str, LiveRequest] = {}
         self._tokens = 0
         self._finished_at: deque[float] = deque(maxlen=_RATE_WINDOW)
         self._hinted: list[float] = []  # heap: when refused callers still waiting were told to come back
@@ -46,7 +52,20 @@ class Admission:
     def num_tokens(self) -> int:
         return self._tokens
 
-    def reserve(self, request_id: str, num_tokens: int) -> None:
+    @classmethod
+    def unbounded(cls) -> Admission:
+        """A registry without caps (an EngineCore driven directly, as tests and benchmarks do)."""
+        return cls(2**62, 2**62)
+
+    @property
+    def live(self) -> dict[str, LiveRequest]:
+        """The live requests by id (read-only use)."""
+        return self._live
+
+    def get(self, request_id: str) -> LiveRequest | None:
+        return self._live.get(request_id)
+
+    def reserve(self, request_id: str, num_tokens: int, on_output: OutputCallback | None = None) -> LiveRequest:
         with self._lock:
             if request_id in self._live:
                 raise InvalidRequest(f"request id {request_id!r} is already in use by a live request")
@@ -62,15 +81,19 @@ class Admission:
                     f"{self._tokens} prompt tokens are queued or running, the limit is {self.max_tokens}; "
                     f"retry in {wait:.2f} s", retry_after=wait,
                 )  # fmt: skip
-            self._live[request_id] = num_tokens
+            live = self._live[request_id] = LiveRequest(request_id, num_tokens, on_output)
             self._tokens += num_tokens
+            return live
 
-    def release(self, request_id: str) -> None:
-        """Give back a request's reservation (idempotent: a second call for the same id does nothing)."""
+    def release(self, request_id: str) -> LiveRequest | None:
+        """Give back a request's reservation and drop its record (idempotent: a second call for the
+        same id does nothing and returns None)."""
         with self._lock:
-            if request_id in self._live:
-                self._tokens -= self._live.pop(request_id)
+            live = self._live.pop(request_id, None)
+            if live is not None:
+                self._tokens -= live.num_reserved_tokens
                 self._finished_at.append(time.monotonic())
+            return live
 
     def _requests_to_free(self, excess_tokens: int) -> int:
         mean = self._tokens / max(1, len(self._live))

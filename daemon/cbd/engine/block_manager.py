@@ -12,7 +12,8 @@ partial or a new block; a shared partial block is copied before the write (copy-
 
 from __future__ import annotations
 
-from collections import OrderedDict
+from collections import Counter, OrderedDict
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 from cbd.engine.sequence import Sequence
@@ -158,6 +159,33 @@ class BlockManager:
                     self.cached_free[block_id] = None
                 else:
                     self.free_ids.append(block_id)
+
+    def check_integrity(self, holders: Iterable[list[int]] | None = None) -> None:
+        """Raise AssertionError unless the ref counts, the free list, the cached LRU and the hash table
+        agree (tests call it after every step). `holders`: every block table that holds references
+        (sequences, sessions, branches); each block's ref count must equal its number of holders."""
+        free, cached = set(self.free_ids), set(self.cached_free)
+        assert len(free) == len(self.free_ids), "a block is on the free list twice"
+        assert not free & cached, f"blocks both free and cached: {sorted(free & cached)}"
+        for block in self.blocks:
+            b = block.block_id
+            assert block.ref_count >= 0, f"block {b} has ref count {block.ref_count}"
+            if block.ref_count == 0:
+                assert b in free or b in cached, f"block {b} is unreferenced but neither free nor cached"
+            else:
+                assert b not in free and b not in cached, f"block {b} is in use (refs {block.ref_count}) and free"
+            if b in free:
+                assert block.hash is None, f"free block {b} still has a hash"
+            if b in cached:
+                assert block.hash is not None, f"cached free block {b} has no hash"
+            if block.hash is not None:
+                assert self.hash_to_block.get(block.hash) == b, f"block {b}'s hash is not registered to it"
+        for h, b in self.hash_to_block.items():
+            assert self.blocks[b].hash == h, f"hash table entry for block {b} does not match its hash"
+        if holders is not None:
+            counts = Counter(b for table in holders for b in table)
+            wrong = {b.block_id: (b.ref_count, counts[b.block_id]) for b in self.blocks if b.ref_count != counts[b.block_id]}
+            assert not wrong, f"ref counts differ from their holders (block: (refs, holders)): {wrong}"
 
     # ---- internals --------------------------------------------------------------------------
     def _new_blocks_needed(self, seq: Sequence, num_new_tokens: int) -> int:

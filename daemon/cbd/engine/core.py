@@ -1,12 +1,21 @@
-"""EngineCore: one engine step = schedule, launch on the device, complete (read tokens, emit outputs).
+"""EngineCore: one engine step = plan, launch on the device, complete (read tokens, emit outputs).
+
+    plan = scheduler.schedule()                     chunks, sample rows (forks included), booked as launched
+    step = runner.launch(pack_step(plan, ...))      typed inputs in, device work enqueued; no requests
+    scheduler.update_from_output(plan, tokens)      tokens in place of their placeholders
+    then, per live row: detokenise, stop checks, finish; outputs delivered
 
 Sync mode completes each step right after launching it. Overlap mode (the default on CUDA) keeps
-one step in flight: step() schedules and launches step N+1, then waits for step N's tokens and
+one step in flight: step() plans and launches step N+1, then waits for step N's tokens and
 processes them, so the CPU work of N+1 (scheduling, packing, staging) and of N (detokenising,
-stop checks, streaming) runs while the GPU computes. Bookkeeping that the next schedule needs
-happens at launch: computed-token counts advance, forks are created, and every sampled sequence
-gets a placeholder token that the device fills in (carry-over). Outputs of a sequence that
-finished or was aborted while a later step was already in flight are discarded, never streamed.
+stop checks, streaming) runs while the GPU computes. The scheduler books a plan as launched when it
+makes it (computed-token counts advance, forks are created, and every sampled sequence gets a
+placeholder token that the device fills in: carry-over), so the next plan never waits for tokens.
+Outputs of a sequence that finished or was aborted while a later step was already in flight are
+discarded, never streamed.
+Live requests are records in `live` (an `Admission`, the one registry; see live.py): a request is
+reserved there before it is queued, its outputs are delivered through its record's `on_output`
+here, and its record is released when it finishes, fails or is aborted.
 Not thread-safe: the threaded Engine (engine.py) is the only caller of its mutating methods.
 """
 
@@ -16,26 +25,42 @@ import itertools
 import logging
 import secrets
 import time
+from dataclasses import dataclass
 from typing import Any
 
 from cbd.config import EngineConfig
+from cbd.engine.admission import Admission
 from cbd.engine.block_manager import BlockManager
+from cbd.engine.live import LiveRequest, OutputCallback
 from cbd.engine.outputs import CandidateDelta, EngineStats, RequestOutput, TokenLogprob, Usage
 from cbd.engine.output_processor import OutputProcessor
-from cbd.engine.runner import InflightStep, ModelRunner, StepResult
+from cbd.engine.runner import InflightStep, ModelRunner, SampledTokens
 from cbd.engine.sampling_params import SamplingParams
-from cbd.engine.scheduler import Scheduler, StepPlan
-from cbd.engine.sequence import PLACEHOLDER, FinishReason, Request, Sequence
-from cbd.engine.sessions import SessionManager
+from cbd.engine.scheduler import SampleRow, Scheduler, StepPlan
+from cbd.engine.sequence import FinishReason, Request, Sequence
+from cbd.engine.sessions import SessionManager, TurnInput
+from cbd.engine.step_inputs import pack_step
+from cbd.engine.tp_messages import Setup
 from cbd.errors import InvalidRequest, UnknownRequest
 from cbd.model.loader import LoadedModel
 
 log = logging.getLogger(__name__)
 
 
+@dataclass(slots=True)
+class _Launched:
+    """A step on the device: its plan (for the accounting at completion) and its device work."""
+
+    plan: StepPlan
+    step: InflightStep
+
+
 class EngineCore:
-    def __init__(self, loaded: LoadedModel, config: EngineConfig, tp_group: Any = None) -> None:
-        """tp_group: rank 0's TensorParallelGroup when the model is sharded (its workers mirror every step)."""
+    def __init__(
+        self, loaded: LoadedModel, config: EngineConfig, tp_group: Any = None, live: Admission | None = None
+    ) -> None:
+        """tp_group: rank 0's TensorParallelGroup when the model is sharded (its workers mirror every step).
+        live: the registry of live requests (the threaded Engine's admission); uncapped when None."""
         self.config = config
         self.loaded = loaded
         spec = loaded.spec
@@ -47,21 +72,22 @@ class EngineCore:
         self.block_manager = BlockManager(num_blocks, bs, config.enable_prefix_caching)
         self.sessions = SessionManager(self.block_manager, config.max_sessions, config.session_ttl)
         self.scheduler = Scheduler(
-            self.block_manager, config.max_num_seqs, config.max_num_batched_tokens, reclaim=self.sessions.evict
-        )
+            self.block_manager, config.max_num_seqs, config.max_num_batched_tokens, reclaim=self.sessions.evict,
+            max_model_len=self.max_model_len, new_fork=self._fork,
+        )  # fmt: skip
         self.runner = ModelRunner(
             loaded.model, num_blocks, bs, self.max_model_len, config.attention_backend,
             min(config.cuda_graph_max_batch, config.max_num_seqs) if config.cuda_graphs else 0,
         )  # fmt: skip
         if tp_group is not None:
             graph_batch = min(config.cuda_graph_max_batch, config.max_num_seqs) if config.cuda_graphs else 0
-            tp_group.broadcast(("setup", num_blocks, self.max_model_len, graph_batch))
+            tp_group.broadcast(Setup(num_blocks, self.max_model_len, graph_batch))
             self.runner.broadcast = tp_group.broadcast
         self.overlap = config.overlap_enabled(self.runner.device)
-        self._inflight: InflightStep | None = None
+        self._inflight: _Launched | None = None
         self._gpu_busy_at, self._gpu_busy_value = 0.0, None
         self.outputs = OutputProcessor(loaded.tokenizer, loaded.eos_token_ids, self.max_model_len)
-        self.requests: dict[str, Request] = {}
+        self.live = live if live is not None else Admission.unbounded()
         self._seq_ids = itertools.count()
         self._request_ids = itertools.count()
         self.num_steps = 0
@@ -85,30 +111,35 @@ class EngineCore:
         if params.stop and self.loaded.tokenizer is None:
             raise InvalidRequest("stop strings need a tokenizer, and this checkpoint has none")
 
+    @property
+    def requests(self) -> dict[str, LiveRequest]:
+        """Live requests by id (read-only use)."""
+        return self.live.live
+
     def add_request(
-        self, prompt_token_ids: list[int], params: SamplingParams, request_id: str | None = None
-    ) -> Request:
+        self, prompt_token_ids: list[int], params: SamplingParams, request_id: str | None = None,
+        on_output: OutputCallback | None = None,
+    ) -> Request:  # fmt: skip
+        """Validate, reserve and queue a request (the threaded Engine does the first two in the caller's thread)."""
         self.validate(prompt_token_ids, params)
-        request_id = self._fresh_request_id(request_id)
-        return self._start_request(request_id, list(prompt_token_ids), params)
+        live = self.live.reserve(request_id or f"req-{next(self._request_ids)}", len(prompt_token_ids), on_output)
+        return self.start_request(live, prompt_token_ids, params)
 
-    def _fresh_request_id(self, request_id: str | None) -> str:
-        request_id = request_id or f"req-{next(self._request_ids)}"
-        if request_id in self.requests:
-            raise InvalidRequest(f"request id {request_id!r} is already in use")
-        return request_id
+    def start_request(self, live: LiveRequest, prompt_token_ids: list[int], params: SamplingParams) -> Request:
+        """Queue a request already validated and reserved in `live`."""
+        return self._start(live, list(prompt_token_ids), params)
 
-    def _start_request(
-        self, request_id: str, prompt: list[int], params: SamplingParams, block_table: list[int] | None = None,
+    def _start(
+        self, live: LiveRequest, prompt: list[int], params: SamplingParams, block_table: list[int] | None = None,
         num_computed: int = 0, session: Any = None,
     ) -> Request:  # fmt: skip
         """Create the request and its first sequence (starting from `block_table` KV, if any) and queue it."""
         seed = params.seed if params.seed is not None else secrets.randbits(63)
-        request = Request(request_id, prompt, params, seed)
+        request = Request(live.request_id, prompt, params, seed)
         seq = self._new_sequence(request, 0, list(prompt))
         seq.block_table, seq.num_computed_tokens = block_table or [], num_computed
         seq.pending_forks = params.n - 1
-        self.requests[request_id] = request
+        live.request = request
         if session is not None:
             self.sessions.turn_started(session, request)
         self.scheduler.add(seq)
@@ -122,23 +153,30 @@ class EngineCore:
         *,
         replace: bool = False,
         parent_candidate: int | None = None,
-        transcript: list[dict] | None = None,
         request_id: str | None = None,
+        on_output: OutputCallback | None = None,
     ) -> Request:
-        """A turn of a session: its prompt is the history plus `tokens` (or, with `replace`, the
-        re-rendered conversation `tokens`); its first sequence starts from the session's resident KV."""
+        """Reserve and queue a turn of a session (see start_turn)."""
+        live = self.live.reserve(request_id or f"req-{next(self._request_ids)}", len(tokens), on_output)
+        try:
+            return self.start_turn(live, session_id, TurnInput(tokens, replace, parent_candidate), params)
+        except BaseException:
+            self.live.release(live.request_id)
+            raise
+
+    def start_turn(self, live: LiveRequest, session_id: str, turn: TurnInput, params: SamplingParams) -> Request:
+        """A turn of a session, reserved in `live`: its prompt is the history plus the turn's tokens (or,
+        with `replace`, the re-rendered conversation); its first sequence starts from the session's
+        resident KV. Raises UnknownSession, SessionBusy, InvalidRequest and changes nothing then."""
         session = self.sessions.get(session_id)
-        request_id = self._fresh_request_id(request_id)
-        start = self.sessions.begin_turn(
-            session, tokens, replace, parent_candidate, transcript, lambda prompt: self.validate(prompt, params)
-        )
-        return self._start_request(request_id, start.prompt, params, start.block_table, start.num_computed, session)
+        start = self.sessions.begin_turn(session, turn, lambda prompt: self.validate(prompt, params))
+        return self._start(live, start.prompt, params, start.block_table, start.num_computed, session)
 
     def abort_request(self, request_id: str) -> RequestOutput:
-        request = self.requests.get(request_id)
-        if request is None:
+        live = self.live.get(request_id)
+        if live is None or live.request is None:
             raise UnknownRequest(f"no live request with id {request_id!r}")
-        return self._fail(request, FinishReason.ABORT)
+        return self._fail(live.request, FinishReason.ABORT)
 
     # ---- the step ---------------------------------------------------------------------------
     def has_work(self) -> bool:
@@ -163,10 +201,10 @@ class EngineCore:
         if self._inflight is not None:
             step, self._inflight = self._inflight, None
             try:
-                self.runner.wait(step)  # let the device finish before its blocks are released
+                self.runner.wait(step.step)  # let the device finish before its blocks are released
             except Exception:
                 log.exception("the step in flight failed too")
-        return [self._fail(r, reason) for r in list(self.requests.values())]
+        return [self._fail(live.request, reason) for live in list(self.live.live.values()) if live.request is not None]
 
     def stats(self) -> EngineStats:
         bm = self.block_manager
@@ -185,6 +223,16 @@ class EngineCore:
             gpu_busy=self._gpu_busy(),
         )
 
+    def check_integrity(self) -> None:
+        """The block manager's invariants, with every holder of a reference: live sequences, sessions'
+        histories and pending branches (tests call this after every step)."""
+        holders = [seq.block_table for live in self.live.live.values() if live.request is not None
+                   for seq in live.request.sequences]  # fmt: skip
+        for session in self.sessions.sessions.values():
+            holders.append(session.block_table)
+            holders.extend(b.block_table for b in session.branches)
+        self.block_manager.check_integrity(holders)
+
     def _gpu_busy(self) -> float | None:
         now = time.monotonic()
         if now - self._gpu_busy_at > 1.0:  # reading events costs a little: at most once a second
@@ -192,61 +240,34 @@ class EngineCore:
         return self._gpu_busy_value
 
     # ---- internals --------------------------------------------------------------------------
-    def _launch(self, plan: StepPlan) -> InflightStep:
-        step = self.runner.launch(plan)  # reads the pre-launch state: do the bookkeeping after
+    def _launch(self, plan: StepPlan) -> _Launched:
+        """Launch a planned (and already booked) step."""
+        step = self.runner.launch(pack_step(plan, self.runner.graph_bucket, self.runner.scratch_block))
         self.num_steps += 1
-        for chunk in plan.chunks:
-            seq, request = chunk.seq, chunk.seq.request
-            if not request.prompt_cache_recorded and seq.candidate_index == 0:
-                request.num_cached_prompt_tokens = seq.num_computed_tokens
-                request.prompt_cache_recorded = True
-                request.first_scheduled = time.monotonic()
-            seq.num_computed_tokens += chunk.num_new_tokens
-            # Blocks whose tokens are all known can be shared at once: any later reader runs after
-            # this step on the compute stream, so it sees their KV.
-            self.block_manager.commit(seq)
-        for i, row in enumerate(step.rows):
-            parent = row.seq
-            if row.candidate_index == parent.candidate_index:
-                target = parent
-            else:  # fork: a sibling sharing the parent's blocks, created before its first token is known
-                target = self._new_sequence(parent.request, row.candidate_index, parent.token_ids[: row.position])
-                target.num_computed_tokens = parent.num_computed_tokens
-                self.block_manager.fork(parent, target)
-                self.scheduler.add_running(target, after=parent.request.sequences[-2])
-                parent.pending_forks -= 1
-            row.target = target
-            target.token_ids.append(PLACEHOLDER)
-            target.num_placeholders += 1
-            target.pending_row = i
-            target.final_in_flight = self.outputs.reaches_length_limit(target)
-        return step
+        return _Launched(plan, step)
 
-    def _complete(self, step: InflightStep) -> list[RequestOutput]:
-        result = self.runner.wait(step)
-        live = [(i, row) for i, row in enumerate(result.rows) if not row.target.is_finished]  # type: ignore[union-attr]
-        for i, row in live:
+    def _complete(self, launched: _Launched) -> list[RequestOutput]:
+        sampled = self.runner.wait(launched.step)
+        plan = launched.plan
+        deltas: dict[str, tuple[Sequence, list[CandidateDelta]]] = {}
+        for i in self.scheduler.update_from_output(plan, sampled.token_ids):
+            row = plan.samples[i]
             seq = row.target
-            seq.token_ids[row.position] = result.token_ids[i]  # type: ignore[union-attr]
-            seq.num_placeholders -= 1  # type: ignore[union-attr]
-        for chunk in step.plan.chunks:
-            if not chunk.seq.is_finished:
-                self.block_manager.commit(chunk.seq)
-        deltas: dict[str, list[CandidateDelta]] = {}
-        for i, row in live:
-            seq = row.target
-            assert seq is not None
-            delta = self.outputs.on_token(seq, row.position, _logprob(result, i))
+            delta = self.outputs.on_token(seq, row.position, _logprob(sampled, row, i))
             self.num_generated_tokens += 1
             if delta.finish_reason is not None:
                 del seq.token_ids[row.position + 1 :]  # a token already in flight for it is dropped
                 seq.num_placeholders = 0
                 if seq.request.session is not None:  # keep its KV for the session's next turn
-                    self.sessions.candidate_finished(seq.request.session, seq, self._reply_text(seq))
+                    self.sessions.candidate_finished(seq.request.session, seq)
                 self.scheduler.finish(seq)
                 delta.usage = self._usage(seq.request, seq.num_output_tokens)
-            deltas.setdefault(seq.request.request_id, []).append(delta)
-        return [self._output(self.requests[rid], ds) for rid, ds in deltas.items()]
+            deltas.setdefault(seq.request.request_id, (seq, []))[1].append(delta)
+        return [self._output(seq.request, ds) for seq, ds in deltas.values()]
+
+    def _fork(self, parent: Sequence, candidate: int, token_ids: list[int]) -> Sequence:
+        """The scheduler's fan-out hook: a new candidate of parent's request (its blocks are the scheduler's)."""
+        return self._new_sequence(parent.request, candidate, token_ids)
 
     def _new_sequence(self, request: Request, candidate: int, token_ids: list[int]) -> Sequence:
         seq = Sequence(next(self._seq_ids), request, candidate, token_ids, len(request.prompt_token_ids))
@@ -279,29 +300,28 @@ class EngineCore:
                 self.sessions.end_turn(request.session, request, ok and len(request.sequences) == request.params.n)
             out.finished = True
             out.usage = self._usage(request, sum(s.num_output_tokens for s in request.sequences))
-            del self.requests[request.request_id]
+            live = self.live.release(request.request_id)
+        else:
+            live = self.live.get(request.request_id)
+        if live is not None and live.on_output is not None:
+            try:
+                live.on_output(out)
+            except Exception:
+                log.exception("output callback for %s failed", request.request_id)
         return out
-
-    def _reply_text(self, seq: Sequence) -> str | None:
-        """The candidate's reply as text, for a chat session's transcript."""
-        session = seq.request.session
-        if session is None or session.turn_transcript is None or self.loaded.tokenizer is None:
-            return None
-        reply = [t for t in seq.token_ids[seq.num_prompt_tokens :] if t not in self.outputs.eos_token_ids]
-        return self.loaded.tokenizer.decode(reply, skip_special_tokens=True)
 
     @staticmethod
     def _usage(request: Request, completion_tokens: int) -> Usage:
         return Usage(len(request.prompt_token_ids), request.num_cached_prompt_tokens, completion_tokens)
 
 
-def _logprob(result: StepResult, i: int) -> TokenLogprob | None:
-    if result.logprobs is None:
+def _logprob(sampled: SampledTokens, row: SampleRow, i: int) -> TokenLogprob | None:
+    if sampled.logprobs is None:
         return None
-    want = result.rows[i].seq.request.params.logprobs
+    want = row.source.request.params.logprobs
     if want is None:
         return None
     top = []
-    if want and result.top_ids is not None and result.top_logprobs is not None:
-        top = list(zip(result.top_ids[i][:want], result.top_logprobs[i][:want]))
-    return TokenLogprob(result.token_ids[i], result.logprobs[i], top)
+    if want and sampled.top_ids is not None and sampled.top_logprobs is not None:
+        top = list(zip(sampled.top_ids[i][:want], sampled.top_logprobs[i][:want]))
+    return TokenLogprob(sampled.token_ids[i], sampled.logprobs[i], top)

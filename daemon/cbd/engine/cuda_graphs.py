@@ -15,7 +15,8 @@ import time
 
 import torch
 
-from cbd.model.attention import BatchLayout
+from cbd.model.attention import BatchLayout, slot_mapping
+from cbd.model.attention_backends import AttentionBackend
 from cbd.model.llama import CausalLM
 
 log = logging.getLogger(__name__)
@@ -33,7 +34,7 @@ class DecodeGraphs:
         self,
         model: CausalLM,
         kv_caches: torch.Tensor,
-        backend,  # type: ignore[no-untyped-def]  # an attention backend with supports_cuda_graphs
+        backend: AttentionBackend,  # one with supports_cuda_graphs
         block_size: int,
         max_batch: int,
         max_blocks_per_seq: int,
@@ -67,9 +68,8 @@ class DecodeGraphs:
         ctx = self.context_lens[:batch]
         tables = self.block_tables[:batch]
         positions = ctx - 1
-        bs = self.block_size
-        slots = tables.gather(1, (positions // bs)[:, None])[:, 0] * bs + positions % bs
-        layout = BatchLayout(slots, self.rows[: batch + 1], ctx, tables, 1, self.width * bs)
+        slots = slot_mapping(tables, positions, self.block_size)  # inside the graph: from the static inputs
+        layout = BatchLayout(slots, self.rows[: batch + 1], ctx, tables, 1, self.width * self.block_size)
         meta = self.backend.prepare(layout, decode_splits=self.backend.decode_splits(batch))
         return self.model(self.ids[:batch], positions, self.kv_caches, meta, self.rows[:batch])
 

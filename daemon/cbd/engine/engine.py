@@ -1,86 +1,37 @@
-"""Engine: runs an EngineCore in its own thread behind a thread-safe inbox.
+"""Engine: runs an EngineCore in its own thread behind a thread-safe inbox of typed commands.
 
-Callers submit and abort from any thread; the engine thread applies those commands between steps,
-so an abort frees the request's blocks before the next step is scheduled. Outputs are delivered by
-calling each request's `on_output` in the engine thread: it must be quick and must not block
-(the gRPC server hands them to its event loop with call_soon_threadsafe).
+Callers use the named methods from any thread (submit, session turns and lifecycle, abort, stats,
+model facts); each puts one command (commands.py) in the inbox, and the engine thread applies the
+queued commands between steps, so an abort frees the request's blocks before the next step is
+scheduled. Answers are plain types, through a Future where the engine thread must compute them.
+Outputs are delivered by calling each request's `on_output` in the engine thread: it must be quick
+and must not block (the gRPC server hands them to its event loop with call_soon_threadsafe).
 """
 
 from __future__ import annotations
 
-import logging
 import queue
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from concurrent.futures import Future
-from dataclasses import dataclass, field
 from typing import TypeVar
 
 from cbd.config import EngineConfig
+from cbd.engine import commands as cmd
 from cbd.engine.admission import Admission
 from cbd.engine.core import EngineCore
-from cbd.engine.faults import FaultPlan, is_device_fault
-from cbd.engine.outputs import CandidateDelta, EngineStats, RequestOutput, Usage
+from cbd.engine.engine_loop import EngineLoop
+from cbd.engine.live import LiveRequest, OutputCallback
+from cbd.engine.outputs import EngineStats, ModelFacts
+from cbd.engine.request_stream import Completion, RequestStream
 from cbd.engine.sampling_params import SamplingParams
-from cbd.engine.sequence import FinishReason
+from cbd.engine.sessions import SessionInfo, TurnInput
 from cbd.errors import CapacityExceeded, EngineStopped
-from cbd.model.loader import LoadedModel, load_model
+from cbd.model.loader import LoadedModel
 
-log = logging.getLogger(__name__)
-OutputCallback = Callable[[RequestOutput], None]
 T = TypeVar("T")
-
-
-@dataclass(slots=True)
-class Candidate:
-    """One finished candidate, as assembled by RequestStream.result()."""
-
-    index: int
-    token_ids: list[int] = field(default_factory=list)
-    text: str = ""
-    finish_reason: FinishReason | None = None
-    logprobs: list = field(default_factory=list)
-
-
-@dataclass(slots=True)
-class Completion:
-    request_id: str
-    candidates: list[Candidate]
-    usage: Usage | None
-
-
-class RequestStream:
-    """A submitted request seen from a plain thread: iterate its outputs, or wait for the result."""
-
-    def __init__(self, request_id: str, n: int) -> None:
-        self.request_id = request_id
-        self._n = n
-        self._queue: queue.SimpleQueue[RequestOutput] = queue.SimpleQueue()
-
-    def put(self, output: RequestOutput) -> None:
-        self._queue.put(output)
-
-    def __iter__(self) -> Iterator[RequestOutput]:
-        while True:
-            output = self._queue.get()
-            yield output
-            if output.finished:
-                return
-
-    def result(self) -> Completion:
-        candidates = [Candidate(i) for i in range(self._n)]
-        usage = None
-        for output in self:
-            for delta in output.candidates:
-                c = candidates[delta.index]
-                c.token_ids += delta.token_ids
-                c.text += delta.text
-                c.logprobs += delta.logprobs or []
-                c.finish_reason = delta.finish_reason or c.finish_reason
-            usage = output.usage
-        return Completion(self.request_id, candidates, usage)
 
 
 class Engine:
@@ -94,31 +45,61 @@ class Engine:
 
     def __init__(self, config: EngineConfig | None = None, loaded: LoadedModel | None = None) -> None:
         self.config = config or EngineConfig()
-        self._inbox: queue.SimpleQueue[tuple] = queue.SimpleQueue()
+        self._inbox: queue.SimpleQueue[cmd.Command] = queue.SimpleQueue()
         self._wake = threading.Event()
         self._stopping = False
-        self._callbacks: dict[str, OutputCallback | None] = {}  # live request ids; engine thread only
-        # submitted and not yet finished: seats and prompt tokens, capped
+        # The one registry of live requests: seats and prompt tokens, capped; ids unique; callbacks.
         self.admission = Admission(self.config.max_queued_requests, self.config.max_queued_tokens)
-        self._started = threading.Event()
-        self._start_error: BaseException | None = None
-        self._tp = None  # rank 0's TensorParallelGroup when tensor_parallel_size > 1
-        # The engine loop's last iteration that computed something or had nothing to do (watchdog,
-        # health): a wedged step and a loop that can schedule nothing both leave it behind.
-        self.heartbeat = time.monotonic()
-        self.fatal: BaseException | None = None  # set when a device error stopped the engine
-        self._faults = FaultPlan.from_env()
-        self._thread = threading.Thread(target=self._run, args=(loaded,), name="cbd-engine", daemon=True)
+        self._loop = EngineLoop(self.config, self.admission, self._inbox, self._wake)
+        self._thread = threading.Thread(target=self._loop.run, args=(loaded,), name="cbd-engine", daemon=True)
         self._thread.start()
-        self._started.wait()
-        if self._start_error is not None:
-            raise self._start_error
+        self._loop.started.wait()
+        if self._loop.start_error is not None:
+            raise self._loop.start_error
+        self.core = self._loop.core  # tests and tools; the server never touches it
 
     @property
     def loaded(self) -> LoadedModel:
         return self.core.loaded
 
+    @property
+    def heartbeat(self) -> float:
+        """When the engine loop last computed something or had nothing to do (watchdog, health)."""
+        return self._loop.heartbeat
+
+    @property
+    def fatal(self) -> BaseException | None:
+        """The device error that stopped the engine, if one did."""
+        return self._loop.fatal
+
+    @property
+    def on_session_expired(self) -> Callable[[str], None] | None:
+        """Called in the engine thread with the id of each session that expired (the server drops what
+        it keeps beside the session); must be quick."""
+        return self._loop.on_session_expired
+
+    @on_session_expired.setter
+    def on_session_expired(self, callback: Callable[[str], None] | None) -> None:
+        self._loop.on_session_expired = callback
+
+    @property
+    def tokenizer(self):  # type: ignore[no-untyped-def]
+        return self.core.loaded.tokenizer
+
     # ---- caller side (any thread) --------------------------------------------------------------
+    def model_facts(self) -> ModelFacts:
+        loaded, weight = self.core.loaded, self.core.loaded.model.embed_tokens.weight
+        return ModelFacts(
+            name=loaded.name, architecture=loaded.spec.model_type, vocab_size=loaded.spec.vocab_size,
+            dtype=str(weight.dtype).removeprefix("torch."), device=str(weight.device),
+            max_model_len=self.core.max_model_len, num_kv_blocks=self.core.block_manager.num_blocks,
+            block_size=self.config.block_size, eos_token_ids=tuple(loaded.eos_token_ids),
+        )  # fmt: skip
+
+    def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        """Raise InvalidRequest for a request that can never run (reads only configuration)."""
+        self.core.validate(prompt_token_ids, params)
+
     def submit(
         self,
         prompt_token_ids: list[int],
@@ -129,76 +110,57 @@ class Engine:
         """Queue a request. Raises at once: InvalidRequest for one that can never run or whose id is
         taken by a live request, CapacityExceeded when max_queued_requests are live, EngineStopped once
         shutdown has begun."""
-        if self._stopping:
-            raise EngineStopped("the engine is shutting down")
+        self._check_running()
         self.core.validate(prompt_token_ids, params)
-        request_id = request_id or uuid.uuid4().hex
-        self._reserve(request_id, len(prompt_token_ids))
-        self._inbox.put(("add", prompt_token_ids, params, request_id, on_output))
-        self._wake.set()
-        return request_id
-
-    def call(self, fn: Callable[[EngineCore], T]) -> Future[T]:
-        """Run fn(core) in the engine thread between steps; the future holds its result or exception."""
-        if self._stopping:
-            raise EngineStopped("the engine is shutting down")
-        future: Future[T] = Future()
-        self._inbox.put(("call", fn, future))
-        self._wake.set()
-        return future
+        live = self._reserve(request_id, len(prompt_token_ids), on_output)
+        self._send(cmd.AddRequest(live, prompt_token_ids, params))
+        return live.request_id
 
     def submit_turn(
         self,
         session_id: str,
-        tokens: list[int],
+        turn: TurnInput,
         params: SamplingParams,
         *,
-        replace: bool = False,
-        parent_candidate: int | None = None,
-        transcript: list[dict] | None = None,
         request_id: str | None = None,
         on_output: OutputCallback | None = None,
     ) -> Future[str]:
-        """Queue a turn of a session (see EngineCore.add_session_turn). The future resolves to the
-        request id once the engine thread accepted it, or raises UnknownSession, SessionBusy,
-        InvalidRequest; CapacityExceeded and EngineStopped raise at once."""
-        request_id = request_id or uuid.uuid4().hex
+        """Queue a turn of a session (see EngineCore.start_turn). The future resolves to the request
+        id once the engine thread accepted it, or raises UnknownSession, SessionBusy, InvalidRequest;
+        CapacityExceeded and EngineStopped raise at once."""
         try:
-            self._reserve(request_id, len(tokens))
+            live = self._reserve(request_id, len(turn.token_ids), on_output)
         except CapacityExceeded:  # refused for now; the session must not expire while its client retries
-            self._inbox.put(("call", lambda core: core.sessions.touch(session_id), Future()))
-            self._wake.set()
+            self._send(cmd.TouchSession(session_id))
             raise
-
-        def add(core: EngineCore) -> str:
-            try:
-                core.add_session_turn(
-                    session_id, tokens, params, replace=replace, parent_candidate=parent_candidate,
-                    transcript=transcript, request_id=request_id,
-                )  # fmt: skip
-            except BaseException:
-                self._release(request_id)
-                raise
-            self._callbacks[request_id] = on_output
-            return request_id
-
-        try:
-            future = self.call(add)
-        except BaseException:
-            self._release(request_id)
-            raise
+        future: Future[str] = Future()
         # A caller that gives up before the engine thread took the turn cancels the future; the
         # turn never runs, so its reservation must be returned here.
-        future.add_done_callback(lambda f: self._release(request_id) if f.cancelled() else None)
+        future.add_done_callback(lambda f: self.admission.release(live.request_id) if f.cancelled() else None)
+        self._send(cmd.AddTurn(live, session_id, turn, params, future))
         return future
 
-    def _reserve(self, request_id: str, num_tokens: int) -> None:
-        if self._stopping:
-            raise EngineStopped("the engine is shutting down")
-        self.admission.reserve(request_id, num_tokens)
+    def open_session(self, ttl: float | None = None, token_ids: list[int] | None = None, chat: bool = False) -> Future[SessionInfo]:
+        """A new session, optionally starting from `token_ids` (a system prompt; `chat`: a rendered
+        conversation). ttl None: the configured default; inf: never expires."""
+        self._check_running()
+        tokens = list(token_ids or [])
+        if tokens:
+            self.core.validate(tokens + [0], SamplingParams())  # room for at least one more token
+        return self._ask(lambda f: cmd.OpenSession(ttl, tokens, chat, f))
 
-    def _release(self, request_id: str) -> None:
-        self.admission.release(request_id)
+    def close_session(self, session_id: str) -> Future[None]:
+        return self._ask(lambda f: cmd.CloseSession(session_id, f))
+
+    def get_session(self, session_id: str) -> Future[SessionInfo]:
+        return self._ask(lambda f: cmd.GetSession(session_id, f))
+
+    def fork_session(self, session_id: str, candidate: int | None = None, ttl: float | None = None) -> Future[SessionInfo]:
+        return self._ask(lambda f: cmd.ForkSession(session_id, candidate, ttl, f))
+
+    def call(self, fn: Callable[[EngineCore], T]) -> Future[T]:
+        """Tests and tools: run fn(core) in the engine thread between steps. The server never does."""
+        return self._ask(lambda f: cmd.RunInEngine(fn, f))
 
     def stream(self, prompt_token_ids: list[int], params: SamplingParams) -> RequestStream:
         request_id = uuid.uuid4().hex
@@ -213,16 +175,14 @@ class Engine:
 
     def abort(self, request_id: str) -> None:
         """Abort a request if it is still live; its blocks are freed before the next step."""
-        self._inbox.put(("abort", request_id))
-        self._wake.set()
+        self._send(cmd.Abort(request_id))
 
     def stats(self) -> EngineStats:
-        return self._stats
+        return self._loop.stats
 
     def reset_prefix_cache(self) -> None:
         """Drop every reusable prefix that no live request holds (applied before the next step)."""
-        self._inbox.put(("reset_prefix_cache",))
-        self._wake.set()
+        self._send(cmd.ResetPrefixCache())
 
     @property
     def num_live_requests(self) -> int:
@@ -244,132 +204,23 @@ class Engine:
     def shutdown(self, timeout: float | None = 30.0) -> None:
         """Stop the loop; live requests finish with reason ABORT."""
         self._stopping = True
-        self._inbox.put(("stop",))
-        self._wake.set()
+        self._send(cmd.Stop())
         self._thread.join(timeout)
 
-    # ---- engine thread -----------------------------------------------------------------------
-    def _run(self, loaded: LoadedModel | None) -> None:
-        try:
-            c = self.config
-            if c.tensor_parallel_size > 1:
-                from cbd.engine.tp_group import TensorParallelGroup
+    def _check_running(self) -> None:
+        if self._stopping or self._loop.fatal is not None:
+            raise EngineStopped("the engine is shutting down")
 
-                self._tp = TensorParallelGroup(c)  # spawns ranks 1.. and joins them as rank 0
-                loaded = load_model(
-                    c.model, c.cache_dir, self._tp.device, c.torch_dtype(), pack_cpu_gemm=c.cpu_packed_gemm,
-                    tensor_parallel=(0, c.tensor_parallel_size),
-                )  # fmt: skip
-            elif loaded is None:
-                loaded = load_model(
-                    c.model, c.cache_dir, c.torch_device(), c.torch_dtype(), pack_cpu_gemm=c.cpu_packed_gemm
-                )
-            self.core = EngineCore(loaded, self.config, self._tp)
-            self.core.warm_up()  # CUDA graphs are captured before the engine reports started
-            self._stats = self.core.stats()
-        except BaseException as exc:  # handed to the constructor, which re-raises it
-            self._start_error = exc
-            return
-        finally:
-            self._started.set()
-        self._loop()
+    def _reserve(self, request_id: str | None, num_tokens: int, on_output: OutputCallback | None) -> LiveRequest:
+        self._check_running()
+        return self.admission.reserve(request_id or uuid.uuid4().hex, num_tokens, on_output)
 
-    def _loop(self) -> None:
-        core = self.core
-        next_expiry = 0.0
-        progressed = True
-        while True:
-            if progressed:  # a loop that turns without computing anything is not a heartbeat
-                self.heartbeat = time.monotonic()
-            if not core.has_work():
-                # Sessions expire by time, so an idle engine still wakes now and then.
-                self._wake.wait(timeout=1.0 if core.sessions.sessions else None)
-            self._wake.clear()
-            now = time.monotonic()
-            if now >= next_expiry:
-                next_expiry = now + 1.0
-                for session_id in core.sessions.expire(now):
-                    log.info("session %s expired", session_id)
-            if not self._drain_inbox():
-                break
-            try:
-                if self._faults is not None and core.scheduler.has_work():
-                    self._faults.before_step(core.num_steps)
-                steps_before = core.num_steps
-                outputs = core.step()
-                progressed = bool(outputs) or core.num_steps != steps_before or not core.has_work()
-                if not progressed:  # nothing could be scheduled: wait for a change instead of spinning
-                    self._wake.wait(timeout=0.005)
-            except Exception as exc:
-                if is_device_fault(exc):
-                    log.critical("device error: failing every live request and stopping the engine: %s", exc)
-                    self.fatal = exc
-                    self._stopping = True
-                    self._deliver(core.fail_all(FinishReason.ERROR))
-                    break
-                log.exception("engine step failed; failing the requests it held")
-                outputs = core.fail_all(FinishReason.ERROR)
-            self._stats = core.stats()
-            self._deliver(outputs)
-        self._deliver(core.fail_all(FinishReason.ABORT))
-        while True:  # requests that raced with shutdown: answer them rather than leave them hanging
-            try:
-                command = self._inbox.get_nowait()
-            except queue.Empty:
-                break
-            if command[0] == "call" and command[2].set_running_or_notify_cancel():
-                command[2].set_exception(EngineStopped("the engine is shutting down"))
-            if command[0] == "add":
-                self._callbacks[command[3]] = command[4]
-                self._reject(command[3], command[2].n, FinishReason.ABORT)
-        self._stats = core.stats()
-        if self._tp is not None:
-            self._tp.stop()
+    def _send(self, command: cmd.Command) -> None:
+        self._inbox.put(command)
+        self._wake.set()
 
-    def _drain_inbox(self) -> bool:
-        """Apply queued commands; False once a stop command arrives."""
-        while True:
-            try:
-                command = self._inbox.get_nowait()
-            except queue.Empty:
-                return True
-            if command[0] == "stop":
-                return False
-            if command[0] == "add":
-                _, prompt, params, request_id, on_output = command
-                self._callbacks[request_id] = on_output
-                try:
-                    self.core.add_request(prompt, params, request_id)
-                except Exception as exc:  # submit validated it; this is a bug, but the caller still gets an answer
-                    log.exception("request %s could not be added: %s", request_id, exc)
-                    self._reject(request_id, params.n, FinishReason.ERROR)
-            elif command[0] == "call":
-                _, fn, future = command
-                if future.set_running_or_notify_cancel():
-                    try:
-                        future.set_result(fn(self.core))
-                    except BaseException as exc:
-                        future.set_exception(exc)
-            elif command[0] == "reset_prefix_cache":
-                log.info("prefix cache reset: %d blocks dropped", self.core.block_manager.reset_prefix_cache())
-            elif command[0] == "abort" and command[1] in self.core.requests:
-                self._deliver([self.core.abort_request(command[1])])
-
-    def _reject(self, request_id: str, n: int, reason: FinishReason) -> None:
-        deltas = [CandidateDelta(i, [], "", None, reason) for i in range(n)]
-        self._deliver([RequestOutput(request_id, deltas, True, None)])
-
-    def _deliver(self, outputs: list[RequestOutput]) -> None:
-        for output in outputs:
-            if output.request_id not in self._callbacks:
-                continue
-            callback = self._callbacks[output.request_id]
-            if output.finished:
-                del self._callbacks[output.request_id]
-                self._release(output.request_id)
-            if callback is None:
-                continue
-            try:
-                callback(output)
-            except Exception:
-                log.exception("output callback for %s failed", output.request_id)
+    def _ask(self, make: Callable[[Future], cmd.Command]) -> Future:
+        self._check_running()
+        future: Future = Future()
+        self._send(make(future))
+        return future

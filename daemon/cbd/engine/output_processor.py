@@ -22,10 +22,6 @@ class OutputProcessor:
         self.eos_token_ids = frozenset(eos_token_ids)
         self.max_model_len = max_model_len
 
-    def reaches_length_limit(self, seq: Sequence) -> bool:
-        """Whether seq's newest token (known or in flight) is its last one by max_tokens or context."""
-        return seq.num_output_tokens >= seq.request.params.max_tokens or seq.num_tokens >= self.max_model_len
-
     def attach(self, seq: Sequence) -> None:
         params = seq.request.params
         detok = None
@@ -46,9 +42,7 @@ class OutputProcessor:
             text, hit = state.matcher.feed(state.detokenizer.push(token_id))
             if hit:
                 reason = FinishReason.STOP
-        if reason is None and (
-            position + 1 - seq.num_prompt_tokens >= params.max_tokens or position + 1 >= self.max_model_len
-        ):
+        if reason is None and seq.length_limit_reached(position + 1, self.max_model_len):
             reason = FinishReason.LENGTH
         if reason is not None and not hit:
             text += state.matcher.flush()  # the held-back tail was not the start of a stop string

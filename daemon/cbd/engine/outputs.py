@@ -54,3 +54,18 @@ class EngineStats:
     num_sessions: int = 0
     num_session_evictions: int = 0
     gpu_busy: float | None = None  # device busy fraction of the recent steps (CUDA only)
+
+
+@dataclass(frozen=True, slots=True)
+class ModelFacts:
+    """What is being served, as the server reports it (fixed once the engine has started)."""
+
+    name: str
+    architecture: str
+    vocab_size: int
+    dtype: str
+    device: str
+    max_model_len: int  # the context a request may fill, prompt included
+    num_kv_blocks: int
+    block_size: int
+    eos_token_ids: tuple[int, ...]

@@ -1,17 +1,19 @@
-"""ModelRunner: turns a StepPlan into device work (`launch`) and hands back its tokens (`wait`).
+"""ModelRunner: turns a packed step (`StepBatch`) into device work (`launch`) and hands back its tokens (`wait`).
 
-Owns the KV pool `[layers, (num_blocks + 1) * block_size, 2, kv_heads, head_dim]` (the last block
-is a scratch block that padded graph rows write to), the attention backend, the decode CUDA graphs
-and the three streams. `launch` packs the step on the CPU, stages it (double-buffered), and
-enqueues on the compute stream: copy-on-write block copies, carry-over, forward, sampling; then
-the d2h copy of the sampled tokens. It returns at once; `wait` blocks on that copy's event.
+It knows no requests: the step arrives packed (step_inputs.pack_step) with typed metadata, and
+what comes back is one token per sample row. Owns the KV pool
+`[layers, (num_blocks + 1) * block_size, 2, kv_heads, head_dim]` (the last block is a scratch block
+that padded graph rows write to), the attention backend, the decode CUDA graphs and the three
+streams. `launch` stages the step (double-buffered) and enqueues on the compute stream:
+copy-on-write block copies, carry-over, forward, sampling; then the d2h copy of the sampled tokens.
+It returns at once; `wait` blocks on that copy's event.
 
 Carry-over: a sequence scheduled while its previous token is still being sampled by the step in
-flight has a placeholder as its last token; its input id is filled on the GPU from that step's
-sampled-token tensor (`carry_dst`/`carry_src`), so step N+1 needs nothing from step N's host side.
+flight has input id 0 there; it is filled on the GPU from that step's sampled-token tensor
+(`carry_dst`/`carry_src`), so step N+1 needs nothing from step N's host side.
 
-One sampling row per sampled chunk; a chunk that ends a prompt with pending forks gets one row per
-candidate, all reading the same logits row (prefill once, then fork).
+A chunk that ends a prompt with pending forks has one sample row per candidate, all reading the
+same logits row (prefill once, then fork: `row_logits`).
 """
 
 from __future__ import annotations
@@ -24,30 +26,19 @@ import torch
 
 from cbd.engine.cuda_graphs import DecodeGraphs
 from cbd.engine.sampler import SampleResult, SamplingBatch, sample
-from cbd.engine.scheduler import StepPlan
-from cbd.engine.sequence import Sequence
-from cbd.engine.step_inputs import InputStager, PackedStep, StagedStep
+from cbd.engine.step_inputs import InputStager, StepBatch, StepMeta, StepTensors
 from cbd.engine.streams import DeviceStreams
-from cbd.model.attention import BatchLayout
-from cbd.model.attention_backends import select_backend
+from cbd.engine.tp_messages import RunStep, WarmUp, WorkerMessage
+from cbd.model.attention import BatchLayout, slot_mapping
+from cbd.model.attention_backends import AttentionBackend, select_backend
 from cbd.model.llama import CausalLM
-
-
-@dataclass(slots=True)
-class SampleRow:
-    seq: Sequence  # the sequence whose chunk produced the logits
-    candidate_index: int
-    position: int  # index of the sampled token within its candidate's token ids
-    # Set by the engine core at launch: the sequence that receives the token (the parent or a fork).
-    target: Sequence | None = None
 
 
 @dataclass(slots=True)
 class InflightStep:
     """A launched step. Holds every tensor its device work touches until `wait` has passed its event."""
 
-    plan: StepPlan
-    rows: list[SampleRow]
+    num_rows: int
     sampled: torch.Tensor | None  # [R] int64 on the device (the next step's carry-over source)
     host: SampleResult | None  # pinned host copies, valid once `done` has passed
     done: torch.cuda.Event | None
@@ -55,8 +46,9 @@ class InflightStep:
 
 
 @dataclass(slots=True)
-class StepResult:
-    rows: list[SampleRow]
+class SampledTokens:
+    """A completed step's samples on the host, one entry per sample row."""
+
     token_ids: list[int]
     logprobs: list[float] | None
     top_ids: list[list[int]] | None
@@ -82,7 +74,7 @@ class ModelRunner:
             spec.num_layers, (num_blocks + 1) * block_size, 2, spec.num_kv_heads, spec.head_dim,
             dtype=model.embed_tokens.weight.dtype, device=self.device,
         )  # fmt: skip
-        self.backend = select_backend(
+        self.backend: AttentionBackend = select_backend(
             attention_backend, self.device, self.kv_caches.dtype, block_size, spec.sliding_window, spec.num_kv_heads
         )
         self.streams = DeviceStreams(self.device)
@@ -97,7 +89,7 @@ class ModelRunner:
             )  # fmt: skip
         self._last_sampled: torch.Tensor | None = None
         # Tensor parallelism: sends each step (and warm-up) to the worker ranks before running it here.
-        self.broadcast: Callable[[tuple], None] | None = None
+        self.broadcast: Callable[[WorkerMessage], None] | None = None
         # Every launch appends (start, end) CUDA events bracketing its compute-stream work: the last 64
         # steps on CUDA (the GPU-busy gauge); a benchmark may put a plain list here to keep them all.
         self.step_events: deque | list | None = deque(maxlen=64) if self.streams.cuda else None
@@ -120,7 +112,7 @@ class ModelRunner:
         """Compile every kernel variant a step can need and capture the decode graphs, so that the
         first requests after the daemon reports SERVING pay no JIT compilation."""
         if self.broadcast is not None:
-            self.broadcast(("warm_up",))
+            self.broadcast(WarmUp())
         if self.streams.cuda:
             self._warm_eager()
         if self.graphs is not None and not self.graphs.graphs:
@@ -135,15 +127,17 @@ class ModelRunner:
                 num_seqs = 2
                 width = -(-q_len // bs)
                 pos = torch.arange(q_len, device=self.device).repeat(num_seqs)
+                tables = torch.full((num_seqs, width), scratch, device=self.device)
+                seq_of_row = torch.arange(num_seqs, device=self.device).repeat_interleave(q_len)
                 layout = BatchLayout(
-                    slot_mapping=scratch * bs + pos % bs,
+                    slot_mapping=slot_mapping(tables, pos, bs, seq_of_row),
                     query_start=torch.arange(num_seqs + 1, device=self.device) * q_len,
                     context_lens=torch.full((num_seqs,), q_len, device=self.device),
-                    block_tables=torch.full((num_seqs, width), scratch, device=self.device),
+                    block_tables=tables,
                     max_query_len=q_len,
                     max_context_len=q_len,
                 )
-                splits = self.backend.decode_splits(num_seqs) if q_len == 1 and hasattr(self.backend, "decode_splits") else 0
+                splits = self.backend.decode_splits(num_seqs) if q_len == 1 else 0
                 meta = self.backend.prepare(layout, decode_splits=splits)
                 ids = torch.zeros(num_seqs * q_len, dtype=torch.int64, device=self.device)
                 rows = torch.arange(num_seqs, device=self.device) * q_len + q_len - 1
@@ -151,20 +145,19 @@ class ModelRunner:
         torch.cuda.synchronize(self.device)
 
     # ---- launch -----------------------------------------------------------------------------
-    @torch.inference_mode()
-    def launch(self, plan: StepPlan) -> InflightStep:
-        rows, packed, info = self._pack(plan)
-        if self.broadcast is not None:  # tensor-parallel workers run the same step on their shards
-            self.broadcast(("step", packed, info, plan.block_copies, len(rows)))
-        sampled, host, done, keep = self.launch_packed(packed, info, plan.block_copies, len(rows))
-        return InflightStep(plan, rows, sampled, host, done, keep)
+    def graph_bucket(self, num_seqs: int) -> int | None:
+        """The captured decode graph's batch for num_seqs sequences, or None (run eagerly)."""
+        return self.graphs.bucket(num_seqs) if self.graphs is not None else None
 
     @torch.inference_mode()
-    def launch_packed(
-        self, packed: PackedStep, info: dict, block_copies: list[tuple[int, int]], num_rows: int
-    ) -> tuple[torch.Tensor | None, SampleResult | None, torch.cuda.Event | None, list]:
-        """Stage and enqueue one packed step (rank 0 and tensor-parallel workers alike)."""
-        staged = self.stager.stage(packed)
+    def launch(self, batch: StepBatch) -> InflightStep:
+        """Stage and enqueue one packed step; returns at once. Tensor-parallel workers get the same
+        step first and run it on their shards (rank 0 and workers alike call this)."""
+        if self.broadcast is not None:
+            self.broadcast(RunStep(batch))
+        meta = batch.meta
+        staged = self.stager.stage(batch.packed)
+        t = staged.tensors
         s = self.streams
         with s.on(s.compute):
             s.wait(s.compute, staged.slot.h2d_done)
@@ -172,17 +165,16 @@ class ModelRunner:
             if self.step_events is not None and s.cuda:
                 timing = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
                 timing[0].record(s.compute)
-            self._copy_blocks(block_copies)
-            ids = staged["ids"]
-            if "carry_dst" in staged.tensors:
-                assert self._last_sampled is not None
-                ids.index_copy_(0, staged["carry_dst"], self._last_sampled.index_select(0, staged["carry_src"]))
-            logits = self._forward(staged, info)
+            self._copy_blocks(batch.block_copies)
+            if t.carry_dst is not None:
+                assert self._last_sampled is not None and t.carry_src is not None
+                t.ids.index_copy_(0, t.carry_dst, self._last_sampled.index_select(0, t.carry_src))
+            logits = self._forward(t, meta)
             result = None
-            if num_rows:
-                if "row_logits" in staged.tensors:
-                    logits = logits.index_select(0, staged["row_logits"])
-                result = sample(logits[:num_rows], self._sampling_batch(staged, info))
+            if meta.num_rows:
+                if t.row_logits is not None:
+                    logits = logits.index_select(0, t.row_logits)
+                result = sample(logits[: meta.num_rows], _sampling_batch(t, meta))
             self.stager.release(staged)
             compute_done = s.event()
             s.record(compute_done, s.compute)
@@ -191,7 +183,7 @@ class ModelRunner:
                 self.step_events.append(timing)  # type: ignore[union-attr]
         if result is None:
             self._last_sampled = None
-            return None, None, None, [staged]
+            return InflightStep(0, None, None, None, [staged])
         host = _to_pinned(result, s)
         done = s.event()
         with s.on(s.d2h):
@@ -199,18 +191,17 @@ class ModelRunner:
             _copy_result(host, result)
             s.record(done, s.d2h)
         self._last_sampled = result.token_ids
-        return result.token_ids, host, done, [staged, result]
+        return InflightStep(meta.num_rows, result.token_ids, host, done, [staged, result])
 
-    def wait(self, step: InflightStep) -> StepResult:
+    def wait(self, step: InflightStep) -> SampledTokens:
         """Block until the step's tokens are on the host; the only host sync of the loop."""
         self.streams.synchronize(step.done)
         step.keep.clear()
         host = step.host
         if host is None:
-            return StepResult(step.rows, [], None, None, None)
-        n = len(step.rows)
-        return StepResult(
-            rows=step.rows,
+            return SampledTokens([], None, None, None)
+        n = step.num_rows
+        return SampledTokens(
             token_ids=host.token_ids[:n].tolist(),
             logprobs=None if host.logprobs is None else host.logprobs[:n].tolist(),
             top_ids=None if host.top_ids is None else host.top_ids[:n].tolist(),
@@ -218,133 +209,52 @@ class ModelRunner:
         )
 
     # ---- internals --------------------------------------------------------------------------
-    def _pack(self, plan: StepPlan) -> tuple[list[SampleRow], PackedStep, dict]:
-        ids: list[int] = []
-        qstart: list[int] = [0]
-        ctx: list[int] = []
-        logits_rows: list[int] = []
-        rows: list[SampleRow] = []
-        row_logits: list[int] = []
-        carry_dst: list[int] = []
-        carry_src: list[int] = []
-        tables: list[list[int]] = []
-        for chunk in plan.chunks:
-            seq, start, n = chunk.seq, chunk.seq.num_computed_tokens, chunk.num_new_tokens
-            ids += seq.token_ids[start : start + n]
-            if seq.num_placeholders:
-                # Only the newest token can still be in flight, and a chunk always ends at it.
-                assert seq.num_placeholders == 1 and start + n == seq.num_tokens
-                carry_dst.append(len(ids) - 1)
-                carry_src.append(seq.pending_row)
-                ids[-1] = 0
-            qstart.append(len(ids))
-            ctx.append(start + n)
-            tables.append(seq.block_table)
-            if chunk.samples:
-                logits_rows.append(len(ids) - 1)
-                for c in range(seq.candidate_index, seq.candidate_index + 1 + seq.pending_forks):
-                    rows.append(SampleRow(seq, c, seq.num_tokens))
-                    row_logits.append(len(logits_rows) - 1)
-        num_seqs = len(plan.chunks)
-        decode_only = len(ids) == num_seqs and len(rows) == num_seqs
-        batch = num_seqs
-        graph_batch = None
-        if decode_only and self.graphs is not None:
-            graph_batch = self.graphs.bucket(num_seqs)
-        if graph_batch is not None:
-            batch = graph_batch  # pad to the bucket: rows that touch only the scratch block
-            pad = batch - num_seqs
-            ids += [0] * pad
-            ctx += [1] * pad
-            tables += [[self.scratch_block]] * pad
-        width = max(len(t) for t in tables)
-        flat_tables: list[int] = []
-        for t in tables:
-            flat_tables += t
-            flat_tables += [self.scratch_block] * (width - len(t))
-        packed = PackedStep()
-        packed.add("ids", ids)
-        packed.add("qstart", qstart)
-        packed.add("ctx", ctx)
-        packed.add("logits_rows", logits_rows)
-        if len(row_logits) != len(logits_rows):
-            packed.add("row_logits", row_logits)
-        if carry_dst:
-            packed.add("carry_dst", carry_dst)
-            packed.add("carry_src", carry_src)
-        packed.add("tables", flat_tables)
-        params = [r.seq.request.params for r in rows]
-        any_random = any(not p.greedy for p in params)
-        if any_random:
-            packed.add("seed", [r.seq.request.seed for r in rows])
-            packed.add("stream", [r.candidate_index for r in rows])
-            packed.add("position", [r.position for r in rows])
-            packed.add("top_k", [p.top_k for p in params])
-            packed.add_float("temperature", [p.temperature for p in params])
-            packed.add_float("top_p", [p.top_p for p in params])
-            packed.add_float("min_p", [p.min_p for p in params])
-        info = {
-            "num_seqs": num_seqs,
-            "batch": batch,
-            "width": width,
-            "graph": graph_batch is not None,
-            "decode_only": decode_only,
-            "max_query_len": max(c.num_new_tokens for c in plan.chunks),
-            "max_context_len": max(ctx[:num_seqs]),
-            "any_random": any_random,
-            "params": params,
-        }
-        return rows, packed, info
-
-    def _forward(self, staged: StagedStep, info: dict) -> torch.Tensor:
-        batch, width = info["batch"], info["width"]
-        ids, ctx = staged["ids"], staged["ctx"]
-        tables = staged["tables"].view(batch, width)
-        if info["graph"]:
+    def _forward(self, t: StepTensors, meta: StepMeta) -> torch.Tensor:
+        batch, width = meta.batch, meta.width
+        ids, ctx = t.ids, t.ctx
+        tables = t.tables.view(batch, width)
+        if meta.graph:
             assert self.graphs is not None
             return self.graphs.run(batch, ids, ctx, tables)
-        qstart = staged["qstart"]
+        qstart = t.qstart
         num_tokens = ids.shape[0]
-        bs = self.block_size
-        if info["decode_only"]:
-            seq_of_row = torch.arange(batch, device=self.device)
+        splits = 0
+        if meta.decode_only:  # row b is sequence b's one new token
             positions = ctx - 1
+            slots = slot_mapping(tables, positions, self.block_size)
+            splits = self.backend.decode_splits(batch, meta.max_context_len)
         else:
             q_lens = qstart[1:] - qstart[:-1]
             seq_of_row = torch.repeat_interleave(
                 torch.arange(batch, device=self.device), q_lens, output_size=num_tokens
             )
             positions = torch.arange(num_tokens, device=self.device) - qstart[seq_of_row] + (ctx - q_lens)[seq_of_row]
-        slots = tables[seq_of_row, positions // bs] * bs + positions % bs
-        layout = BatchLayout(slots, qstart, ctx, tables, info["max_query_len"], info["max_context_len"])
-        splits = 0
-        if info["decode_only"] and hasattr(self.backend, "decode_splits"):
-            splits = self.backend.decode_splits(batch, info["max_context_len"])
-        meta = self.backend.prepare(layout, decode_splits=splits)
-        return self.model(ids, positions, self.kv_caches, meta, staged["logits_rows"])
-
-    def _sampling_batch(self, staged: StagedStep, info: dict) -> SamplingBatch:
-        params = info["params"]
-        wanted = [p.logprobs for p in params if p.logprobs is not None]
-        any_random = info["any_random"]
-        return SamplingBatch(
-            temperature=staged.get("temperature"),  # type: ignore[arg-type]
-            top_k=staged.get("top_k"),  # type: ignore[arg-type]
-            top_p=staged.get("top_p"),  # type: ignore[arg-type]
-            min_p=staged.get("min_p"),  # type: ignore[arg-type]
-            seed=staged.get("seed"),  # type: ignore[arg-type]
-            stream=staged.get("stream"),  # type: ignore[arg-type]
-            position=staged.get("position"),  # type: ignore[arg-type]
-            any_random=any_random,
-            any_top_k_or_p=any(not p.greedy and (p.top_k > 0 or p.top_p < 1.0) for p in params),
-            any_min_p=any(not p.greedy and p.min_p > 0.0 for p in params),
-            max_logprobs=max(wanted) if wanted else None,
-        )
+            slots = slot_mapping(tables, positions, self.block_size, seq_of_row)
+        layout = BatchLayout(slots, qstart, ctx, tables, meta.max_query_len, meta.max_context_len)
+        meta_attn = self.backend.prepare(layout, decode_splits=splits)
+        return self.model(ids, positions, self.kv_caches, meta_attn, t.logits_rows)
 
     def _copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         bs = self.block_size
         for src, dst in copies:
             self.kv_caches[:, dst * bs : (dst + 1) * bs] = self.kv_caches[:, src * bs : (src + 1) * bs]
+
+
+def _sampling_batch(t: StepTensors, meta: StepMeta) -> SamplingBatch:
+    # Without a random row nothing but greedy is packed: the sampler reads no parameter tensor then.
+    return SamplingBatch(
+        temperature=t.temperature,  # type: ignore[arg-type]
+        top_k=t.top_k,  # type: ignore[arg-type]
+        top_p=t.top_p,  # type: ignore[arg-type]
+        min_p=t.min_p,  # type: ignore[arg-type]
+        seed=t.seed,  # type: ignore[arg-type]
+        stream=t.stream,  # type: ignore[arg-type]
+        position=t.position,  # type: ignore[arg-type]
+        any_random=meta.any_random,
+        any_top_k_or_p=meta.any_top_k_or_p,
+        any_min_p=meta.any_min_p,
+        max_logprobs=meta.max_logprobs,
+    )
 
 
 def _to_pinned(result: SampleResult, streams: DeviceStreams) -> SampleResult:

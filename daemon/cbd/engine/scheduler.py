@@ -11,26 +11,47 @@ Policy per step, under `max_num_batched_tokens` and `max_num_seqs`:
   2. then waiting sequences in FIFO order, each first reviving any cached prefix blocks; one whose
      prefix another admission computes this step waits a step to share it instead.
 The plan knows nothing about devices.
+
+The scheduler also does the plan's accounting, in one place, on both sides of the device work:
+  schedule()                          picks the chunks, then books them as launched: records each
+                                      chunk's start and carry-over row, advances num_computed,
+                                      commits full known blocks, makes the sample rows (creating
+                                      fan-out forks, which share the parent's blocks and run right
+                                      after it), and appends a PLACEHOLDER to every row's target;
+  update_from_output(plan, tokens)    puts the tokens in place of the placeholders (targets that
+                                      finished meanwhile are skipped) and commits the blocks they fill.
+So the next schedule never waits for a step's tokens (the overlap loop), and whatever later
+features add per step (grammar state, accepted drafts) is booked in the same two places.
 """
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from cbd.engine.block_manager import BlockManager
-from cbd.engine.sequence import Sequence, SequenceStatus
+from cbd.engine.sequence import PLACEHOLDER, Sequence, SequenceStatus
 
 
 @dataclass(slots=True)
 class ScheduledChunk:
     seq: Sequence
     num_new_tokens: int
+    # Recorded when the plan is booked (the sequence moves on at once):
+    start: int = 0  # num_computed_tokens before the step: the chunk is token_ids[start : start + num_new_tokens]
+    carry_row: int = -1  # >= 0: its last token is in flight, sampled at this row of the previous step
+    samples: bool = False  # the chunk reaches the end of the sequence: the step samples its next token
 
-    @property
-    def samples(self) -> bool:
-        return self.seq.num_computed_tokens + self.num_new_tokens == self.seq.num_tokens
+
+@dataclass(slots=True)
+class SampleRow:
+    """One token the step samples: from `source`'s logits, for `target` (source, or a fork of it)."""
+
+    source: Sequence  # whose chunk's last logits row is sampled; its request's params and seed apply
+    target: Sequence  # the candidate that receives the token
+    position: int  # index of the token in target.token_ids (a PLACEHOLDER until the step completes)
 
 
 @dataclass(slots=True)
@@ -38,6 +59,7 @@ class StepPlan:
     chunks: list[ScheduledChunk] = field(default_factory=list)
     block_copies: list[tuple[int, int]] = field(default_factory=list)  # (src, dst) before the forward
     preempted: list[Sequence] = field(default_factory=list)
+    samples: list[SampleRow] = field(default_factory=list)  # in chunk order, a parent's forks after it
 
     @property
     def num_tokens(self) -> int:
@@ -54,8 +76,15 @@ class Scheduler:
         max_num_seqs: int,
         max_num_batched_tokens: int,
         reclaim: Callable[[int, bool], int] | None = None,
+        *,
+        max_model_len: int,
+        new_fork: Callable[[Sequence, int, list[int]], Sequence],
     ) -> None:
         self.block_manager = block_manager
+        self.max_model_len = max_model_len
+        # new_fork(parent, candidate, token_ids): a new sequence of parent's request (the core makes
+        # it: sequence ids and output state are its business).
+        self.new_fork = new_fork
         # reclaim(blocks_needed, include_busy): releases the KV that sessions hold (idle ones; with
         # include_busy also those whose turn is queued or running), least recently used first, until
         # blocks_needed are free; returns how many blocks it freed. Running requests win over sessions.
@@ -94,10 +123,73 @@ class Scheduler:
                 plan.chunks.append(ScheduledChunk(seq, num_new))
                 budget -= num_new
                 index += 1
-        if plan.preempted:
-            return plan  # the pool is short: admitting now would only thrash
-        self._admit(plan, budget)
+        if not plan.preempted:  # the pool is short: admitting now would only thrash
+            self._admit(plan, budget)
+        self._book(plan)
         return plan
+
+    def _book(self, plan: StepPlan) -> None:
+        """Account for the plan as launched (see the module docstring)."""
+        bm = self.block_manager
+        now = None
+        for chunk in plan.chunks:
+            seq, request = chunk.seq, chunk.seq.request
+            chunk.start = seq.num_computed_tokens
+            chunk.carry_row = -1
+            if seq.num_placeholders:  # only its newest token can be in flight, and the chunk ends at it
+                assert seq.num_placeholders == 1 and chunk.start + chunk.num_new_tokens == seq.num_tokens
+                chunk.carry_row = seq.pending_row
+            chunk.samples = chunk.start + chunk.num_new_tokens == seq.num_tokens
+            if not request.prompt_cache_recorded and seq.candidate_index == 0:
+                request.num_cached_prompt_tokens = seq.num_computed_tokens
+                request.prompt_cache_recorded = True
+                request.first_scheduled = now = now or time.monotonic()
+            seq.num_computed_tokens += chunk.num_new_tokens
+            # Blocks whose tokens are all known can be shared at once: any later reader runs after
+            # this step on the compute stream, so it sees their KV.
+            bm.commit(seq)
+        rows = plan.samples
+        for chunk in plan.chunks:
+            if not chunk.samples:
+                continue
+            parent = chunk.seq
+            position = parent.num_tokens
+            self._sample_into(parent, parent, position, rows)
+            after = parent
+            for candidate in range(parent.candidate_index + 1, parent.candidate_index + 1 + parent.pending_forks):
+                # A sibling sharing the parent's blocks, created before its first token is known.
+                fork = self.new_fork(parent, candidate, parent.token_ids[:position])
+                fork.num_computed_tokens = parent.num_computed_tokens
+                bm.fork(parent, fork)
+                fork.status = SequenceStatus.RUNNING
+                self.running.insert(self.running.index(after) + 1, fork)
+                after = fork
+                self._sample_into(parent, fork, position, rows)
+            parent.pending_forks = 0
+
+    def _sample_into(self, source: Sequence, target: Sequence, position: int, rows: list[SampleRow]) -> None:
+        target.token_ids.append(PLACEHOLDER)
+        target.num_placeholders += 1
+        target.pending_row = len(rows)
+        target.final_in_flight = target.length_limit_reached(target.num_tokens, self.max_model_len)
+        rows.append(SampleRow(source, target, position))
+
+    def update_from_output(self, plan: StepPlan, token_ids: list[int]) -> list[int]:
+        """Put a completed step's tokens (one per sample row) in place of their placeholders; returns
+        the indices of the rows whose target is still live (one that finished or was aborted while
+        the step was in flight drops its token)."""
+        live = []
+        for i, row in enumerate(plan.samples):
+            seq = row.target
+            if seq.is_finished:
+                continue
+            seq.token_ids[row.position] = token_ids[i]
+            seq.num_placeholders -= 1
+            live.append(i)
+        for chunk in plan.chunks:
+            if not chunk.seq.is_finished:
+                self.block_manager.commit(chunk.seq)
+        return live
 
     def _admit(self, plan: StepPlan, budget: int) -> None:
         """Admit waiting sequences in FIFO order while the budget, the seats and the pool allow.
@@ -158,11 +250,6 @@ class Scheduler:
         if self.reclaim is not None:
             self.reclaim(needed, True)
         return bm.can_append(seq, num_new)
-
-    def add_running(self, seq: Sequence, after: Sequence) -> None:
-        """Insert a forked sequence right after its parent, keeping admission order."""
-        seq.status = SequenceStatus.RUNNING
-        self.running.insert(self.running.index(after) + 1, seq)
 
     def finish(self, seq: Sequence) -> None:
         """Remove a finished or aborted sequence wherever it is and free its blocks."""

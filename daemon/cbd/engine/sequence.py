@@ -80,6 +80,11 @@ class Sequence:
     def num_output_tokens(self) -> int:
         return len(self.token_ids) - self.num_prompt_tokens
 
+    def length_limit_reached(self, num_tokens: int, max_model_len: int) -> bool:
+        """The length rule, written once: whether the token at index num_tokens - 1 is this
+        sequence's last, by max_tokens or by the context length."""
+        return num_tokens - self.num_prompt_tokens >= self.request.params.max_tokens or num_tokens >= max_model_len
+
     @property
     def is_finished(self) -> bool:
         return self.status is SequenceStatus.FINISHED

@@ -16,6 +16,7 @@ Engine-thread only, like the block manager it shares.
 from __future__ import annotations
 
 import itertools
+import math
 import secrets
 import time
 from dataclasses import dataclass, field
@@ -28,31 +29,27 @@ from cbd.errors import CapacityExceeded, InvalidRequest, SessionBusy, UnknownSes
 
 @dataclass(slots=True)
 class Branch:
-    """One candidate of a fan-out turn, kept until the next turn picks it."""
+    """A token history and the resident KV of its first `num_computed` tokens (shared references).
 
-    token_ids: list[int]
-    block_table: list[int]
-    num_computed: int
-    transcript: list[dict] | None
+    A session's own history is one; so is each candidate of a fan-out turn, kept until the next
+    turn picks it."""
 
-
-@dataclass(slots=True)
-class Session:
-    session_id: str
-    ttl: float | None  # idle seconds before expiry; None: never
     token_ids: list[int] = field(default_factory=list)
     block_table: list[int] = field(default_factory=list)  # resident KV for token_ids[:num_computed]
     num_computed: int = 0
-    transcript: list[dict] | None = None  # chat messages so far, for chat sessions
+
+
+@dataclass(slots=True, kw_only=True)
+class Session(Branch):
+    session_id: str
+    ttl: float | None  # idle seconds before expiry; None or inf: never
+    # The history is a rendered conversation: each turn re-renders it (`TurnInput.replace`). The
+    # messages themselves are the frontend's (server/chats.py); the engine knows only token ids.
+    is_chat: bool = False
     branches: list[Branch] = field(default_factory=list)
     busy: Request | None = None  # the turn in flight
+    turn_replaces: bool = False  # the turn in flight re-rendered the history (a chat turn)
     last_used: float = field(default_factory=time.monotonic)
-    # Set while a turn runs: the history it started from, restored if the turn fails.
-    turn_transcript: list[dict] | None = None
-
-    @property
-    def is_chat(self) -> bool:
-        return self.transcript is not None
 
     def idle_seconds(self, now: float | None = None) -> float:
         return (now if now is not None else time.monotonic()) - self.last_used
@@ -68,6 +65,16 @@ class SessionInfo:
     busy: bool
     ttl: float | None
     is_chat: bool
+
+
+@dataclass(slots=True)
+class TurnInput:
+    """A turn's new tokens. `replace`: they are the whole re-rendered conversation (a chat turn; the
+    longest common prefix with the history keeps its KV); otherwise they are appended to the history."""
+
+    token_ids: list[int]
+    replace: bool = False
+    parent_candidate: int | None = None  # the pending candidate of the last turn that continues
 
 
 @dataclass(slots=True)
@@ -90,13 +97,19 @@ class SessionManager:
         self.num_expired = 0
 
     # ---- lifecycle ----------------------------------------------------------------------------
-    def open(self, ttl: float | None = None, transcript: list[dict] | None = None, session_id: str | None = None) -> Session:
+    def open(
+        self, ttl: float | None = None, token_ids: list[int] | None = None, is_chat: bool = False,
+        session_id: str | None = None,
+    ) -> Session:  # fmt: skip
+        """A new session whose history is `token_ids` (no KV yet). ttl None: the default; inf: never expires."""
+        _check_ttl(ttl)
         if len(self.sessions) >= self.max_sessions:
             raise CapacityExceeded(f"{len(self.sessions)} sessions are open, the limit is {self.max_sessions}")
-        if ttl is not None and ttl <= 0:
-            raise InvalidRequest(f"ttl_seconds must be > 0, got {ttl}")
         session_id = session_id or f"s-{next(self._ids)}-{secrets.token_hex(6)}"
-        session = Session(session_id, ttl if ttl is not None else self.default_ttl, transcript=transcript)
+        session = Session(
+            list(token_ids or []), session_id=session_id, ttl=ttl if ttl is not None else self.default_ttl,
+            is_chat=is_chat,
+        )  # fmt: skip
         self.sessions[session_id] = session
         return session
 
@@ -114,25 +127,36 @@ class SessionManager:
 
     def fork(self, session_id: str, candidate: int | None = None, ttl: float | None = None) -> Session:
         """A new session continuing from this one (or from one of its pending candidates); copy-on-write."""
+        _check_ttl(ttl)
         source = self.get(session_id)
         if source.busy is not None:
             raise SessionBusy(f"session {session_id!r} has a turn in flight; fork it when the turn ends")
-        if candidate is not None:
-            if not 0 <= candidate < len(source.branches):
-                raise InvalidRequest(
-                    f"candidate {candidate} does not exist: session {session_id!r} has {len(source.branches)} pending"
-                )
-            b = source.branches[candidate]
-            tokens, table, computed, transcript = b.token_ids, b.block_table, b.num_computed, b.transcript
-        elif source.branches:
-            raise InvalidRequest(f"session {session_id!r} has {len(source.branches)} pending candidates; name one")
-        else:
-            tokens, table, computed, transcript = source.token_ids, source.block_table, source.num_computed, source.transcript
-        child = self.open(ttl if ttl is not None else source.ttl, None if transcript is None else list(transcript))
-        child.token_ids = list(tokens)
-        child.block_table = self.bm.share(table)
-        child.num_computed = computed
+        if candidate is not None and not source.branches:
+            raise InvalidRequest(f"candidate {candidate} does not exist: session {session_id!r} has none pending")
+        base = self.pending_base(source, candidate, "candidate")
+        child = self.open(ttl if ttl is not None else source.ttl, base.token_ids, source.is_chat)
+        child.block_table = self.bm.share(base.block_table)
+        child.num_computed = base.num_computed
         return child
+
+    @staticmethod
+    def pending_base(session: Session, candidate: int | None, name: str) -> Branch:
+        """What a turn or fork continues: the named pending candidate of the last turn, or the history.
+        Candidates pending and none named is SessionBusy (FAILED_PRECONDITION), for turns and forks alike."""
+        if session.branches:
+            if candidate is None:
+                raise SessionBusy(
+                    f"session {session.session_id!r} has {len(session.branches)} candidates from its last turn; "
+                    f"set {name} to the one that continues"
+                )
+            if not 0 <= candidate < len(session.branches):
+                raise InvalidRequest(
+                    f"{name} {candidate} does not exist: {len(session.branches)} candidates pending"
+                )
+            return session.branches[candidate]
+        if candidate not in (None, 0):
+            raise InvalidRequest(f"{name} names a candidate of the last turn, and it had only one")
+        return session
 
     def touch(self, session_id: str) -> None:
         """Its client is still there (e.g. retrying a refused turn): the idle TTL starts over."""
@@ -150,72 +174,44 @@ class SessionManager:
         )  # fmt: skip
 
     # ---- turns --------------------------------------------------------------------------------
-    def begin_turn(
-        self, session: Session, tokens: list[int], replace: bool, parent_candidate: int | None,
-        transcript: list[dict] | None, validate: Callable[[list[int]], None],
-    ) -> TurnStart:  # fmt: skip
-        """Resolve a turn's prompt and the KV it starts from. `replace`: `tokens` is the whole
-        re-rendered conversation (chat; its longest common prefix with the history is reused);
-        otherwise they are appended to the history. `validate(prompt)` runs before any change."""
+    def begin_turn(self, session: Session, turn: TurnInput, validate: Callable[[list[int]], None]) -> TurnStart:
+        """Resolve a turn's prompt and the KV it starts from; `validate(prompt)` runs before any change."""
         if session.busy is not None:
             raise SessionBusy(f"session {session.session_id!r} already has a turn in flight")
-        if replace and session.token_ids and not session.is_chat:
+        if turn.replace and session.token_ids and not session.is_chat:
             raise InvalidRequest("this session holds a text / token history; send text or token ids, not chat")
-        if not replace and session.is_chat:
+        if not turn.replace and session.is_chat:
             raise InvalidRequest("this session holds a chat; send chat messages")
-        if not tokens:
+        if not turn.token_ids:
             raise InvalidRequest("a turn must add at least one token")
-        base: Session | Branch = session
-        if session.branches:
-            if parent_candidate is None:
-                raise SessionBusy(
-                    f"session {session.session_id!r} has {len(session.branches)} candidates from its last turn; "
-                    "set parent_candidate to the one that continues"
-                )
-            if not 0 <= parent_candidate < len(session.branches):
-                raise InvalidRequest(
-                    f"parent_candidate {parent_candidate} does not exist: {len(session.branches)} candidates pending"
-                )
-            base = session.branches[parent_candidate]
-        elif parent_candidate not in (None, 0):
-            raise InvalidRequest("parent_candidate names a candidate of the last turn, and it had only one")
-        history = base.token_ids
-        prompt = list(tokens) if replace else history + list(tokens)
+        base = self.pending_base(session, turn.parent_candidate, "parent_candidate")
+        prompt = list(turn.token_ids) if turn.replace else base.token_ids + list(turn.token_ids)
         validate(prompt)
         if session.branches:
-            self._adopt(session, session.branches.pop(parent_candidate))  # type: ignore[arg-type]
+            assert turn.parent_candidate is not None  # pending_base refused it otherwise
+            self._adopt(session, session.branches.pop(turn.parent_candidate))
             self._release_branches(session)
-        common = _common_prefix(session.token_ids, prompt) if replace else len(session.token_ids)
+        common = _common_prefix(session.token_ids, prompt) if turn.replace else len(session.token_ids)
         # Reuse the resident KV of the common prefix; at least one token is computed (for logits).
         computed = min(session.num_computed, common, len(prompt) - 1)
         table = self.bm.share(session.block_table[: -(-computed // self.bm.block_size)])
-        session.turn_transcript = transcript
+        session.turn_replaces = turn.replace
         return TurnStart(prompt, table, computed)
-
-    def transcript_for(self, session_id: str, parent_candidate: int | None) -> list[dict]:
-        """The chat messages a chat turn continues (of the named candidate when a fan-out is pending)."""
-        session = self.get(session_id)
-        if session.branches and parent_candidate is not None and 0 <= parent_candidate < len(session.branches):
-            return list(session.branches[parent_candidate].transcript or [])
-        return list(session.transcript or [])
 
     def turn_started(self, session: Session, request: Request) -> None:
         session.busy = request
         session.last_used = time.monotonic()
         request.session = session
 
-    def candidate_finished(self, session: Session, seq: Sequence, reply_text: str | None) -> None:
+    def candidate_finished(self, session: Session, seq: Sequence) -> None:
         """Called before a finished candidate's blocks are freed: keep them as a branch."""
         if session.session_id not in self.sessions or session.busy is not seq.request:
             return  # the session was closed meanwhile
         computed = min(seq.num_computed_tokens, seq.num_known_tokens)
         table = self.bm.share(seq.block_table[: -(-computed // self.bm.block_size)])
-        transcript = None
-        if session.turn_transcript is not None:
-            transcript = [*session.turn_transcript, {"role": "assistant", "content": reply_text or ""}]
-        branch = Branch(seq.token_ids[: seq.num_known_tokens], table, computed, transcript)
+        branch = Branch(seq.token_ids[: seq.num_known_tokens], table, computed)
         while len(session.branches) <= seq.candidate_index:
-            session.branches.append(Branch([], [], 0, None))
+            session.branches.append(Branch())
         session.branches[seq.candidate_index] = branch
 
     def end_turn(self, session: Session, request: Request, ok: bool) -> None:
@@ -224,16 +220,14 @@ class SessionManager:
             return
         session.busy = None
         session.last_used = time.monotonic()
-        session.turn_transcript = None
         if session.session_id not in self.sessions:
             return
         if not ok:  # aborted or failed: the session stays as it was before the turn
             self._release_branches(session)
             return
+        session.is_chat = session.is_chat or session.turn_replaces  # a chat's first turn makes it a chat
         if len(session.branches) == 1:
             self._adopt(session, session.branches.pop())
-        elif session.transcript is None and session.branches and session.branches[0].transcript is not None:
-            session.transcript = []  # a chat session's first turn fanned out: it is a chat from now on
 
     # ---- memory pressure and expiry -------------------------------------------------------------
     def evict(self, blocks_needed: int, include_busy: bool = False) -> int:
@@ -274,8 +268,6 @@ class SessionManager:
     def _adopt(self, session: Session, branch: Branch) -> None:
         self.bm.release(session.block_table)
         session.token_ids, session.block_table, session.num_computed = branch.token_ids, branch.block_table, branch.num_computed
-        if branch.transcript is not None:
-            session.transcript = branch.transcript
 
     def _release_branches(self, session: Session) -> None:
         for b in session.branches:
@@ -295,3 +287,9 @@ def _common_prefix(a: list[int], b: list[int]) -> int:
         i += 1
     return i
 
+
+
+def _check_ttl(ttl: float | None) -> None:
+    """None: the default; a positive number of idle seconds; inf: never expires. NaN and <= 0 are refused."""
+    if ttl is not None and (math.isnan(ttl) or ttl <= 0):
+        raise InvalidRequest(f"ttl_seconds must be > 0 (inf: never expires), got {ttl}")

@@ -1,8 +1,14 @@
 """A step's inputs: packed on the CPU into one int64 and one float32 array, staged through two buffers.
 
-Packing: every per-token, per-sequence and per-row array of the step goes into one flat int64
-list (and the float sampling parameters into one float32 list), so a step costs two host-to-device
-copies whatever its shape. `PackedStep.view` slices the device copy back into named tensors.
+Packing (`pack_step`): the plan's chunks and sample rows become the runner's typed `StepBatch`:
+every per-token, per-sequence and per-row array of the step goes into one flat int64 list (and the
+float sampling parameters into one float32 list), so a step costs two host-to-device copies
+whatever its shape, plus `StepMeta`, the host-side facts the runner needs (no requests). Staging
+slices the device copy back into the typed `StepTensors`.
+
+Carry-over: a chunk whose last token is still being sampled by the step in flight has input id 0
+there; `carry_dst` / `carry_src` tell the runner to fill it on the device from that step's sampled
+tokens, so step N+1 needs nothing from step N's host side.
 
 Double buffering: step N+1 is staged into the buffer pair that step N is *not* reading. Before
 the host overwrites a pinned buffer it waits for that buffer's previous copy (`h2d_done`); before
@@ -12,10 +18,12 @@ the copy overwrites the device buffer, the h2d stream waits until compute has fi
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 
+from cbd.engine.scheduler import StepPlan
 from cbd.engine.streams import DeviceStreams
 
 
@@ -41,17 +49,59 @@ class PackedStep:
 
 
 @dataclass(slots=True)
+class StepMeta:
+    """Host-side facts of one packed step (picklable: tensor-parallel ranks receive it)."""
+
+    num_seqs: int  # scheduled sequences (chunks)
+    batch: int  # rows of the forward: num_seqs, or the CUDA-graph bucket it is padded to
+    width: int  # block-table columns
+    graph: bool  # run the captured decode graph of `batch`
+    decode_only: bool  # one new token per sequence, one sample row per sequence
+    max_query_len: int
+    max_context_len: int
+    num_rows: int  # sample rows (forks included)
+    any_random: bool  # some row samples (else every row is greedy: no parameter arrays are packed)
+    any_top_k_or_p: bool
+    any_min_p: bool
+    max_logprobs: int | None  # None: no row wants logprobs
+
+
+@dataclass(slots=True)
+class StepBatch:
+    """Everything the runner needs for one step; it knows no requests."""
+
+    packed: PackedStep
+    meta: StepMeta
+    block_copies: list[tuple[int, int]]  # (src, dst) KV block copies before the forward
+
+
+@dataclass(slots=True)
+class StepTensors:
+    """Device views of one packed step. Shapes: T new tokens, B sequences (padded to `batch`), R rows."""
+
+    ids: torch.Tensor  # [T] int64 input ids (0 where carried over)
+    qstart: torch.Tensor  # [B + 1] int64 packed row where each sequence's tokens start
+    ctx: torch.Tensor  # [batch] int64 context length after this step
+    logits_rows: torch.Tensor  # [S] int64 packed rows whose logits are sampled (one per sampled chunk)
+    tables: torch.Tensor  # [batch * width] int64 block tables, padded with the scratch block
+    row_logits: torch.Tensor | None = None  # [R] index into logits_rows per sample row (forks repeat one)
+    carry_dst: torch.Tensor | None = None  # [C] positions in ids filled from the previous step's tokens
+    carry_src: torch.Tensor | None = None  # [C] rows of the previous step's sampled tokens
+    seed: torch.Tensor | None = None  # the rest: per row, only when a row samples at random
+    stream: torch.Tensor | None = None
+    position: torch.Tensor | None = None
+    top_k: torch.Tensor | None = None
+    temperature: torch.Tensor | None = None
+    top_p: torch.Tensor | None = None
+    min_p: torch.Tensor | None = None
+
+
+@dataclass(slots=True)
 class StagedStep:
     """Device views of one packed step, and the buffer slot that holds them."""
 
-    tensors: dict[str, torch.Tensor]
+    tensors: StepTensors
     slot: _Slot
-
-    def __getitem__(self, name: str) -> torch.Tensor:
-        return self.tensors[name]
-
-    def get(self, name: str) -> torch.Tensor | None:
-        return self.tensors.get(name)
 
 
 class _Slot:
@@ -105,10 +155,89 @@ class InputStager:
                 if n_f:
                     slot.dev_f[:n_f].copy_(slot.host_f[:n_f], non_blocking=True)
                 s.record(slot.h2d_done, s.h2d)
-        tensors = {name: slot.dev_i[o : o + n] for name, (o, n) in packed.int_fields.items()}
-        tensors.update({name: slot.dev_f[o : o + n] for name, (o, n) in packed.float_fields.items()})
-        return StagedStep(tensors, slot)
+        views = {name: slot.dev_i[o : o + n] for name, (o, n) in packed.int_fields.items()}
+        views.update({name: slot.dev_f[o : o + n] for name, (o, n) in packed.float_fields.items()})
+        return StagedStep(StepTensors(**views), slot)
 
     def release(self, staged: StagedStep) -> None:
         """Called on the compute stream after the step's last read of its staged tensors."""
         self.streams.record(staged.slot.consumed, self.streams.compute)
+
+
+def pack_step(plan: StepPlan, graph_bucket: Callable[[int], int | None], scratch_block: int) -> StepBatch:
+    """Pack a planned step. Reads only what the plan recorded when it was made (chunk starts, carry
+    rows, sample rows): the scheduler has already advanced the sequences past it.
+    graph_bucket(num_seqs): the captured decode graph's batch for a decode-only step, or None."""
+    ids: list[int] = []
+    qstart: list[int] = [0]
+    ctx: list[int] = []
+    logits_rows: list[int] = []
+    carry_dst: list[int] = []
+    carry_src: list[int] = []
+    tables: list[list[int]] = []
+    max_query_len = 0
+    for chunk in plan.chunks:
+        seq, start, n = chunk.seq, chunk.start, chunk.num_new_tokens
+        ids += seq.token_ids[start : start + n]
+        if chunk.carry_row >= 0:  # only its newest token can be in flight, and the chunk ends at it
+            carry_dst.append(len(ids) - 1)
+            carry_src.append(chunk.carry_row)
+            ids[-1] = 0
+        qstart.append(len(ids))
+        ctx.append(start + n)
+        tables.append(seq.block_table)
+        max_query_len = max(max_query_len, n)
+        if chunk.samples:
+            logits_rows.append(len(ids) - 1)
+    rows = plan.samples
+    num_seqs = len(plan.chunks)
+    decode_only = len(ids) == num_seqs and len(rows) == num_seqs
+    graph_batch = graph_bucket(num_seqs) if decode_only else None
+    batch = num_seqs
+    max_context_len = max(ctx)
+    if graph_batch is not None:
+        batch = graph_batch  # pad to the bucket: rows that touch only the scratch block
+        pad = batch - num_seqs
+        ids += [0] * pad
+        ctx += [1] * pad
+        tables += [[scratch_block]] * pad
+    width = max(len(t) for t in tables)
+    flat_tables: list[int] = []
+    for t in tables:
+        flat_tables += t
+        flat_tables += [scratch_block] * (width - len(t))
+    packed = PackedStep()
+    packed.add("ids", ids)
+    packed.add("qstart", qstart)
+    packed.add("ctx", ctx)
+    packed.add("logits_rows", logits_rows)
+    if len(rows) != len(logits_rows):  # forks: several rows read one logits row (rows come grouped by source)
+        row_logits, k, source = [], -1, None
+        for r in rows:
+            if r.source is not source:
+                k, source = k + 1, r.source
+            row_logits.append(k)
+        packed.add("row_logits", row_logits)
+    if carry_dst:
+        packed.add("carry_dst", carry_dst)
+        packed.add("carry_src", carry_src)
+    packed.add("tables", flat_tables)
+    params = [r.source.request.params for r in rows]
+    any_random = any(not p.greedy for p in params)
+    if any_random:
+        packed.add("seed", [r.source.request.seed for r in rows])
+        packed.add("stream", [r.target.candidate_index for r in rows])
+        packed.add("position", [r.position for r in rows])
+        packed.add("top_k", [p.top_k for p in params])
+        packed.add_float("temperature", [p.temperature for p in params])
+        packed.add_float("top_p", [p.top_p for p in params])
+        packed.add_float("min_p", [p.min_p for p in params])
+    wanted = [p.logprobs for p in params if p.logprobs is not None]
+    meta = StepMeta(
+        num_seqs=num_seqs, batch=batch, width=width, graph=graph_batch is not None, decode_only=decode_only,
+        max_query_len=max_query_len, max_context_len=max_context_len, num_rows=len(rows), any_random=any_random,
+        any_top_k_or_p=any(not p.greedy and (p.top_k > 0 or p.top_p < 1.0) for p in params),
+        any_min_p=any(not p.greedy and p.min_p > 0.0 for p in params),
+        max_logprobs=max(wanted) if wanted else None,
+    )  # fmt: skip
+    return StepBatch(packed, meta, plan.block_copies)

@@ -2,8 +2,8 @@
 
 Rank 0 is the engine thread of the daemon: it schedules, owns the block manager and the outputs,
 and before running each step on its own shard it broadcasts the packed step (the same arrays it
-stages for its GPU) on a gloo control group. Ranks 1..N-1 are spawned processes that load their
-shard, build the same ModelRunner and replay every broadcast step: same kernels, same CUDA graphs,
+stages for its GPU, in a typed `RunStep` message of tp_messages.py) on a gloo control group. Ranks
+1..N-1 are spawned processes that load their shard, build the same ModelRunner and replay every broadcast step: same kernels, same CUDA graphs,
 same collectives in the same order (NCCL on CUDA, gloo on CPU). Every rank samples the same tokens
 from the gathered logits, so the carry-over of the overlap loop works unchanged on each.
 """
@@ -21,6 +21,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from cbd.config import EngineConfig
+from cbd.engine.tp_messages import RunStep, Setup, StopWorkers, WarmUp, WorkerMessage
 
 log = logging.getLogger(__name__)
 
@@ -65,12 +66,12 @@ class TensorParallelGroup:
         self.ctrl = _init(0, self.world, port, self.device)
         log.info("tensor parallel: %d ranks on %s", self.world, self.device.type)
 
-    def broadcast(self, command: tuple) -> None:
-        dist.broadcast_object_list([command], src=0, group=self.ctrl)
+    def broadcast(self, message: WorkerMessage) -> None:
+        dist.broadcast_object_list([message], src=0, group=self.ctrl)
 
     def stop(self, timeout: float = 30.0) -> None:
         try:
-            self.broadcast(("stop",))
+            self.broadcast(StopWorkers())
         finally:
             for p in self.procs:
                 p.join(timeout)
@@ -87,7 +88,7 @@ def _worker_main(rank: int, world: int, port: int, values: dict[str, Any]) -> No
     device = _rank_device(config, rank)
     ctrl = _init(rank, world, port, device)
 
-    def receive() -> tuple:
+    def receive() -> WorkerMessage:
         box: list[Any] = [None]
         dist.broadcast_object_list(box, src=0, group=ctrl)
         return box[0]
@@ -96,21 +97,24 @@ def _worker_main(rank: int, world: int, port: int, values: dict[str, Any]) -> No
         config.model, config.cache_dir, device, config.torch_dtype(), pack_cpu_gemm=config.cpu_packed_gemm,
         tensor_parallel=(rank, world),
     )  # fmt: skip
-    _, num_blocks, max_model_len, graph_batch = receive()  # "setup" from rank 0's EngineCore
+    setup = receive()  # from rank 0's EngineCore
+    assert isinstance(setup, Setup), setup
     runner = ModelRunner(
-        loaded.model, num_blocks, config.block_size, max_model_len, config.attention_backend, graph_batch
-    )
+        loaded.model, setup.num_blocks, config.block_size, setup.max_model_len, config.attention_backend,
+        setup.graph_batch,
+    )  # fmt: skip
     previous = None
     while True:
-        command = receive()
-        if command[0] == "step":
-            _, packed, info, copies, num_rows = command
-            step = runner.launch_packed(packed, info, copies, num_rows)
+        message = receive()
+        if type(message) is RunStep:
+            step = runner.launch(message.batch)
             if previous is not None:
-                runner.streams.synchronize(previous[2])  # at most one step in flight, like rank 0
+                runner.streams.synchronize(previous.done)  # at most one step in flight, like rank 0
             previous = step
-        elif command[0] == "warm_up":
+        elif type(message) is WarmUp:
             runner.warm_up()
-        elif command[0] == "stop":
+        elif type(message) is StopWorkers:
             break
+        else:
+            raise TypeError(f"unknown tensor-parallel message {message!r}")
     dist.destroy_process_group()

@@ -33,6 +33,22 @@ class BatchLayout:
     max_context_len: int
 
 
+def slot_mapping(
+    block_tables: torch.Tensor, positions: torch.Tensor, block_size: int, seq_of_row: torch.Tensor | None = None
+) -> torch.Tensor:
+    """The KV slot of each new token: `block_tables[seq, pos // block_size] * block_size + pos % block_size`.
+
+    block_tables [B, W]; positions [T]; seq_of_row [T], the sequence of each row, or None when row b
+    is sequence b's single new token (decode: a gather, no index tensor needed, so CUDA graphs
+    capture it from their static inputs alone). The one helper for eager steps, graphs and tests."""
+    blocks = positions // block_size
+    if seq_of_row is None:
+        block_ids = block_tables.gather(1, blocks[:, None])[:, 0]
+    else:
+        block_ids = block_tables[seq_of_row, blocks]
+    return block_ids * block_size + positions % block_size
+
+
 def layout_from_lists(
     query_lens: list[int],
     context_lens: list[int],
@@ -55,9 +71,8 @@ def layout_from_lists(
     starts[1:] = torch.cumsum(q_lens, 0)
     seq_of_row = torch.repeat_interleave(torch.arange(len(query_lens)), q_lens)
     pos = torch.arange(int(starts[-1])) - starts[seq_of_row] + (ctx - q_lens)[seq_of_row]
-    slots = tables[seq_of_row, pos // block_size] * block_size + pos % block_size
     return BatchLayout(
-        slot_mapping=slots.to(device),
+        slot_mapping=slot_mapping(tables, pos, block_size, seq_of_row).to(device),
         query_start=starts.to(device),
         context_lens=ctx.to(device),
         block_tables=tables.to(device),

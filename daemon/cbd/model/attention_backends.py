@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import importlib.util
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
@@ -18,6 +19,30 @@ from cbd.errors import UnsupportedModel
 from cbd.model.attention import BatchLayout, grouped_metadata, reference_metadata
 
 BACKENDS = ("auto", "torch", "triton", "flash")
+
+
+class PreparedAttention(Protocol):
+    """A backend's view of one step: where the new K/V go, and the attention over the pool."""
+
+    @property
+    def slot_mapping(self) -> torch.Tensor: ...  # [T] int64
+
+    def attend(self, q: torch.Tensor, kv_cache: torch.Tensor, scale: float) -> torch.Tensor: ...
+
+
+class AttentionBackend(Protocol):
+    """What the runner and the CUDA graphs need of a backend."""
+
+    name: str
+    supports_cuda_graphs: bool  # prepare() reads no host values that change between replays
+
+    def decode_splits(self, num_seqs: int, max_context: int | None = None) -> int:
+        """How many KV ranges a decode step's attention is split into; 0: the backend does not split."""
+        ...
+
+    def prepare(self, layout: BatchLayout, decode_splits: int = 0) -> PreparedAttention:
+        """decode_splits > 0 asserts every query length is 1 (the caller knows; no device read)."""
+        ...
 
 
 class TorchBackend:
@@ -28,7 +53,10 @@ class TorchBackend:
         self.block_size = block_size
         self.sliding_window = sliding_window
 
-    def prepare(self, layout: BatchLayout, decode_splits: int = 0):  # type: ignore[no-untyped-def]
+    def decode_splits(self, num_seqs: int, max_context: int | None = None) -> int:
+        return 0  # no split-KV decode kernel: decodes go through the same path as the rest
+
+    def prepare(self, layout: BatchLayout, decode_splits: int = 0) -> PreparedAttention:
         if layout.context_lens.device.type == "cpu":  # lengths are on the host: group by shape
             return grouped_metadata(layout, self.block_size, self.sliding_window)
         return reference_metadata(layout, self.block_size, self.sliding_window)
@@ -146,7 +174,7 @@ def select_backend(
     block_size: int,
     sliding_window: int | None,
     num_kv_heads: int,
-):  # type: ignore[no-untyped-def]
+) -> AttentionBackend:
     """Resolve "auto" (flash > triton > torch where each applies) or check an explicit choice."""
     if name not in BACKENDS:
         raise ValueError(f"attention_backend must be one of {BACKENDS}, got {name!r}")

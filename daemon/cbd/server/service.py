@@ -4,17 +4,19 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import Future
 
 import grpc
 
 from cbd.engine.engine import Engine
 from cbd.engine.outputs import RequestOutput
 from cbd.engine.sampling_params import MAX_CANDIDATES, MAX_LOGPROBS, MAX_STOP_STRINGS, SamplingParams
-from cbd.engine.sessions import SessionInfo
+from cbd.engine.sessions import SessionInfo, TurnInput
 from cbd.engine.sequence import FinishReason
 from cbd.errors import EngineFailure, EngineStopped, InvalidRequest
 from cbd.server import convert, status
+from cbd.server.chats import ChatLogs
 from cbd.server.logs import request_line
 from cbd.server.metrics import Metrics
 from cbd.server.prompts import PromptEncoder
@@ -26,6 +28,7 @@ class CbdService(_Base):
     def __init__(self, metrics: Metrics | None = None) -> None:
         self.engine: Engine | None = None  # set once the model is loaded and warm
         self.prompts = PromptEncoder(None)
+        self.chats = ChatLogs(None, ())
         self.started_at = time.monotonic()
         self.metrics = metrics or Metrics()
         self.metrics.watch_engine(
@@ -34,7 +37,11 @@ class CbdService(_Base):
         )
 
     def attach(self, engine: Engine) -> None:
-        self.prompts = PromptEncoder(engine.loaded.tokenizer)
+        self.prompts = PromptEncoder(engine.tokenizer)
+        self.facts = engine.model_facts()
+        self.chats = ChatLogs(engine.tokenizer, self.facts.eos_token_ids)
+        loop = asyncio.get_running_loop()
+        engine.on_session_expired = lambda session_id: loop.call_soon_threadsafe(self.chats.forget, session_id)
         self.engine = engine
 
     def detach(self) -> None:
@@ -57,7 +64,9 @@ class CbdService(_Base):
             loop.call_soon_threadsafe(outputs.put_nowait, out)
 
         if request.session_id:
-            request_id = await self._submit_turn(engine, request, params, on_output)
+            request_id = await self._submit_turn(engine, request, params, outputs.put_nowait)
+        elif request.HasField("parent_candidate"):
+            raise InvalidRequest("parent_candidate names a candidate of a session's last turn; it needs session_id")
         else:
             prompt = self.prompts.encode(request)
             request_id = engine.submit(prompt, params, request.request_id or None, on_output)  # makes an id if none
@@ -99,71 +108,91 @@ class CbdService(_Base):
                 duration_s=round(duration, 4), finish_reasons=sorted(finishes) or None,
             )  # fmt: skip
 
-    async def _submit_turn(self, engine: Engine, request: pb.GenerateRequest, params, on_output) -> str:  # type: ignore[no-untyped-def]
+    async def _submit_turn(
+        self, engine: Engine, request: pb.GenerateRequest, params: SamplingParams,
+        deliver: Callable[[RequestOutput], None],
+    ) -> str:  # fmt: skip
+        """Queue a turn of a session; `deliver` is called on this event loop with each output."""
         sid = request.session_id
         parent = request.parent_candidate if request.HasField("parent_candidate") else None
+        request_id = request.request_id or None
+        loop = asyncio.get_running_loop()
         kind = request.WhichOneof("input")
         if kind is None:
             raise InvalidRequest("a turn needs an input: set one of text, chat or tokens")
-        if kind == "chat":  # render the whole conversation; its common prefix with the history is reused
-            new_messages = self.prompts.messages(request.chat)
-            history = await asyncio.wrap_future(engine.call(lambda core: core.sessions.transcript_for(sid, parent)))
-            messages = history + new_messages
-            tokens = self.prompts.render(messages, add_generation_prompt=True)
-            future = engine.submit_turn(sid, tokens, params, replace=True, parent_candidate=parent,
-                                        transcript=messages, request_id=request.request_id or None,
-                                        on_output=on_output)  # fmt: skip
-        else:
-            tokens = self.prompts.continuation(request, kind)
-            future = engine.submit_turn(sid, tokens, params, parent_candidate=parent,
-                                        request_id=request.request_id or None, on_output=on_output)  # fmt: skip
+        if kind != "chat":
+            turn = TurnInput(self.prompts.continuation(request, kind), False, parent)
+            future = engine.submit_turn(
+                sid, turn, params, request_id=request_id,
+                on_output=lambda out: loop.call_soon_threadsafe(deliver, out),
+            )  # fmt: skip
+            return await asyncio.wrap_future(future)
+        # A chat turn: the whole conversation is rendered (its common prefix with the history keeps its
+        # KV). Reading the transcript, rendering and queueing happen with no await in between, and the
+        # log takes no other turn until this one has ended: the history read cannot be stale.
+        new_messages = self.prompts.messages(request.chat)
+        chat = self.chats.begin_turn(sid, parent, new_messages, params.n)
+        try:
+            tokens = self.prompts.render(chat.messages, add_generation_prompt=True)
+
+            def on_chat_output(out: RequestOutput) -> None:  # on the event loop, whether or not anyone listens
+                self.chats.on_output(sid, chat, out)
+                deliver(out)
+
+            future = engine.submit_turn(
+                sid, TurnInput(tokens, True, parent), params, request_id=request_id,
+                on_output=lambda out: loop.call_soon_threadsafe(on_chat_output, out),
+            )  # fmt: skip
+        except BaseException:
+            self.chats.refused(sid, chat)
+            raise
+
+        def settled(f: Future[str]) -> None:  # in the engine thread, or here when cancelled
+            if f.cancelled() or f.exception() is not None:
+                loop.call_soon_threadsafe(self.chats.refused, sid, chat)
+
+        future.add_done_callback(settled)
         return await asyncio.wrap_future(future)
 
     @status.unary
     async def OpenSession(self, request: pb.OpenSessionRequest, context: grpc.aio.ServicerContext) -> pb.SessionInfo:  # noqa: N802
         engine = self._engine()
-        ttl = request.ttl_seconds or None
+        ttl = _ttl(request.ttl_seconds)
         kind = request.WhichOneof("prefix")
-        transcript, tokens = None, []
+        messages, tokens = None, []
         if kind == "chat":
-            transcript = self.prompts.messages(request.chat)
-            tokens = self.prompts.render(transcript, add_generation_prompt=False)
+            messages = self.prompts.messages(request.chat)
+            tokens = self.prompts.render(messages, add_generation_prompt=False)
         elif kind is not None:
             tokens = self.prompts.continuation(request, kind)
-        if tokens:
-            engine.core.validate(tokens + [0], SamplingParams())
-
-        def open_session(core):  # type: ignore[no-untyped-def]
-            session = core.sessions.open(ttl, transcript)
-            session.token_ids = list(tokens)
-            return core.sessions.info(session)
-
-        return _session_info(await asyncio.wrap_future(engine.call(open_session)))
+        info = await asyncio.wrap_future(engine.open_session(ttl, tokens, chat=messages is not None))
+        if messages is not None:
+            self.chats.open(info.session_id, messages)
+        return _session_info(info)
 
     @status.unary
     async def CloseSession(self, request: pb.CloseSessionRequest, context: grpc.aio.ServicerContext) -> pb.CloseSessionResponse:  # noqa: N802
         engine = self._engine()
-        await asyncio.wrap_future(engine.call(lambda core: core.sessions.close(request.session_id)))
+        await asyncio.wrap_future(engine.close_session(request.session_id))
+        self.chats.forget(request.session_id)
         return pb.CloseSessionResponse()
 
     @status.unary
     async def GetSession(self, request: pb.GetSessionRequest, context: grpc.aio.ServicerContext) -> pb.SessionInfo:  # noqa: N802
         engine = self._engine()
-        info = await asyncio.wrap_future(
-            engine.call(lambda core: core.sessions.info(core.sessions.get(request.session_id)))
-        )
-        return _session_info(info)
+        return _session_info(await asyncio.wrap_future(engine.get_session(request.session_id)))
 
     @status.unary
     async def ForkSession(self, request: pb.ForkSessionRequest, context: grpc.aio.ServicerContext) -> pb.SessionInfo:  # noqa: N802
         engine = self._engine()
         candidate = request.candidate if request.HasField("candidate") else None
-        ttl = request.ttl_seconds or None
-
-        def fork(core):  # type: ignore[no-untyped-def]
-            return core.sessions.info(core.sessions.fork(request.session_id, candidate, ttl))
-
-        return _session_info(await asyncio.wrap_future(engine.call(fork)))
+        # Taken before the engine hop: the engine refuses to fork a session with a turn in flight,
+        # so the conversation cannot change between this read and the fork.
+        conversation = self.chats.conversation(request.session_id, candidate)
+        info = await asyncio.wrap_future(engine.fork_session(request.session_id, candidate, _ttl(request.ttl_seconds)))
+        if conversation is not None:
+            self.chats.open(info.session_id, conversation)
+        return _session_info(info)
 
     @status.unary
     async def Tokenize(self, request: pb.TokenizeRequest, context: grpc.aio.ServicerContext) -> pb.TokenizeResponse:  # noqa: N802
@@ -174,23 +203,23 @@ class CbdService(_Base):
     @status.unary
     async def GetModelInfo(self, request: pb.GetModelInfoRequest, context: grpc.aio.ServicerContext) -> pb.ModelInfo:  # noqa: N802
         engine = self._engine()
-        loaded, config, core = engine.loaded, engine.config, engine.core
+        facts, config = self.facts, engine.config
         return pb.ModelInfo(
-            model=loaded.name,
-            architecture=loaded.spec.model_type,
-            context_length=core.max_model_len,
-            vocab_size=loaded.spec.vocab_size,
-            dtype=str(loaded.model.embed_tokens.weight.dtype).removeprefix("torch."),
-            device=str(loaded.model.embed_tokens.weight.device),
-            block_size=config.block_size,
-            num_kv_blocks=core.block_manager.num_blocks,
+            model=facts.name,
+            architecture=facts.architecture,
+            context_length=facts.max_model_len,
+            vocab_size=facts.vocab_size,
+            dtype=facts.dtype,
+            device=facts.device,
+            block_size=facts.block_size,
+            num_kv_blocks=facts.num_kv_blocks,
             max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens,
             max_n=MAX_CANDIDATES,
             max_logprobs=MAX_LOGPROBS,
             max_stop_strings=MAX_STOP_STRINGS,
             max_queued_requests=config.max_queued_requests,
-            eos_token_ids=loaded.eos_token_ids,
+            eos_token_ids=facts.eos_token_ids,
             has_chat_template=self.prompts.has_chat_template,
         )
 
@@ -213,6 +242,11 @@ class CbdService(_Base):
             open_sessions=s.num_sessions,
             session_evictions=s.num_session_evictions,
         )
+
+
+def _ttl(seconds: float) -> float | None:
+    """0 is the daemon's default (None); the engine checks the rest (inf: never expires; NaN is refused)."""
+    return seconds or None
 
 
 def _session_info(info: SessionInfo) -> pb.SessionInfo:

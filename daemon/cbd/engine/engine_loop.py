@@ -1,0 +1,219 @@
+"""The engine thread: applies the inbox's typed commands between steps and runs the core's steps.
+
+Every command is dispatched by type to one handler here; outputs reach each request's callback
+from inside the core (through its live record). Besides steps, the loop expires idle sessions
+once a second (it wakes for that even when idle) and keeps the heartbeat that the daemon's
+watchdog and health read.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future
+from typing import TypeVar
+
+from cbd.config import EngineConfig
+from cbd.engine import commands as cmd
+from cbd.engine.admission import Admission
+from cbd.engine.core import EngineCore
+from cbd.engine.faults import FaultPlan, is_device_fault
+from cbd.engine.live import LiveRequest
+from cbd.engine.outputs import CandidateDelta, EngineStats, RequestOutput
+from cbd.engine.sequence import FinishReason
+from cbd.errors import EngineStopped
+from cbd.model.loader import LoadedModel, load_model
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+
+class EngineLoop:
+    def __init__(
+        self, config: EngineConfig, admission: Admission, inbox: queue.SimpleQueue[cmd.Command],
+        wake: threading.Event,
+    ) -> None:  # fmt: skip
+        self.config = config
+        self.admission = admission
+        self._inbox = inbox
+        self._wake = wake
+        self.core: EngineCore
+        self.stats: EngineStats
+        self.started = threading.Event()
+        self.start_error: BaseException | None = None
+        self._tp = None  # rank 0's TensorParallelGroup when tensor_parallel_size > 1
+        # The loop's last iteration that computed something or had nothing to do (watchdog, health):
+        # a wedged step and a loop that can schedule nothing both leave it behind.
+        self.heartbeat = time.monotonic()
+        self.fatal: BaseException | None = None  # set when a device error stopped the engine
+        self.on_session_expired: Callable[[str], None] | None = None
+        self._faults = FaultPlan.from_env()
+        self._handlers: dict[type, Callable] = {
+            cmd.AddRequest: self._add_request, cmd.AddTurn: self._add_turn, cmd.Abort: self._abort,
+            cmd.OpenSession: self._open_session, cmd.CloseSession: self._close_session,
+            cmd.GetSession: self._get_session, cmd.ForkSession: self._fork_session,
+            cmd.TouchSession: self._touch_session, cmd.ResetPrefixCache: self._reset_prefix_cache,
+            cmd.RunInEngine: self._run_in_engine,
+        }  # fmt: skip
+
+    def run(self, loaded: LoadedModel | None) -> None:
+        """The thread's body: load (or take) the model, warm up, then loop until a Stop command."""
+        try:
+            c = self.config
+            if c.tensor_parallel_size > 1:
+                from cbd.engine.tp_group import TensorParallelGroup
+
+                self._tp = TensorParallelGroup(c)  # spawns ranks 1.. and joins them as rank 0
+                loaded = load_model(
+                    c.model, c.cache_dir, self._tp.device, c.torch_dtype(), pack_cpu_gemm=c.cpu_packed_gemm,
+                    tensor_parallel=(0, c.tensor_parallel_size),
+                )  # fmt: skip
+            elif loaded is None:
+                loaded = load_model(
+                    c.model, c.cache_dir, c.torch_device(), c.torch_dtype(), pack_cpu_gemm=c.cpu_packed_gemm
+                )
+            self.core = EngineCore(loaded, self.config, self._tp, self.admission)
+            self.core.warm_up()  # CUDA graphs are captured before the engine reports started
+            self.stats = self.core.stats()
+        except BaseException as exc:  # handed to the Engine's constructor, which re-raises it
+            self.start_error = exc
+            return
+        finally:
+            self.started.set()
+        self._loop()
+
+    def _loop(self) -> None:
+        core = self.core
+        next_expiry = 0.0
+        progressed = True
+        while True:
+            if progressed:  # a loop that turns without computing anything is not a heartbeat
+                self.heartbeat = time.monotonic()
+            if not core.has_work():
+                # Sessions expire by time, so an idle engine still wakes now and then.
+                self._wake.wait(timeout=1.0 if core.sessions.sessions else None)
+            self._wake.clear()
+            now = time.monotonic()
+            if now >= next_expiry:
+                next_expiry = now + 1.0
+                for session_id in core.sessions.expire(now):
+                    log.info("session %s expired", session_id)
+                    if self.on_session_expired is not None:
+                        self.on_session_expired(session_id)
+            if not self._drain_inbox():
+                break
+            try:
+                if self._faults is not None and core.scheduler.has_work():
+                    self._faults.before_step(core.num_steps)
+                steps_before = core.num_steps
+                outputs = core.step()  # delivered to each request's on_output as they are made
+                progressed = bool(outputs) or core.num_steps != steps_before or not core.has_work()
+                if not progressed:  # nothing could be scheduled: wait for a change instead of spinning
+                    self._wake.wait(timeout=0.005)
+            except Exception as exc:
+                if is_device_fault(exc):
+                    log.critical("device error: failing every live request and stopping the engine: %s", exc)
+                    self.fatal = exc  # the Engine refuses new work from now on
+                    core.fail_all(FinishReason.ERROR)
+                    break
+                log.exception("engine step failed; failing the requests it held")
+                core.fail_all(FinishReason.ERROR)
+            self.stats = core.stats()
+        core.fail_all(FinishReason.ABORT)
+        while True:  # commands that raced with shutdown: answer them rather than leave them hanging
+            try:
+                command = self._inbox.get_nowait()
+            except queue.Empty:
+                break
+            if isinstance(command, cmd.AddRequest):
+                self._reject(command.live, command.params.n, FinishReason.ABORT)
+            elif isinstance(command, cmd.AddTurn):
+                self.admission.release(command.live.request_id)
+            future = getattr(command, "future", None)
+            if future is not None and future.set_running_or_notify_cancel():
+                future.set_exception(EngineStopped("the engine is shutting down"))
+        self.stats = core.stats()
+        if self._tp is not None:
+            self._tp.stop()
+
+    def _drain_inbox(self) -> bool:
+        """Apply queued commands in order; False once a Stop arrives."""
+        handlers = self._handlers
+        while True:
+            try:
+                command = self._inbox.get_nowait()
+            except queue.Empty:
+                return True
+            if type(command) is cmd.Stop:
+                return False
+            handlers[type(command)](command)
+
+    def _add_request(self, c: cmd.AddRequest) -> None:
+        try:
+            self.core.start_request(c.live, c.prompt_token_ids, c.params)
+        except Exception as exc:  # submit validated it; this is a bug, but the caller still gets an answer
+            log.exception("request %s could not be added: %s", c.live.request_id, exc)
+            self._reject(c.live, c.params.n, FinishReason.ERROR)
+
+    def _add_turn(self, c: cmd.AddTurn) -> None:
+        if not c.future.set_running_or_notify_cancel():
+            return  # the caller gave up; its done-callback released the reservation
+        try:
+            self.core.start_turn(c.live, c.session_id, c.turn, c.params)
+        except BaseException as exc:
+            self.admission.release(c.live.request_id)
+            c.future.set_exception(exc)
+        else:
+            c.future.set_result(c.live.request_id)
+
+    def _abort(self, c: cmd.Abort) -> None:
+        live = self.admission.get(c.request_id)
+        if live is not None and live.request is not None:
+            self.core.abort_request(c.request_id)  # delivers the final output itself
+
+    def _open_session(self, c: cmd.OpenSession) -> None:
+        sessions = self.core.sessions
+        _answer(c.future, lambda: sessions.info(sessions.open(c.ttl, c.token_ids, c.chat)))
+
+    def _close_session(self, c: cmd.CloseSession) -> None:
+        _answer(c.future, lambda: self.core.sessions.close(c.session_id))
+
+    def _get_session(self, c: cmd.GetSession) -> None:
+        sessions = self.core.sessions
+        _answer(c.future, lambda: sessions.info(sessions.get(c.session_id)))
+
+    def _fork_session(self, c: cmd.ForkSession) -> None:
+        sessions = self.core.sessions
+        _answer(c.future, lambda: sessions.info(sessions.fork(c.session_id, c.candidate, c.ttl)))
+
+    def _touch_session(self, c: cmd.TouchSession) -> None:
+        self.core.sessions.touch(c.session_id)
+
+    def _reset_prefix_cache(self, c: cmd.ResetPrefixCache) -> None:
+        log.info("prefix cache reset: %d blocks dropped", self.core.block_manager.reset_prefix_cache())
+
+    def _run_in_engine(self, c: cmd.RunInEngine) -> None:
+        _answer(c.future, lambda: c.fn(self.core))
+
+    def _reject(self, live: LiveRequest, n: int, reason: FinishReason) -> None:
+        """Answer a request that never started: every candidate ends with `reason`."""
+        self.admission.release(live.request_id)
+        if live.on_output is None:
+            return
+        deltas = [CandidateDelta(i, [], "", None, reason) for i in range(n)]
+        try:
+            live.on_output(RequestOutput(live.request_id, deltas, True, None))
+        except Exception:
+            log.exception("output callback for %s failed", live.request_id)
+
+
+def _answer(future: Future[T], fn: Callable[[], T]) -> None:
+    """Run fn for a command's future unless its caller cancelled it; the future gets the result or the error."""
+    if future.set_running_or_notify_cancel():
+        try:
+            future.set_result(fn())
+        except BaseException as exc:
+            future.set_exception(exc)

@@ -1,0 +1,35 @@
+"""Messages from rank 0 to the tensor-parallel workers: one small dataclass each, dispatched by type."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Union
+
+from cbd.engine.step_inputs import StepBatch
+
+
+@dataclass(slots=True)
+class Setup:
+    """Sent once by rank 0's EngineCore: the pool and graphs every worker's ModelRunner must match."""
+
+    num_blocks: int
+    max_model_len: int
+    graph_batch: int  # CUDA graphs up to this batch (0: none)
+
+
+@dataclass(slots=True)
+class WarmUp:
+    pass
+
+
+@dataclass(slots=True)
+class RunStep:
+    batch: StepBatch  # the packed step rank 0 stages for its own shard
+
+
+@dataclass(slots=True)
+class StopWorkers:
+    pass
+
+
+WorkerMessage = Union[Setup, WarmUp, RunStep, StopWorkers]

@@ -1,0 +1,124 @@
+"""Chat transcripts of sessions: the frontend's half of a chat session.
+
+The engine keeps a session's token ids and KV and knows only whether its history is a rendered
+conversation; the messages live here, one `ChatLog` per chat session, and are touched only on the
+event loop's thread. A chat turn is rendered and submitted in one synchronous step (no await
+between reading the transcript and queueing the turn), and the log refuses a second turn until the
+first has ended, so a turn never renders a stale history. What the turn did to the session is
+decided by the engine's answers alone, whether or not the caller is still listening:
+
+  refused (the engine did not take it)      nothing changes
+  ended, every candidate STOP / LENGTH      n = 1: the reply joins the conversation;
+                                            n > 1: each candidate's conversation waits as a branch
+  ended otherwise (cancelled, failed)       the conversation the turn continued (a chosen branch
+                                            becomes the history, as it does in the engine)
+
+Replies are decoded here from the streamed token ids (EOS dropped, special tokens skipped).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from cbd.engine.outputs import RequestOutput
+from cbd.engine.sequence import FinishReason
+from cbd.errors import SessionBusy
+
+_OK = (FinishReason.STOP, FinishReason.LENGTH)
+
+
+@dataclass(slots=True)
+class ChatTurn:
+    base: list[dict]  # the conversation the turn continues
+    messages: list[dict]  # base + the turn's new messages: what was rendered
+    n: int
+    from_branch: bool  # base is a pending candidate's conversation (the engine adopts it at once)
+    replies: dict[int, list[int]] = field(default_factory=dict)  # candidate -> streamed token ids
+    finishes: dict[int, FinishReason] = field(default_factory=dict)
+
+
+@dataclass(slots=True)
+class ChatLog:
+    # Lists are replaced, never changed in place, so a snapshot (fork) needs no copy.
+    messages: list[dict] = field(default_factory=list)
+    branches: list[list[dict]] = field(default_factory=list)  # pending candidates' conversations
+    turn: ChatTurn | None = None  # the turn in flight
+
+
+class ChatLogs:
+    def __init__(self, tokenizer: Any | None, eos_token_ids: tuple[int, ...]) -> None:
+        self.tokenizer = tokenizer
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.logs: dict[str, ChatLog] = {}
+
+    def open(self, session_id: str, messages: list[dict]) -> None:
+        self.logs[session_id] = ChatLog(list(messages))
+
+    def forget(self, session_id: str) -> None:
+        """The session was closed or expired."""
+        self.logs.pop(session_id, None)
+
+    def conversation(self, session_id: str, candidate: int | None) -> list[dict] | None:
+        """The conversation a fork continues (None: not a chat session)."""
+        log = self.logs.get(session_id)
+        if log is None:
+            return None
+        if log.branches and candidate is not None and 0 <= candidate < len(log.branches):
+            return log.branches[candidate]
+        return log.messages
+
+    def begin_turn(self, session_id: str, parent: int | None, new_messages: list[dict], n: int) -> ChatTurn:
+        """Start a chat turn: the conversation it renders. Refused while another turn is in flight.
+        The engine still decides whether the turn may run (it reports back through `refused`)."""
+        log = self.logs.setdefault(session_id, ChatLog())
+        if log.turn is not None:
+            raise SessionBusy(f"session {session_id!r} already has a turn in flight")
+        from_branch = bool(log.branches) and parent is not None and 0 <= parent < len(log.branches)
+        base = log.branches[parent] if from_branch else log.messages  # type: ignore[index]
+        log.turn = ChatTurn(base, base + new_messages, n, from_branch)
+        return log.turn
+
+    def refused(self, session_id: str, turn: ChatTurn) -> None:
+        """The engine did not take the turn: nothing changes."""
+        log = self.logs.get(session_id)
+        if log is not None and log.turn is turn:
+            log.turn = None
+            self._drop_if_empty(session_id, log)
+
+    def on_output(self, session_id: str, turn: ChatTurn, out: RequestOutput) -> None:
+        """Fold one output of the turn in; at its last output, settle the conversation."""
+        for d in out.candidates:
+            if d.token_ids:
+                turn.replies.setdefault(d.index, []).extend(d.token_ids)
+            if d.finish_reason is not None:
+                turn.finishes[d.index] = d.finish_reason
+        if not out.finished:
+            return
+        log = self.logs.get(session_id)
+        if log is None or log.turn is not turn:
+            return  # closed or expired meanwhile
+        log.turn = None
+        ok = len(turn.finishes) == turn.n and all(r in _OK for r in turn.finishes.values())
+        if not ok:
+            if turn.from_branch:
+                log.messages, log.branches = turn.base, []
+            self._drop_if_empty(session_id, log)
+            return
+        conversations = [turn.messages + [self._reply(turn.replies.get(i, []))] for i in range(turn.n)]
+        if turn.n == 1:
+            log.messages, log.branches = conversations[0], []
+        else:
+            log.messages, log.branches = turn.base, conversations
+
+    def _reply(self, token_ids: list[int]) -> dict:
+        text = ""
+        if self.tokenizer is not None:
+            reply = [t for t in token_ids if t not in self.eos_token_ids]
+            text = self.tokenizer.decode(reply, skip_special_tokens=True)
+        return {"role": "assistant", "content": text}
+
+    def _drop_if_empty(self, session_id: str, log: ChatLog) -> None:
+        """A log made by a first turn that did not end well: the session is not a chat (yet)."""
+        if not log.messages and not log.branches and log.turn is None:
+            del self.logs[session_id]
