@@ -96,6 +96,9 @@ class ModelInfo:
     max_queued_requests: int
     eos_token_ids: tuple[int, ...]
     has_chat_template: bool
+    max_tools: int = 0
+    max_grammar_bytes: int = 0
+    tool_call_format: str = ""  # "hermes", "mistral", "llama3_json" or "generic"
 
 
 @dataclass(frozen=True, slots=True)
