@@ -83,3 +83,16 @@ def test_filters_restrict_the_support(kw, allowed) -> None:  # type: ignore[no-u
     n = 3000
     tokens = sample(probs.log().repeat(n, 1), batch(n, seed=list(range(n)), **kw)).token_ids
     assert set(tokens.tolist()) == allowed
+
+
+def test_noise_never_reaches_one_so_a_token_without_probability_is_never_drawn() -> None:
+    # 2,000 rows over a 49,152-token vocabulary: ~3 draws fall in the top bucket of the 24-bit noise,
+    # which rounded to exactly 1.0 (infinite Gumbel noise) before it was capped.
+    rows, vocab = 2000, 49152
+    b = batch(rows, seed=list(range(rows)), position=list(range(rows)))
+    noise = uniform_noise(b, vocab)
+    assert float(noise.max()) < 1.0 and float(noise.min()) > 0.0
+    logits = torch.full((rows, vocab), float("-inf"))
+    allowed = torch.arange(rows) % vocab
+    logits[torch.arange(rows), allowed] = 0.0  # one possible token per row
+    assert sample(logits, b).token_ids.tolist() == allowed.tolist()

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 
 _MASK32 = 0xFFFFFFFF
+_BELOW_ONE = 1.0 - 2.0**-24  # the largest float32 below 1
 
 
 @dataclass(slots=True)
@@ -59,7 +60,9 @@ def uniform_noise(batch: SamplingBatch, vocab_size: int) -> torch.Tensor:
     key = _fmix32(key ^ (batch.position & _MASK32))  # [N]
     vocab = torch.arange(vocab_size, device=seed.device, dtype=torch.int64)
     bits = _fmix32(key[:, None] ^ _fmix32(vocab * 0x9E3779B1 & _MASK32)[None, :])
-    return ((bits >> 8).to(torch.float32) + 0.5) * (1.0 / (1 << 24))
+    # (k + 0.5) / 2^24 for the top k rounds to exactly 1.0 in float32, where the Gumbel noise would be +inf
+    # (a token drawn whatever its probability, NaN for a masked one): cap at the largest float below 1.
+    return (((bits >> 8).to(torch.float32) + 0.5) * (1.0 / (1 << 24))).clamp_(max=_BELOW_ONE)
 
 
 def _filter(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
