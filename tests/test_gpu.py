@@ -134,3 +134,30 @@ def test_cuda_bf16_logprobs_agree_with_cpu_fp32(tiny_checkpoint) -> None:
         # bf16 logits carry ~3 significant digits (steps of 1/64 near 2-4): a relative tolerance.
         assert all(abs(x - y) <= 0.1 * abs(x) + 0.05 for x, y in zip(top_a, top_b)), (top_a, top_b)
         assert first_a.top[0][0] == first_b.top[0][0] or abs(top_a[0] - top_a[1]) < 0.2
+
+
+def test_constrained_and_unconstrained_rows_in_one_cuda_graph_batch(tiny_checkpoint) -> None:
+    """Unconstrained sequences decoded in CUDA-graph batches beside grammar-constrained ones sample the
+    tokens they sample in a run without any grammar; the constrained ones match their regex."""
+    import re
+
+    from cbd.engine.grammar import GrammarCompiler, GrammarKind, GrammarSpec
+
+    vocab = [bytes([i]) for i in range(256)]  # the tiny model's 256 ids as single bytes; id 1 is its EOS
+    compiler = GrammarCompiler(None, 256, (1,), encoded_vocab=vocab)
+    grammar = compiler.compile(GrammarSpec(GrammarKind.REGEX, "[a-z]{30}"))
+    prompts = _prompts(12)
+    plain = [SamplingParams(max_tokens=40, temperature=t, seed=3, ignore_eos=True) for t in (0.0, 0.7)] * 3
+    constrained = [SamplingParams(max_tokens=40, temperature=t, seed=4, grammar=grammar) for t in (0.0, 1.0)] * 3
+    loaded = load_model(str(tiny_checkpoint("llama")), device="cuda")
+    for overlap in ("on", "off"):
+        cores = [make_core(loaded, overlap=overlap, max_num_seqs=16) for _ in range(2)]
+        for core in cores:
+            core.warm_up()  # captures the decode graphs
+            assert core.runner.graphs is not None and core.runner.graphs.graphs
+        alone = run_all(cores[0], prompts[:6], plain)
+        mixed = run_all(cores[1], prompts, plain + constrained)
+        assert [r["tokens"] for r in mixed[:6]] == [r["tokens"] for r in alone]
+        for r in mixed[6:]:
+            text = bytes(t for t in r["tokens"][0] if t != 1).decode()
+            assert r["finish"][0].value == "stop" and re.fullmatch("[a-z]{30}", text), text

@@ -23,7 +23,8 @@ SCHEMAS = {
         "tags": {"type": "array", "items": {"enum": ["red", "green", "blue"]}, "maxItems": 3}},
         "required": ["user"]},
     "numbers": {"type": "object", "properties": {"x": {"type": "number", "minimum": -1.5, "maximum": 2.5},
-                                                 "ok": {"type": "boolean"}, "note": {"type": ["string", "null"]}},
+                                                 "ok": {"type": "boolean"},
+                                                 "note": {"type": ["string", "null"], "maxLength": 24}},
                 "required": ["x", "ok", "note"]},
 }  # fmt: skip
 

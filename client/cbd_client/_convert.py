@@ -3,13 +3,17 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import grpc
 from google.protobuf.descriptor import FieldDescriptor
 from google.protobuf.message import Message
 
 from cbd_client.errors import CbdError
-from cbd_client.types import Candidate, Completion, Delta, ModelInfo, SessionInfo, Stats, TokenLogprob, Usage
+from cbd_client.structured import set_message_tool_fields, set_response_format, set_tools
+from cbd_client.types import (
+    Candidate, Completion, Delta, ModelInfo, SessionInfo, Stats, TokenLogprob, ToolCall, ToolCallDelta, Usage,
+)  # fmt: skip
 from cbd_client.v1 import cbd_pb2 as pb
 
 Prompt = str | Sequence[int] | Sequence[dict[str, str]]
@@ -19,6 +23,7 @@ _FINISH = {
     pb.FINISH_REASON_LENGTH: "length",
     pb.FINISH_REASON_ABORT: "abort",
     pb.FINISH_REASON_ERROR: "error",
+    pb.FINISH_REASON_TOOL_CALLS: "tool_calls",
 }
 _SAMPLING_FIELDS = frozenset(pb.SamplingParams.DESCRIPTOR.fields_by_name)
 
@@ -34,9 +39,12 @@ def set_prompt(message: pb.GenerateRequest | pb.TokenizeRequest | pb.OpenSession
         message.text = prompt
     elif isinstance(prompt, Sequence) and prompt and all(isinstance(m, dict) for m in prompt):
         for i, m in enumerate(prompt):
-            if not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):  # type: ignore[union-attr]
+            content = m.get("content")  # type: ignore[union-attr]
+            if content is None and m.get("tool_calls"):  # type: ignore[union-attr]
+                content = ""  # an assistant message that only calls tools
+            if not isinstance(m.get("role"), str) or not isinstance(content, str):  # type: ignore[union-attr]
                 raise invalid(f"chat message {i} needs a string 'role' and a string 'content', got {m!r}")
-            message.chat.messages.add(role=m["role"], content=m["content"])  # type: ignore[index]
+            set_message_tool_fields(message.chat.messages.add(role=m["role"], content=content), m)  # type: ignore[arg-type, index]
     elif isinstance(message, (pb.GenerateRequest, pb.OpenSessionRequest)) and isinstance(prompt, Sequence) and all(
         isinstance(t, int) and not isinstance(t, bool) for t in prompt
     ):
@@ -50,7 +58,7 @@ def set_prompt(message: pb.GenerateRequest | pb.TokenizeRequest | pb.OpenSession
 
 def generate_request(
     prompt: Prompt, n: int, request_id: str, sampling: dict[str, object], session_id: str = "",
-    parent_candidate: int | None = None,
+    parent_candidate: int | None = None, tools: Any = None, tool_choice: Any = None, response_format: Any = None,
 ) -> pb.GenerateRequest:  # fmt: skip
     unknown = sorted(set(sampling) - _SAMPLING_FIELDS)
     if unknown:
@@ -64,6 +72,8 @@ def generate_request(
     if parent_candidate is not None:
         _set(request, "parent_candidate", parent_candidate)
     set_prompt(request, prompt)
+    set_tools(request, tools, tool_choice)
+    set_response_format(request, response_format)
     for name, value in sampling.items():
         if value is not None:
             _set(request.sampling, name, [value] if isinstance(value, str) and name == "stop" else value)
@@ -103,6 +113,7 @@ def deltas(response: pb.GenerateResponse) -> list[Delta]:
                 request_id=response.request_id, index=c.index, text=c.text, token_ids=tuple(c.token_ids),
                 logprobs=logprobs, finish_reason=_FINISH.get(c.finish_reason),
                 usage=_usage(c.usage) if c.HasField("usage") else None,
+                tool_calls=tuple(ToolCallDelta(t.index, t.id, t.name, t.arguments) for t in c.tool_calls),
             )  # fmt: skip
         )
     return out
@@ -128,6 +139,10 @@ class CompletionBuilder:
             c.logprobs += d.logprobs
             c.finish_reason = d.finish_reason or c.finish_reason
             c.usage = d.usage or c.usage
+            for t in d.tool_calls:
+                if t.index == len(c.tool_calls):
+                    c.tool_calls.append(ToolCall(t.id, t.name))
+                c.tool_calls[t.index].arguments += t.arguments
         return ds
 
     def result(self) -> Completion:

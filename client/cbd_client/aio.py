@@ -10,6 +10,8 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator, Callable
 
+from typing import Any
+
 import grpc
 
 from cbd_client import _convert, readiness
@@ -43,9 +45,10 @@ class AsyncClient:
             self._channel = grpc.aio.insecure_channel(self.address)
         self._stub = CbdStub(self._channel)
 
-    async def generate(self, prompt: Prompt, *, n: int = 1, request_id: str = "", timeout: float | None = None, session_id: str = "", parent_candidate: int | None = None, **sampling) -> Completion:  # type: ignore[no-untyped-def]
+    async def generate(self, prompt: Prompt, *, n: int = 1, request_id: str = "", timeout: float | None = None, session_id: str = "", parent_candidate: int | None = None, tools: list[dict[str, Any]] | None = None, tool_choice: Any = None, response_format: Any = None, **sampling) -> Completion:  # type: ignore[no-untyped-def]
         builder = _convert.CompletionBuilder(n)
-        request = _convert.generate_request(prompt, n, request_id, sampling, session_id, parent_candidate)
+        request = _convert.generate_request(prompt, n, request_id, sampling, session_id, parent_candidate, tools, tool_choice,
+                                              response_format)
         try:
             async for response in self._stub.Generate(request, timeout=timeout or self.timeout, metadata=self._metadata):
                 builder.add(response)
@@ -53,9 +56,10 @@ class AsyncClient:
             raise CbdError.from_rpc(e) from None
         return builder.result()
 
-    async def stream(self, prompt: Prompt, *, n: int = 1, request_id: str = "", timeout: float | None = None, session_id: str = "", parent_candidate: int | None = None, **sampling) -> AsyncIterator[Delta]:  # type: ignore[no-untyped-def]
+    async def stream(self, prompt: Prompt, *, n: int = 1, request_id: str = "", timeout: float | None = None, session_id: str = "", parent_candidate: int | None = None, tools: list[dict[str, Any]] | None = None, tool_choice: Any = None, response_format: Any = None, **sampling) -> AsyncIterator[Delta]:  # type: ignore[no-untyped-def]
         """Yield deltas as they arrive; closing the iterator early cancels the request on the daemon."""
-        request = _convert.generate_request(prompt, n, request_id, sampling, session_id, parent_candidate)
+        request = _convert.generate_request(prompt, n, request_id, sampling, session_id, parent_candidate, tools, tool_choice,
+                                              response_format)
         call = self._stub.Generate(request, timeout=timeout or self.timeout, metadata=self._metadata)
         try:
             async for response in call:

@@ -16,15 +16,24 @@ import dataclasses
 import json
 import sys
 
+import grpc
+
 from cbd_client.client import Client
 from cbd_client.errors import CbdError
 
 
 def _sampling(args: argparse.Namespace) -> dict[str, object]:
-    return {
+    values: dict[str, object] = {
         "max_tokens": args.max_tokens, "temperature": args.temperature, "top_p": args.top_p,
         "top_k": args.top_k, "seed": args.seed, "stop": args.stop or None,
     }  # fmt: skip
+    if args.json_schema:
+        try:
+            with open(args.json_schema, encoding="utf-8") as f:
+                values["response_format"] = {"type": "json_schema", "json_schema": json.load(f)}
+        except (OSError, ValueError) as exc:
+            raise CbdError(grpc.StatusCode.INVALID_ARGUMENT, f"--json-schema {args.json_schema}: {exc}") from None
+    return values
 
 
 def _stream_answer(client: Client, prompt, args: argparse.Namespace) -> str:  # type: ignore[no-untyped-def]
@@ -71,6 +80,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int)
     parser.add_argument("--stop", action="append", help="a stop string (repeatable)")
     parser.add_argument("-n", type=int, default=1, help="number of candidates")
+    parser.add_argument("--json-schema", metavar="FILE",
+                        help="a JSON schema file: the answer is JSON valid under it (constrained decoding)")  # fmt: skip
     parser.add_argument("--wait", type=float, default=120.0,
                         help="seconds to wait for a daemon that is still loading its model (default 120); with no "
                              "daemon at the address (no socket file, connection refused) the client fails at once")  # fmt: skip

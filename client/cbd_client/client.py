@@ -6,6 +6,8 @@
 
 Sampling keyword arguments: max_tokens, temperature, top_p, top_k, min_p, seed, stop, stop_token_ids,
 ignore_eos, logprobs, include_special_tokens (see proto/cbd/v1/cbd.proto for their meaning).
+Structured output: tools=, tool_choice=, response_format= (see cbd_client.structured); a candidate's
+tool calls are `candidate.tool_calls`, and a streamed Delta carries `tool_calls` pieces.
 A prompt is a str (text), a list of ints (token ids) or a list of {"role", "content"} dicts (chat).
 """
 
@@ -13,6 +15,8 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterator
+
+from typing import Any
 
 import grpc
 
@@ -47,10 +51,11 @@ class Client:
             self._channel = grpc.insecure_channel(self.address)
         self._stub = CbdStub(self._channel)
 
-    def generate(self, prompt: Prompt, *, n: int = 1, request_id: str = "", timeout: float | None = None, session_id: str = "", parent_candidate: int | None = None, **sampling) -> Completion:  # type: ignore[no-untyped-def]
+    def generate(self, prompt: Prompt, *, n: int = 1, request_id: str = "", timeout: float | None = None, session_id: str = "", parent_candidate: int | None = None, tools: list[dict[str, Any]] | None = None, tool_choice: Any = None, response_format: Any = None, **sampling) -> Completion:  # type: ignore[no-untyped-def]
         """Run to completion and return every candidate."""
         builder = _convert.CompletionBuilder(n)
-        request = _convert.generate_request(prompt, n, request_id, sampling, session_id, parent_candidate)
+        request = _convert.generate_request(prompt, n, request_id, sampling, session_id, parent_candidate, tools, tool_choice,
+                                              response_format)
         try:
             for response in self._stub.Generate(request, timeout=timeout or self.timeout, metadata=self._metadata):
                 builder.add(response)
@@ -58,9 +63,10 @@ class Client:
             raise CbdError.from_rpc(e) from None
         return builder.result()
 
-    def stream(self, prompt: Prompt, *, n: int = 1, request_id: str = "", timeout: float | None = None, session_id: str = "", parent_candidate: int | None = None, **sampling) -> Iterator[Delta]:  # type: ignore[no-untyped-def]
+    def stream(self, prompt: Prompt, *, n: int = 1, request_id: str = "", timeout: float | None = None, session_id: str = "", parent_candidate: int | None = None, tools: list[dict[str, Any]] | None = None, tool_choice: Any = None, response_format: Any = None, **sampling) -> Iterator[Delta]:  # type: ignore[no-untyped-def]
         """Yield deltas as they arrive; leaving the loop early cancels the request on the daemon."""
-        request = _convert.generate_request(prompt, n, request_id, sampling, session_id, parent_candidate)
+        request = _convert.generate_request(prompt, n, request_id, sampling, session_id, parent_candidate, tools, tool_choice,
+                                              response_format)
         call = self._stub.Generate(request, timeout=timeout or self.timeout, metadata=self._metadata)
         try:
             for response in call:

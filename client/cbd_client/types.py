@@ -20,6 +20,28 @@ class TokenLogprob:
 
 
 @dataclass(frozen=True, slots=True)
+class ToolCallDelta:
+    """A piece of a tool call: the first of an index has id and name, later ones argument fragments."""
+
+    index: int
+    id: str = ""
+    name: str = ""
+    arguments: str = ""
+
+
+@dataclass(slots=True)
+class ToolCall:
+    id: str
+    name: str
+    arguments: str = ""  # JSON text
+
+    def parsed_arguments(self) -> object:
+        import json
+
+        return json.loads(self.arguments)
+
+
+@dataclass(frozen=True, slots=True)
 class Delta:
     """What one candidate produced since the previous delta."""
 
@@ -28,8 +50,9 @@ class Delta:
     text: str
     token_ids: tuple[int, ...]
     logprobs: tuple[TokenLogprob, ...] = ()
-    finish_reason: str | None = None  # "stop", "length", "abort" or "error" on the candidate's last delta
+    finish_reason: str | None = None  # "stop", "length", "abort", "error" or "tool_calls" on the last delta
     usage: Usage | None = None  # on the candidate's last delta
+    tool_calls: tuple[ToolCallDelta, ...] = ()
 
 
 @dataclass(slots=True)
@@ -40,6 +63,7 @@ class Candidate:
     logprobs: list[TokenLogprob] = field(default_factory=list)
     finish_reason: str | None = None
     usage: Usage | None = None
+    tool_calls: list[ToolCall] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -72,6 +96,9 @@ class ModelInfo:
     max_queued_requests: int
     eos_token_ids: tuple[int, ...]
     has_chat_template: bool
+    max_tools: int = 0
+    max_grammar_bytes: int = 0
+    tool_call_format: str = ""  # "hermes", "mistral", "llama3_json" or "generic"
 
 
 @dataclass(frozen=True, slots=True)

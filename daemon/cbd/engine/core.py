@@ -30,6 +30,8 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+
 from cbd.config import EngineConfig
 from cbd.engine.admission import Admission
 from cbd.engine.block_manager import BlockManager
@@ -199,7 +201,12 @@ class EngineCore:
         if not self.overlap:
             return self._complete(launched) if launched is not None else []
         previous, self._inflight = self._inflight, launched
-        return self._complete(previous) if previous is not None else []
+        outputs = self._complete(previous) if previous is not None else []
+        if launched is not None and launched.step.pending is not None:
+            # Constrained rows: the forward of this step is on the device already; its sampling waits
+            # for the masks, which need the previous step's tokens (just accepted by the grammars).
+            self.runner.sample_masked(launched.step, self._masks(launched.plan))
+        return outputs
 
     def fail_all(self, reason: FinishReason) -> list[RequestOutput]:
         if self._inflight is not None:
@@ -245,10 +252,28 @@ class EngineCore:
 
     # ---- internals --------------------------------------------------------------------------
     def _launch(self, plan: StepPlan) -> _Launched:
-        """Launch a planned (and already booked) step."""
-        step = self.runner.launch(pack_step(plan, self.runner.graph_bucket, self.runner.scratch_block))
+        """Launch a planned (and already booked) step. A step with constrained rows is launched with
+        their token masks (sync: every grammar is up to date) or with its sampling deferred (overlap:
+        the grammars still wait for the tokens of the step in flight; see step())."""
+        batch = pack_step(plan, self.runner.graph_bucket, self.runner.scratch_block)
+        if any(row.target.grammar is not None for row in plan.samples):
+            if self.overlap:
+                batch.defer_sample = True
+            else:
+                batch.masks = self._masks(plan)
+        step = self.runner.launch(batch)
         self.num_steps += 1
         return _Launched(plan, step)
+
+    def _masks(self, plan: StepPlan) -> torch.Tensor:
+        """[rows, ceil(vocab / 32)] int32 bitmask of each sample row's allowed tokens (all for rows
+        without a grammar, and for rows whose sequence ended while this step was being prepared)."""
+        masks = self.runner.mask_buffer(len(plan.samples))
+        for i, row in enumerate(plan.samples):
+            state = row.target.grammar
+            if state is not None and not state.finished and not row.target.is_finished:
+                state.fill(masks, i)
+        return masks
 
     def _complete(self, launched: _Launched) -> list[RequestOutput]:
         sampled = self.runner.wait(launched.step)
@@ -275,6 +300,9 @@ class EngineCore:
 
     def _new_sequence(self, request: Request, candidate: int, token_ids: list[int]) -> Sequence:
         seq = Sequence(next(self._seq_ids), request, candidate, token_ids, len(request.prompt_token_ids))
+        if request.params.grammar is not None:
+            # Forks are made before the parent's first token: every candidate starts the grammar afresh.
+            seq.grammar = request.params.grammar.new_state()
         request.sequences.append(seq)
         self.outputs.attach(seq)
         return seq

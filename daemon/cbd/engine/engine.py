@@ -28,7 +28,8 @@ from cbd.engine.outputs import EngineStats, ModelFacts
 from cbd.engine.request_stream import Completion, RequestStream
 from cbd.engine.sampling_params import SamplingParams
 from cbd.engine.sessions import SessionInfo, TurnInput
-from cbd.errors import CapacityExceeded, EngineStopped
+from cbd.engine.grammar import CompiledGrammar, GrammarCompiler, GrammarSpec
+from cbd.errors import CapacityExceeded, EngineStopped, InvalidRequest
 from cbd.model.loader import LoadedModel
 
 T = TypeVar("T")
@@ -57,6 +58,8 @@ class Engine:
         if self._loop.start_error is not None:
             raise self._loop.start_error
         self.core = self._loop.core  # tests and tools; the server never touches it
+        self._grammars: GrammarCompiler | None = None  # made on first use (the library loads in ~2 s)
+        self._grammar_lock = threading.Lock()
 
     @property
     def loaded(self) -> LoadedModel:
@@ -95,6 +98,18 @@ class Engine:
             max_model_len=self.core.max_model_len, num_kv_blocks=self.core.block_manager.num_blocks,
             block_size=self.config.block_size, eos_token_ids=tuple(loaded.eos_token_ids),
         )  # fmt: skip
+
+    def compile_grammar(self, spec: GrammarSpec) -> CompiledGrammar:
+        """The compiled grammar for `spec` against this model's tokenizer, from a cache keyed by the spec's
+        text. Thread-safe; meant for a worker thread (the request waits, not the batch). Raises
+        InvalidRequest for a spec the grammar library rejects, or a model without a tokenizer."""
+        with self._grammar_lock:
+            if self._grammars is None:
+                loaded = self.core.loaded
+                if loaded.tokenizer is None:
+                    raise InvalidRequest("structured output and tools need a tokenizer, and this checkpoint has none")
+                self._grammars = GrammarCompiler(loaded.tokenizer, loaded.spec.vocab_size, tuple(loaded.eos_token_ids))
+        return self._grammars.compile(spec)
 
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
         """Raise InvalidRequest for a request that can never run (reads only configuration)."""

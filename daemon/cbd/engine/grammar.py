@@ -49,11 +49,19 @@ class GrammarSpec:
 class GrammarCompiler:
     """Compiles specs against the served tokenizer; a bounded LRU of compiled grammars."""
 
-    def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: tuple[int, ...], cache_size: int = 256) -> None:
+    def __init__(
+        self, tokenizer: Any, vocab_size: int, stop_token_ids: tuple[int, ...], cache_size: int = 256,
+        encoded_vocab: list[bytes] | None = None,
+    ) -> None:  # fmt: skip
+        """tokenizer: a transformers tokenizer; or None with encoded_vocab, each token's bytes (tests)."""
         import xgrammar as xgr
 
         self._xgr = xgr
-        self.info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size, stop_token_ids=list(stop_token_ids))
+        stops = list(stop_token_ids)
+        if tokenizer is None:
+            self.info = xgr.TokenizerInfo(encoded_vocab, vocab_size=vocab_size, stop_token_ids=stops)
+        else:
+            self.info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size, stop_token_ids=stops)
         self._compiler = xgr.GrammarCompiler(self.info, max_threads=2, cache_enabled=False)
         self._cache: OrderedDict[GrammarSpec, Any] = OrderedDict()
         self._lock = threading.Lock()

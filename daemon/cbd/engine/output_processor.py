@@ -38,6 +38,8 @@ class OutputProcessor:
         reason: FinishReason | None = None
         if token_id in params.stop_token_ids or (not params.ignore_eos and token_id in self.eos_token_ids):
             reason = FinishReason.STOP
+        elif seq.grammar is not None and seq.grammar.finished:  # the grammar's end (its stop token)
+            reason = FinishReason.STOP
         elif state.detokenizer is not None:
             text, hit = state.matcher.feed(state.detokenizer.push(token_id))
             if hit:

@@ -26,12 +26,23 @@ import torch
 
 from cbd.engine.cuda_graphs import DecodeGraphs
 from cbd.engine.sampler import SampleResult, SamplingBatch, sample
-from cbd.engine.step_inputs import InputStager, StepBatch, StepMeta, StepTensors
+from cbd.engine.step_inputs import InputStager, StagedStep, StepBatch, StepMeta, StepTensors
 from cbd.engine.streams import DeviceStreams
-from cbd.engine.tp_messages import RunStep, WarmUp, WorkerMessage
+from cbd.engine.token_masks import TokenMasks
+from cbd.engine.tp_messages import RunStep, SampleStep, WarmUp, WorkerMessage
 from cbd.model.attention import BatchLayout, slot_mapping
 from cbd.model.attention_backends import AttentionBackend, select_backend
 from cbd.model.llama import CausalLM
+
+
+@dataclass(slots=True)
+class PendingSample:
+    """A launched forward whose sampling waits for token masks (`sample_masked`)."""
+
+    logits: torch.Tensor  # [R, V] the rows to sample
+    tensors: StepTensors
+    meta: StepMeta
+    staged: StagedStep
 
 
 @dataclass(slots=True)
@@ -43,6 +54,7 @@ class InflightStep:
     host: SampleResult | None  # pinned host copies, valid once `done` has passed
     done: torch.cuda.Event | None
     keep: list = field(default_factory=list)
+    pending: PendingSample | None = None  # set while its sampling waits for masks
 
 
 @dataclass(slots=True)
@@ -88,6 +100,7 @@ class ModelRunner:
                 self.scratch_block, self.streams.compute,
             )  # fmt: skip
         self._last_sampled: torch.Tensor | None = None
+        self.masks = TokenMasks(self.streams, spec.vocab_size)
         # Tensor parallelism: sends each step (and warm-up) to the worker ranks before running it here.
         self.broadcast: Callable[[WorkerMessage], None] | None = None
         # Every launch appends (start, end) CUDA events bracketing its compute-stream work: the last 64
@@ -149,38 +162,70 @@ class ModelRunner:
         """The captured decode graph's batch for num_seqs sequences, or None (run eagerly)."""
         return self.graphs.bucket(num_seqs) if self.graphs is not None else None
 
+    def mask_buffer(self, num_rows: int) -> torch.Tensor:
+        """A host bitmask of num_rows rows, every token allowed, for the caller to restrict (see TokenMasks)."""
+        return self.masks.buffer(num_rows)
+
     @torch.inference_mode()
     def launch(self, batch: StepBatch) -> InflightStep:
         """Stage and enqueue one packed step; returns at once. Tensor-parallel workers get the same
-        step first and run it on their shards (rank 0 and workers alike call this)."""
+        step first and run it on their shards (rank 0 and workers alike call this). With
+        `batch.defer_sample` only the forward is enqueued; `sample_masked` enqueues the sampling."""
         if self.broadcast is not None:
             self.broadcast(RunStep(batch))
         meta = batch.meta
         staged = self.stager.stage(batch.packed)
         t = staged.tensors
         s = self.streams
+        masks = self.masks.stage(batch.masks) if batch.masks is not None else None
         with s.on(s.compute):
             s.wait(s.compute, staged.slot.h2d_done)
-            timing = None
-            if self.step_events is not None and s.cuda:
-                timing = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
-                timing[0].record(s.compute)
+            timing = self._start_timing()
             self._copy_blocks(batch.block_copies)
             if t.carry_dst is not None:
                 assert self._last_sampled is not None and t.carry_src is not None
                 t.ids.index_copy_(0, t.carry_dst, self._last_sampled.index_select(0, t.carry_src))
             logits = self._forward(t, meta)
-            result = None
             if meta.num_rows:
                 if t.row_logits is not None:
                     logits = logits.index_select(0, t.row_logits)
-                result = sample(logits[: meta.num_rows], _sampling_batch(t, meta))
+                logits = logits[: meta.num_rows]
+                if batch.defer_sample:
+                    self._end_timing(timing)
+                    return InflightStep(meta.num_rows, None, None, None, [staged], PendingSample(logits, t, meta, staged))
+        return self._sample(logits if meta.num_rows else None, t, meta, staged, masks, timing)
+
+    @torch.inference_mode()
+    def sample_masked(self, step: InflightStep, masks: torch.Tensor) -> None:
+        """Enqueue the deferred sampling of `step` under `masks` (from mask_buffer, filled by the caller)."""
+        if self.broadcast is not None:
+            self.broadcast(SampleStep(masks))
+        pending, step.pending = step.pending, None
+        assert pending is not None
+        staged_masks = self.masks.stage(masks)
+        with self.streams.on(self.streams.compute):
+            timing = self._start_timing()
+        done = self._sample(pending.logits, pending.tensors, pending.meta, pending.staged, staged_masks, timing)
+        step.sampled, step.host, step.done = done.sampled, done.host, done.done
+        step.keep += done.keep
+
+    def _sample(
+        self, logits: torch.Tensor | None, t: StepTensors, meta: StepMeta, staged: StagedStep,
+        masks: tuple[torch.Tensor, torch.cuda.Event | None] | None, timing: tuple | None,
+    ) -> InflightStep:  # fmt: skip
+        """On the compute stream: mask, sample, release the staged inputs; then the d2h copy of the tokens."""
+        s = self.streams
+        result = None
+        with s.on(s.compute):
+            if logits is not None:
+                if masks is not None:
+                    s.wait(s.compute, masks[1])
+                    logits = self.masks.apply(logits, masks[0])
+                result = sample(logits, _sampling_batch(t, meta))
             self.stager.release(staged)
             compute_done = s.event()
             s.record(compute_done, s.compute)
-            if timing is not None:
-                timing[1].record(s.compute)
-                self.step_events.append(timing)  # type: ignore[union-attr]
+            self._end_timing(timing)
         if result is None:
             self._last_sampled = None
             return InflightStep(0, None, None, None, [staged])
@@ -191,7 +236,21 @@ class ModelRunner:
             _copy_result(host, result)
             s.record(done, s.d2h)
         self._last_sampled = result.token_ids
-        return InflightStep(meta.num_rows, result.token_ids, host, done, [staged, result])
+        keep = [staged, result] if masks is None else [staged, result, masks[0]]
+        return InflightStep(meta.num_rows, result.token_ids, host, done, keep)
+
+    def _start_timing(self) -> tuple | None:
+        """(start, end) CUDA events bracketing compute-stream work, for the GPU-busy gauge (None on CPU)."""
+        if self.step_events is None or not self.streams.cuda:
+            return None
+        timing = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+        timing[0].record(self.streams.compute)
+        return timing
+
+    def _end_timing(self, timing: tuple | None) -> None:
+        if timing is not None:
+            timing[1].record(self.streams.compute)
+            self.step_events.append(timing)  # type: ignore[union-attr]
 
     def wait(self, step: InflightStep) -> SampledTokens:
         """Block until the step's tokens are on the host; the only host sync of the loop."""

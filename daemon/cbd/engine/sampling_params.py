@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from cbd.errors import InvalidRequest
+
+if TYPE_CHECKING:
+    from cbd.engine.grammar import CompiledGrammar
 
 MAX_LOGPROBS = 20
 MAX_STOP_STRINGS = 16
@@ -27,6 +31,9 @@ class SamplingParams:
     logprobs: int | None = None  # top-N alternatives per token; 0 returns only the chosen token's logprob
     n: int = 1
     skip_special_tokens: bool = True
+    # Every candidate's reply is held to this grammar (constrained decoding; see engine/grammar.py). Once
+    # the grammar is complete the candidate stops (finish reason stop), ignore_eos notwithstanding.
+    grammar: CompiledGrammar | None = None
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:

@@ -19,7 +19,8 @@ The scheduler also does the plan's accounting, in one place, on both sides of th
                                       fan-out forks, which share the parent's blocks and run right
                                       after it), and appends a PLACEHOLDER to every row's target;
   update_from_output(plan, tokens)    puts the tokens in place of the placeholders (targets that
-                                      finished meanwhile are skipped) and commits the blocks they fill.
+                                      finished meanwhile are skipped), advances each constrained
+                                      target's grammar by its token, and commits the blocks they fill.
 So the next schedule never waits for a step's tokens (the overlap loop), and whatever later
 features add per step (grammar state, accepted drafts) is booked in the same two places.
 """
@@ -185,6 +186,8 @@ class Scheduler:
                 continue
             seq.token_ids[row.position] = token_ids[i]
             seq.num_placeholders -= 1
+            if seq.grammar is not None:  # the token was sampled under this grammar's mask
+                seq.grammar.accept(token_ids[i])
             live.append(i)
         for chunk in plan.chunks:
             if not chunk.seq.is_finished:

@@ -56,6 +56,7 @@ class Sequence:
     pending_row: int = -1  # sampling row of the newest placeholder in the step that samples it
     final_in_flight: bool = False  # the token in flight is its last (length limit): schedule no more
     finish_reason: FinishReason | None = None
+    grammar: Any = None  # GrammarState: where the reply stands in its request's grammar (None: unconstrained)
     # Output-side state owned by the engine's output processor (detokenizer, stop matcher).
     output_state: Any = None
 

@@ -73,6 +73,10 @@ class StepBatch:
     packed: PackedStep
     meta: StepMeta
     block_copies: list[tuple[int, int]]  # (src, dst) KV block copies before the forward
+    # Constrained rows (engine/token_masks.py): their host bitmask, when known at launch (sync mode); or,
+    # in overlap mode, defer_sample: the forward runs now and sampling waits for runner.sample_masked.
+    masks: torch.Tensor | None = None
+    defer_sample: bool = False
 
 
 @dataclass(slots=True)

@@ -21,7 +21,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from cbd.config import EngineConfig
-from cbd.engine.tp_messages import RunStep, Setup, StopWorkers, WarmUp, WorkerMessage
+from cbd.engine.tp_messages import RunStep, SampleStep, Setup, StopWorkers, WarmUp, WorkerMessage
 
 log = logging.getLogger(__name__)
 
@@ -111,6 +111,9 @@ def _worker_main(rank: int, world: int, port: int, values: dict[str, Any]) -> No
             if previous is not None:
                 runner.streams.synchronize(previous.done)  # at most one step in flight, like rank 0
             previous = step
+        elif type(message) is SampleStep:
+            assert previous is not None and previous.pending is not None
+            runner.sample_masked(previous, message.masks)  # as rank 0 samples: same masks, same tokens
         elif type(message) is WarmUp:
             runner.warm_up()
         elif type(message) is StopWorkers:

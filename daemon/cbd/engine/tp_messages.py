@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Union
 
+import torch
+
 from cbd.engine.step_inputs import StepBatch
 
 
@@ -28,8 +30,15 @@ class RunStep:
 
 
 @dataclass(slots=True)
+class SampleStep:
+    """The token masks of the step whose sampling was deferred (constrained rows in overlap mode)."""
+
+    masks: torch.Tensor  # [rows, ceil(vocab / 32)] int32 on the host
+
+
+@dataclass(slots=True)
 class StopWorkers:
     pass
 
 
-WorkerMessage = Union[Setup, WarmUp, RunStep, StopWorkers]
+WorkerMessage = Union[Setup, WarmUp, RunStep, SampleStep, StopWorkers]

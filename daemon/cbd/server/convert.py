@@ -5,6 +5,8 @@ from __future__ import annotations
 from cbd.engine.outputs import RequestOutput, Usage
 from cbd.engine.sampling_params import SamplingParams
 from cbd.engine.sequence import FinishReason
+from cbd.server.tool_call_parser import ToolCallDelta, ToolCallParser
+from cbd.server.tool_calls import CallFormat
 from cbd_client.v1 import cbd_pb2 as pb
 
 _FINISH = {
@@ -39,12 +41,33 @@ def _usage(usage: Usage) -> pb.Usage:
     )
 
 
-def response(output: RequestOutput) -> pb.GenerateResponse:
+class ToolCallReplies:
+    """One streaming parser per candidate of a request whose reply may hold tool calls."""
+
+    def __init__(self, fmt: CallFormat) -> None:
+        self.fmt = fmt
+        self.parsers: dict[int, ToolCallParser] = {}
+
+    def split(self, index: int, text: str, finished: bool) -> tuple[str, list[ToolCallDelta], bool]:
+        """(plain text, call deltas, whether the candidate's reply ended in complete calls)."""
+        parser = self.parsers.setdefault(index, ToolCallParser(self.fmt))
+        plain, calls = parser.feed(text)
+        if finished:
+            plain += parser.finish()
+        return plain, calls, finished and bool(parser.complete_calls)
+
+
+def response(output: RequestOutput, replies: ToolCallReplies | None = None) -> pb.GenerateResponse:
     message = pb.GenerateResponse(request_id=output.request_id)
     for delta in output.candidates:
-        c = message.candidates.add(
-            index=delta.index, text=delta.text, token_ids=delta.token_ids, finish_reason=_FINISH[delta.finish_reason]
-        )
+        text, calls, finish = delta.text, [], _FINISH[delta.finish_reason]
+        if replies is not None:
+            text, calls, called = replies.split(delta.index, delta.text, delta.finish_reason is not None)
+            if called and delta.finish_reason is FinishReason.STOP:
+                finish = pb.FINISH_REASON_TOOL_CALLS
+        c = message.candidates.add(index=delta.index, text=text, token_ids=delta.token_ids, finish_reason=finish)
+        for call in calls:
+            c.tool_calls.add(index=call.index, id=call.id, name=call.name, arguments=call.arguments)
         for lp in delta.logprobs or ():
             c.logprobs.add(token_id=lp.token_id, logprob=lp.logprob, top=[pb.TopLogprob(token_id=t, logprob=v) for t, v in lp.top])
         if delta.usage is not None:

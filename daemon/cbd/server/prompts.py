@@ -5,18 +5,20 @@ from __future__ import annotations
 from typing import Any
 
 from cbd.errors import InvalidRequest
+from cbd.server.tool_calls import Tool, detect_format, render_messages
 from cbd_client.v1 import cbd_pb2 as pb
 
 
 class PromptEncoder:
     def __init__(self, tokenizer: Any | None) -> None:
         self.tokenizer = tokenizer
+        self.call_format = detect_format(getattr(tokenizer, "chat_template", None) if tokenizer is not None else None)
 
     @property
     def has_chat_template(self) -> bool:
         return self.tokenizer is not None and bool(getattr(self.tokenizer, "chat_template", None))
 
-    def encode(self, message: pb.GenerateRequest | pb.TokenizeRequest) -> list[int]:
+    def encode(self, message: pb.GenerateRequest | pb.TokenizeRequest, tools: list[Tool] | None = None) -> list[int]:
         kind = message.WhichOneof("input")
         if kind is None:
             raise InvalidRequest("a prompt is required: set one of text, chat or tokens")
@@ -24,16 +26,16 @@ class PromptEncoder:
             return list(message.tokens.ids)  # type: ignore[union-attr]
         if kind == "text":
             return self._tokenizer().encode(message.text)
-        return self._chat(message.chat)
+        return self._chat(message.chat, tools)
 
     def _tokenizer(self) -> Any:
         if self.tokenizer is None:
             raise InvalidRequest("this model has no tokenizer; send token ids")
         return self.tokenizer
 
-    def _chat(self, chat: pb.Chat) -> list[int]:
+    def _chat(self, chat: pb.Chat, tools: list[Tool] | None) -> list[int]:
         add_prompt = chat.add_generation_prompt if chat.HasField("add_generation_prompt") else True
-        return self.render(self.messages(chat), add_prompt)
+        return self.render(self.messages(chat), add_prompt, tools)
 
     def messages(self, chat: pb.Chat) -> list[dict]:
         if not self.has_chat_template:
@@ -44,14 +46,23 @@ class PromptEncoder:
         for i, m in enumerate(chat.messages):
             if not m.role:
                 raise InvalidRequest(f"chat message {i} has no role")
-            messages.append({"role": m.role, "content": m.content})
+            message: dict = {"role": m.role, "content": m.content}
+            if m.tool_calls:
+                message["tool_calls"] = [{"id": c.id, "name": c.name, "arguments": c.arguments} for c in m.tool_calls]
+            if m.tool_call_id:
+                message["tool_call_id"] = m.tool_call_id
+            messages.append(message)
         return messages
 
-    def render(self, messages: list[dict], add_generation_prompt: bool) -> list[int]:
+    def render(self, messages: list[dict], add_generation_prompt: bool, tools: list[Tool] | None = None) -> list[int]:
+        """Token ids of a conversation; tool calls, tool results and tools in the model family's way."""
+        fmt = self.call_format
+        kwargs = {"tools": [t.openai() for t in tools]} if tools and fmt.template_renders_tools else {}
         try:
             rendered = self.tokenizer.apply_chat_template(
-                messages, add_generation_prompt=add_generation_prompt, tokenize=True, return_dict=True
-            )
+                render_messages(fmt, messages, tools or []), add_generation_prompt=add_generation_prompt,
+                tokenize=True, return_dict=True, **kwargs,
+            )  # fmt: skip
         except Exception as exc:  # jinja errors raised by the template itself (e.g. role order)
             raise InvalidRequest(f"the chat template rejected the messages: {exc}") from exc
         return list(rendered["input_ids"])

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import asyncio
 import time
+from dataclasses import replace
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import Future
 
 import grpc
 
 from cbd.engine.engine import Engine
+from cbd.engine.grammar import MAX_GRAMMAR_BYTES
 from cbd.engine.outputs import RequestOutput
 from cbd.engine.sampling_params import MAX_CANDIDATES, MAX_LOGPROBS, MAX_STOP_STRINGS, SamplingParams
 from cbd.engine.sessions import SessionInfo, TurnInput
@@ -20,6 +22,8 @@ from cbd.server.chats import ChatLogs
 from cbd.server.logs import request_line
 from cbd.server.metrics import Metrics
 from cbd.server.prompts import PromptEncoder
+from cbd.server.structured import structure
+from cbd.server.tool_calls import MAX_TOOLS, Tool
 from cbd_client.v1 import cbd_pb2 as pb
 from cbd_client.v1.cbd_pb2_grpc import CbdServicer as _Base
 
@@ -56,6 +60,10 @@ class CbdService(_Base):
     async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[pb.GenerateResponse]:  # noqa: N802
         engine = self._engine()
         params = convert.sampling_params(request)
+        structured = structure(request, self.prompts.call_format)
+        if structured.spec is not None:  # compiled off the event loop and the engine thread; cached by text
+            params = replace(params, grammar=await asyncio.to_thread(engine.compile_grammar, structured.spec))
+        replies = convert.ToolCallReplies(self.prompts.call_format) if structured.parse_calls else None
         loop = asyncio.get_running_loop()
         outputs: asyncio.Queue[RequestOutput] = asyncio.Queue()
         arrived = time.monotonic()
@@ -64,11 +72,11 @@ class CbdService(_Base):
             loop.call_soon_threadsafe(outputs.put_nowait, out)
 
         if request.session_id:
-            request_id = await self._submit_turn(engine, request, params, outputs.put_nowait)
+            request_id = await self._submit_turn(engine, request, params, outputs.put_nowait, structured.tools)
         elif request.HasField("parent_candidate"):
             raise InvalidRequest("parent_candidate names a candidate of a session's last turn; it needs session_id")
         else:
-            prompt = self.prompts.encode(request)
+            prompt = self.prompts.encode(request, structured.tools)
             request_id = engine.submit(prompt, params, request.request_id or None, on_output)  # makes an id if none
         output: RequestOutput | None = None
         waiting_first_token = True
@@ -88,7 +96,7 @@ class CbdService(_Base):
                         self.metrics.inter_token.observe(elapsed - last_token_at)
                     last_token_at = elapsed
                 self.metrics.observe(output, elapsed)
-                yield convert.response(output)
+                yield convert.response(output, replies)
                 if output.finished and any(d.finish_reason is FinishReason.ERROR for d in output.candidates):
                     raise EngineFailure("the engine failed while running this request; see the daemon's log")
         finally:
@@ -110,7 +118,7 @@ class CbdService(_Base):
 
     async def _submit_turn(
         self, engine: Engine, request: pb.GenerateRequest, params: SamplingParams,
-        deliver: Callable[[RequestOutput], None],
+        deliver: Callable[[RequestOutput], None], tools: list[Tool],
     ) -> str:  # fmt: skip
         """Queue a turn of a session; `deliver` is called on this event loop with each output."""
         sid = request.session_id
@@ -133,7 +141,7 @@ class CbdService(_Base):
         new_messages = self.prompts.messages(request.chat)
         chat = self.chats.begin_turn(sid, parent, new_messages, params.n)
         try:
-            tokens = self.prompts.render(chat.messages, add_generation_prompt=True)
+            tokens = self.prompts.render(chat.messages, add_generation_prompt=True, tools=tools)
 
             def on_chat_output(out: RequestOutput) -> None:  # on the event loop, whether or not anyone listens
                 self.chats.on_output(sid, chat, out)
@@ -221,6 +229,9 @@ class CbdService(_Base):
             max_queued_requests=config.max_queued_requests,
             eos_token_ids=facts.eos_token_ids,
             has_chat_template=self.prompts.has_chat_template,
+            max_tools=MAX_TOOLS,
+            max_grammar_bytes=MAX_GRAMMAR_BYTES,
+            tool_call_format=self.prompts.call_format.name,
         )
 
     @status.unary

@@ -6,8 +6,8 @@ The family is read off the chat template: `<tool_call>` tags (Qwen 2.5/3, Hermes
 `<|python_tag|>` / ipython (Llama 3.x JSON calls). A template with no tool support (the embedded SmolLM2)
 gets the generic format: the tags of the first family, with the tools described in a system message that
 cbd writes. The reply is constrained by an xgrammar structural tag: free text in which the trigger starts a
-call whose name is one of the tools and whose arguments match that tool's schema (tool_choice auto), at
-least one call (required), or exactly one call of the named tool (a named choice).
+call whose name is one of the tools and whose arguments match that tool's schema (tool_choice auto), one
+or more calls and nothing else (required), or exactly one call of the named tool (a named choice).
 """
 
 from __future__ import annotations
@@ -111,11 +111,10 @@ def grammar_for(fmt: CallFormat, tools: list[Tool], choice: ToolChoice) -> Gramm
         if not named:
             raise InvalidRequest(f"tool_choice names {choice.name!r}, which is not among the tools given")
         return _structural_tag(_tag(fmt, named[0]))
-    triggered: dict[str, Any] = {"type": "triggered_tags", "triggers": [fmt.trigger],
-                                 "tags": [_tag(fmt, t) for t in tools]}  # fmt: skip
-    if choice.mode is ToolChoiceMode.REQUIRED:
-        triggered["at_least_one"] = True
-    return _structural_tag(triggered)
+    tags = [_tag(fmt, t) for t in tools]
+    if choice.mode is ToolChoiceMode.REQUIRED:  # calls only, one or more, one per line
+        return _structural_tag({"type": "tags_with_separator", "tags": tags, "separator": "\n", "at_least_one": True})
+    return _structural_tag({"type": "triggered_tags", "triggers": [fmt.trigger], "tags": tags})
 
 
 def _tag(fmt: CallFormat, tool: Tool) -> dict[str, Any]:

@@ -1,0 +1,129 @@
+"""Tool calls and structured output through a real daemon with the embedded model (generic call format):
+named and required choices always call valid tools, none never calls, streamed call deltas add up to the
+final calls, a three-turn tool loop in a session reuses its KV, and bad input is INVALID_ARGUMENT."""
+
+from __future__ import annotations
+
+import json
+
+import grpc
+import jsonschema
+import pytest
+
+from cbd_client import CbdError, Client
+from daemon_process import DaemonProcess
+
+pytestmark = pytest.mark.slow
+WEATHER = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20},
+                                            "unit": {"enum": ["C", "F"]}}, "required": ["city", "unit"]}  # fmt: skip
+SEARCH = {"type": "object", "properties": {"query": {"type": "string", "maxLength": 30}}, "required": ["query"]}
+TOOLS = [{"name": "get_weather", "description": "Current weather in a city", "parameters": WEATHER},
+         {"name": "search", "description": "Search the web", "parameters": SEARCH}]  # fmt: skip
+SCHEMAS = {"get_weather": WEATHER, "search": SEARCH}
+ASK = [{"role": "user", "content": "What is the weather in Paris right now?"}]
+
+
+@pytest.fixture(scope="module")
+def client(tmp_path_factory):  # type: ignore[no-untyped-def]
+    d = DaemonProcess(tmp_path_factory.mktemp("cbd") / "cbd.sock")
+    try:
+        d.wait_serving()
+        with Client(d.address, timeout=300) as c:
+            yield c
+    finally:
+        assert d.stop() == 0, d.log()
+
+
+def check_calls(candidate, names: set[str]) -> None:  # type: ignore[no-untyped-def]
+    assert candidate.tool_calls, candidate
+    for call in candidate.tool_calls:
+        assert call.name in names and call.id.startswith("call_")
+        jsonschema.validate(json.loads(call.arguments), SCHEMAS[call.name])
+        assert "<tool_call>" not in candidate.text  # calls never leak into the text
+
+
+def test_model_info_reports_the_generic_format_and_limits(client) -> None:  # type: ignore[no-untyped-def]
+    info = client.model_info()
+    assert info.tool_call_format == "generic" and info.max_tools == 128 and info.max_grammar_bytes == 65536
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_a_named_choice_always_calls_that_tool_with_valid_arguments(client, temperature) -> None:  # type: ignore[no-untyped-def]
+    result = client.generate(ASK, tools=TOOLS, tool_choice="search", n=4, seed=3, temperature=temperature, max_tokens=80)
+    for c in result.candidates:
+        assert c.finish_reason == "tool_calls" and [t.name for t in c.tool_calls] == ["search"] and c.text == ""
+        check_calls(c, {"search"})
+
+
+def test_required_calls_a_given_tool_and_none_never_calls(client) -> None:  # type: ignore[no-untyped-def]
+    required = client.generate(ASK, tools=TOOLS, tool_choice="required", n=2, seed=1, temperature=0.8, max_tokens=120)
+    for c in required.candidates:
+        assert c.finish_reason == "tool_calls"
+        check_calls(c, set(SCHEMAS))
+    none = client.generate(ASK, tools=TOOLS, tool_choice="none", temperature=0.0, max_tokens=40)
+    assert none.candidates[0].tool_calls == [] and none.candidates[0].finish_reason in ("stop", "length")
+
+
+def test_streamed_call_deltas_add_up_to_the_final_calls(client) -> None:  # type: ignore[no-untyped-def]
+    kwargs = dict(tools=TOOLS, tool_choice="get_weather", temperature=0.0, max_tokens=80)
+    final = client.generate(ASK, **kwargs).candidates[0].tool_calls
+    names, arguments, text = {}, {}, ""
+    for delta in client.stream(ASK, **kwargs):
+        text += delta.text
+        for piece in delta.tool_calls:
+            names[piece.index] = names.get(piece.index, "") + piece.name
+            arguments[piece.index] = arguments.get(piece.index, "") + piece.arguments
+    assert text == "" and [names[0]] == [c.name for c in final] and [arguments[0]] == [c.arguments for c in final]
+
+
+def test_json_schema_and_regex_response_formats(client) -> None:  # type: ignore[no-untyped-def]
+    for temperature in (0.0, 1.0):
+        result = client.generate(ASK, response_format={"type": "json_schema", "json_schema": WEATHER}, n=4, seed=2,
+                                 temperature=temperature, max_tokens=60)  # fmt: skip
+        for c in result.candidates:
+            assert c.finish_reason == "stop"
+            jsonschema.validate(json.loads(c.text), WEATHER)
+    answer = client.generate("Is the sky blue? Answer:", response_format={"type": "regex", "regex": " (yes|no)"},
+                             temperature=0.0, max_tokens=10).candidates[0]  # fmt: skip
+    assert answer.text in (" yes", " no") and answer.finish_reason == "stop"
+
+
+def test_a_three_turn_tool_loop_in_a_session_reuses_its_kv(client) -> None:  # type: ignore[no-untyped-def]
+    def get_weather(city: str, unit: str) -> str:
+        return json.dumps({"city": city, "temperature": 18 if unit == "C" else 64, "unit": unit})
+
+    cached = []
+    with client.session([{"role": "system", "content": "You are a weather assistant."}]) as agent:
+        messages = ASK
+        for _ in range(3):
+            reply = agent.send(messages, tools=TOOLS, tool_choice="get_weather", temperature=0.0, max_tokens=80)
+            call = reply.candidates[0].tool_calls[0]
+            check_calls(reply.candidates[0], {"get_weather"})
+            cached.append(reply.usage.cached_prompt_tokens)
+            messages = [{"role": "tool", "tool_call_id": call.id, "content": get_weather(**call.parsed_arguments())},
+                        {"role": "user", "content": "And tomorrow?"}]  # fmt: skip
+    assert cached[0] < cached[1] < cached[2], cached
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(response_format={"type": "regex", "regex": "(["}), "invalid regex"),
+        (dict(response_format={"type": "json_schema", "json_schema": "{nope"}), "json_schema is not valid JSON"),
+        (dict(tools=TOOLS, tool_choice="nope"), "not among the tools"),
+        (dict(tools=[{"name": "x", "parameters": "[1]"}]), "must be a JSON schema object"),
+        (dict(tools=TOOLS, response_format={"type": "json_object"}), "not both"),
+        (dict(tool_choice="required"), "needs tools"),
+        (dict(response_format={"type": "regex", "regex": "a" * 70000}), "at most 65536"),
+    ],
+)
+def test_bad_structured_input_is_invalid_argument(client, kwargs, match) -> None:  # type: ignore[no-untyped-def]
+    with pytest.raises(CbdError, match=match) as info:
+        client.generate(ASK, max_tokens=4, **kwargs)
+    assert info.value.code == grpc.StatusCode.INVALID_ARGUMENT
+    assert client.stats().kv_blocks_used == 0
+
+
+def test_tools_need_chat_input(client) -> None:  # type: ignore[no-untyped-def]
+    with pytest.raises(CbdError, match="tools need chat input"):
+        client.generate("plain text", tools=TOOLS, max_tokens=4)
