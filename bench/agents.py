@@ -54,7 +54,9 @@ class Agent:
 
 def _params(agent: Agent, turn: int, new_tokens: int) -> SamplingParams:
     if turn % 3 == 2:  # every third turn fans out
-        return SamplingParams(max_tokens=new_tokens, temperature=0.8, seed=1000 * agent.index + turn, n=4, ignore_eos=True)
+        return SamplingParams(
+            max_tokens=new_tokens, temperature=0.8, seed=1000 * agent.index + turn, n=4, ignore_eos=True
+        )
     return SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
 
 
@@ -75,7 +77,12 @@ def run(core: EngineCore, system: list[int], scripts: list[list[list[int]]], new
         else:
             request = core.add_request(agent.history + tool, params)
         agent.history += tool
-        agent.request_id, agent.submitted, agent.got_first, agent.tokens = request.request_id, time.perf_counter(), False, {}
+        agent.request_id, agent.submitted, agent.got_first, agent.tokens = (
+            request.request_id,
+            time.perf_counter(),
+            False,
+            {},
+        )
         by_request[request.request_id] = agent
 
     start = time.perf_counter()

@@ -27,13 +27,38 @@ from cbd.engine.sampling_params import SamplingParams
 
 log = logging.getLogger("bench")
 TOPICS = [
-    "the capital of France", "how rainbows form", "a haiku about autumn", "prime numbers", "the water cycle",
-    "why the sky is blue", "how to boil an egg", "the moon landing", "photosynthesis", "a short poem about cats",
-    "the rules of chess", "what a CPU does", "the history of Rome", "how vaccines work", "black holes",
-    "tips for better sleep", "the French revolution", "how to learn a language", "what DNA is", "volcanoes",
-    "how airplanes fly", "the Pythagorean theorem", "recycling", "the stock market", "a limerick about a dog",
-    "the speed of light", "how bees make honey", "the Great Wall of China", "machine learning", "tea vs coffee",
-    "the planets of the solar system", "how a bicycle works",
+    "the capital of France",
+    "how rainbows form",
+    "a haiku about autumn",
+    "prime numbers",
+    "the water cycle",
+    "why the sky is blue",
+    "how to boil an egg",
+    "the moon landing",
+    "photosynthesis",
+    "a short poem about cats",
+    "the rules of chess",
+    "what a CPU does",
+    "the history of Rome",
+    "how vaccines work",
+    "black holes",
+    "tips for better sleep",
+    "the French revolution",
+    "how to learn a language",
+    "what DNA is",
+    "volcanoes",
+    "how airplanes fly",
+    "the Pythagorean theorem",
+    "recycling",
+    "the stock market",
+    "a limerick about a dog",
+    "the speed of light",
+    "how bees make honey",
+    "the Great Wall of China",
+    "machine learning",
+    "tea vs coffee",
+    "the planets of the solar system",
+    "how a bicycle works",
 ]
 
 
@@ -41,7 +66,9 @@ def chat_prompts(tokenizer, count: int, topics: list[str] = TOPICS) -> list[list
     prompts = []
     for i in range(count):
         messages = [{"role": "user", "content": f"Tell me about {topics[i % len(topics)]}."}]
-        prompts.append(tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_dict=True)["input_ids"])
+        prompts.append(
+            tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_dict=True)["input_ids"]
+        )
     return prompts
 
 
@@ -64,7 +91,9 @@ def bench_cbd(
     return statistics.median(speeds), outputs
 
 
-def bench_static(hf, tokenizer, prompts: list[list[int]], new_tokens: int, device, rounds: int) -> tuple[float, list[list[int]]]:
+def bench_static(
+    hf, tokenizer, prompts: list[list[int]], new_tokens: int, device, rounds: int
+) -> tuple[float, list[list[int]]]:
     tokenizer.padding_side = "left"
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     width = max(map(len, prompts))
@@ -166,10 +195,14 @@ def main() -> None:
 
     cbd_tps = statistics.median(speeds["cbd"])
     same = sum(a == b for a, b in zip(outputs["cbd"], outputs["static"]))
-    print(f"\nmachine: {platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}, device {args.device}; "
-          f"{args.prompts} prompts x {args.new_tokens} greedy new tokens (EOS ignored)")
-    print(f"each engine: median of {args.rounds} rounds, one fresh process per round, order rotating "
-          f"(generate_batch: 1 round)")
+    print(
+        f"\nmachine: {platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}, device {args.device}; "
+        f"{args.prompts} prompts x {args.new_tokens} greedy new tokens (EOS ignored)"
+    )
+    print(
+        f"each engine: median of {args.rounds} rounds, one fresh process per round, order rotating "
+        f"(generate_batch: 1 round)"
+    )
     print(f"greedy outputs identical to static generate: {same}/{len(outputs['cbd'])}")
     print(f"{'engine':42s} {'tok/s':>8s} {'cbd ratio':>10s}   rounds")
     for name, (label, _) in WORKERS.items():

@@ -83,7 +83,9 @@ def main() -> None:
         del engine
         hf = AutoModelForCausalLM.from_pretrained(tmp, dtype=torch.bfloat16).cuda().eval()
         hf_tps = static_generate(hf, prompts, args.new_tokens)
-    print(f"\n{torch.cuda.get_device_name()} bf16, {args.shape} random weights, {args.prompts} prompts x {args.new_tokens} greedy tokens")
+    print(
+        f"\n{torch.cuda.get_device_name()} bf16, {args.shape} random weights, {args.prompts} prompts x {args.new_tokens} greedy tokens"
+    )
     print(f"{'engine':40s} {'tok/s':>10s} {'cbd ratio':>10s}")
     print(f"{'cbd engine, median of 3':40s} {cbd_tps:10.1f} {1.0:9.2f}x")
     print(f"{'transformers generate (static), median of 3':40s} {hf_tps:10.1f} {cbd_tps / hf_tps:9.2f}x")

@@ -84,7 +84,9 @@ def main() -> None:
             daemon.stop()
 
     lo, re_ = statistics.median(local), statistics.median(remote)
-    print(f"\n{args.prompts} concurrent streams x {args.new_tokens} greedy tokens, {args.rounds} alternating rounds (median)")
+    print(
+        f"\n{args.prompts} concurrent streams x {args.new_tokens} greedy tokens, {args.rounds} alternating rounds (median)"
+    )
     print(f"{'path':40s} {'tok/s':>10s}   rounds")
     print(f"{'in-process Engine.generate':40s} {lo:10.1f}   {', '.join(f'{x:.1f}' for x in local)}")
     print(f"{'cbd daemon via gRPC (unix socket)':40s} {re_:10.1f}   {', '.join(f'{x:.1f}' for x in remote)}")

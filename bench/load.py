@@ -33,9 +33,42 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import grpc
+
 from cbd_client import AsyncClient, CbdError
 
-WORDS = ["agent", "tool", "call", "result", "plan", "step", "file", "test", "error", "retry", "cache", "token", "model", "batch", "queue", "stream", "search", "index", "graph", "node", "edge", "value", "score", "branch", "merge", "commit", "build", "deploy", "check", "report", "summary"]
+WORDS = [
+    "agent",
+    "tool",
+    "call",
+    "result",
+    "plan",
+    "step",
+    "file",
+    "test",
+    "error",
+    "retry",
+    "cache",
+    "token",
+    "model",
+    "batch",
+    "queue",
+    "stream",
+    "search",
+    "index",
+    "graph",
+    "node",
+    "edge",
+    "value",
+    "score",
+    "branch",
+    "merge",
+    "commit",
+    "build",
+    "deploy",
+    "check",
+    "report",
+    "summary",
+]
 
 
 @dataclass

@@ -28,7 +28,6 @@ import os
 import random
 import statistics
 import time
-import traceback
 
 import torch
 
@@ -93,8 +92,10 @@ def run_cbd(core: EngineCore, prompts: list[list[int]], new_tokens: int, profile
         outputs = core.step()
         stamps.append(time.perf_counter())
         generated += sum(len(d.token_ids) for o in outputs for d in o.candidates)
-        if decode_from is None and not core.scheduler.waiting and all(
-            s.num_computed_tokens >= s.num_prompt_tokens for s in core.scheduler.running
+        if (
+            decode_from is None
+            and not core.scheduler.waiting
+            and all(s.num_computed_tokens >= s.num_prompt_tokens for s in core.scheduler.running)
         ):
             decode_from = len(stamps)  # every prompt is prefilled: decode steps from here
         if prof is not None and busy is None and len(stamps) == prof_start + profile_steps:
@@ -361,15 +362,19 @@ def main() -> None:
           f"({args.layers} layers), random bf16 weights; {args.requests} requests x {args.prompt_len} prompt tokens "
           f"x {args.new_tokens} new tokens, greedy, EOS ignored")  # fmt: skip
     ref = rows.get("cbd async", {}).get("ms_step")
-    print(f"{'engine':44s} {'ms/step':>8s} {'tok/s':>9s} {'e2e s':>8s} {'busy(ev)':>9s} {'busy(k)':>8s} {'vs async':>9s}")
+    print(
+        f"{'engine':44s} {'ms/step':>8s} {'tok/s':>9s} {'e2e s':>8s} {'busy(ev)':>9s} {'busy(k)':>8s} {'vs async':>9s}"
+    )
     nan = float("nan")
     for name, r in rows.items():
         ratio = r["ms_step"] / ref if ref else nan
         label = name + (f" [{r['attention']}]" if "attention" in r else "")
         print(f"{label:44s} {r['ms_step']:8.2f} {r['tok_s']:9.1f} {r['e2e']:8.1f} "
               f"{100 * r.get('stream_busy', nan):8.1f}% {100 * r.get('busy', nan):7.1f}% {ratio:8.2f}x")  # fmt: skip
-    print("busy(ev): device time of each decode step's stream work (CUDA events) over the loop's wall time, "
-          "whole run; busy(k): union of kernel/copy intervals over their span (profiler, 48-step window)")
+    print(
+        "busy(ev): device time of each decode step's stream work (CUDA events) over the loop's wall time, "
+        "whole run; busy(k): union of kernel/copy intervals over their span (profiler, 48-step window)"
+    )
     if "scaling" in results:
         print("\ncbd async, ms per decode step by batch size "
               f"({args.prompt_len} prompt + {args.scaling_new_tokens} new tokens):")  # fmt: skip

@@ -52,8 +52,10 @@ def run(core, prompts, params) -> dict:  # type: ignore[no-untyped-def]
         outputs = core.step()
         stamps.append(time.perf_counter())
         generated += sum(len(d.token_ids) for o in outputs for d in o.candidates)
-        if decode_from is None and not core.scheduler.waiting and all(
-            s.num_computed_tokens >= s.num_prompt_tokens for s in core.scheduler.running
+        if (
+            decode_from is None
+            and not core.scheduler.waiting
+            and all(s.num_computed_tokens >= s.num_prompt_tokens for s in core.scheduler.running)
         ):
             decode_from = len(stamps)
     torch.cuda.synchronize()
@@ -108,7 +110,7 @@ def main() -> None:
         rows["constrained"].append(run(core, prompts, constrained))
     best = {k: min(v, key=lambda r: r["ms_step"]) for k, v in rows.items()}
     print(json.dumps({"rounds": rows, "cold_compile_ms": cold_ms, "cache_hit_ms": hit_ms, "compiler_setup_s": setup_s}))
-    print(f"| run | ms / decode step | GPU busy (events) | tokens |")
+    print("| run | ms / decode step | GPU busy (events) | tokens |")
     print("| --- | ---: | ---: | ---: |")
     for k, r in best.items():
         print(f"| {k} | {r['ms_step']:.2f} | {100 * r['busy']:.1f}% | {r['generated']} |")

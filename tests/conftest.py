@@ -28,8 +28,12 @@ TINY_CONFIGS: dict[str, dict] = {
     "llama3-rope": dict(
         model_type="llama",
         rope_parameters={
-            "rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
-            "high_freq_factor": 4.0, "original_max_position_embeddings": 64,
+            "rope_type": "llama3",
+            "rope_theta": 500000.0,
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 64,
         },
     ),
     "mistral": dict(model_type="mistral", sliding_window=None),
@@ -87,3 +91,15 @@ def default_hf(default_model):  # type: ignore[no-untyped-def]
     from transformers import AutoModelForCausalLM
 
     return AutoModelForCausalLM.from_pretrained(default_model.checkpoint_dir, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="session")
+def compiler():  # type: ignore[no-untyped-def]
+    """A grammar compiler for the embedded model's tokenizer (the model's weights are not loaded)."""
+    from transformers import AutoTokenizer
+
+    from cbd.engine.grammar import GrammarCompiler
+    from cbd.model.loader import resolve_checkpoint
+
+    tokenizer = AutoTokenizer.from_pretrained(resolve_checkpoint(None))
+    return GrammarCompiler(tokenizer, 49152, (tokenizer.eos_token_id,))

@@ -116,7 +116,9 @@ def test_cli_prints_one_line_for_daemon_refusals_and_answers_on_stdout(tiny_chec
         ):
             proc = run_client("--address", d.address, *args)
             assert proc.returncode == 1 and proc.stdout == "", (args, proc.stdout, proc.stderr)
-            assert "Traceback" not in proc.stderr and proc.stderr.count("\n") == 1 and needle in proc.stderr, proc.stderr
+            assert "Traceback" not in proc.stderr and proc.stderr.count("\n") == 1 and needle in proc.stderr, (
+                proc.stderr
+            )
         ok = run_client("--address", d.address, "stats")  # the answer alone on stdout, nothing on stderr
         assert ok.returncode == 0 and '"uptime_seconds"' in ok.stdout and ok.stderr == "", ok.stderr
     finally:

@@ -21,7 +21,9 @@ CBD = [sys.executable, "-m", "cbd.server.app"]
 
 
 def run_cbd(*args: str, env: dict[str, str] | None = None, timeout: float = 120) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([*CBD, *args], capture_output=True, text=True, timeout=timeout, env={**os.environ, **(env or {})})
+    return subprocess.run(
+        [*CBD, *args], capture_output=True, text=True, timeout=timeout, env={**os.environ, **(env or {})}
+    )
 
 
 def assert_one_clear_line(proc: subprocess.CompletedProcess[str], *needles: str) -> None:
@@ -47,7 +49,9 @@ def tiny(tiny_checkpoint, tmp_path):  # type: ignore[no-untyped-def]
         d.stop()
 
 
-def test_a_second_daemon_on_the_same_socket_is_refused_and_the_first_keeps_serving(tiny, tiny_checkpoint, tmp_path) -> None:  # type: ignore[no-untyped-def]
+def test_a_second_daemon_on_the_same_socket_is_refused_and_the_first_keeps_serving(
+    tiny, tiny_checkpoint, tmp_path
+) -> None:  # type: ignore[no-untyped-def]
     first = tiny()
     second = run_cbd("serve", "--listen", first.address, "--model", str(tiny_checkpoint("llama")))
     assert second.returncode == 78, second.stderr

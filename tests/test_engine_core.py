@@ -42,7 +42,9 @@ def test_max_num_seqs_caps_the_running_set(tiny_loaded) -> None:
 
 def test_preemption_loses_nothing_and_changes_nothing(tiny_loaded) -> None:
     ps = prompts(10)
-    params = [SamplingParams(max_tokens=30, temperature=0.0 if i % 2 else 0.9, seed=i, ignore_eos=True) for i in range(10)]
+    params = [
+        SamplingParams(max_tokens=30, temperature=0.0 if i % 2 else 0.9, seed=i, ignore_eos=True) for i in range(10)
+    ]
     big = run_all(make_core(tiny_loaded, num_kv_blocks=512, block_size=4), ps, params)
     small_core = make_core(tiny_loaded, num_kv_blocks=24, block_size=4)  # ~96 tokens for 10 x up to 70
     small = run_all(small_core, ps, params)
@@ -85,9 +87,13 @@ def test_seeded_sample_same_alone_and_in_a_mixed_batch(tiny_loaded) -> None:
     alone = run_all(make_core(tiny_loaded), [target], params)[0]["tokens"][0]
     others = prompts(5, seed=12)
     mixed_params = [SamplingParams(max_tokens=9, temperature=1.2, seed=i, ignore_eos=True) for i in range(5)]
-    mixed = run_all(make_core(tiny_loaded), others[:2] + [target] + others[2:], mixed_params[:2] + [params] + mixed_params[2:])
+    mixed = run_all(
+        make_core(tiny_loaded), others[:2] + [target] + others[2:], mixed_params[:2] + [params] + mixed_params[2:]
+    )
     assert mixed[2]["tokens"][0] == alone
-    differ = run_all(make_core(tiny_loaded), [target], SamplingParams(max_tokens=16, temperature=0.8, seed=100, ignore_eos=True))
+    differ = run_all(
+        make_core(tiny_loaded), [target], SamplingParams(max_tokens=16, temperature=0.8, seed=100, ignore_eos=True)
+    )
     assert differ[0]["tokens"][0] != alone
 
 

@@ -66,9 +66,14 @@ def test_bf16_on_cuda_runs_a_mixed_batch_and_frees_everything(tiny_checkpoint) -
     loaded = load_model(str(tiny_checkpoint("qwen2")), device="cuda", dtype=torch.bfloat16)
     core = make_core(loaded, num_kv_blocks=24, block_size=4)  # small pool: forces preemption
     prompts = _prompts(10)
-    params = [SamplingParams(max_tokens=30, temperature=0.0 if i % 2 else 0.7, seed=i, n=1 + i % 3, ignore_eos=True) for i in range(10)]
+    params = [
+        SamplingParams(max_tokens=30, temperature=0.0 if i % 2 else 0.7, seed=i, n=1 + i % 3, ignore_eos=True)
+        for i in range(10)
+    ]
     results = run_all(core, prompts, params)
-    assert all(len(r["tokens"]) == p.n and all(len(t) == 30 for t in r["tokens"].values()) for r, p in zip(results, params))
+    assert all(
+        len(r["tokens"]) == p.n and all(len(t) == 30 for t in r["tokens"].values()) for r, p in zip(results, params)
+    )
     assert core.scheduler.num_preemptions > 0 and core.block_manager.num_used_blocks == 0
 
 
@@ -101,7 +106,9 @@ def test_overlap_graphs_and_backends_agree_on_cuda(tiny_checkpoint, dtype) -> No
     torch.backends.cuda.matmul.allow_tf32 = False
     loaded = load_model(str(tiny_checkpoint("qwen2")), device="cuda", dtype=dtype)
     prompts = _prompts(12)
-    params = [SamplingParams(max_tokens=20 + i, temperature=0.0, ignore_eos=True, n=1 + (i % 4 == 0)) for i in range(12)]
+    params = [
+        SamplingParams(max_tokens=20 + i, temperature=0.0, ignore_eos=True, n=1 + (i % 4 == 0)) for i in range(12)
+    ]
     runs = {}
     for overlap, graphs, backend in [("off", False, "torch"), ("off", False, "triton"), ("on", False, "triton"),
                                      ("off", True, "triton"), ("on", True, "triton")]:  # fmt: skip

@@ -29,17 +29,6 @@ SCHEMAS = {
 }  # fmt: skip
 
 
-@pytest.fixture(scope="module")
-def compiler() -> GrammarCompiler:
-    from transformers import AutoTokenizer
-
-    from cbd.model.loader import resolve_checkpoint
-
-    directory = resolve_checkpoint(None)
-    tokenizer = AutoTokenizer.from_pretrained(directory)
-    return GrammarCompiler(tokenizer, 49152, (tokenizer.eos_token_id,))
-
-
 def walk(state: GrammarState, compiler: GrammarCompiler, seed: int, max_tokens: int = 400) -> list[int]:
     """Sample from random logits under the grammar's mask until it terminates. Tokens that can close a string,
     number or container get a bonus: a uniform walk would almost never end a free-form string."""

@@ -94,8 +94,14 @@ def test_overlap_with_preemption_and_stops_equals_sync(tiny_loaded) -> None:
     rng = random.Random(3)
     prompts = [[rng.randrange(2, 256) for _ in range(rng.randrange(3, 50))] for _ in range(12)]
     params = [
-        SamplingParams(max_tokens=rng.randrange(1, 40), temperature=0.0 if i % 3 else 0.9, seed=i, n=1 + i % 3,
-                       ignore_eos=True, stop_token_ids=(17, 33) if i % 4 == 0 else ())  # fmt: skip
+        SamplingParams(
+            max_tokens=rng.randrange(1, 40),
+            temperature=0.0 if i % 3 else 0.9,
+            seed=i,
+            n=1 + i % 3,
+            ignore_eos=True,
+            stop_token_ids=(17, 33) if i % 4 == 0 else (),
+        )  # fmt: skip
         for i in range(12)
     ]
     results = {}

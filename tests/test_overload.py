@@ -15,6 +15,7 @@ import random
 import time
 
 import grpc
+
 from cbd_client import AsyncClient, CbdError
 from daemon_process import DaemonProcess
 
@@ -28,14 +29,14 @@ def workload(seed: int = 5) -> list[dict]:
         return [rng.randrange(2, 250) for _ in range(rng.randrange(lo, hi))]
 
     calls: list[dict] = []
-    for i in range(PLAIN):
+    for _ in range(PLAIN):
         calls.append(dict(kind="plain", prompt=prompt(), n=1, max_tokens=rng.randrange(8, 80), temperature=0.0))
-    for i in range(FANOUT):  # greedy candidates must all equal the single greedy answer
+    for _ in range(FANOUT):  # greedy candidates must all equal the single greedy answer
         calls.append(dict(kind="plain", prompt=prompt(4, 30), n=3, max_tokens=rng.randrange(8, 40), temperature=0.0))
     for i in range(SAMPLED):
         calls.append(dict(kind="plain", prompt=prompt(4, 30), n=2, max_tokens=rng.randrange(8, 40),
                           temperature=0.8, seed=i))  # fmt: skip
-    for s in range(SESSIONS):
+    for _ in range(SESSIONS):
         turns = [dict(prompt=prompt(4, 20), max_tokens=rng.randrange(8, 24)) for _ in range(TURNS)]
         calls.append(dict(kind="session", turns=turns))
     rng.shuffle(calls)

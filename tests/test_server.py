@@ -161,7 +161,9 @@ def test_chat_session_turns_equal_stateless_and_reuse_kv(client) -> None:  # typ
 
 def test_session_fan_out_choose_fork_and_busy(client) -> None:  # type: ignore[no-untyped-def]
     with client.session([{"role": "system", "content": "Be brief."}]) as session:
-        options = session.send([{"role": "user", "content": "Name a fruit."}], n=3, temperature=1.0, seed=5, max_tokens=8)
+        options = session.send(
+            [{"role": "user", "content": "Name a fruit."}], n=3, temperature=1.0, seed=5, max_tokens=8
+        )
         assert len(options.candidates) == 3 and session.info().pending_candidates == 3
         with pytest.raises(CbdError) as info:  # the next turn must name the candidate that continues
             session.send([{"role": "user", "content": "Why?"}], max_tokens=4)
@@ -258,7 +260,12 @@ def test_fork_without_candidate_while_candidates_are_pending_is_failed_precondit
     with grpc.insecure_channel(daemon.address) as channel:
         stub = CbdStub(channel)
         sid = stub.OpenSession(pb.OpenSessionRequest(tokens=pb.TokenIds(ids=[1, 2, 3]))).session_id
-        fan = pb.GenerateRequest(tokens=pb.TokenIds(ids=[4, 5]), session_id=sid, n=2, sampling=pb.SamplingParams(max_tokens=2, ignore_eos=True))
+        fan = pb.GenerateRequest(
+            tokens=pb.TokenIds(ids=[4, 5]),
+            session_id=sid,
+            n=2,
+            sampling=pb.SamplingParams(max_tokens=2, ignore_eos=True),
+        )
         list(stub.Generate(fan))
         assert stub.GetSession(pb.GetSessionRequest(session_id=sid)).pending_candidates == 2
         with pytest.raises(grpc.RpcError) as fork:

@@ -107,7 +107,7 @@ def test_systemd_notify_status_ready_watchdog_and_stopping(tiny_daemon, tmp_path
 def test_unix_socket_is_group_only(tiny_daemon, tmp_path) -> None:  # type: ignore[no-untyped-def]
     import stat
 
-    d = tiny_daemon()
+    tiny_daemon()
     mode = stat.S_IMODE((tmp_path / "cbd.sock").stat().st_mode)
     assert mode == 0o660
 
@@ -231,7 +231,7 @@ def _certificates(directory):  # type: ignore[no-untyped-def]
     from cryptography.hazmat.primitives.asymmetric import ec
     from cryptography.x509.oid import NameOID
 
-    now = datetime.datetime.now(datetime.timezone.utc)
+    now = datetime.datetime.now(datetime.UTC)
 
     def make(name, issuer=None, issuer_key=None, ca=False, san=None):  # type: ignore[no-untyped-def]
         key = ec.generate_private_key(ec.SECP256R1())
@@ -355,7 +355,9 @@ def test_wedged_engine_stops_the_watchdog_and_turns_health_not_serving(tiny_daem
             health_seen.add(d.health(timeout=0.5))
         worker.join(30)
     messages = [m for _, m in events]
-    assert "STATUS=engine stalled" in messages and "STATUS=serving" in messages[messages.index("STATUS=engine stalled"):]
+    assert (
+        "STATUS=engine stalled" in messages and "STATUS=serving" in messages[messages.index("STATUS=engine stalled") :]
+    )
     stalled_at = events[messages.index("STATUS=engine stalled")][0]
     resumed_at = events[messages.index("STATUS=serving", messages.index("STATUS=engine stalled"))][0]
     pings_while_stalled = [t for t, m in events if m == "WATCHDOG=1" and stalled_at < t < resumed_at]

@@ -95,8 +95,9 @@ def test_the_service_starts_as_its_user_and_serves_on_the_documented_socket(inst
             assert process.poll() is None, process.stdout.read() if process.stdout else ""
             info = client.wait_ready(600)  # the first start converts the embedded model
             assert info.model.startswith("SmolLM2-135M-Instruct")
-            reply = client.generate([{"role": "user", "content": "What is the capital of France?"}], max_tokens=16,
-                                     temperature=0.0)
+            reply = client.generate(
+                [{"role": "user", "content": "What is the capital of France?"}], max_tokens=16, temperature=0.0
+            )
             assert "Paris" in reply.text
         st = sock.stat()
         assert stat.S_IMODE(st.st_mode) == 0o660 and st.st_gid == account.pw_gid and st.st_uid == account.pw_uid

@@ -66,7 +66,10 @@ def test_replies_validate_in_sync_and_overlap_mode_under_preemption(default_mode
 
 def test_unconstrained_rows_beside_constrained_ones_sample_what_they_sample_alone(default_model, compiler) -> None:  # type: ignore[no-untyped-def]
     plain = [chat(default_model, "Tell me about the sea."), chat(default_model, "Name three fruits.")]
-    plain_params = [SamplingParams(max_tokens=24, temperature=0.0), SamplingParams(max_tokens=24, temperature=0.9, seed=5)]
+    plain_params = [
+        SamplingParams(max_tokens=24, temperature=0.0),
+        SamplingParams(max_tokens=24, temperature=0.9, seed=5),
+    ]
     alone = run_all(make_core(default_model, overlap="on"), plain, plain_params)
     prompts, params, _ = workload(default_model, compiler)
     mixed = run_all(make_core(default_model, overlap="on"), plain + prompts[:4], plain_params + params[:4])

@@ -14,10 +14,19 @@ import pytest
 from cbd.errors import InvalidRequest
 from cbd.server.tool_call_parser import ToolCallParser
 from cbd.server.tool_calls import (
-    GENERIC, HERMES, LLAMA3_JSON, MISTRAL, Tool, ToolChoice, ToolChoiceMode, detect_format, grammar_for, parse_tools,
+    GENERIC,
+    HERMES,
+    LLAMA3_JSON,
+    MISTRAL,
+    Tool,
+    ToolChoice,
+    ToolChoiceMode,
+    detect_format,
+    grammar_for,
+    parse_tools,
     render_messages,
 )  # fmt: skip
-from test_grammar import compiler, walk  # noqa: F401 - the module-scoped tokenizer fixture
+from test_grammar import walk
 
 WEATHER = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12},
                                             "unit": {"enum": ["C", "F"]}}, "required": ["city", "unit"]}  # fmt: skip
@@ -42,7 +51,7 @@ def fold(parser: ToolCallParser, pieces: list[str]) -> tuple[str, dict[int, dict
 
 @pytest.mark.parametrize("fmt", [HERMES, MISTRAL, LLAMA3_JSON, GENERIC], ids=lambda f: f.name)
 def test_the_parser_splits_text_and_calls_wherever_the_stream_is_cut(fmt) -> None:  # type: ignore[no-untyped-def]
-    args = [json.dumps({"city": "Paris {x}", "unit": "C"}), json.dumps({"q": {"terms": ["a\"}", "b"]}})]
+    args = [json.dumps({"city": "Paris {x}", "unit": "C"}), json.dumps({"q": {"terms": ['a"}', "b"]}})]
     reply = "Let me check. " + fmt.call_text("get_weather", args[0]) + "\n" + fmt.call_text("search", args[1])
     for cut in range(1, len(reply)):
         for pieces in ([reply[:cut], reply[cut:]], list(reply)):
@@ -131,8 +140,15 @@ def test_generic_rendering_describes_tools_and_turns_calls_and_results_into_text
         {"role": "tool", "content": "18 C", "tool_call_id": "call_1"},
     ]  # fmt: skip
     out = render_messages(GENERIC, messages, TOOLS)
-    assert out[0]["role"] == "system" and out[0]["content"].startswith("Be brief.") and '"get_weather"' in out[0]["content"]
+    assert (
+        out[0]["role"] == "system"
+        and out[0]["content"].startswith("Be brief.")
+        and '"get_weather"' in out[0]["content"]
+    )
     assert out[2]["content"] == GENERIC.call_text("get_weather", '{"city": "Paris", "unit": "C"}')
     assert out[3] == {"role": "user", "content": "<tool_response>\n18 C\n</tool_response>"}
     templated = render_messages(HERMES, messages, TOOLS)
-    assert templated[2]["tool_calls"][0]["function"] == {"name": "get_weather", "arguments": {"city": "Paris", "unit": "C"}}
+    assert templated[2]["tool_calls"][0]["function"] == {
+        "name": "get_weather",
+        "arguments": {"city": "Paris", "unit": "C"},
+    }

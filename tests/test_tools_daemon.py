@@ -49,7 +49,9 @@ def test_model_info_reports_the_generic_format_and_limits(client) -> None:  # ty
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
 def test_a_named_choice_always_calls_that_tool_with_valid_arguments(client, temperature) -> None:  # type: ignore[no-untyped-def]
-    result = client.generate(ASK, tools=TOOLS, tool_choice="search", n=4, seed=3, temperature=temperature, max_tokens=80)
+    result = client.generate(
+        ASK, tools=TOOLS, tool_choice="search", n=4, seed=3, temperature=temperature, max_tokens=80
+    )
     for c in result.candidates:
         assert c.finish_reason == "tool_calls" and [t.name for t in c.tool_calls] == ["search"] and c.text == ""
         check_calls(c, {"search"})

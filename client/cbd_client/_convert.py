@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, cast
 
 import grpc
 from google.protobuf.descriptor import FieldDescriptor
@@ -12,7 +12,16 @@ from google.protobuf.message import Message
 from cbd_client.errors import CbdError
 from cbd_client.structured import set_message_tool_fields, set_response_format, set_tools
 from cbd_client.types import (
-    Candidate, Completion, Delta, ModelInfo, SessionInfo, Stats, TokenLogprob, ToolCall, ToolCallDelta, Usage,
+    Candidate,
+    Completion,
+    Delta,
+    ModelInfo,
+    SessionInfo,
+    Stats,
+    TokenLogprob,
+    ToolCall,
+    ToolCallDelta,
+    Usage,
 )  # fmt: skip
 from cbd_client.v1 import cbd_pb2 as pb
 
@@ -38,22 +47,27 @@ def set_prompt(message: pb.GenerateRequest | pb.TokenizeRequest | pb.OpenSession
     if isinstance(prompt, str):
         message.text = prompt
     elif isinstance(prompt, Sequence) and prompt and all(isinstance(m, dict) for m in prompt):
-        for i, m in enumerate(prompt):
-            content = m.get("content")  # type: ignore[union-attr]
-            if content is None and m.get("tool_calls"):  # type: ignore[union-attr]
+        for i, item in enumerate(prompt):
+            m = cast(dict[str, Any], item)
+            content = m.get("content")
+            if content is None and m.get("tool_calls"):
                 content = ""  # an assistant message that only calls tools
-            if not isinstance(m.get("role"), str) or not isinstance(content, str):  # type: ignore[union-attr]
+            if not isinstance(m.get("role"), str) or not isinstance(content, str):
                 raise invalid(f"chat message {i} needs a string 'role' and a string 'content', got {m!r}")
-            set_message_tool_fields(message.chat.messages.add(role=m["role"], content=content), m)  # type: ignore[arg-type, index]
-    elif isinstance(message, (pb.GenerateRequest, pb.OpenSessionRequest)) and isinstance(prompt, Sequence) and all(
-        isinstance(t, int) and not isinstance(t, bool) for t in prompt
+            set_message_tool_fields(message.chat.messages.add(role=m["role"], content=content), m)
+    elif (
+        isinstance(message, (pb.GenerateRequest, pb.OpenSessionRequest))
+        and isinstance(prompt, Sequence)
+        and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt)
     ):
         if any(not 0 <= t < 2**32 for t in prompt):  # type: ignore[operator]
             raise invalid("token ids must be non-negative integers below 2^32")
-        message.tokens.ids.extend(prompt)  # type: ignore[arg-type]
+        message.tokens.ids.extend(prompt)
     else:
         kinds = "a str, a list of token ids, or a list of chat message dicts"
-        raise invalid(f"prompt must be {kinds if not isinstance(message, pb.TokenizeRequest) else 'a str or chat message dicts'}")
+        raise invalid(
+            f"prompt must be {kinds if not isinstance(message, pb.TokenizeRequest) else 'a str or chat message dicts'}"
+        )
 
 
 def generate_request(
@@ -110,8 +124,12 @@ def deltas(response: pb.GenerateResponse) -> list[Delta]:
         )
         out.append(
             Delta(
-                request_id=response.request_id, index=c.index, text=c.text, token_ids=tuple(c.token_ids),
-                logprobs=logprobs, finish_reason=_FINISH.get(c.finish_reason),
+                request_id=response.request_id,
+                index=c.index,
+                text=c.text,
+                token_ids=tuple(c.token_ids),
+                logprobs=logprobs,
+                finish_reason=_FINISH.get(c.finish_reason),
                 usage=_usage(c.usage) if c.HasField("usage") else None,
                 tool_calls=tuple(ToolCallDelta(t.index, t.id, t.name, t.arguments) for t in c.tool_calls),
             )  # fmt: skip

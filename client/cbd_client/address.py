@@ -16,7 +16,7 @@ def default_address() -> str:
     return f"unix:/tmp/cbd-{os.getuid()}.sock"
 
 
-def tls_credentials(ca: str, cert: str | None = None, key: str | None = None):  # type: ignore[no-untyped-def]
+def tls_credentials(ca: str, cert: str | None = None, key: str | None = None):
     """Channel credentials from PEM files: the CA that signed the daemon, and optionally our own cert/key."""
     import grpc
 

@@ -1,15 +1,14 @@
 """asyncio client: the same API as Client, with coroutines and async iterators.
 
-    from cbd_client import AsyncClient
-    async with AsyncClient() as client:
-        result = await client.generate([{"role": "user", "content": "Hi"}], n=4, seed=1)
+from cbd_client import AsyncClient
+async with AsyncClient() as client:
+    result = await client.generate([{"role": "user", "content": "Hi"}], n=4, seed=1)
 """
 
 from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator, Callable
-
 from typing import Any
 
 import grpc
@@ -45,21 +44,51 @@ class AsyncClient:
             self._channel = grpc.aio.insecure_channel(self.address)
         self._stub = CbdStub(self._channel)
 
-    async def generate(self, prompt: Prompt, *, n: int = 1, request_id: str = "", timeout: float | None = None, session_id: str = "", parent_candidate: int | None = None, tools: list[dict[str, Any]] | None = None, tool_choice: Any = None, response_format: Any = None, **sampling) -> Completion:  # type: ignore[no-untyped-def]
+    async def generate(
+        self,
+        prompt: Prompt,
+        *,
+        n: int = 1,
+        request_id: str = "",
+        timeout: float | None = None,
+        session_id: str = "",
+        parent_candidate: int | None = None,
+        tools: list[dict[str, Any]] | None = None,
+        tool_choice: Any = None,
+        response_format: Any = None,
+        **sampling,
+    ) -> Completion:
         builder = _convert.CompletionBuilder(n)
-        request = _convert.generate_request(prompt, n, request_id, sampling, session_id, parent_candidate, tools, tool_choice,
-                                              response_format)
+        request = _convert.generate_request(
+            prompt, n, request_id, sampling, session_id, parent_candidate, tools, tool_choice, response_format
+        )
         try:
-            async for response in self._stub.Generate(request, timeout=timeout or self.timeout, metadata=self._metadata):
+            async for response in self._stub.Generate(
+                request, timeout=timeout or self.timeout, metadata=self._metadata
+            ):
                 builder.add(response)
         except grpc.RpcError as e:
             raise CbdError.from_rpc(e) from None
         return builder.result()
 
-    async def stream(self, prompt: Prompt, *, n: int = 1, request_id: str = "", timeout: float | None = None, session_id: str = "", parent_candidate: int | None = None, tools: list[dict[str, Any]] | None = None, tool_choice: Any = None, response_format: Any = None, **sampling) -> AsyncIterator[Delta]:  # type: ignore[no-untyped-def]
+    async def stream(
+        self,
+        prompt: Prompt,
+        *,
+        n: int = 1,
+        request_id: str = "",
+        timeout: float | None = None,
+        session_id: str = "",
+        parent_candidate: int | None = None,
+        tools: list[dict[str, Any]] | None = None,
+        tool_choice: Any = None,
+        response_format: Any = None,
+        **sampling,
+    ) -> AsyncIterator[Delta]:
         """Yield deltas as they arrive; closing the iterator early cancels the request on the daemon."""
-        request = _convert.generate_request(prompt, n, request_id, sampling, session_id, parent_candidate, tools, tool_choice,
-                                              response_format)
+        request = _convert.generate_request(
+            prompt, n, request_id, sampling, session_id, parent_candidate, tools, tool_choice, response_format
+        )
         call = self._stub.Generate(request, timeout=timeout or self.timeout, metadata=self._metadata)
         try:
             async for response in call:
@@ -83,13 +112,19 @@ class AsyncClient:
 
     async def session(self, prefix: Prompt | None = None, ttl: float | None = None) -> AsyncSession:
         """Open a session (optionally starting with a system prompt or earlier messages)."""
-        info = _convert.session_info(await self._call(self._stub.OpenSession, _convert.open_session_request(prefix, ttl)))
+        info = _convert.session_info(
+            await self._call(self._stub.OpenSession, _convert.open_session_request(prefix, ttl))
+        )
         return AsyncSession(self, info)
 
     async def get_session(self, session_id: str) -> SessionInfo:
-        return _convert.session_info(await self._call(self._stub.GetSession, pb.GetSessionRequest(session_id=session_id)))
+        return _convert.session_info(
+            await self._call(self._stub.GetSession, pb.GetSessionRequest(session_id=session_id))
+        )
 
-    async def fork_session(self, session_id: str, candidate: int | None = None, ttl: float | None = None) -> SessionInfo:
+    async def fork_session(
+        self, session_id: str, candidate: int | None = None, ttl: float | None = None
+    ) -> SessionInfo:
         request = pb.ForkSessionRequest(session_id=session_id, ttl_seconds=ttl or 0.0)
         if candidate is not None:
             request.candidate = candidate
@@ -120,7 +155,7 @@ class AsyncClient:
     async def __aexit__(self, *exc: object) -> None:
         await self.close()
 
-    async def _call(self, method, request):  # type: ignore[no-untyped-def]
+    async def _call(self, method, request):
         try:
             return await method(request, timeout=self.timeout, metadata=self._metadata)
         except grpc.RpcError as e:

@@ -15,6 +15,7 @@ import argparse
 import dataclasses
 import json
 import sys
+from typing import Any
 
 import grpc
 
@@ -22,8 +23,8 @@ from cbd_client.client import Client
 from cbd_client.errors import CbdError
 
 
-def _sampling(args: argparse.Namespace) -> dict[str, object]:
-    values: dict[str, object] = {
+def _sampling(args: argparse.Namespace) -> dict[str, Any]:
+    values: dict[str, Any] = {
         "max_tokens": args.max_tokens, "temperature": args.temperature, "top_p": args.top_p,
         "top_k": args.top_k, "seed": args.seed, "stop": args.stop or None,
     }  # fmt: skip
@@ -36,7 +37,7 @@ def _sampling(args: argparse.Namespace) -> dict[str, object]:
     return values
 
 
-def _stream_answer(client: Client, prompt, args: argparse.Namespace) -> str:  # type: ignore[no-untyped-def]
+def _stream_answer(client: Client, prompt, args: argparse.Namespace) -> str:
     if args.n > 1:  # candidates interleave: print each whole once all are done
         result = client.generate(prompt, n=args.n, **_sampling(args))
         for c in result.candidates:
@@ -68,9 +69,13 @@ def _chat(client: Client, args: argparse.Namespace) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="cbd-client", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="cbd-client", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("prompt", nargs="*", help="a prompt, or one of: chat, info, stats")
-    parser.add_argument("--address", help="unix:/path or host:port (default: $CBD_ADDRESS or the daemon's default socket)")
+    parser.add_argument(
+        "--address", help="unix:/path or host:port (default: $CBD_ADDRESS or the daemon's default socket)"
+    )
     parser.add_argument("--raw", action="store_true", help="send the prompt as plain text, not as a chat message")
     parser.add_argument("--system", help="a system message for chat prompts")
     parser.add_argument("--max-tokens", type=int, default=256)

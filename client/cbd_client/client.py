@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterator
-
 from typing import Any
 
 import grpc
@@ -51,11 +50,25 @@ class Client:
             self._channel = grpc.insecure_channel(self.address)
         self._stub = CbdStub(self._channel)
 
-    def generate(self, prompt: Prompt, *, n: int = 1, request_id: str = "", timeout: float | None = None, session_id: str = "", parent_candidate: int | None = None, tools: list[dict[str, Any]] | None = None, tool_choice: Any = None, response_format: Any = None, **sampling) -> Completion:  # type: ignore[no-untyped-def]
+    def generate(
+        self,
+        prompt: Prompt,
+        *,
+        n: int = 1,
+        request_id: str = "",
+        timeout: float | None = None,
+        session_id: str = "",
+        parent_candidate: int | None = None,
+        tools: list[dict[str, Any]] | None = None,
+        tool_choice: Any = None,
+        response_format: Any = None,
+        **sampling,
+    ) -> Completion:
         """Run to completion and return every candidate."""
         builder = _convert.CompletionBuilder(n)
-        request = _convert.generate_request(prompt, n, request_id, sampling, session_id, parent_candidate, tools, tool_choice,
-                                              response_format)
+        request = _convert.generate_request(
+            prompt, n, request_id, sampling, session_id, parent_candidate, tools, tool_choice, response_format
+        )
         try:
             for response in self._stub.Generate(request, timeout=timeout or self.timeout, metadata=self._metadata):
                 builder.add(response)
@@ -63,10 +76,24 @@ class Client:
             raise CbdError.from_rpc(e) from None
         return builder.result()
 
-    def stream(self, prompt: Prompt, *, n: int = 1, request_id: str = "", timeout: float | None = None, session_id: str = "", parent_candidate: int | None = None, tools: list[dict[str, Any]] | None = None, tool_choice: Any = None, response_format: Any = None, **sampling) -> Iterator[Delta]:  # type: ignore[no-untyped-def]
+    def stream(
+        self,
+        prompt: Prompt,
+        *,
+        n: int = 1,
+        request_id: str = "",
+        timeout: float | None = None,
+        session_id: str = "",
+        parent_candidate: int | None = None,
+        tools: list[dict[str, Any]] | None = None,
+        tool_choice: Any = None,
+        response_format: Any = None,
+        **sampling,
+    ) -> Iterator[Delta]:
         """Yield deltas as they arrive; leaving the loop early cancels the request on the daemon."""
-        request = _convert.generate_request(prompt, n, request_id, sampling, session_id, parent_candidate, tools, tool_choice,
-                                              response_format)
+        request = _convert.generate_request(
+            prompt, n, request_id, sampling, session_id, parent_candidate, tools, tool_choice, response_format
+        )
         call = self._stub.Generate(request, timeout=timeout or self.timeout, metadata=self._metadata)
         try:
             for response in call:
@@ -128,7 +155,7 @@ class Client:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def _call(self, method, request):  # type: ignore[no-untyped-def]
+    def _call(self, method, request):
         try:
             return method(request, timeout=self.timeout, metadata=self._metadata)
         except grpc.RpcError as e:

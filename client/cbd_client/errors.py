@@ -20,7 +20,7 @@ class CbdError(Exception):
 
     @classmethod
     def from_rpc(cls, error: grpc.RpcError) -> CbdError:
-        return cls(error.code(), error.details() or "", _retry_after(error))  # type: ignore[attr-defined]
+        return cls(error.code(), error.details() or "", _retry_after(error))
 
 
 def _retry_after(error: grpc.RpcError) -> float | None:

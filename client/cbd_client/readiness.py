@@ -37,7 +37,7 @@ def missing_socket(address: str) -> CbdError | None:
 
 
 def unreachable(address: str, error: grpc.RpcError) -> CbdError:
-    reason = (error.details() or error.code().name).splitlines()[0]  # type: ignore[attr-defined]
+    reason = (error.details() or error.code().name).splitlines()[0]
     return CbdError(grpc.StatusCode.UNAVAILABLE, f"no cbd daemon answers at {address} ({reason}); {_START_HINT}")
 
 
@@ -72,7 +72,7 @@ class Waiter:
 
     def ready(self, outcome: bytes | grpc.RpcError) -> bool:
         if isinstance(outcome, grpc.RpcError):
-            code = outcome.code()  # type: ignore[attr-defined]
+            code = outcome.code()
             if code == grpc.StatusCode.UNAVAILABLE:
                 raise unreachable(self.address, outcome)
             if code != grpc.StatusCode.DEADLINE_EXCEEDED:

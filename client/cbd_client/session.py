@@ -60,7 +60,7 @@ class Session(_ChosenCandidate):
         self.client = client
         self.session_id = info.session_id
 
-    def send(self, prompt: Prompt, *, n: int = 1, parent_candidate: int | None = None, **sampling) -> Completion:  # type: ignore[no-untyped-def]
+    def send(self, prompt: Prompt, *, n: int = 1, parent_candidate: int | None = None, **sampling) -> Completion:
         """One turn, run to completion. With n > 1, call `choose` before the next turn."""
         parent = self._take_parent(parent_candidate)
         try:
@@ -69,11 +69,13 @@ class Session(_ChosenCandidate):
             self._refused(parent, parent_candidate, e, streamed=False)
             raise
 
-    def stream(self, prompt: Prompt, *, n: int = 1, parent_candidate: int | None = None, **sampling) -> Iterator[Delta]:  # type: ignore[no-untyped-def]
+    def stream(self, prompt: Prompt, *, n: int = 1, parent_candidate: int | None = None, **sampling) -> Iterator[Delta]:
         parent = self._take_parent(parent_candidate)
         streamed = False
         try:
-            for delta in self.client.stream(prompt, n=n, session_id=self.session_id, parent_candidate=parent, **sampling):
+            for delta in self.client.stream(
+                prompt, n=n, session_id=self.session_id, parent_candidate=parent, **sampling
+            ):
                 streamed = True
                 yield delta
         except CbdError as e:
@@ -103,7 +105,7 @@ class AsyncSession(_ChosenCandidate):
         self.client = client
         self.session_id = info.session_id
 
-    async def send(self, prompt: Prompt, *, n: int = 1, parent_candidate: int | None = None, **sampling) -> Completion:  # type: ignore[no-untyped-def]
+    async def send(self, prompt: Prompt, *, n: int = 1, parent_candidate: int | None = None, **sampling) -> Completion:
         parent = self._take_parent(parent_candidate)
         try:
             return await self.client.generate(prompt, n=n, session_id=self.session_id, parent_candidate=parent,
@@ -112,7 +114,9 @@ class AsyncSession(_ChosenCandidate):
             self._refused(parent, parent_candidate, e, streamed=False)
             raise
 
-    async def stream(self, prompt: Prompt, *, n: int = 1, parent_candidate: int | None = None, **sampling) -> AsyncIterator[Delta]:  # type: ignore[no-untyped-def]
+    async def stream(
+        self, prompt: Prompt, *, n: int = 1, parent_candidate: int | None = None, **sampling
+    ) -> AsyncIterator[Delta]:
         parent = self._take_parent(parent_candidate)
         streamed = False
         try:

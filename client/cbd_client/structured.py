@@ -1,11 +1,11 @@
 """Tools, tool choice and response formats: from the caller's Python values to cbd.v1 messages.
 
-    tools=[{"name": "get_weather", "description": "...", "parameters": {...JSON schema...}}]
-          (the OpenAI shape {"type": "function", "function": {...}} is accepted too)
-    tool_choice="auto" | "none" | "required" | "<a tool's name>" | {"name": "..."}
-    response_format={"type": "json_schema", "json_schema": {...}} | {"type": "json_object"}
-                    | {"type": "regex", "regex": "..."} | {"type": "grammar", "grammar": "..."}
-                    | a JSON schema dict ({"type": "object", ...}) | a pydantic model class
+tools=[{"name": "get_weather", "description": "...", "parameters": {...JSON schema...}}]
+      (the OpenAI shape {"type": "function", "function": {...}} is accepted too)
+tool_choice="auto" | "none" | "required" | "<a tool's name>" | {"name": "..."}
+response_format={"type": "json_schema", "json_schema": {...}} | {"type": "json_object"}
+                | {"type": "regex", "regex": "..."} | {"type": "grammar", "grammar": "..."}
+                | a JSON schema dict ({"type": "object", ...}) | a pydantic model class
 """
 
 from __future__ import annotations

@@ -184,7 +184,9 @@ class BlockManager:
             assert self.blocks[b].hash == h, f"hash table entry for block {b} does not match its hash"
         if holders is not None:
             counts = Counter(b for table in holders for b in table)
-            wrong = {b.block_id: (b.ref_count, counts[b.block_id]) for b in self.blocks if b.ref_count != counts[b.block_id]}
+            wrong = {
+                b.block_id: (b.ref_count, counts[b.block_id]) for b in self.blocks if b.ref_count != counts[b.block_id]
+            }
             assert not wrong, f"ref counts differ from their holders (block: (refs, holders)): {wrong}"
 
     # ---- internals --------------------------------------------------------------------------

@@ -28,7 +28,7 @@ import logging
 import secrets
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -36,8 +36,8 @@ from cbd.config import EngineConfig
 from cbd.engine.admission import Admission
 from cbd.engine.block_manager import BlockManager
 from cbd.engine.live import LiveRequest, OutputCallback
-from cbd.engine.outputs import CandidateDelta, EngineStats, RequestOutput, TokenLogprob, Usage
 from cbd.engine.output_processor import OutputProcessor
+from cbd.engine.outputs import CandidateDelta, EngineStats, RequestOutput, TokenLogprob, Usage
 from cbd.engine.runner import InflightStep, ModelRunner, SampledTokens
 from cbd.engine.sampling_params import SamplingParams
 from cbd.engine.scheduler import SampleRow, Scheduler, StepPlan
@@ -89,7 +89,7 @@ class EngineCore:
             self.runner.broadcast = tp_group.broadcast
         self.overlap = config.overlap_enabled(self.runner.device)
         self._inflight: _Launched | None = None
-        self._gpu_busy_at, self._gpu_busy_value = 0.0, None
+        self._gpu_busy_at, self._gpu_busy_value = 0.0, cast(float | None, None)
         self.outputs = OutputProcessor(loaded.tokenizer, loaded.eos_token_ids, self.max_model_len)
         self.live = live if live is not None else Admission.unbounded()
         # Outputs made and not yet handed to their callbacks (see deliver); pairs, in order.

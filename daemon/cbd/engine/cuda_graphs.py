@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import time
+from typing import Any
 
 import torch
 
@@ -55,7 +56,7 @@ class DecodeGraphs:
         self.block_tables = torch.full((max_batch, self.width), scratch_block, dtype=torch.int64, device=device)
         self.rows = torch.arange(max_batch + 1, dtype=torch.int64, device=device)
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
-        self.pool = None
+        self.pool: Any = None  # the graphs' shared memory pool, made at capture
 
     def bucket(self, num_seqs: int) -> int | None:
         """The captured graph for num_seqs sequences, or None (not captured yet, or too large: run eagerly)."""

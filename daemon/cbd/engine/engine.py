@@ -23,12 +23,12 @@ from cbd.engine import commands as cmd
 from cbd.engine.admission import Admission
 from cbd.engine.core import EngineCore
 from cbd.engine.engine_loop import EngineLoop
+from cbd.engine.grammar import CompiledGrammar, GrammarCompiler, GrammarSpec
 from cbd.engine.live import LiveRequest, OutputCallback
 from cbd.engine.outputs import EngineStats, ModelFacts
 from cbd.engine.request_stream import Completion, RequestStream
 from cbd.engine.sampling_params import SamplingParams
 from cbd.engine.sessions import SessionInfo, TurnInput
-from cbd.engine.grammar import CompiledGrammar, GrammarCompiler, GrammarSpec
 from cbd.errors import CapacityExceeded, EngineStopped, InvalidRequest
 from cbd.model.loader import LoadedModel
 
@@ -76,17 +76,17 @@ class Engine:
         return self._loop.fatal
 
     @property
-    def on_session_expired(self) -> Callable[[str], None] | None:
+    def on_session_expired(self) -> Callable[[str], object] | None:
         """Called in the engine thread with the id of each session that expired (the server drops what
         it keeps beside the session); must be quick."""
         return self._loop.on_session_expired
 
     @on_session_expired.setter
-    def on_session_expired(self, callback: Callable[[str], None] | None) -> None:
+    def on_session_expired(self, callback: Callable[[str], object] | None) -> None:
         self._loop.on_session_expired = callback
 
     @property
-    def tokenizer(self):  # type: ignore[no-untyped-def]
+    def tokenizer(self):
         return self.core.loaded.tokenizer
 
     # ---- caller side (any thread) --------------------------------------------------------------
@@ -155,7 +155,9 @@ class Engine:
         self._send(cmd.AddTurn(live, session_id, turn, params, future))
         return future
 
-    def open_session(self, ttl: float | None = None, token_ids: list[int] | None = None, chat: bool = False) -> Future[SessionInfo]:
+    def open_session(
+        self, ttl: float | None = None, token_ids: list[int] | None = None, chat: bool = False
+    ) -> Future[SessionInfo]:
         """A new session, optionally starting from `token_ids` (a system prompt; `chat`: a rendered
         conversation). ttl None: the configured default; inf: never expires."""
         self._check_running()
@@ -170,7 +172,9 @@ class Engine:
     def get_session(self, session_id: str) -> Future[SessionInfo]:
         return self._ask(lambda f: cmd.GetSession(session_id, f))
 
-    def fork_session(self, session_id: str, candidate: int | None = None, ttl: float | None = None) -> Future[SessionInfo]:
+    def fork_session(
+        self, session_id: str, candidate: int | None = None, ttl: float | None = None
+    ) -> Future[SessionInfo]:
         return self._ask(lambda f: cmd.ForkSession(session_id, candidate, ttl, f))
 
     def call(self, fn: Callable[[EngineCore], T]) -> Future[T]:

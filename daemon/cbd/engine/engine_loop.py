@@ -15,7 +15,7 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from cbd.config import EngineConfig
 from cbd.engine import commands as cmd
@@ -45,12 +45,12 @@ class EngineLoop:
         self.stats: EngineStats
         self.started = threading.Event()
         self.start_error: BaseException | None = None
-        self._tp = None  # rank 0's TensorParallelGroup when tensor_parallel_size > 1
+        self._tp: Any = None  # rank 0's TensorParallelGroup when tensor_parallel_size > 1
         # The loop's last iteration that computed something or had nothing to do (watchdog, health):
         # a wedged step and a loop that can schedule nothing both leave it behind.
         self.heartbeat = time.monotonic()
         self.fatal: BaseException | None = None  # set when a device error stopped the engine
-        self.on_session_expired: Callable[[str], None] | None = None
+        self.on_session_expired: Callable[[str], object] | None = None
         self._faults = FaultPlan.from_env()
         self._handlers: dict[type, Callable] = {
             cmd.AddRequest: self._add_request, cmd.AddTurn: self._add_turn, cmd.Abort: self._abort,

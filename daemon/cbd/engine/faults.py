@@ -1,9 +1,9 @@
 """Fault injection for tests of the daemon's failure handling (`CBD_INJECT_FAULT`, off unless set).
 
-    stall:<step>:<seconds>   the engine loop sleeps before step <step> (a wedged engine)
-    error:<step>             step <step> raises: the requests in it fail, the engine goes on
-    device-error:<step>      step <step> raises a device error: every request fails, the engine stops
-                             and the daemon exits non-zero (so systemd restarts it)
+stall:<step>:<seconds>   the engine loop sleeps before step <step> (a wedged engine)
+error:<step>             step <step> raises: the requests in it fail, the engine goes on
+device-error:<step>      step <step> raises a device error: every request fails, the engine stops
+                         and the daemon exits non-zero (so systemd restarts it)
 """
 
 from __future__ import annotations

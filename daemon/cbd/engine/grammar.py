@@ -59,6 +59,8 @@ class GrammarCompiler:
         self._xgr = xgr
         stops = list(stop_token_ids)
         if tokenizer is None:
+            if encoded_vocab is None:
+                raise ValueError("a grammar compiler needs a tokenizer or an encoded vocabulary")
             self.info = xgr.TokenizerInfo(encoded_vocab, vocab_size=vocab_size, stop_token_ids=stops)
         else:
             self.info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size, stop_token_ids=stops)

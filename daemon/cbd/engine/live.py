@@ -16,7 +16,7 @@ if TYPE_CHECKING:
     from cbd.engine.outputs import RequestOutput
     from cbd.engine.sequence import Request
 
-OutputCallback = Callable[["RequestOutput"], None]
+OutputCallback = Callable[["RequestOutput"], object]  # its result is ignored
 
 
 @dataclass(slots=True)

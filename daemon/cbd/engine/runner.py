@@ -192,7 +192,9 @@ class ModelRunner:
                 logits = logits[: meta.num_rows]
                 if batch.defer_sample:
                     self._end_timing(timing)
-                    return InflightStep(meta.num_rows, None, None, None, [staged], PendingSample(logits, t, meta, staged))
+                    return InflightStep(
+                        meta.num_rows, None, None, None, [staged], PendingSample(logits, t, meta, staged)
+                    )
         return self._sample(logits if meta.num_rows else None, t, meta, staged, masks, timing)
 
     @torch.inference_mode()

@@ -55,7 +55,9 @@ class SamplingParams:
         if any(len(s) > MAX_STOP_STRING_CHARS for s in self.stop):
             raise InvalidRequest(f"each stop string has at most {MAX_STOP_STRING_CHARS} characters")
         if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
-            raise InvalidRequest(f"stop_token_ids takes at most {MAX_STOP_TOKEN_IDS} ids, got {len(self.stop_token_ids)}")
+            raise InvalidRequest(
+                f"stop_token_ids takes at most {MAX_STOP_TOKEN_IDS} ids, got {len(self.stop_token_ids)}"
+            )
         if any(t < 0 for t in self.stop_token_ids):
             raise InvalidRequest("stop_token_ids must be non-negative token ids")
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:

@@ -22,7 +22,6 @@ from typing import Any
 
 from cbd.engine.sampling_params import SamplingParams
 
-
 PLACEHOLDER = -1  # a token id still being sampled on the device
 
 

@@ -19,8 +19,8 @@ import itertools
 import math
 import secrets
 import time
-from dataclasses import dataclass, field
 from collections.abc import Callable
+from dataclasses import dataclass, field
 
 from cbd.engine.block_manager import BlockManager
 from cbd.engine.sequence import Request, Sequence
@@ -150,9 +150,7 @@ class SessionManager:
                     f"set {name} to the one that continues"
                 )
             if not 0 <= candidate < len(session.branches):
-                raise InvalidRequest(
-                    f"{name} {candidate} does not exist: {len(session.branches)} candidates pending"
-                )
+                raise InvalidRequest(f"{name} {candidate} does not exist: {len(session.branches)} candidates pending")
             return session.branches[candidate]
         if candidate not in (None, 0):
             raise InvalidRequest(f"{name} names a candidate of the last turn, and it had only one")
@@ -267,7 +265,11 @@ class SessionManager:
     # ---- internals ------------------------------------------------------------------------------
     def _adopt(self, session: Session, branch: Branch) -> None:
         self.bm.release(session.block_table)
-        session.token_ids, session.block_table, session.num_computed = branch.token_ids, branch.block_table, branch.num_computed
+        session.token_ids, session.block_table, session.num_computed = (
+            branch.token_ids,
+            branch.block_table,
+            branch.num_computed,
+        )
 
     def _release_branches(self, session: Session) -> None:
         for b in session.branches:
@@ -286,7 +288,6 @@ def _common_prefix(a: list[int], b: list[int]) -> int:
     while i < n and a[i] == b[i]:
         i += 1
     return i
-
 
 
 def _check_ttl(ttl: float | None) -> None:

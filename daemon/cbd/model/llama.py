@@ -6,6 +6,8 @@ Projections are fused (q|k|v and gate|up) so each layer runs four GEMMs.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import nn
 
@@ -33,7 +35,7 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps) if spec.qk_norm else None
         self.k_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps) if spec.qk_norm else None
         self.scale = spec.head_dim**-0.5
-        self.tp = None  # tensor-parallel collectives, when this rank holds a shard
+        self.tp: Any = None  # tensor-parallel collectives, when this rank holds a shard
 
     def forward(
         self,
@@ -64,7 +66,7 @@ class MLP(nn.Module):
         super().__init__()
         self.gate_up_proj = nn.Linear(spec.hidden_size, 2 * spec.intermediate_size, bias=spec.mlp_bias)
         self.down_proj = nn.Linear(spec.intermediate_size, spec.hidden_size, bias=spec.mlp_bias)
-        self.tp = None
+        self.tp: Any = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = self.down_proj(ops.silu_mul(self.gate_up_proj(x)))
@@ -79,7 +81,7 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
         self.mlp = MLP(spec)
 
-    def forward(self, x, residual, positions, cos_table, sin_table, kv_cache, meta):  # type: ignore[no-untyped-def]
+    def forward(self, x, residual, positions, cos_table, sin_table, kv_cache, meta):
         """x: this layer's input delta; residual: the running sum (None before the first layer)."""
         h, residual = self.input_layernorm(x, residual)
         h = self.self_attn(h, positions, cos_table, sin_table, kv_cache, meta)
@@ -95,7 +97,7 @@ class CausalLM(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(spec) for _ in range(spec.num_layers))
         self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
         self.lm_head = nn.Linear(spec.hidden_size, spec.vocab_size, bias=False)
-        self.tp = None
+        self.tp: Any = None
         self.full_vocab_size = spec.vocab_size
         if spec.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
@@ -124,14 +126,16 @@ class CausalLM(nn.Module):
         residual = None
         for layer, kv_cache in zip(self.layers, kv_caches):
             x, residual = layer(x, residual, positions, self.cos_table, self.sin_table, kv_cache, meta)
+        assert residual is not None  # set by the first layer
         x, _ = self.norm(x[logits_indices], residual[logits_indices])
         logits = self.lm_head(x)
         if tp is not None:
             logits = tp.gather_logits(logits, self.full_vocab_size)
         return logits.float()
 
-    def set_tensor_parallel(self, tp, full_vocab_size: int) -> None:  # type: ignore[no-untyped-def]
+    def set_tensor_parallel(self, tp, full_vocab_size: int) -> None:
         """Install the collectives of a tensor-parallel rank (see tensor_parallel.py) on every layer."""
         self.tp, self.full_vocab_size = tp, full_vocab_size
         for layer in self.layers:
+            assert isinstance(layer, DecoderLayer)
             layer.self_attn.tp = layer.mlp.tp = tp

@@ -155,7 +155,9 @@ def load_model(
     )
 
 
-def model_from_hf(hf_model: Any, device: torch.device | str, dtype: torch.dtype, max_positions: int | None = None) -> LoadedModel:
+def model_from_hf(
+    hf_model: Any, device: torch.device | str, dtype: torch.dtype, max_positions: int | None = None
+) -> LoadedModel:
     """Build the engine's model from a live transformers model (benchmarks and tests; no tokenizer)."""
     hf_config = hf_model.config
     spec = spec_from_hf_config(hf_config)

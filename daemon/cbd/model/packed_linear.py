@@ -33,7 +33,9 @@ class PackedLinear(nn.Module):
     def __init__(self, linear: nn.Linear, batch_hint: int) -> None:
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
-        self.register_buffer("packed_weight", torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), batch_hint))
+        self.register_buffer(
+            "packed_weight", torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), batch_hint)
+        )
         self.bias = linear.bias
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

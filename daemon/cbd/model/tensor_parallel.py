@@ -48,14 +48,20 @@ class Shard:
 
 def shard_of(spec: ModelSpec, rank: int, world: int) -> Shard:
     if spec.num_kv_heads < world:
-        raise UnsupportedModel(
-            f"tensor_parallel_size {world} exceeds the model's {spec.num_kv_heads} KV heads"
-        )
+        raise UnsupportedModel(f"tensor_parallel_size {world} exceeds the model's {spec.num_kv_heads} KV heads")
     group = spec.num_heads // spec.num_kv_heads
     kv = _split(spec.num_kv_heads, world, rank)
     per = -(-spec.vocab_size // world)
     vocab = range(min(rank * per, spec.vocab_size), min((rank + 1) * per, spec.vocab_size))
-    return Shard(rank, world, kv, range(kv.start * group, kv.stop * group), _split(spec.intermediate_size, world, rank), vocab, per)
+    return Shard(
+        rank,
+        world,
+        kv,
+        range(kv.start * group, kv.stop * group),
+        _split(spec.intermediate_size, world, rank),
+        vocab,
+        per,
+    )
 
 
 def local_spec(spec: ModelSpec, shard: Shard) -> ModelSpec:

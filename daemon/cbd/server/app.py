@@ -18,9 +18,8 @@ from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 
-import torch
-
 import grpc
+import torch
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
@@ -28,14 +27,14 @@ from cbd import __version__
 from cbd.config import EngineConfig
 from cbd.engine.engine import Engine
 from cbd.engine.sampling_params import SamplingParams
-from cbd.server.auth import BearerTokenInterceptor, read_token
-from cbd.server.logs import configure as configure_logging
-from cbd.server.notify import sd_notify
-from cbd.server.service import CbdService
 from cbd.model.loader import default_cache_dir
+from cbd.server.auth import BearerTokenInterceptor, read_token
 from cbd.server.background import detach
 from cbd.server.background import stop as stop_daemon
+from cbd.server.logs import configure as configure_logging
+from cbd.server.notify import sd_notify
 from cbd.server.preflight import preflight
+from cbd.server.service import CbdService
 from cbd.server.settings import EX_CONFIG, ServerConfig, build_parser, default_listen, load_settings, render_defaults
 from cbd.server.sockets import AddressInUse, UnixSocketClaim, describe_bind_failure, unix_path
 from cbd_client.v1 import cbd_pb2, cbd_pb2_grpc
@@ -60,7 +59,11 @@ async def serve(
         interceptors.append(BearerTokenInterceptor(read_token(server_config.auth_token_file)))
     limit = server_config.max_message_bytes
     # No SO_REUSEPORT: a second daemon on the same port must fail to bind, not share the port.
-    options = [("grpc.max_receive_message_length", limit), ("grpc.max_send_message_length", limit), ("grpc.so_reuseport", 0)]
+    options = [
+        ("grpc.max_receive_message_length", limit),
+        ("grpc.max_send_message_length", limit),
+        ("grpc.so_reuseport", 0),
+    ]
     server = grpc.aio.server(interceptors=interceptors, options=options)
     service = CbdService()
     cbd_pb2_grpc.add_CbdServicer_to_server(service, server)

@@ -25,7 +25,7 @@ class BearerTokenInterceptor(grpc.aio.ServerInterceptor):
     def __init__(self, token: bytes) -> None:
         self._expected = b"Bearer " + token
 
-    async def intercept_service(self, continuation, handler_call_details):  # type: ignore[no-untyped-def]
+    async def intercept_service(self, continuation, handler_call_details):
         method = handler_call_details.method
         if method.startswith(_EXEMPT):
             return await continuation(handler_call_details)
@@ -39,10 +39,10 @@ class BearerTokenInterceptor(grpc.aio.ServerInterceptor):
 
 
 def _deny(method: str) -> grpc.RpcMethodHandler:
-    async def abort_unary(request, context):  # type: ignore[no-untyped-def]
+    async def abort_unary(request, context):
         await context.abort(grpc.StatusCode.UNAUTHENTICATED, "a valid bearer token is required")
 
-    async def abort_stream(request, context):  # type: ignore[no-untyped-def]
+    async def abort_stream(request, context):
         await context.abort(grpc.StatusCode.UNAUTHENTICATED, "a valid bearer token is required")
         yield  # pragma: no cover - makes this an async generator
 

@@ -60,7 +60,8 @@ class ToolCallReplies:
 def response(output: RequestOutput, replies: ToolCallReplies | None = None) -> pb.GenerateResponse:
     message = pb.GenerateResponse(request_id=output.request_id)
     for delta in output.candidates:
-        text, calls, finish = delta.text, [], _FINISH[delta.finish_reason]
+        text, finish = delta.text, _FINISH[delta.finish_reason]
+        calls: list[ToolCallDelta] = []
         if replies is not None:
             text, calls, called = replies.split(delta.index, delta.text, delta.finish_reason is not None)
             if called and delta.finish_reason is FinishReason.STOP:
@@ -69,7 +70,9 @@ def response(output: RequestOutput, replies: ToolCallReplies | None = None) -> p
         for call in calls:
             c.tool_calls.add(index=call.index, id=call.id, name=call.name, arguments=call.arguments)
         for lp in delta.logprobs or ():
-            c.logprobs.add(token_id=lp.token_id, logprob=lp.logprob, top=[pb.TopLogprob(token_id=t, logprob=v) for t, v in lp.top])
+            c.logprobs.add(
+                token_id=lp.token_id, logprob=lp.logprob, top=[pb.TopLogprob(token_id=t, logprob=v) for t, v in lp.top]
+            )
         if delta.usage is not None:
             c.usage.CopyFrom(_usage(delta.usage))
     if output.usage is not None:

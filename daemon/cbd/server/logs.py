@@ -33,7 +33,11 @@ def configure(level: str, json_lines: bool | None = None, log_file: str | None =
         cache_logger_on_first_use=True,
     )
     formatter = structlog.stdlib.ProcessorFormatter(
-        processors=[structlog.stdlib.ProcessorFormatter.remove_processors_meta, structlog.processors.format_exc_info, renderer],
+        processors=[
+            structlog.stdlib.ProcessorFormatter.remove_processors_meta,
+            structlog.processors.format_exc_info,
+            renderer,
+        ],
         foreign_pre_chain=[*shared, structlog.stdlib.ExtraAdder()],
     )
     handler = logging.StreamHandler(stream)

@@ -49,7 +49,9 @@ class Metrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
         self.requests = Counter(
-            "cbd_requests", "Generate requests that ended, as completed or cancelled.", ["outcome"],
+            "cbd_requests",
+            "Generate requests that ended, as completed or cancelled.",
+            ["outcome"],
             registry=self.registry,
         )
         self.candidates = Counter(

@@ -23,7 +23,7 @@ class PromptEncoder:
         if kind is None:
             raise InvalidRequest("a prompt is required: set one of text, chat or tokens")
         if kind == "tokens":
-            return list(message.tokens.ids)  # type: ignore[union-attr]
+            return list(message.tokens.ids)
         if kind == "text":
             return self._tokenizer().encode(message.text)
         return self._chat(message.chat, tools)
@@ -56,10 +56,10 @@ class PromptEncoder:
 
     def render(self, messages: list[dict], add_generation_prompt: bool, tools: list[Tool] | None = None) -> list[int]:
         """Token ids of a conversation; tool calls, tool results and tools in the model family's way."""
-        fmt = self.call_format
+        fmt, tokenizer = self.call_format, self._tokenizer()
         kwargs = {"tools": [t.openai() for t in tools]} if tools and fmt.template_renders_tools else {}
         try:
-            rendered = self.tokenizer.apply_chat_template(
+            rendered = tokenizer.apply_chat_template(
                 render_messages(fmt, messages, tools or []), add_generation_prompt=add_generation_prompt,
                 tokenize=True, return_dict=True, **kwargs,
             )  # fmt: skip
@@ -70,5 +70,5 @@ class PromptEncoder:
     def continuation(self, message: pb.GenerateRequest | pb.OpenSessionRequest, field: str) -> list[int]:
         """Token ids of text or token input that extends a session (no special tokens added)."""
         if field == "tokens":
-            return list(message.tokens.ids)  # type: ignore[union-attr]
+            return list(message.tokens.ids)
         return self._tokenizer().encode(message.text, add_special_tokens=False)

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import time
-from dataclasses import replace
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import Future
+from dataclasses import replace
 
 import grpc
 
@@ -14,8 +14,8 @@ from cbd.engine.engine import Engine
 from cbd.engine.grammar import MAX_GRAMMAR_BYTES
 from cbd.engine.outputs import RequestOutput
 from cbd.engine.sampling_params import MAX_CANDIDATES, MAX_LOGPROBS, MAX_STOP_STRINGS, SamplingParams
-from cbd.engine.sessions import SessionInfo, TurnInput
 from cbd.engine.sequence import FinishReason
+from cbd.engine.sessions import SessionInfo, TurnInput
 from cbd.errors import EngineFailure, EngineStopped, InvalidRequest
 from cbd.server import convert, status
 from cbd.server.chats import ChatLogs
@@ -57,7 +57,9 @@ class CbdService(_Base):
         return self.engine
 
     @status.streaming
-    async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[pb.GenerateResponse]:  # noqa: N802
+    async def Generate(
+        self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.GenerateResponse]:  # noqa: N802
         engine = self._engine()
         params = convert.sampling_params(request)
         structured = structure(request, self.prompts.call_format)
@@ -179,7 +181,9 @@ class CbdService(_Base):
         return _session_info(info)
 
     @status.unary
-    async def CloseSession(self, request: pb.CloseSessionRequest, context: grpc.aio.ServicerContext) -> pb.CloseSessionResponse:  # noqa: N802
+    async def CloseSession(
+        self, request: pb.CloseSessionRequest, context: grpc.aio.ServicerContext
+    ) -> pb.CloseSessionResponse:  # noqa: N802
         engine = self._engine()
         await asyncio.wrap_future(engine.close_session(request.session_id))
         self.chats.forget(request.session_id)

@@ -184,7 +184,11 @@ def _shown_defaults() -> dict[str, str]:
 def load_settings(argv: list[str] | None = None) -> tuple[EngineConfig, ServerConfig]:
     args = build_parser().parse_args(argv)
     values: dict[str, dict[str, Any]] = {name: {} for name in _SECTIONS}
-    path = args.config or os.environ.get("CBD_CONFIG") or (DEFAULT_CONFIG_FILE if os.path.exists(DEFAULT_CONFIG_FILE) else None)
+    path = (
+        args.config
+        or os.environ.get("CBD_CONFIG")
+        or (DEFAULT_CONFIG_FILE if os.path.exists(DEFAULT_CONFIG_FILE) else None)
+    )
     if path:
         try:
             with open(path, "rb") as fh:

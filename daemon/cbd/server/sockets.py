@@ -36,7 +36,9 @@ def peer_pid(path: Path, timeout: float = 1.0) -> int | None:
             s.connect(str(path))
         except OSError:
             return None
-        pid, _uid, _gid = struct.unpack("3i", s.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i")))
+        pid, _uid, _gid = struct.unpack(
+            "3i", s.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+        )
         return pid
 
 
@@ -94,7 +96,9 @@ class UnixSocketClaim:
     def _in_use(self, who: str) -> str:
         pid = peer_pid(self.path)
         owner = f" (pid {pid})" if pid is not None else ""
-        return f"{who}{owner} already serves {self.address}; stop it first (`cbd stop {self.address}`) or listen elsewhere"
+        return (
+            f"{who}{owner} already serves {self.address}; stop it first (`cbd stop {self.address}`) or listen elsewhere"
+        )
 
 
 def describe_bind_failure(address: str, error: Exception | None) -> str:

@@ -63,7 +63,10 @@ class Tool:
     def openai(self) -> dict[str, Any]:
         """The shape chat templates take in `tools=`."""
         schema = self.parameters or {"type": "object"}
-        return {"type": "function", "function": {"name": self.name, "description": self.description, "parameters": schema}}
+        return {
+            "type": "function",
+            "function": {"name": self.name, "description": self.description, "parameters": schema},
+        }
 
 
 class ToolChoiceMode(Enum):
