@@ -205,15 +205,14 @@ class ModelRunner:
         pending, step.pending = step.pending, None
         assert pending is not None
         staged_masks = self.masks.stage(masks)
-        with self.streams.on(self.streams.compute):
-            timing = self._start_timing()
-        done = self._sample(pending.logits, pending.tensors, pending.meta, pending.staged, staged_masks, timing)
+        done = self._sample(pending.logits, pending.tensors, pending.meta, pending.staged, staged_masks, None, True)
         step.sampled, step.host, step.done = done.sampled, done.host, done.done
         step.keep += done.keep
 
     def _sample(
         self, logits: torch.Tensor | None, t: StepTensors, meta: StepMeta, staged: StagedStep,
         masks: tuple[torch.Tensor, torch.cuda.Event | None] | None, timing: tuple | None,
+        time_after_masks: bool = False,
     ) -> InflightStep:  # fmt: skip
         """On the compute stream: mask, sample, release the staged inputs; then the d2h copy of the tokens."""
         s = self.streams
@@ -222,6 +221,8 @@ class ModelRunner:
             if logits is not None:
                 if masks is not None:
                     s.wait(s.compute, masks[1])
+                    if time_after_masks:  # a deferred sampling: the wait for its masks is not busy time
+                        timing = self._start_timing()
                     logits = self.masks.apply(logits, masks[0])
                 result = sample(logits, _sampling_batch(t, meta))
             self.stager.release(staged)
