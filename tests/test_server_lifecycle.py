@@ -210,7 +210,10 @@ def test_one_json_log_line_per_request_without_prompt_text(tiny_daemon) -> None:
     d = tiny_daemon()
     with Client(d.address, timeout=60) as client:
         client.generate(PROMPT, max_tokens=3, ignore_eos=True, request_id="req-log-1")
-    time.sleep(0.2)
+        stream = client.stream(PROMPT, max_tokens=400, ignore_eos=True, request_id="req-log-2")
+        next(stream)
+        stream.close()  # cancelled mid-stream: its line still counts its prompt
+    time.sleep(0.5)
     records = [json.loads(line) for line in d.log().splitlines() if line.startswith("{")]
     assert records and all("event" in r and "level" in r and "timestamp" in r for r in records)
     lines = [r for r in records if r.get("logger") == "cbd.request" and r.get("request_id") == "req-log-1"]
@@ -219,6 +222,9 @@ def test_one_json_log_line_per_request_without_prompt_text(tiny_daemon) -> None:
     assert line["outcome"] == "completed" and line["completion_tokens"] == 3 and line["finish_reasons"] == ["length"]
     assert line["prompt_tokens"] > 0 and line["ttft_s"] > 0 and line["duration_s"] >= line["ttft_s"]
     assert ", ".join(map(str, PROMPT[:8])) not in d.log()  # no prompt content
+    cancelled = [r for r in records if r.get("logger") == "cbd.request" and r.get("request_id") == "req-log-2"]
+    assert len(cancelled) == 1 and cancelled[0]["outcome"] == "cancelled"
+    assert cancelled[0]["prompt_tokens"] == len(PROMPT)
 
 
 def _certificates(directory):  # type: ignore[no-untyped-def]

@@ -73,12 +73,14 @@ class CbdService(_Base):
         def on_output(out: RequestOutput) -> None:
             loop.call_soon_threadsafe(outputs.put_nowait, out)
 
+        prompt_tokens: int | None = None  # known here for a plain request; a turn's (history + turn) from its usage
         if request.session_id:
             request_id = await self._submit_turn(engine, request, params, outputs.put_nowait, structured.tools)
         elif request.HasField("parent_candidate"):
             raise InvalidRequest("parent_candidate names a candidate of a session's last turn; it needs session_id")
         else:
             prompt = self.prompts.encode(request, structured.tools)
+            prompt_tokens = len(prompt)
             request_id = engine.submit(prompt, params, request.request_id or None, on_output)  # makes an id if none
         output: RequestOutput | None = None
         waiting_first_token = True
@@ -89,6 +91,7 @@ class CbdService(_Base):
                 output = await outputs.get()
                 elapsed = time.monotonic() - arrived
                 finishes.update(d.finish_reason.value for d in output.candidates if d.finish_reason is not None)
+                prompt_tokens = next((d.usage.prompt_tokens for d in output.candidates if d.usage), prompt_tokens)
                 if any(d.token_ids for d in output.candidates):
                     if waiting_first_token:
                         self.metrics.first_token.observe(elapsed)
@@ -111,7 +114,7 @@ class CbdService(_Base):
             request_line(
                 request_id=request_id, session_id=request.session_id or None, n=params.n,
                 outcome="completed" if completed else "cancelled",
-                prompt_tokens=usage.prompt_tokens if usage else None,
+                prompt_tokens=usage.prompt_tokens if usage else prompt_tokens,
                 cached_prompt_tokens=usage.cached_prompt_tokens if usage else None,
                 completion_tokens=usage.completion_tokens if usage else None,
                 ttft_s=None if waiting_first_token else round(first_token_at, 4),
