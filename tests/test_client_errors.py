@@ -102,7 +102,7 @@ def test_bad_input_is_cbd_error_invalid_argument_before_any_call(tmp_path, promp
 def test_a_single_stop_string_is_one_string_not_its_characters(tmp_path) -> None:  # type: ignore[no-untyped-def]
     from cbd_client import _convert
 
-    assert list(_convert.generate_request("hi", 1, "", {"stop": "\n\n"}).sampling.stop) == ["\n\n"]
+    assert list(_convert.generate_request("hi", 1, {"stop": "\n\n"}).sampling.stop) == ["\n\n"]
 
 
 def test_cli_prints_one_line_for_daemon_refusals_and_answers_on_stdout(tiny_checkpoint, tmp_path) -> None:  # type: ignore[no-untyped-def]

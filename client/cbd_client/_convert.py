@@ -70,13 +70,20 @@ def set_prompt(message: pb.GenerateRequest | pb.TokenizeRequest | pb.OpenSession
         )
 
 
-def generate_request(
-    prompt: Prompt, n: int, request_id: str, sampling: dict[str, object], session_id: str = "",
-    parent_candidate: int | None = None, tools: Any = None, tool_choice: Any = None, response_format: Any = None,
-) -> pb.GenerateRequest:  # fmt: skip
+_REQUEST_OPTIONS = frozenset(
+    {"request_id", "session_id", "parent_candidate", "tools", "tool_choice", "response_format"}
+)
+
+
+def generate_request(prompt: Prompt, n: int, options: dict[str, Any]) -> pb.GenerateRequest:
+    """options: request_id, session_id, parent_candidate, tools, tool_choice, response_format and the
+    sampling keywords (see the module docstring of client.py)."""
+    sampling = {k: v for k, v in options.items() if k not in _REQUEST_OPTIONS}
     unknown = sorted(set(sampling) - _SAMPLING_FIELDS)
     if unknown:
-        raise TypeError(f"unknown sampling parameters {unknown}; known: {sorted(_SAMPLING_FIELDS)}")
+        raise TypeError(f"unknown parameters {unknown}; known: {sorted(_SAMPLING_FIELDS | _REQUEST_OPTIONS)}")
+    request_id, session_id = options.get("request_id") or "", options.get("session_id") or ""
+    parent_candidate = options.get("parent_candidate")
     if not isinstance(n, int) or isinstance(n, bool) or n < 1:
         raise invalid(f"n must be an integer >= 1, got {n!r}")
     request = pb.GenerateRequest()
@@ -86,8 +93,8 @@ def generate_request(
     if parent_candidate is not None:
         _set(request, "parent_candidate", parent_candidate)
     set_prompt(request, prompt)
-    set_tools(request, tools, tool_choice)
-    set_response_format(request, response_format)
+    set_tools(request, options.get("tools"), options.get("tool_choice"))
+    set_response_format(request, options.get("response_format"))
     for name, value in sampling.items():
         if value is not None:
             _set(request.sampling, name, [value] if isinstance(value, str) and name == "stop" else value)

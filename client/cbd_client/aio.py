@@ -49,19 +49,11 @@ class AsyncClient:
         prompt: Prompt,
         *,
         n: int = 1,
-        request_id: str = "",
         timeout: float | None = None,
-        session_id: str = "",
-        parent_candidate: int | None = None,
-        tools: list[dict[str, Any]] | None = None,
-        tool_choice: Any = None,
-        response_format: Any = None,
-        **sampling,
+        **options: Any,
     ) -> Completion:
         builder = _convert.CompletionBuilder(n)
-        request = _convert.generate_request(
-            prompt, n, request_id, sampling, session_id, parent_candidate, tools, tool_choice, response_format
-        )
+        request = _convert.generate_request(prompt, n, options)
         try:
             async for response in self._stub.Generate(
                 request, timeout=timeout or self.timeout, metadata=self._metadata
@@ -76,19 +68,11 @@ class AsyncClient:
         prompt: Prompt,
         *,
         n: int = 1,
-        request_id: str = "",
         timeout: float | None = None,
-        session_id: str = "",
-        parent_candidate: int | None = None,
-        tools: list[dict[str, Any]] | None = None,
-        tool_choice: Any = None,
-        response_format: Any = None,
-        **sampling,
+        **options: Any,
     ) -> AsyncIterator[Delta]:
         """Yield deltas as they arrive; closing the iterator early cancels the request on the daemon."""
-        request = _convert.generate_request(
-            prompt, n, request_id, sampling, session_id, parent_candidate, tools, tool_choice, response_format
-        )
+        request = _convert.generate_request(prompt, n, options)
         call = self._stub.Generate(request, timeout=timeout or self.timeout, metadata=self._metadata)
         try:
             async for response in call:

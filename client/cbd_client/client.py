@@ -55,20 +55,13 @@ class Client:
         prompt: Prompt,
         *,
         n: int = 1,
-        request_id: str = "",
         timeout: float | None = None,
-        session_id: str = "",
-        parent_candidate: int | None = None,
-        tools: list[dict[str, Any]] | None = None,
-        tool_choice: Any = None,
-        response_format: Any = None,
-        **sampling,
+        **options: Any,
     ) -> Completion:
-        """Run to completion and return every candidate."""
+        """Run to completion and return every candidate. options: request_id, session_id, parent_candidate,
+        tools, tool_choice, response_format and the sampling keywords (see the module docstring)."""
         builder = _convert.CompletionBuilder(n)
-        request = _convert.generate_request(
-            prompt, n, request_id, sampling, session_id, parent_candidate, tools, tool_choice, response_format
-        )
+        request = _convert.generate_request(prompt, n, options)
         try:
             for response in self._stub.Generate(request, timeout=timeout or self.timeout, metadata=self._metadata):
                 builder.add(response)
@@ -81,19 +74,11 @@ class Client:
         prompt: Prompt,
         *,
         n: int = 1,
-        request_id: str = "",
         timeout: float | None = None,
-        session_id: str = "",
-        parent_candidate: int | None = None,
-        tools: list[dict[str, Any]] | None = None,
-        tool_choice: Any = None,
-        response_format: Any = None,
-        **sampling,
+        **options: Any,
     ) -> Iterator[Delta]:
         """Yield deltas as they arrive; leaving the loop early cancels the request on the daemon."""
-        request = _convert.generate_request(
-            prompt, n, request_id, sampling, session_id, parent_candidate, tools, tool_choice, response_format
-        )
+        request = _convert.generate_request(prompt, n, options)
         call = self._stub.Generate(request, timeout=timeout or self.timeout, metadata=self._metadata)
         try:
             for response in call:
