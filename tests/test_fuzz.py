@@ -33,6 +33,7 @@ ALLOWED = {
 _floats = st.one_of(
     st.floats(min_value=-2.0, max_value=3.0, width=32), st.sampled_from([0.0, 1.0, float("nan"), float("inf"), 1e30])
 )
+_schemas = st.sampled_from(["", "{}", '{"type": "object"}', "{bad", "[1]", '{"type": "nonsense"}', "x" * 70000])
 _token_ids = st.lists(st.one_of(st.integers(0, 300), st.integers(0, 2**32 - 1)), max_size=40)
 
 
@@ -95,6 +96,27 @@ def wild_requests(draw):  # type: ignore[no-untyped-def]
         request.request_id = draw(st.sampled_from(["fixed-id", "x" * 300]))
     if draw(st.integers(0, 9)) == 0:
         request.parent_candidate = draw(st.integers(0, 5))
+    if draw(st.integers(0, 4)) == 0:
+        for _ in range(draw(st.integers(0, 3))):
+            request.tools.add(name=draw(st.sampled_from(["f", "g", "", 'a"b', "x" * 70])),
+                              description=draw(st.text(max_size=10)), parameters=draw(_schemas))  # fmt: skip
+    if draw(st.integers(0, 4)) == 0:
+        choice = draw(st.sampled_from(["auto", "none", "required", "f", "nope", "bad-mode"]))
+        if choice == "bad-mode":
+            request.tool_choice.mode = 7  # not a ToolChoiceMode: open enums keep unknown numbers
+        elif choice in ("auto", "none", "required"):
+            request.tool_choice.mode = getattr(pb, f"TOOL_CHOICE_MODE_{choice.upper()}")
+        else:
+            request.tool_choice.name = choice
+    if draw(st.integers(0, 4)) == 0:
+        fmt = draw(st.sampled_from(["json_schema", "json_object", "regex", "grammar"]))
+        if fmt == "json_schema":
+            request.response_format.json_schema = draw(_schemas)
+        elif fmt == "json_object":
+            request.response_format.json_object = draw(st.booleans())
+        else:
+            values = ["", "(", "a+", "[a-z]{3}"] if fmt == "regex" else ["", 'root ::= "a"', "root ::= "]
+            setattr(request.response_format, fmt, draw(st.sampled_from(values)))
     return request
 
 

@@ -88,3 +88,21 @@ def test_ignore_eos_still_ends_at_the_end_of_the_grammar(default_model, compiler
     result = run_all(make_core(default_model), [chat(default_model, "Is water wet?")],
                      SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True, grammar=grammar))[0]  # fmt: skip
     assert result["finish"][0].value == "stop" and result["text"][0] in ("yes", "no")
+
+
+def test_logprobs_are_of_the_constrained_distribution_and_stop_strings_still_apply(default_model, compiler) -> None:  # type: ignore[no-untyped-def]
+    import math
+
+    grammar = compiler.compile(GrammarSpec(GrammarKind.REGEX, "(yes|no)"))
+    params = SamplingParams(max_tokens=8, temperature=0.0, logprobs=20, grammar=grammar)
+    result = run_all(make_core(default_model), [chat(default_model, "Is water wet?")], params)[0]
+    first = result["outputs"][0].candidates[0].logprobs[0]
+    # Fewer than 20 tokens can start "yes" or "no": the masked distribution's mass is all in the top 20.
+    mass = sum(math.exp(lp) for _, lp in first.top if math.isfinite(lp))
+    assert abs(mass - 1.0) < 1e-3 and math.isfinite(first.logprob)
+
+    person = compiler.compile(GrammarSpec(GrammarKind.JSON_SCHEMA, json.dumps(SCHEMAS_HERE["flat"])))
+    params = SamplingParams(max_tokens=60, temperature=0.0, stop=('"age"',), grammar=person)
+    result = run_all(make_core(default_model), [chat(default_model, "A person as JSON.")], params)[0]
+    assert result["finish"][0].value == "stop" and result["text"][0].startswith('{"name": ')
+    assert '"age"' not in result["text"][0]
