@@ -89,3 +89,30 @@ def test_two_nccl_ranks_equal_one_gpu(tiny_checkpoint) -> None:
     single = _greedy(EngineConfig(**base), prompts)
     sharded = _greedy(EngineConfig(**base, tensor_parallel_size=2), prompts)
     assert sharded == single
+
+
+@pytest.mark.parametrize("overlap", ["off", "on"])
+def test_two_gloo_ranks_sample_constrained_rows_like_one_process(tiny_checkpoint, overlap: str) -> None:
+    """Workers get the token masks (with the step, or in a SampleStep when sampling is deferred): a batch of
+    constrained and unconstrained rows gives rank 0's tokens, equal to one process's."""
+    import re
+
+    from cbd.engine.grammar import GrammarCompiler, GrammarKind, GrammarSpec
+
+    compiler = GrammarCompiler(None, 256, (1,), encoded_vocab=[bytes([i]) for i in range(256)])
+    grammar = compiler.compile(GrammarSpec(GrammarKind.REGEX, "[a-z]{12}"))
+    prompts = _prompts(4, 256)
+    params = [SamplingParams(max_tokens=14, temperature=0.0, grammar=grammar if i % 2 else None, ignore_eos=i % 2 == 0)
+              for i in range(4)]  # fmt: skip
+    config = EngineConfig(model=str(tiny_checkpoint("llama")), num_kv_blocks=128, overlap=overlap)
+    outputs = []
+    for tp in (1, 2):
+        engine = Engine(dataclasses.replace(config, tensor_parallel_size=tp))
+        try:
+            streams = [engine.stream(p, sp) for p, sp in zip(prompts, params)]
+            outputs.append([s.result().candidates[0].token_ids for s in streams])
+        finally:
+            engine.shutdown()
+    assert outputs[0] == outputs[1]
+    for tokens in outputs[0][1::2]:
+        assert re.fullmatch("[a-z]{12}", bytes(t for t in tokens if t != 1).decode())

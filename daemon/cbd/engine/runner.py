@@ -100,7 +100,8 @@ class ModelRunner:
                 self.scratch_block, self.streams.compute,
             )  # fmt: skip
         self._last_sampled: torch.Tensor | None = None
-        self.masks = TokenMasks(self.streams, spec.vocab_size)
+        # The logits rows are the whole vocabulary, also on a tensor-parallel rank whose spec is its shard's.
+        self.masks = TokenMasks(self.streams, model.full_vocab_size)
         # Tensor parallelism: sends each step (and warm-up) to the worker ranks before running it here.
         self.broadcast: Callable[[WorkerMessage], None] | None = None
         # Every launch appends (start, end) CUDA events bracketing its compute-stream work: the last 64
