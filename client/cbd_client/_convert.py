@@ -5,11 +5,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any, cast
 
-import grpc
 from google.protobuf.descriptor import FieldDescriptor
 from google.protobuf.message import Message
 
-from cbd_client.errors import CbdError
+from cbd_client.errors import invalid_argument as invalid
 from cbd_client.structured import set_message_tool_fields, set_response_format, set_tools
 from cbd_client.types import (
     Candidate,
@@ -35,11 +34,6 @@ _FINISH = {
     pb.FINISH_REASON_TOOL_CALLS: "tool_calls",
 }
 _SAMPLING_FIELDS = frozenset(pb.SamplingParams.DESCRIPTOR.fields_by_name)
-
-
-def invalid(message: str) -> CbdError:
-    """A request the contract's types cannot carry, refused before it is sent, as the daemon would."""
-    return CbdError(grpc.StatusCode.INVALID_ARGUMENT, message)
 
 
 def set_prompt(message: pb.GenerateRequest | pb.TokenizeRequest | pb.OpenSessionRequest, prompt: Prompt) -> None:

@@ -17,10 +17,8 @@ import json
 import sys
 from typing import Any
 
-import grpc
-
 from cbd_client.client import Client
-from cbd_client.errors import CbdError
+from cbd_client.errors import CbdError, invalid_argument
 
 
 def _sampling(args: argparse.Namespace) -> dict[str, Any]:
@@ -33,7 +31,7 @@ def _sampling(args: argparse.Namespace) -> dict[str, Any]:
             with open(args.json_schema, encoding="utf-8") as f:
                 values["response_format"] = {"type": "json_schema", "json_schema": json.load(f)}
         except (OSError, ValueError) as exc:
-            raise CbdError(grpc.StatusCode.INVALID_ARGUMENT, f"--json-schema {args.json_schema}: {exc}") from None
+            raise invalid_argument(f"--json-schema {args.json_schema}: {exc}") from None
     return values
 
 

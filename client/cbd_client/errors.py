@@ -23,6 +23,11 @@ class CbdError(Exception):
         return cls(error.code(), error.details() or "", _retry_after(error))
 
 
+def invalid_argument(message: str) -> CbdError:
+    """A request the contract's types cannot carry, refused in the client, as the daemon would refuse it."""
+    return CbdError(grpc.StatusCode.INVALID_ARGUMENT, message)
+
+
 def _retry_after(error: grpc.RpcError) -> float | None:
     trailing = getattr(error, "trailing_metadata", None)
     try:

@@ -14,17 +14,11 @@ import json
 from collections.abc import Sequence
 from typing import Any
 
-import grpc
-
-from cbd_client.errors import CbdError
+from cbd_client.errors import invalid_argument
 from cbd_client.v1 import cbd_pb2 as pb
 
 _MODES = {"auto": pb.TOOL_CHOICE_MODE_AUTO, "none": pb.TOOL_CHOICE_MODE_NONE, "required": pb.TOOL_CHOICE_MODE_REQUIRED}
 _FORMAT_KINDS = ("json_schema", "json_object", "regex", "grammar")
-
-
-def _invalid(message: str) -> CbdError:
-    return CbdError(grpc.StatusCode.INVALID_ARGUMENT, message)
 
 
 def _json_text(value: Any, what: str) -> str:
@@ -35,16 +29,16 @@ def _json_text(value: Any, what: str) -> str:
     try:
         return json.dumps(value)
     except (TypeError, ValueError) as exc:
-        raise _invalid(f"{what} must be JSON (a dict, or JSON text): {exc}") from None
+        raise invalid_argument(f"{what} must be JSON (a dict, or JSON text): {exc}") from None
 
 
 def set_tools(request: pb.GenerateRequest, tools: Sequence[dict[str, Any]] | None, tool_choice: Any) -> None:
     for i, tool in enumerate(tools or ()):
         if not isinstance(tool, dict):
-            raise _invalid(f"tool {i} must be a dict with 'name', 'description', 'parameters'")
+            raise invalid_argument(f"tool {i} must be a dict with 'name', 'description', 'parameters'")
         spec = tool.get("function", tool) if tool.get("type") == "function" else tool
         if not isinstance(spec.get("name"), str):
-            raise _invalid(f"tool {i} needs a string 'name'")
+            raise invalid_argument(f"tool {i} needs a string 'name'")
         parameters = spec.get("parameters")
         request.tools.add(name=spec["name"], description=spec.get("description") or "",
                           parameters="" if parameters is None else _json_text(parameters, f"tool {spec['name']!r} parameters"))  # fmt: skip
@@ -53,7 +47,7 @@ def set_tools(request: pb.GenerateRequest, tools: Sequence[dict[str, Any]] | Non
     if isinstance(tool_choice, dict):
         name = tool_choice.get("function", tool_choice).get("name")
         if not isinstance(name, str):
-            raise _invalid("tool_choice as a dict needs a tool 'name'")
+            raise invalid_argument("tool_choice as a dict needs a tool 'name'")
         request.tool_choice.name = name
     elif isinstance(tool_choice, str):
         if tool_choice in _MODES:
@@ -61,7 +55,7 @@ def set_tools(request: pb.GenerateRequest, tools: Sequence[dict[str, Any]] | Non
         else:
             request.tool_choice.name = tool_choice
     else:
-        raise _invalid("tool_choice must be 'auto', 'none', 'required', a tool's name, or {'name': ...}")
+        raise invalid_argument("tool_choice must be 'auto', 'none', 'required', a tool's name, or {'name': ...}")
 
 
 def set_response_format(request: pb.GenerateRequest, response_format: Any) -> None:
@@ -72,7 +66,7 @@ def set_response_format(request: pb.GenerateRequest, response_format: Any) -> No
         target.json_schema = _json_text(response_format, "response_format")
         return
     if not isinstance(response_format, dict):
-        raise _invalid("response_format must be a dict or a pydantic model class")
+        raise invalid_argument("response_format must be a dict or a pydantic model class")
     kind = response_format.get("type")
     if kind == "json_object":
         target.json_object = True
@@ -83,7 +77,7 @@ def set_response_format(request: pb.GenerateRequest, response_format: Any) -> No
     elif kind in ("regex", "grammar"):
         value = response_format.get(kind)
         if not isinstance(value, str):
-            raise _invalid(f"response_format of type {kind!r} needs a string {kind!r}")
+            raise invalid_argument(f"response_format of type {kind!r} needs a string {kind!r}")
         setattr(target, kind, value)
     else:  # a JSON schema given directly
         target.json_schema = _json_text(response_format, "response_format")
