@@ -39,13 +39,13 @@ from cbd.engine.live import LiveRequest, OutputCallback
 from cbd.engine.output_processor import OutputProcessor
 from cbd.engine.outputs import CandidateDelta, EngineStats, RequestOutput, TokenLogprob, Usage
 from cbd.engine.runner import InflightStep, ModelRunner, SampledTokens
-from cbd.engine.sampling_params import SamplingParams
+from cbd.engine.sampling_params import SamplingParams, validate_request
 from cbd.engine.scheduler import SampleRow, Scheduler, StepPlan
 from cbd.engine.sequence import FinishReason, Request, Sequence
 from cbd.engine.sessions import SessionManager, TurnInput
 from cbd.engine.step_inputs import pack_step
 from cbd.engine.tp_messages import Setup
-from cbd.errors import InvalidRequest, UnknownRequest
+from cbd.errors import UnknownRequest
 from cbd.model.loader import LoadedModel
 
 log = logging.getLogger(__name__)
@@ -61,10 +61,12 @@ class _Launched:
 
 class EngineCore:
     def __init__(
-        self, loaded: LoadedModel, config: EngineConfig, tp_group: Any = None, live: Admission | None = None
-    ) -> None:
+        self, loaded: LoadedModel, config: EngineConfig, tp_group: Any = None, live: Admission | None = None,
+        detokenize: bool = True,
+    ) -> None:  # fmt: skip
         """tp_group: rank 0's TensorParallelGroup when the model is sharded (its workers mirror every step).
-        live: the registry of live requests (the threaded Engine's admission); uncapped when None."""
+        live: the registry of live requests (the threaded Engine's admission); uncapped when None.
+        detokenize: False leaves the text of candidates without stop strings to the reader (OutputProcessor)."""
         self.config = config
         self.loaded = loaded
         spec = loaded.spec
@@ -90,7 +92,7 @@ class EngineCore:
         self.overlap = config.overlap_enabled(self.runner.device)
         self._inflight: _Launched | None = None
         self._gpu_busy_at, self._gpu_busy_value = 0.0, cast(float | None, None)
-        self.outputs = OutputProcessor(loaded.tokenizer, loaded.eos_token_ids, self.max_model_len)
+        self.outputs = OutputProcessor(loaded.tokenizer, loaded.eos_token_ids, self.max_model_len, detokenize)
         self.live = live if live is not None else Admission.unbounded()
         # Outputs made and not yet handed to their callbacks (see deliver); pairs, in order.
         self._outbox: list[tuple[LiveRequest, RequestOutput]] = []
@@ -102,20 +104,9 @@ class EngineCore:
     # ---- admission --------------------------------------------------------------------------
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
         """Raise InvalidRequest for a request that can never run. Reads only config (safe from any thread)."""
-        if not prompt_token_ids:
-            raise InvalidRequest("the prompt is empty")
-        vocab = self.loaded.spec.vocab_size
-        if any(not 0 <= t < vocab for t in prompt_token_ids):
-            raise InvalidRequest(f"prompt token ids must be in [0, {vocab})")
-        if any(t >= vocab for t in params.stop_token_ids):
-            raise InvalidRequest(f"stop_token_ids must be in [0, {vocab})")
-        if len(prompt_token_ids) >= self.max_model_len:
-            raise InvalidRequest(
-                f"the prompt has {len(prompt_token_ids)} tokens; this engine's context holds at most "
-                f"{self.max_model_len} (prompt plus at least one new token)"
-            )
-        if params.stop and self.loaded.tokenizer is None:
-            raise InvalidRequest("stop strings need a tokenizer, and this checkpoint has none")
+        validate_request(
+            prompt_token_ids, params, self.loaded.spec.vocab_size, self.max_model_len, self.loaded.tokenizer is not None
+        )
 
     @property
     def requests(self) -> dict[str, LiveRequest]:

@@ -23,13 +23,13 @@ from cbd.engine import commands as cmd
 from cbd.engine.admission import Admission
 from cbd.engine.core import EngineCore
 from cbd.engine.engine_loop import EngineLoop
-from cbd.engine.grammar import CompiledGrammar, GrammarCompiler, GrammarSpec
+from cbd.engine.grammar import CompiledGrammar, GrammarSpec, LazyGrammarCompiler
 from cbd.engine.live import LiveRequest, OutputCallback
 from cbd.engine.outputs import EngineStats, ModelFacts
 from cbd.engine.request_stream import Completion, RequestStream
 from cbd.engine.sampling_params import SamplingParams
 from cbd.engine.sessions import SessionInfo, TurnInput
-from cbd.errors import CapacityExceeded, EngineStopped, InvalidRequest
+from cbd.errors import CapacityExceeded, EngineStopped
 from cbd.model.loader import LoadedModel
 
 T = TypeVar("T")
@@ -44,22 +44,28 @@ class Engine:
     thread) works but forfeits that.
     """
 
-    def __init__(self, config: EngineConfig | None = None, loaded: LoadedModel | None = None) -> None:
+    def __init__(
+        self, config: EngineConfig | None = None, loaded: LoadedModel | None = None, *,
+        admission: Admission | None = None, detokenize: bool = True,
+    ) -> None:  # fmt: skip
+        """admission: the registry of live requests (default: capped by the config's max_queued_*); an
+        engine whose caller admits requests itself passes Admission.unbounded(). detokenize: see
+        OutputProcessor (False: only candidates with stop strings are detokenised in the engine thread)."""
         self.config = config or EngineConfig()
         self._inbox: queue.SimpleQueue[cmd.Command] = queue.SimpleQueue()
         self._wake = threading.Event()
         self._stopping = False
         # The one registry of live requests: seats and prompt tokens, capped; ids unique; callbacks.
-        self.admission = Admission(self.config.max_queued_requests, self.config.max_queued_tokens)
-        self._loop = EngineLoop(self.config, self.admission, self._inbox, self._wake)
+        self.admission = admission or Admission(self.config.max_queued_requests, self.config.max_queued_tokens)
+        self._loop = EngineLoop(self.config, self.admission, self._inbox, self._wake, detokenize)
         self._thread = threading.Thread(target=self._loop.run, args=(loaded,), name="cbd-engine", daemon=True)
         self._thread.start()
         self._loop.started.wait()
         if self._loop.start_error is not None:
             raise self._loop.start_error
         self.core = self._loop.core  # tests and tools; the server never touches it
-        self._grammars: GrammarCompiler | None = None  # made on first use (the library loads in ~2 s)
-        self._grammar_lock = threading.Lock()
+        loaded = self.core.loaded
+        self._grammars = LazyGrammarCompiler(loaded.tokenizer, loaded.spec.vocab_size, tuple(loaded.eos_token_ids))
 
     @property
     def loaded(self) -> LoadedModel:
@@ -86,6 +92,25 @@ class Engine:
         self._loop.on_session_expired = callback
 
     @property
+    def on_step_end(self) -> Callable[[], object] | None:
+        """Called in the engine thread after each turn of the loop has delivered its outputs (and once
+        when the loop stops): one batch of outputs is complete then. Must be quick."""
+        return self._loop.on_step_end
+
+    @on_step_end.setter
+    def on_step_end(self, callback: Callable[[], object] | None) -> None:
+        self._loop.on_step_end = callback
+
+    def nudge(self) -> None:
+        """Make the loop turn once (and so call on_step_end) even when it has nothing to compute."""
+        self._wake.set()
+
+    @property
+    def running(self) -> bool:
+        """The engine thread is alive (False once it stopped, after shutdown or a device error)."""
+        return self._thread.is_alive()
+
+    @property
     def tokenizer(self):
         return self.core.loaded.tokenizer
 
@@ -103,12 +128,6 @@ class Engine:
         """The compiled grammar for `spec` against this model's tokenizer, from a cache keyed by the spec's
         text. Thread-safe; meant for a worker thread (the request waits, not the batch). Raises
         InvalidRequest for a spec the grammar library rejects, or a model without a tokenizer."""
-        with self._grammar_lock:
-            if self._grammars is None:
-                loaded = self.core.loaded
-                if loaded.tokenizer is None:
-                    raise InvalidRequest("structured output and tools need a tokenizer, and this checkpoint has none")
-                self._grammars = GrammarCompiler(loaded.tokenizer, loaded.spec.vocab_size, tuple(loaded.eos_token_ids))
         return self._grammars.compile(spec)
 
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
@@ -176,6 +195,10 @@ class Engine:
         self, session_id: str, candidate: int | None = None, ttl: float | None = None
     ) -> Future[SessionInfo]:
         return self._ask(lambda f: cmd.ForkSession(session_id, candidate, ttl, f))
+
+    def touch_session(self, session_id: str) -> None:
+        """The session's client is still there: its idle TTL starts over."""
+        self._send(cmd.TouchSession(session_id))
 
     def call(self, fn: Callable[[EngineCore], T]) -> Future[T]:
         """Tests and tools: run fn(core) in the engine thread between steps. The server never does."""

@@ -9,6 +9,7 @@ watchdog and health read.
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import queue
 import threading
@@ -35,9 +36,10 @@ T = TypeVar("T")
 class EngineLoop:
     def __init__(
         self, config: EngineConfig, admission: Admission, inbox: queue.SimpleQueue[cmd.Command],
-        wake: threading.Event,
+        wake: threading.Event, detokenize: bool = True,
     ) -> None:  # fmt: skip
         self.config = config
+        self.detokenize = detokenize
         self.admission = admission
         self._inbox = inbox
         self._wake = wake
@@ -51,6 +53,9 @@ class EngineLoop:
         self.heartbeat = time.monotonic()
         self.fatal: BaseException | None = None  # set when a device error stopped the engine
         self.on_session_expired: Callable[[str], object] | None = None
+        # Called in the engine thread at the end of every turn of the loop (after its outputs were
+        # delivered) and once more when the loop has stopped: where a batch of outputs is complete.
+        self.on_step_end: Callable[[], object] | None = None
         self._faults = FaultPlan.from_env()
         self._handlers: dict[type, Callable] = {
             cmd.AddRequest: self._add_request, cmd.AddTurn: self._add_turn, cmd.Abort: self._abort,
@@ -62,6 +67,7 @@ class EngineLoop:
 
     def run(self, loaded: LoadedModel | None) -> None:
         """The thread's body: load (or take) the model, warm up, then loop until a Stop command."""
+        _name_os_thread("cbd-engine")
         try:
             c = self.config
             if c.tensor_parallel_size > 1:
@@ -76,7 +82,7 @@ class EngineLoop:
                 loaded = load_model(
                     c.model, c.cache_dir, c.torch_device(), c.torch_dtype(), pack_cpu_gemm=c.cpu_packed_gemm
                 )
-            self.core = EngineCore(loaded, self.config, self._tp, self.admission)
+            self.core = EngineCore(loaded, self.config, self._tp, self.admission, self.detokenize)
             self.core.warm_up()  # CUDA graphs are captured before the engine reports started
             self.stats = self.core.stats()
         except BaseException as exc:  # handed to the Engine's constructor, which re-raises it
@@ -125,6 +131,7 @@ class EngineLoop:
                 core.fail_all(FinishReason.ERROR)
             self.stats = core.stats()
             core.deliver()
+            self._step_end()
         core.fail_all(FinishReason.ABORT)
         core.deliver()
         while True:  # commands that raced with shutdown: answer them rather than leave them hanging
@@ -140,8 +147,16 @@ class EngineLoop:
             if future is not None and future.set_running_or_notify_cancel():
                 future.set_exception(EngineStopped("the engine is shutting down"))
         self.stats = core.stats()
+        self._step_end()
         if self._tp is not None:
             self._tp.stop()
+
+    def _step_end(self) -> None:
+        if self.on_step_end is not None:
+            try:
+                self.on_step_end()
+            except Exception:
+                log.exception("step-end hook failed")
 
     def _drain_inbox(self) -> bool:
         """Apply queued commands in order; False once a Stop arrives."""
@@ -213,6 +228,14 @@ class EngineLoop:
             live.on_output(RequestOutput(live.request_id, deltas, True, None))
         except Exception:
             log.exception("output callback for %s failed", live.request_id)
+
+
+def _name_os_thread(name: str) -> None:
+    """Linux: the name `top -H`, /proc and profilers show for the calling thread (at most 15 bytes)."""
+    try:
+        ctypes.CDLL(None).prctl(15, name.encode()[:15], 0, 0, 0)  # PR_SET_NAME
+    except (OSError, AttributeError):
+        return
 
 
 def _answer(future: Future[T], fn: Callable[[], T]) -> None:

@@ -107,6 +107,24 @@ class GrammarCompiler:
         return bitmask.to(device) if str(device) != "cpu" else bitmask
 
 
+class LazyGrammarCompiler:
+    """A GrammarCompiler made on first use (building the tokenizer's info takes seconds), thread-safe."""
+
+    def __init__(self, tokenizer: Any | None, vocab_size: int, stop_token_ids: tuple[int, ...]) -> None:
+        self._args = (tokenizer, vocab_size, stop_token_ids)
+        self._compiler: GrammarCompiler | None = None
+        self._lock = threading.Lock()
+
+    def compile(self, spec: GrammarSpec) -> CompiledGrammar:
+        """Raises InvalidRequest for a spec the grammar library rejects, or a model without a tokenizer."""
+        with self._lock:
+            if self._compiler is None:
+                if self._args[0] is None:
+                    raise InvalidRequest("structured output and tools need a tokenizer, and this checkpoint has none")
+                self._compiler = GrammarCompiler(*self._args)
+        return self._compiler.compile(spec)
+
+
 @dataclass(frozen=True, slots=True)
 class CompiledGrammar:
     spec: GrammarSpec

@@ -17,15 +17,20 @@ class _CandidateText:
 
 
 class OutputProcessor:
-    def __init__(self, tokenizer: Any | None, eos_token_ids: tuple[int, ...], max_model_len: int) -> None:
+    def __init__(
+        self, tokenizer: Any | None, eos_token_ids: tuple[int, ...], max_model_len: int, detokenize: bool = True
+    ) -> None:
+        """detokenize False: only candidates with stop strings are detokenised here (the text decides when
+        they stop); the others' deltas carry text "" and whoever reads them detokenises (ipc/text.py)."""
         self.tokenizer = tokenizer
+        self.detokenize = detokenize
         self.eos_token_ids = frozenset(eos_token_ids)
         self.max_model_len = max_model_len
 
     def attach(self, seq: Sequence) -> None:
         params = seq.request.params
         detok = None
-        if self.tokenizer is not None:
+        if self.tokenizer is not None and (self.detokenize or params.stop):
             detok = IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens)
         seq.output_state = _CandidateText(detok, StopStringMatcher(params.stop))
 

@@ -69,3 +69,34 @@ class ModelFacts:
     num_kv_blocks: int
     block_size: int
     eos_token_ids: tuple[int, ...]
+
+
+def merge_outputs(outputs: list[RequestOutput]) -> RequestOutput:
+    """Consecutive outputs of one request as one (a stream that fell behind catches up in one message):
+    each candidate's tokens, text and logprobs concatenated in order; its last finish reason and usage;
+    the request's first queue time and last usage. Nothing is dropped."""
+    if len(outputs) == 1:
+        return outputs[0]
+    merged: dict[int, CandidateDelta] = {}
+    for out in outputs:
+        for d in out.candidates:
+            m = merged.get(d.index)
+            if m is None:
+                merged[d.index] = CandidateDelta(
+                    d.index, list(d.token_ids), d.text, None if d.logprobs is None else list(d.logprobs),
+                    d.finish_reason, d.usage,
+                )  # fmt: skip
+                continue
+            m.token_ids.extend(d.token_ids)
+            m.text += d.text
+            if d.logprobs is not None:
+                m.logprobs = (m.logprobs or []) + d.logprobs
+            m.finish_reason = d.finish_reason or m.finish_reason
+            m.usage = d.usage or m.usage
+    last = outputs[-1]
+    queue_seconds = next((o.queue_seconds for o in outputs if o.queue_seconds is not None), None)
+    usage = next((o.usage for o in reversed(outputs) if o.usage is not None), None)
+    finished = any(o.finished for o in outputs)
+    return RequestOutput(
+        last.request_id, sorted(merged.values(), key=lambda d: d.index), finished, usage, queue_seconds
+    )

@@ -68,3 +68,22 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+
+def validate_request(
+    prompt_token_ids: list[int], params: SamplingParams, vocab_size: int, max_model_len: int, has_tokenizer: bool
+) -> None:
+    """Raise InvalidRequest for a request that can never run on a model with these facts."""
+    if not prompt_token_ids:
+        raise InvalidRequest("the prompt is empty")
+    if any(not 0 <= t < vocab_size for t in prompt_token_ids):
+        raise InvalidRequest(f"prompt token ids must be in [0, {vocab_size})")
+    if any(t >= vocab_size for t in params.stop_token_ids):
+        raise InvalidRequest(f"stop_token_ids must be in [0, {vocab_size})")
+    if len(prompt_token_ids) >= max_model_len:
+        raise InvalidRequest(
+            f"the prompt has {len(prompt_token_ids)} tokens; this engine's context holds at most "
+            f"{max_model_len} (prompt plus at least one new token)"
+        )
+    if params.stop and not has_tokenizer:
+        raise InvalidRequest("stop strings need a tokenizer, and this checkpoint has none")

@@ -143,7 +143,7 @@ def load_model(
         pack_linears(net)
     if shard is not None:
         net.set_tensor_parallel(TensorParallel(shard), spec.vocab_size)
-    tokenizer = _load_tokenizer(directory)
+    tokenizer = load_tokenizer(directory)
     return LoadedModel(
         model=net,
         spec=spec,
@@ -185,7 +185,8 @@ def _finish_network(net: CausalLM, hf_config: Any, spec: ModelSpec, max_position
     net.eval()
 
 
-def _load_tokenizer(directory: Path) -> Any | None:
+def load_tokenizer(directory: Path) -> Any | None:
+    """The checkpoint's tokenizer, or None for a weights-only checkpoint."""
     if not any((directory / f).exists() for f in ("tokenizer.json", "tokenizer.model", "vocab.json")):
         return None
     from transformers import AutoTokenizer

@@ -9,6 +9,7 @@ reason ABORT, so no caller is left hanging.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import shutil
@@ -25,8 +26,7 @@ from grpc_reflection.v1alpha import reflection
 
 from cbd import __version__
 from cbd.config import EngineConfig
-from cbd.engine.engine import Engine
-from cbd.engine.sampling_params import SamplingParams
+from cbd.ipc.remote import EngineStartFailed, RemoteEngine
 from cbd.model.loader import default_cache_dir
 from cbd.server.auth import BearerTokenInterceptor, read_token
 from cbd.server.background import detach
@@ -49,6 +49,10 @@ class StartupError(Exception):
     def __init__(self, message: str, status: int = EX_CONFIG) -> None:
         super().__init__(message)
         self.status = status
+
+
+class EngineDied(Exception):
+    """The engine process failed while serving (a crash or a device error): exit non-zero, to be restarted."""
 
 
 async def serve(
@@ -105,14 +109,20 @@ async def serve(
     engine = None
     watchdog = None
     try:
-        load = asyncio.ensure_future(asyncio.to_thread(_start_engine, engine_config, server_config.warmup))
+        load = asyncio.ensure_future(
+            RemoteEngine.start(engine_config, _engine_program(server_config), server_config.warmup)
+        )
         await asyncio.wait([load, asyncio.ensure_future(stop.wait())], return_when=asyncio.FIRST_COMPLETED)
+        if stop.is_set() and not load.done():
+            load.cancel()
+            with contextlib.suppress(asyncio.CancelledError, EngineStartFailed):
+                await load
         if not stop.is_set():
             engine = _loaded(load)
             service.attach(engine)
             await _set_health(health_servicer, health_pb2.HealthCheckResponse.SERVING)
-            sd_notify(f"READY=1\nSTATUS=serving {engine.loaded.name}")
-            log.info("serving %s", engine.loaded.name)
+            sd_notify(f"READY=1\nSTATUS=serving {engine.facts.name}")
+            log.info("serving %s (engine process %d)", engine.facts.name, engine.pid)
             watchdog = asyncio.ensure_future(_watch(engine, health_servicer, server_config.stall_seconds, stop))
             await stop.wait()
     finally:
@@ -124,12 +134,12 @@ async def serve(
         await _set_health(health_servicer, health_pb2.HealthCheckResponse.NOT_SERVING)
         service.detach()  # new calls get UNAVAILABLE
         if engine is not None:
-            await asyncio.to_thread(engine.drain, server_config.shutdown_grace)
-            await asyncio.to_thread(engine.shutdown)  # what is left finishes with ABORT, streamed out
+            await engine.drain(server_config.shutdown_grace)
+            await engine.shutdown()  # what is left finishes with ABORT, streamed out
         await server.stop(5.0)
         _remove_files(claims, server_config.pid_file)
     if engine is not None and engine.fatal is not None:
-        raise RuntimeError(f"the engine stopped on a device error: {engine.fatal}")
+        raise EngineDied(str(engine.fatal))
 
 
 async def _listen(server: grpc.aio.Server, config: ServerConfig, claims: list[UnixSocketClaim]) -> None:
@@ -158,13 +168,21 @@ async def _listen(server: grpc.aio.Server, config: ServerConfig, claims: list[Un
         _restrict_unix_socket(claim.path, config.socket_mode, config.socket_group)
 
 
-def _loaded(load: asyncio.Future[Engine]) -> Engine:
+def _loaded(load: asyncio.Future[RemoteEngine]) -> RemoteEngine:
     try:
         return load.result()
-    except (OSError, ValueError) as exc:  # a model that cannot be read as configured
-        raise StartupError(f"could not load the model: {exc}") from exc
-    except Exception as exc:
-        raise StartupError(f"could not start the engine: {type(exc).__name__}: {exc}", status=1) from exc
+    except EngineStartFailed as exc:
+        if exc.load:  # a model that cannot be read as configured
+            raise StartupError(f"could not load the model: {exc}") from exc
+        raise StartupError(f"could not start the engine: {exc}", status=1) from exc
+
+
+def _engine_program(config: ServerConfig) -> list[str]:
+    """The engine process's command line (it logs where and how the daemon does)."""
+    return [
+        sys.executable, "-m", "cbd.server.engine_main", "--log-level", config.log_level,
+        "--log-file", config.log_file,
+    ]  # fmt: skip
 
 
 def _remove_files(claims: list[UnixSocketClaim], pid_file: str) -> None:
@@ -175,15 +193,15 @@ def _remove_files(claims: list[UnixSocketClaim], pid_file: str) -> None:
 
 
 async def _watch(
-    engine: Engine, health_servicer: health.aio.HealthServicer, stall_seconds: float, stop_on_fatal: asyncio.Event
+    engine: RemoteEngine, health_servicer: health.aio.HealthServicer, stall_seconds: float, stop_on_fatal: asyncio.Event
 ) -> None:
     """Feed systemd's watchdog only while the engine loop turns; report NOT_SERVING while it is wedged."""
     usec = os.environ.get("WATCHDOG_USEC")
     interval = min(1.0, int(usec) / 2e6) if usec and usec.isdigit() else 1.0
     stalled = False
     while True:
-        if engine.fatal is not None:  # the device failed: exit non-zero so that systemd restarts us
-            sd_notify("STATUS=device error")
+        if engine.fatal is not None:  # the engine failed: exit non-zero so that systemd restarts us
+            sd_notify("STATUS=engine failed")
             stop_on_fatal.set()
             return
         now_stalled = engine.stalled(stall_seconds)
@@ -197,14 +215,6 @@ async def _watch(
         if usec and not stalled:
             sd_notify("WATCHDOG=1")
         await asyncio.sleep(interval)
-
-
-def _start_engine(config: EngineConfig, warmup: bool) -> Engine:
-    engine = Engine(config)
-    if warmup:
-        prompt = [engine.loaded.eos_token_ids[0] if engine.loaded.eos_token_ids else 0] * 4
-        engine.generate([prompt], SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True))
-    return engine
 
 
 async def _set_health(servicer: health.aio.HealthServicer, status: int) -> None:
@@ -251,9 +261,7 @@ def main(argv: list[str] | None = None) -> int:
             server_config = replace(server_config, log_file=str(default_cache_dir() / "cbd.log"))
         report = detach(server_config.log_file)
     configure_logging(server_config.log_level, log_file=server_config.log_file or None)
-    threads = engine_config.intra_op_threads()
-    torch.set_num_threads(threads)
-    log.info("cbd %s, pid %d, torch %s, %d intra-op threads", __version__, os.getpid(), torch.__version__, threads)
+    log.info("cbd %s, pid %d, torch %s", __version__, os.getpid(), torch.__version__)
     on_listening = (lambda addresses: report(0, ", ".join(addresses))) if report else None
     try:
         asyncio.run(serve(engine_config, server_config, on_listening))
@@ -265,6 +273,9 @@ def main(argv: list[str] | None = None) -> int:
         elif server_config.log_file:  # otherwise the log line above, on stderr, is the one line
             print(f"cbd: {exc}", file=sys.stderr)
         return status
+    except EngineDied as exc:
+        log.error("cbd exits: %s", exc)
+        return 1
     except Exception as exc:
         log.exception("cbd failed: %s", exc)
         if report is not None:

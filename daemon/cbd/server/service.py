@@ -10,13 +10,13 @@ from dataclasses import replace
 
 import grpc
 
-from cbd.engine.engine import Engine
 from cbd.engine.grammar import MAX_GRAMMAR_BYTES
-from cbd.engine.outputs import RequestOutput
+from cbd.engine.outputs import RequestOutput, merge_outputs
 from cbd.engine.sampling_params import MAX_CANDIDATES, MAX_LOGPROBS, MAX_STOP_STRINGS, SamplingParams
 from cbd.engine.sequence import FinishReason
 from cbd.engine.sessions import SessionInfo, TurnInput
 from cbd.errors import EngineFailure, EngineStopped, InvalidRequest
+from cbd.ipc.remote import RemoteEngine
 from cbd.server import convert, status
 from cbd.server.chats import ChatLogs
 from cbd.server.logs import request_line
@@ -30,7 +30,7 @@ from cbd_client.v1.cbd_pb2_grpc import CbdServicer as _Base
 
 class CbdService(_Base):
     def __init__(self, metrics: Metrics | None = None) -> None:
-        self.engine: Engine | None = None  # set once the model is loaded and warm
+        self.engine: RemoteEngine | None = None  # set once the engine process serves
         self.prompts = PromptEncoder(None)
         self.chats = ChatLogs(None, ())
         self.started_at = time.monotonic()
@@ -40,18 +40,18 @@ class CbdService(_Base):
             lambda: self.engine.num_live_requests if self.engine else 0,
         )
 
-    def attach(self, engine: Engine) -> None:
+    def attach(self, engine: RemoteEngine) -> None:
+        """Serve through `engine`; its callbacks (outputs, expired sessions) run on this event loop."""
         self.prompts = PromptEncoder(engine.tokenizer)
         self.facts = engine.model_facts()
         self.chats = ChatLogs(engine.tokenizer, self.facts.eos_token_ids)
-        loop = asyncio.get_running_loop()
-        engine.on_session_expired = lambda session_id: loop.call_soon_threadsafe(self.chats.forget, session_id)
+        engine.on_session_expired = self.chats.forget
         self.engine = engine
 
     def detach(self) -> None:
         self.engine = None
 
-    def _engine(self) -> Engine:
+    def _engine(self) -> RemoteEngine:
         if self.engine is None:
             raise EngineStopped("the daemon is warming up or shutting down; retry shortly")
         return self.engine
@@ -66,13 +66,9 @@ class CbdService(_Base):
         if structured.spec is not None:  # compiled off the event loop and the engine thread; cached by text
             params = replace(params, grammar=await asyncio.to_thread(engine.compile_grammar, structured.spec))
         replies = convert.ToolCallReplies(self.prompts.call_format) if structured.parse_calls else None
-        loop = asyncio.get_running_loop()
+        # Unbounded: the engine never waits for a stream; one that fell behind gets what piled up merged.
         outputs: asyncio.Queue[RequestOutput] = asyncio.Queue()
         arrived = time.monotonic()
-
-        def on_output(out: RequestOutput) -> None:
-            loop.call_soon_threadsafe(outputs.put_nowait, out)
-
         prompt_tokens: int | None = None  # known here for a plain request; a turn's (history + turn) from its usage
         if request.session_id:
             request_id = await self._submit_turn(engine, request, params, outputs.put_nowait, structured.tools)
@@ -81,26 +77,32 @@ class CbdService(_Base):
         else:
             prompt = self.prompts.encode(request, structured.tools)
             prompt_tokens = len(prompt)
-            request_id = engine.submit(prompt, params, request.request_id or None, on_output)  # makes an id if none
+            request_id = engine.submit(
+                prompt, params, request.request_id or None, outputs.put_nowait
+            )  # makes an id if none
         output: RequestOutput | None = None
         waiting_first_token = True
         last_token_at = first_token_at = 0.0
         finishes: set[str] = set()
         try:
             while output is None or not output.finished:
-                output = await outputs.get()
+                pending = [await outputs.get()]
+                while not outputs.empty():  # this stream fell behind the engine: what piled up goes as one message
+                    pending.append(outputs.get_nowait())
                 elapsed = time.monotonic() - arrived
-                finishes.update(d.finish_reason.value for d in output.candidates if d.finish_reason is not None)
-                prompt_tokens = next((d.usage.prompt_tokens for d in output.candidates if d.usage), prompt_tokens)
-                if any(d.token_ids for d in output.candidates):
-                    if waiting_first_token:
-                        self.metrics.first_token.observe(elapsed)
-                        waiting_first_token = False
-                        first_token_at = elapsed
-                    else:
-                        self.metrics.inter_token.observe(elapsed - last_token_at)
-                    last_token_at = elapsed
-                self.metrics.observe(output, elapsed)
+                for out in pending:  # metrics count every engine output, merged or not
+                    finishes.update(d.finish_reason.value for d in out.candidates if d.finish_reason is not None)
+                    prompt_tokens = next((d.usage.prompt_tokens for d in out.candidates if d.usage), prompt_tokens)
+                    if any(d.token_ids for d in out.candidates):
+                        if waiting_first_token:
+                            self.metrics.first_token.observe(elapsed)
+                            waiting_first_token = False
+                            first_token_at = elapsed
+                        else:
+                            self.metrics.inter_token.observe(elapsed - last_token_at)
+                        last_token_at = elapsed
+                    self.metrics.observe(out, elapsed)
+                output = merge_outputs(pending)
                 yield convert.response(output, replies)
                 if output.finished and any(d.finish_reason is FinishReason.ERROR for d in output.candidates):
                     raise EngineFailure("the engine failed while running this request; see the daemon's log")
@@ -122,7 +124,7 @@ class CbdService(_Base):
             )  # fmt: skip
 
     async def _submit_turn(
-        self, engine: Engine, request: pb.GenerateRequest, params: SamplingParams,
+        self, engine: RemoteEngine, request: pb.GenerateRequest, params: SamplingParams,
         deliver: Callable[[RequestOutput], None], tools: list[Tool],
     ) -> str:  # fmt: skip
         """Queue a turn of a session; `deliver` is called on this event loop with each output."""
@@ -135,10 +137,7 @@ class CbdService(_Base):
             raise InvalidRequest("a turn needs an input: set one of text, chat or tokens")
         if kind != "chat":
             turn = TurnInput(self.prompts.continuation(request, kind), False, parent)
-            future = engine.submit_turn(
-                sid, turn, params, request_id=request_id,
-                on_output=lambda out: loop.call_soon_threadsafe(deliver, out),
-            )  # fmt: skip
+            future = engine.submit_turn(sid, turn, params, request_id=request_id, on_output=deliver)
             return await asyncio.wrap_future(future)
         # A chat turn: the whole conversation is rendered (its common prefix with the history keeps its
         # KV). Reading the transcript, rendering and queueing happen with no await in between, and the
@@ -153,14 +152,13 @@ class CbdService(_Base):
                 deliver(out)
 
             future = engine.submit_turn(
-                sid, TurnInput(tokens, True, parent), params, request_id=request_id,
-                on_output=lambda out: loop.call_soon_threadsafe(on_chat_output, out),
-            )  # fmt: skip
+                sid, TurnInput(tokens, True, parent), params, request_id=request_id, on_output=on_chat_output
+            )
         except BaseException:
             self.chats.refused(sid, chat)
             raise
 
-        def settled(f: Future[str]) -> None:  # in the engine thread, or here when cancelled
+        def settled(f: Future[str]) -> None:  # on this event loop
             if f.cancelled() or f.exception() is not None:
                 loop.call_soon_threadsafe(self.chats.refused, sid, chat)
 

@@ -1,0 +1,181 @@
+"""The daemon's two processes: the engine process's failure, the frontend's death, and slow readers."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+
+import grpc
+import pytest
+
+from cbd_client import CbdError, Client
+from cbd_client.v1 import cbd_pb2 as pb
+from cbd_client.v1 import cbd_pb2_grpc
+from daemon_process import DaemonProcess
+
+PROMPT = list(range(2, 40))
+
+
+def children(pid: int) -> list[int]:
+    """Processes whose parent is `pid` (from /proc)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                stat = (entry / "stat").read_text()
+            except OSError:
+                continue
+            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
+                found.append(int(entry.name))
+    return found
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    stat = Path(f"/proc/{pid}/stat")
+    return stat.exists() and stat.read_text().rsplit(")", 1)[1].split()[0] != "Z"
+
+
+def engine_pid(d: DaemonProcess) -> int:
+    (pid,) = [p for p in children(d.process.pid) if "cbd.server.engine_main" in Path(f"/proc/{p}/cmdline").read_text()]
+    return pid
+
+
+def wait_gone(pid: int, timeout: float = 30.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while alive(pid) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return not alive(pid)
+
+
+@pytest.fixture()
+def tiny_daemon(tiny_checkpoint, tmp_path):  # type: ignore[no-untyped-def]
+    started: list[DaemonProcess] = []
+
+    def start(*flags: str) -> DaemonProcess:
+        d = DaemonProcess(tmp_path / "cbd.sock", "--model", str(tiny_checkpoint("llama")), *flags)
+        d.wait_serving(120)
+        started.append(d)
+        return d
+
+    yield start
+    for d in started:
+        d.stop()
+
+
+def test_killing_the_engine_process_fails_every_live_call_with_internal_and_the_daemon_exits(tiny_daemon) -> None:  # type: ignore[no-untyped-def]
+    d = tiny_daemon()
+    engine = engine_pid(d)
+    codes: list[grpc.StatusCode | None] = []
+    got_tokens = threading.Barrier(5)
+
+    def one_stream(i: int) -> None:
+        with Client(d.address, timeout=60) as client:
+            try:
+                for n, _ in enumerate(client.stream(PROMPT, max_tokens=4000, ignore_eos=True, seed=i)):
+                    if n == 0:
+                        got_tokens.wait(30)
+            except CbdError as exc:
+                codes.append(exc.code)
+            else:
+                codes.append(None)
+
+    threads = [threading.Thread(target=one_stream, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    got_tokens.wait(30)  # every stream has its first token: all four are live in the engine
+    os.kill(engine, signal.SIGKILL)
+    for t in threads:
+        t.join(60)
+    assert codes == [grpc.StatusCode.INTERNAL] * 4
+    assert d.process.wait(30) != 0  # so that systemd restarts it
+    assert not alive(engine) and children(d.process.pid) == []
+    assert "the engine process exited unexpectedly (signal 9)" in d.log()
+    assert not Path(d.address.removeprefix("unix:")).exists()  # the daemon cleaned up its socket
+
+
+def test_the_engine_process_dies_with_the_daemon(tiny_daemon) -> None:  # type: ignore[no-untyped-def]
+    d = tiny_daemon()
+    engine = engine_pid(d)
+    with Client(d.address, timeout=60) as client:
+        stream = client.stream(PROMPT, max_tokens=4000, ignore_eos=True)
+        next(stream)
+        d.process.kill()  # no drain, no Stop: the engine process must not outlive it
+        assert wait_gone(engine), "the engine process outlived the daemon"
+        with pytest.raises(CbdError):
+            for _ in stream:
+                pass
+
+
+def test_sigterm_stops_both_processes_cleanly(tiny_daemon) -> None:  # type: ignore[no-untyped-def]
+    d = tiny_daemon()
+    engine = engine_pid(d)
+    with Client(d.address, timeout=60) as client:
+        assert len(client.generate(PROMPT, max_tokens=5, ignore_eos=True).candidates[0].token_ids) == 5
+    assert d.stop() == 0
+    assert wait_gone(engine)
+    leftovers = [p for p in Path(os.environ.get("TMPDIR", "/tmp")).glob("cbd-engine-*") if str(engine) in p.name]
+    assert leftovers == []
+
+
+def _steps_per_second(address: str, seconds: float) -> float:
+    with Client(address, timeout=60) as client:
+        before, start = client.stats().num_steps, time.monotonic()
+        time.sleep(seconds)
+        return (client.stats().num_steps - before) / (time.monotonic() - start)
+
+
+def test_a_client_that_reads_slowly_neither_stalls_the_engine_nor_loses_tokens(tiny_daemon) -> None:  # type: ignore[no-untyped-def]
+    """Four fast streams and a fifth that stops reading: the engine's step rate is that of five fast
+    streams, and the slow stream gets every token in the end, several per message (merged)."""
+    d = tiny_daemon()
+    new_tokens = 400  # the tiny model holds 512 positions
+
+    def fast(stop: threading.Event, seed: int) -> None:
+        with Client(d.address, timeout=120) as client:
+            while not stop.is_set():
+                for _ in client.stream(PROMPT, max_tokens=200, ignore_eos=True, seed=seed):
+                    pass
+
+    def rate_with(fifth: threading.Thread) -> float:
+        stop = threading.Event()
+        workers = [threading.Thread(target=fast, args=(stop, i)) for i in range(4)]
+        for w in [*workers, fifth]:
+            w.start()
+        time.sleep(1.0)
+        rate = _steps_per_second(d.address, 3.0)
+        stop.set()
+        for w in workers:
+            w.join(60)
+        fifth.join(120)
+        return rate
+
+    def read(slow: bool, into: list[pb.GenerateResponse]) -> None:
+        # A small HTTP/2 window: the daemon's writes to this stream block soon after it stops reading.
+        options = [("grpc.http2.lookahead_bytes", 1024), ("grpc.http2.bdp_probe", 0)]
+        with grpc.insecure_channel(d.address, options=options) as channel:
+            request = pb.GenerateRequest(
+                tokens=pb.TokenIds(ids=PROMPT),
+                sampling=pb.SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True),
+            )
+            responses = cbd_pb2_grpc.CbdStub(channel).Generate(request, timeout=120)
+            if slow:
+                time.sleep(5.0)  # reads nothing while the others are measured
+            into.extend(responses)
+
+    fast_replies: list[pb.GenerateResponse] = []
+    slow_replies: list[pb.GenerateResponse] = []
+    baseline = rate_with(threading.Thread(target=read, args=(False, fast_replies)))
+    with_slow = rate_with(threading.Thread(target=read, args=(True, slow_replies)))
+    tokens = [
+        [t for r in replies for c in r.candidates for t in c.token_ids] for replies in (fast_replies, slow_replies)
+    ]
+    assert len(tokens[1]) == new_tokens and tokens[1] == tokens[0]  # greedy: the same tokens, none lost
+    assert len(slow_replies) < new_tokens  # what piled up came merged, several tokens per message
+    assert with_slow >= 0.8 * baseline, (baseline, with_slow)
