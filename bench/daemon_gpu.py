@@ -151,17 +151,16 @@ def _ppid(pid: int) -> int:
 
 
 def profile(label: str, pids: dict[str, int], seconds: float, rate: int = 200) -> list[str]:
-    """py-spy windows (active, then GIL) of each process, summarised (see pyspy_summary.py)."""
+    """A py-spy GIL window of each process, summarised (see pyspy_summary.py)."""
     lines = []
     for role, pid in pids.items():
-        files = [OUT / f"pyspy_{label}_{role}_{kind}.txt" for kind in ("active", "gil")]
-        for path, gil in zip(files, (False, True)):
-            proc = pyspy_summary.record(pid, seconds, rate, path, gil)
-            _, err = proc.communicate(timeout=seconds + 60)
-            if proc.returncode != 0:
-                lines.append(f"  {role}: py-spy failed: {err.decode().strip().splitlines()[-1:]}")
+        path = OUT / f"pyspy_{label}_{role}.txt"
+        proc = pyspy_summary.record(pid, seconds, rate, path)
+        _, err = proc.communicate(timeout=seconds + 60)
         lines.append(f"{label} {role} (pid {pid}):")
-        lines.extend(pyspy_summary.summarise(files[0], files[1], seconds, rate))
+        if proc.returncode != 0:
+            lines.append(f"  py-spy failed: {err.decode().strip().splitlines()[-1:]}")
+        lines.extend(pyspy_summary.summarise(path, seconds, rate))
     return lines
 
 

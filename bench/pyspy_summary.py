@@ -1,10 +1,10 @@
-"""Sampling profiles of a running daemon with py-spy, summarised per thread (used by bench/daemon_gpu.py).
+"""Who holds the GIL in a running daemon: py-spy samples, summarised per thread (bench/daemon_gpu.py).
 
-Two windows per process, sampled without pausing it (--nonblocking): every sample of every thread that
-is running or runnable (py-spy's default leaves out threads blocked in a wait), and only the samples
-in which the thread holds the GIL (--gil). Per thread: the share of the window it was active, the share
-it held the GIL (active without the GIL is waiting for it, or running native code that released it),
-and the functions where its active samples were (self time).
+py-spy samples the process without pausing it (--nonblocking) and keeps only the samples in which a
+thread holds the GIL (--gil). Per thread: the share of the window in which it held the GIL, and the
+functions it was in then (self time). A thread that needs the interpreter all the time (the engine
+loop on a GPU, which must prepare each step while the previous one runs) is slowed by every share of
+the window that another thread of its process holds.
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ from __future__ import annotations
 import re
 import shutil
 import subprocess
+import sys
 from collections import Counter, defaultdict
 from pathlib import Path
 
@@ -23,8 +24,6 @@ def _program() -> str | None:
     found = shutil.which("py-spy")
     if found:
         return found
-    import sys
-
     for entry in sys.path:
         candidate = Path(entry) / "bin" / "py-spy"
         if candidate.exists():
@@ -36,11 +35,9 @@ def available() -> bool:
     return _program() is not None
 
 
-def record(pid: int, seconds: float, rate: int, out: Path, gil: bool) -> subprocess.Popen:
-    args = [_program() or "py-spy", "record", "--pid", str(pid), "--duration", str(int(seconds)), "--rate", str(rate),
-            "--format", "raw", "--threads", "--nonblocking", "--output", str(out)]  # fmt: skip
-    if gil:
-        args.append("--gil")
+def record(pid: int, seconds: float, rate: int, out: Path) -> subprocess.Popen:
+    args = [_program() or "py-spy", "record", "--pid", str(pid), "--duration", str(int(seconds)),
+            "--rate", str(rate), "--format", "raw", "--threads", "--nonblocking", "--gil", "--output", str(out)]  # fmt: skip
     return subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
 
 
@@ -54,20 +51,18 @@ def _read(path: Path) -> dict[str, Counter[str]]:
         if not m:
             continue
         frames = m["stack"].split(";")
-        thread, leaf = frames[0], frames[-1] if len(frames) > 1 else "?"
-        threads[thread][leaf] += int(m["count"])
+        threads[frames[0]][frames[-1] if len(frames) > 1 else "?"] += int(m["count"])
     return threads
 
 
-def summarise(active: Path, gil: Path, seconds: float, rate: int, top: int = 6) -> list[str]:
-    total = seconds * rate
-    act, held = _read(active), _read(gil)
-    lines = []
-    for thread, leaves in sorted(act.items(), key=lambda kv: -sum(kv[1].values())):
+def summarise(path: Path, seconds: float, rate: int, top: int = 6) -> list[str]:
+    slots = seconds * rate
+    threads = _read(path)
+    held = sum(sum(c.values()) for c in threads.values())
+    lines = [f"  GIL held in {100 * held / slots:.0f}% of {int(slots)} sample slots"]
+    for thread, leaves in sorted(threads.items(), key=lambda kv: -sum(kv[1].values())):
         n = sum(leaves.values())
-        if n < 0.02 * total:
-            continue
-        g = sum(held.get(thread, Counter()).values())
-        hot = ", ".join(f"{leaf} {100 * c / n:.0f}%" for leaf, c in leaves.most_common(top))
-        lines.append(f"  {thread}: active {100 * n / total:.0f}%, holds GIL {100 * g / total:.0f}% | {hot}")
+        if n >= 0.02 * slots:
+            hot = ", ".join(f"{leaf} {100 * c / n:.0f}%" for leaf, c in leaves.most_common(top))
+            lines.append(f"  {thread}: holds the GIL {100 * n / slots:.0f}% | {hot}")
     return lines

@@ -9,7 +9,6 @@ watchdog and health read.
 
 from __future__ import annotations
 
-import ctypes
 import logging
 import queue
 import threading
@@ -27,6 +26,7 @@ from cbd.engine.live import LiveRequest
 from cbd.engine.outputs import CandidateDelta, EngineStats, RequestOutput
 from cbd.engine.sequence import FinishReason
 from cbd.errors import EngineStopped
+from cbd.lifetime import name_os_thread
 from cbd.model.loader import LoadedModel, load_model
 
 log = logging.getLogger(__name__)
@@ -67,7 +67,7 @@ class EngineLoop:
 
     def run(self, loaded: LoadedModel | None) -> None:
         """The thread's body: load (or take) the model, warm up, then loop until a Stop command."""
-        _name_os_thread("cbd-engine")
+        name_os_thread("cbd-engine")
         try:
             c = self.config
             if c.tensor_parallel_size > 1:
@@ -228,14 +228,6 @@ class EngineLoop:
             live.on_output(RequestOutput(live.request_id, deltas, True, None))
         except Exception:
             log.exception("output callback for %s failed", live.request_id)
-
-
-def _name_os_thread(name: str) -> None:
-    """Linux: the name `top -H`, /proc and profilers show for the calling thread (at most 15 bytes)."""
-    try:
-        ctypes.CDLL(None).prctl(15, name.encode()[:15], 0, 0, 0)  # PR_SET_NAME
-    except (OSError, AttributeError):
-        return
 
 
 def _answer(future: Future[T], fn: Callable[[], T]) -> None:

@@ -22,6 +22,7 @@ import torch.multiprocessing as mp
 
 from cbd.config import EngineConfig
 from cbd.engine.tp_messages import RunStep, SampleStep, Setup, StopWorkers, WarmUp, WorkerMessage
+from cbd.lifetime import die_with_parent
 
 log = logging.getLogger(__name__)
 
@@ -83,6 +84,8 @@ class TensorParallelGroup:
 def _worker_main(rank: int, world: int, port: int, values: dict[str, Any]) -> None:
     from cbd.engine.runner import ModelRunner
     from cbd.model.loader import load_model
+
+    die_with_parent()  # a rank never outlives the engine that started it (killed, or crashed)
 
     config = EngineConfig(**values)
     device = _rank_device(config, rank)

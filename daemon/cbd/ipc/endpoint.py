@@ -13,9 +13,7 @@ the frontend's sockets go away; it dies with its parent (PR_SET_PDEATHSIG), so i
 
 from __future__ import annotations
 
-import ctypes
 import logging
-import signal
 import threading
 from collections.abc import Callable
 from concurrent.futures import Future
@@ -36,16 +34,7 @@ from cbd.errors import EngineStopped
 from cbd.ipc import wire
 
 log = logging.getLogger(__name__)
-_PR_SET_PDEATHSIG = 1
 _HEARTBEAT_EVERY = 0.25  # seconds: an idle loop's heartbeat is sent at most this often
-
-
-def die_with_parent() -> None:
-    """Linux: this process gets SIGKILL when the process that started it exits."""
-    try:
-        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-    except (OSError, AttributeError):
-        return
 
 
 class Outbox:

@@ -17,7 +17,8 @@ import sys
 import torch
 
 from cbd.config import EngineConfig
-from cbd.ipc.endpoint import die_with_parent, serve
+from cbd.ipc.endpoint import serve
+from cbd.lifetime import die_with_parent
 from cbd.server.logs import configure as configure_logging
 
 log = logging.getLogger("cbd.engine")
