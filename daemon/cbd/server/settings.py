@@ -129,7 +129,7 @@ EX_CONFIG = 78  # sysexits.h: configuration error (systemd does not restart-loop
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="cbd", description="cbd: continuous-batching LLM daemon")
-    sub = parser.add_subparsers(dest="command", required=True, metavar="{serve,stop,config}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{serve,stop,config,openai}")
     serve = sub.add_parser("serve", help="load the model and serve gRPC until SIGTERM/SIGINT/SIGHUP",
                            description="Load the model and serve gRPC until SIGTERM, SIGINT or SIGHUP.")  # fmt: skip
     serve.add_argument(
@@ -159,6 +159,9 @@ def build_parser() -> argparse.ArgumentParser:
                             description="Configuration helpers.")  # fmt: skip
     config.add_argument("--print-defaults", action="store_true",
                         help="print a documented cbd.toml with every setting at its default")  # fmt: skip
+    from cbd.gateway.main import add_parser as add_gateway  # the gateway's own flags (its code loads only when run)
+
+    add_gateway(sub, default_address())
     return parser
 
 

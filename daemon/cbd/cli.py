@@ -1,0 +1,20 @@
+"""The `cbd` command: `cbd openai` runs the gateway without importing the daemon; the rest is the daemon's."""
+
+from __future__ import annotations
+
+import sys
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["openai"]:
+        from cbd.gateway.main import main as gateway
+
+        return gateway(argv[1:])
+    from cbd.server.app import main as daemon
+
+    return daemon(argv)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

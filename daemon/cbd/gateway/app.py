@@ -1,0 +1,293 @@
+"""The gateway's routes: /v1/chat/completions, /v1/completions, /v1/models, /health.
+
+Each API call becomes Generate calls on one shared gRPC channel to the daemon. The HTTP Authorization
+header is passed through as the call's metadata (the daemon checks the bearer token when it has one).
+A streamed reply starts only after the daemon accepted the call (its first message), so refusals keep
+their HTTP status; a client that disconnects mid-stream cancels the gRPC call, and the daemon frees the
+request's KV within one engine step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from cbd.gateway.errors import ApiError, bad_request, from_cbd
+from cbd.gateway.replies import Reply
+from cbd.gateway.requests import Call, chat_call, chat_message, completion_call
+from cbd.gateway.sessions import SessionMap
+from cbd_client.errors import CbdError
+from cbd_client.v1 import cbd_pb2 as pb
+from cbd_client.v1 import cbd_pb2_grpc
+
+log = logging.getLogger("cbd.gateway")
+SESSION_HEADER = "x-cbd-session"
+
+
+class Gateway:
+    def __init__(self, daemon: str, timeout: float, sessions: SessionMap | None = None) -> None:
+        self.daemon = daemon
+        self.timeout = timeout
+        self.sessions = sessions or SessionMap()
+        self._channel: grpc.aio.Channel | None = None
+        self._model: str | None = None
+
+    @property
+    def stub(self) -> cbd_pb2_grpc.CbdStub:
+        if self._channel is None:
+            options = [("grpc.max_receive_message_length", 64 << 20), ("grpc.max_send_message_length", 64 << 20)]
+            self._channel = grpc.aio.insecure_channel(self.daemon, options=options)
+        return cbd_pb2_grpc.CbdStub(self._channel)
+
+    async def close(self) -> None:
+        if self._channel is not None:
+            await self._channel.close()
+
+    async def model(self, metadata: list[tuple[str, str]]) -> str:
+        if self._model is None:
+            info = await self._unary(self.stub.GetModelInfo(pb.GetModelInfoRequest(), metadata=metadata, timeout=30))
+            self._model = info.model
+        return self._model
+
+    async def _unary(self, call: Any) -> Any:
+        try:
+            return await call
+        except grpc.aio.AioRpcError as exc:
+            raise from_cbd(CbdError.from_rpc(exc)) from None
+
+    # ---- routes ----------------------------------------------------------------------------------
+    async def chat(self, request: Request) -> Response:
+        body = await _json(request)
+        call = chat_call(body, request.headers.get(SESSION_HEADER))
+        return await self._answer("chat", call, _metadata(request))
+
+    async def completions(self, request: Request) -> Response:
+        body = await _json(request)
+        return await self._answer("completion", completion_call(body), _metadata(request))
+
+    async def models(self, request: Request) -> Response:
+        name = await self.model(_metadata(request))
+        return JSONResponse({"object": "list", "data": [_model_card(name)]})
+
+    async def model_card(self, request: Request) -> Response:
+        name = await self.model(_metadata(request))
+        if request.path_params["model"] != name:
+            raise ApiError(404, f"model {request.path_params['model']!r} is not served here; {name!r} is",
+                           "not_found_error", "model", "model_not_found")  # fmt: skip
+        return JSONResponse(_model_card(name))
+
+    async def health(self, request: Request) -> Response:
+        """200 while the daemon serves (its gRPC health, which needs no token), else 503."""
+        self.stub  # noqa: B018 - opens the channel
+        try:
+            answer = await health_pb2_grpc.HealthStub(self._channel).Check(health_pb2.HealthCheckRequest(), timeout=5)
+            serving = answer.status == health_pb2.HealthCheckResponse.SERVING
+        except grpc.aio.AioRpcError as exc:
+            return JSONResponse({"status": "unavailable", "reason": exc.details()}, status_code=503)
+        return JSONResponse({"status": "ok" if serving else "not serving"}, status_code=200 if serving else 503)
+
+    # ---- answering -------------------------------------------------------------------------------
+    async def _answer(self, kind: str, call: Call, metadata: list[tuple[str, str]]) -> Response:
+        model = await self.model(metadata)
+        if call.session_key is not None:
+            if kind != "chat":
+                raise bad_request("sessions are for chats")
+            await self._bind(call, metadata)
+        streams = [self._start(r, metadata) for r in call.requests]
+        firsts = await asyncio.gather(*(self._first(s) for s in streams), return_exceptions=True)
+        failure = next((f for f in firsts if isinstance(f, BaseException)), None)
+        if failure is not None and call.session_key is not None and _expired(failure):
+            # The session the name was bound to is gone (closed, expired): a fresh one, transparently.
+            for s in streams:
+                s.cancel()
+            self.sessions.drop(call.session_key)
+            await self._bind(call, metadata)
+            streams = [self._start(r, metadata) for r in call.requests]
+            firsts = await asyncio.gather(*(self._first(s) for s in streams), return_exceptions=True)
+            failure = next((f for f in firsts if isinstance(f, BaseException)), None)
+        if failure is not None:
+            for s in streams:
+                s.cancel()
+            if isinstance(failure, grpc.aio.AioRpcError):
+                raise from_cbd(CbdError.from_rpc(failure))
+            raise failure
+        heads = [f for f in firsts if isinstance(f, pb.GenerateResponse)]
+        request_id = heads[0].request_id or uuid.uuid4().hex
+        reply = Reply(kind, request_id, int(time.time()), model, call.n, call.logprobs)
+        if not call.stream:
+            try:
+                await asyncio.gather(*(self._fold(reply, s, f, i * call.n)
+                                       for i, (s, f) in enumerate(zip(streams, heads))))  # fmt: skip
+            except grpc.aio.AioRpcError as exc:
+                raise from_cbd(CbdError.from_rpc(exc)) from None
+            self._remember(call, reply)
+            return JSONResponse(reply.whole())
+        return StreamingResponse(self._events(call, reply, streams, heads), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})  # fmt: skip
+
+    def _start(self, request: pb.GenerateRequest, metadata: list[tuple[str, str]]) -> Any:
+        return self.stub.Generate(request, metadata=metadata, timeout=self.timeout)
+
+    @staticmethod
+    async def _first(stream: Any) -> pb.GenerateResponse:
+        response = await stream.read()
+        if response is grpc.aio.EOF:
+            raise ApiError(500, "the daemon ended the reply without a message", "server_error")
+        return response
+
+    @staticmethod
+    async def _fold(reply: Reply, stream: Any, first: pb.GenerateResponse, offset: int) -> None:
+        reply.add(first, offset)
+        async for response in _rest(stream):
+            reply.add(response, offset)
+
+    async def _events(self, call: Call, reply: Reply, streams: list[Any], firsts: list[Any]) -> AsyncIterator[bytes]:
+        queue: asyncio.Queue[tuple[int, Any]] = asyncio.Queue()
+
+        async def pump(i: int, stream: Any, first: pb.GenerateResponse) -> None:
+            await queue.put((i, first))
+            try:
+                async for response in _rest(stream):
+                    await queue.put((i, response))
+                await queue.put((i, None))
+            except grpc.aio.AioRpcError as exc:
+                await queue.put((i, exc))
+
+        pumps = [asyncio.ensure_future(pump(i, s, f)) for i, (s, f) in enumerate(zip(streams, firsts))]
+        open_streams = len(streams)
+        try:
+            while open_streams:
+                i, item = await queue.get()
+                if item is None:
+                    open_streams -= 1
+                    continue
+                if isinstance(item, grpc.aio.AioRpcError):  # after the headers: an error event, then the end
+                    yield _sse(from_cbd(CbdError.from_rpc(item)).body())
+                    return
+                for chunk in reply.add(item, i * call.n):
+                    yield _sse(chunk)
+            if call.include_usage:
+                yield _sse(reply.usage_chunk())
+            yield b"data: [DONE]\n\n"
+            self._remember(call, reply)
+        finally:  # also when the client went away: cancel what still runs (the daemon aborts it)
+            for s in streams:
+                s.cancel()
+            for p in pumps:
+                p.cancel()
+
+    # ---- sessions --------------------------------------------------------------------------------
+    async def _bind(self, call: Call, metadata: list[tuple[str, str]]) -> None:
+        """Make call.requests[0] a turn of the session bound to call.session_key (a new one if needed)."""
+        assert call.session_key is not None and call.messages is not None
+        request = call.requests[0]
+        bound = self.sessions.get(call.session_key)
+        plan = bound.continuation(call.messages) if bound is not None else None
+        if plan is None:
+            if bound is not None:
+                asyncio.ensure_future(self._close(bound.session_id, metadata))
+            info = await self._unary(
+                self.stub.OpenSession(pb.OpenSessionRequest(), metadata=metadata, timeout=self.timeout)
+            )
+            session_id, messages, parent = info.session_id, call.messages, None
+        else:
+            session_id, (messages, parent) = bound.session_id, plan  # type: ignore[union-attr]
+        request.session_id = session_id
+        del request.chat.messages[:]
+        for m in messages:
+            message = request.chat.messages.add(
+                role=m["role"], content=m["content"], tool_call_id=m.get("tool_call_id", "")
+            )
+            for c in m.get("tool_calls") or ():
+                message.tool_calls.add(id=c["id"], name=c["name"], arguments=c["arguments"])
+        request.ClearField("parent_candidate")
+        if parent is not None:
+            request.parent_candidate = parent
+
+    async def _close(self, session_id: str, metadata: list[tuple[str, str]]) -> None:
+        try:
+            await self.stub.CloseSession(pb.CloseSessionRequest(session_id=session_id), metadata=metadata, timeout=30)
+        except grpc.aio.AioRpcError:
+            pass  # already gone
+
+    def _remember(self, call: Call, reply: Reply) -> None:
+        if call.session_key is None or call.messages is None:
+            return
+        replies = [chat_message(reply.choices[i].message(), 0) for i in sorted(reply.choices)]
+        self.sessions.bind(call.session_key, call.requests[0].session_id, call.messages, replies)
+
+
+async def _rest(stream: Any) -> AsyncIterator[pb.GenerateResponse]:
+    """The responses after the first (read with read(): a call is read one way only)."""
+    while True:
+        response = await stream.read()
+        if response is grpc.aio.EOF:
+            return
+        yield response
+
+
+def _expired(failure: BaseException) -> bool:
+    return isinstance(failure, grpc.aio.AioRpcError) and failure.code() == grpc.StatusCode.NOT_FOUND
+
+
+def _metadata(request: Request) -> list[tuple[str, str]]:
+    auth = request.headers.get("authorization")
+    return [("authorization", auth)] if auth else []
+
+
+def _model_card(name: str) -> dict[str, Any]:
+    return {"id": name, "object": "model", "created": 0, "owned_by": "cbd"}
+
+
+def _sse(obj: dict[str, Any]) -> bytes:
+    return b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n"
+
+
+async def _json(request: Request) -> dict[str, Any]:
+    try:
+        body = await request.json()
+    except (ValueError, UnicodeDecodeError):
+        raise bad_request("the request body is not JSON") from None
+    if not isinstance(body, dict):
+        raise bad_request("the request body must be a JSON object")
+    return body
+
+
+def create_app(daemon: str, timeout: float = 600.0) -> Starlette:
+    gateway = Gateway(daemon, timeout)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        yield
+        await gateway.close()
+
+    async def on_error(request: Request, exc: Exception) -> Response:
+        assert isinstance(exc, ApiError)
+        return exc.response()
+
+    app = Starlette(
+        routes=[
+            Route("/v1/chat/completions", gateway.chat, methods=["POST"]),
+            Route("/v1/completions", gateway.completions, methods=["POST"]),
+            Route("/v1/models", gateway.models, methods=["GET"]),
+            Route("/v1/models/{model:path}", gateway.model_card, methods=["GET"]),
+            Route("/health", gateway.health, methods=["GET"]),
+        ],
+        exception_handlers={ApiError: on_error},
+        lifespan=lifespan,
+    )
+    app.state.gateway = gateway
+    return app

@@ -1,0 +1,206 @@
+"""API requests to cbd.v1 GenerateRequests: what is mapped, what is ignored, what is refused.
+
+Mapped: messages (text content; system / developer / user / assistant with tool_calls / tool), n,
+temperature, top_p, seed, stop, max_tokens / max_completion_tokens, logprobs / top_logprobs, tools,
+tool_choice, response_format (text, json_object, json_schema), stream, stream_options.include_usage.
+cbd's extensions, as top-level fields (the openai client's `extra_body`): top_k, min_p, ignore_eos,
+stop_token_ids, cbd_session (see sessions.py). Fields that would change what is generated but have no
+counterpart here (penalties, logit_bias, parallel_tool_calls false, non-text content or output) are a
+400; any other unknown field is ignored, as the API's clients expect. `model` is accepted and ignored:
+one model is served, and replies name it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from cbd.gateway.errors import ApiError, bad_request
+from cbd_client._convert import set_prompt
+from cbd_client.errors import CbdError
+from cbd_client.structured import set_response_format, set_tools
+from cbd_client.v1 import cbd_pb2 as pb
+
+_ROLES = {"developer": "system"}
+MAX_TOP_LOGPROBS = 20
+
+
+@dataclass(slots=True)
+class Call:
+    """One API request as cbd Generate requests (one per prompt) and how to answer it."""
+
+    requests: list[pb.GenerateRequest]
+    n: int
+    stream: bool
+    include_usage: bool
+    logprobs: int | None  # top alternatives wanted per token (0: only the chosen token's), None: no logprobs
+    session_key: str | None = None
+    messages: list[dict[str, Any]] | None = None  # a chat's messages, normalised (sessions.py)
+
+
+def chat_call(body: dict[str, Any], session_header: str | None) -> Call:
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise bad_request("'messages' must be a non-empty list of messages", "messages")
+    normal = [chat_message(m, i) for i, m in enumerate(messages)]
+    _refuse_unsupported(body)
+    logprobs = None
+    if body.get("logprobs"):
+        logprobs = _int(body, "top_logprobs", 0, 0, MAX_TOP_LOGPROBS)
+    elif body.get("top_logprobs") is not None:
+        raise bad_request("top_logprobs needs logprobs: true", "top_logprobs")
+    request = _request(body, logprobs)
+    _convert(lambda: set_prompt(request, normal))
+    tools = body.get("tools")
+    tool_choice = body.get("tool_choice")
+    if tools:
+        _convert(lambda: set_tools(request, tools, tool_choice))
+    elif tool_choice not in (None, "none", "auto"):
+        raise bad_request("tool_choice needs tools", "tool_choice")
+    response_format = body.get("response_format")
+    if isinstance(response_format, dict) and response_format.get("type") == "text":
+        response_format = None
+    if response_format is not None:
+        _convert(lambda: set_response_format(request, response_format))
+    key = body.get("cbd_session") or session_header
+    if key is not None and not isinstance(key, str):
+        raise bad_request("cbd_session must be a string", "cbd_session")
+    return Call([request], request.n, _stream(body), _include_usage(body), logprobs, key or None, normal)
+
+
+def completion_call(body: dict[str, Any]) -> Call:
+    prompt = body.get("prompt")
+    prompts: list[Any]
+    if isinstance(prompt, str) or (isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt)):
+        prompts = [prompt]
+    elif isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
+        prompts = prompt
+    else:
+        raise bad_request("'prompt' must be a string, a list of token ids, or a list of either", "prompt")
+    _refuse_unsupported(body)
+    if body.get("echo"):
+        raise bad_request("echo is not supported", "echo")
+    if body.get("suffix"):
+        raise bad_request("suffix is not supported", "suffix")
+    n = _int(body, "n", 1, 1, 1 << 16)
+    if _int(body, "best_of", n, 1, 1 << 16) != n:
+        raise bad_request("best_of other than n is not supported", "best_of")
+    logprobs = None if body.get("logprobs") is None else _int(body, "logprobs", 0, 0, MAX_TOP_LOGPROBS)
+    requests = []
+    for p in prompts:
+        request = _request({**body, "max_tokens": body.get("max_tokens", 16)}, logprobs)
+        _convert(lambda r=request, p=p: set_prompt(r, p))
+        requests.append(request)
+    return Call(requests, n, _stream(body), _include_usage(body), logprobs)
+
+
+def chat_message(m: Any, i: int) -> dict[str, Any]:
+    """A message as the daemon takes it: text content, the role's canonical name, tool fields kept."""
+    if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+        raise bad_request(f"messages[{i}] must be an object with a string 'role'", f"messages[{i}]")
+    content = m.get("content")
+    if isinstance(content, list):
+        texts = []
+        for part in content:
+            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                raise bad_request(f"messages[{i}]: only text content parts are supported", f"messages[{i}].content")
+            texts.append(part["text"])
+        content = "".join(texts)
+    elif content is None:
+        content = ""
+    elif not isinstance(content, str):
+        raise bad_request(f"messages[{i}].content must be a string or a list of text parts", f"messages[{i}]")
+    out: dict[str, Any] = {"role": _ROLES.get(m["role"], m["role"]), "content": content}
+    if m.get("tool_calls"):
+        out["tool_calls"] = [
+            {"id": c.get("id", ""), "name": c.get("function", c).get("name", ""),
+             "arguments": c.get("function", c).get("arguments", "")}
+            for c in m["tool_calls"] if isinstance(c, dict)
+        ]  # fmt: skip
+    if m.get("tool_call_id"):
+        out["tool_call_id"] = m["tool_call_id"]
+    return out
+
+
+def _request(body: dict[str, Any], logprobs: int | None) -> pb.GenerateRequest:
+    request = pb.GenerateRequest(n=_int(body, "n", 1, 1, 1 << 16))
+    s = request.sampling
+    max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
+    if max_tokens is not None:
+        s.max_tokens = _int({"max_tokens": max_tokens}, "max_tokens", 1, 1, 1 << 31)
+    for name in ("temperature", "top_p", "min_p"):
+        if body.get(name) is not None:
+            setattr(s, name, _float(body, name))
+    if body.get("top_k") is not None:
+        s.top_k = max(0, _int(body, "top_k", 0, -1, 1 << 31))  # -1 disables, as 0 does here
+    if body.get("seed") is not None:
+        s.seed = _int(body, "seed", 0, -(1 << 63), 1 << 64) % (1 << 63)
+    stop = body.get("stop")
+    if isinstance(stop, str):
+        s.stop.append(stop)
+    elif isinstance(stop, list) and all(isinstance(x, str) for x in stop):
+        s.stop.extend(stop)
+    elif stop is not None:
+        raise bad_request("stop must be a string or a list of strings", "stop")
+    ids = body.get("stop_token_ids")
+    if ids is not None:
+        if not isinstance(ids, list) or not all(isinstance(t, int) and t >= 0 for t in ids):
+            raise bad_request("stop_token_ids must be a list of token ids", "stop_token_ids")
+        s.stop_token_ids.extend(ids)
+    s.ignore_eos = bool(body.get("ignore_eos", False))
+    if logprobs is not None:
+        s.logprobs = logprobs
+    return request
+
+
+def _refuse_unsupported(body: dict[str, Any]) -> None:
+    for name in ("presence_penalty", "frequency_penalty", "repetition_penalty"):
+        value = body.get(name)
+        if value not in (None, 0, 0.0, 1.0 if name == "repetition_penalty" else 0):
+            raise bad_request(f"{name} is not supported (only its neutral value)", name)
+    if body.get("logit_bias"):
+        raise bad_request("logit_bias is not supported", "logit_bias")
+    if body.get("parallel_tool_calls") is False:
+        raise bad_request("parallel_tool_calls: false is not supported (a reply may hold several calls)",
+                          "parallel_tool_calls")  # fmt: skip
+    modalities = body.get("modalities")
+    if modalities not in (None, ["text"]) or body.get("audio") is not None:
+        raise bad_request("only text output is supported", "modalities")
+
+
+def _stream(body: dict[str, Any]) -> bool:
+    stream = body.get("stream", False)
+    if not isinstance(stream, bool) and stream is not None:
+        raise bad_request("stream must be a boolean", "stream")
+    return bool(stream)
+
+
+def _include_usage(body: dict[str, Any]) -> bool:
+    options = body.get("stream_options")
+    return isinstance(options, dict) and bool(options.get("include_usage"))
+
+
+def _int(body: dict[str, Any], name: str, default: int, low: int, high: int) -> int:
+    value = body.get(name)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, int) or not low <= value < high:
+        raise bad_request(f"{name} must be an integer in [{low}, {high}), got {value!r}", name)
+    return value
+
+
+def _float(body: dict[str, Any], name: str) -> float:
+    value = body.get(name)
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise bad_request(f"{name} must be a number, got {value!r}", name)
+    return float(value)
+
+
+def _convert(fn: Any) -> None:
+    """The client library's conversions raise CbdError(INVALID_ARGUMENT); here that is a 400."""
+    try:
+        fn()
+    except CbdError as exc:
+        raise ApiError(400, exc.details) from None
+    except (TypeError, ValueError) as exc:
+        raise ApiError(400, str(exc)) from None

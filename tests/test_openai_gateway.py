@@ -1,0 +1,259 @@
+"""The OpenAI-compatible gateway, driven with the official `openai` package: a real daemon (embedded model,
+a bearer token, an admission cap of two live requests) and a real `cbd openai` process in front of it."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+import jsonschema
+import openai
+import pytest
+
+from cbd_client import Client
+from daemon_process import DaemonProcess
+
+pytestmark = pytest.mark.slow
+TOKEN = "s3cret-token"
+ASK = [{"role": "user", "content": "What is the capital of France?"}]
+WEATHER = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20},
+                                            "unit": {"enum": ["C", "F"]}}, "required": ["city", "unit"]}  # fmt: skip
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Current weather in a city",
+                                           "parameters": WEATHER}}]  # fmt: skip
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Stack:
+    def __init__(self, daemon: DaemonProcess, gateway: subprocess.Popen, url: str) -> None:
+        self.daemon, self.gateway, self.url = daemon, gateway, url
+
+    def client(self, **kwargs) -> openai.OpenAI:  # type: ignore[no-untyped-def]
+        return openai.OpenAI(base_url=self.url, api_key=kwargs.pop("api_key", TOKEN), **{"max_retries": 0, **kwargs})
+
+    def stats(self):  # type: ignore[no-untyped-def]
+        with Client(self.daemon.address, timeout=30, token=TOKEN) as c:
+            return c.stats()
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory):  # type: ignore[no-untyped-def]
+    tmp = tmp_path_factory.mktemp("gw")
+    (tmp / "token").write_text(TOKEN)
+    daemon = DaemonProcess(tmp / "cbd.sock", "--auth-token-file", str(tmp / "token"), "--max-queued-requests", "2")
+    port = _free_port()
+    log = open(tmp / "gateway.log", "w")
+    gateway = subprocess.Popen(
+        [sys.executable, "-m", "cbd.cli", "openai", "--daemon", daemon.address, "--listen", f"127.0.0.1:{port}"],
+        stdout=log, stderr=subprocess.STDOUT, env=os.environ.copy(),
+    )  # fmt: skip
+    try:
+        daemon.wait_serving()
+        url = f"http://127.0.0.1:{port}/v1"
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=5).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert time.monotonic() < deadline and gateway.poll() is None, (tmp / "gateway.log").read_text()
+            time.sleep(0.2)
+        yield Stack(daemon, gateway, url)
+    finally:
+        gateway.terminate()
+        gateway.wait(30)
+        log.close()
+        assert daemon.stop() == 0, daemon.log()
+
+
+def test_models_and_a_chat_completion(stack) -> None:  # type: ignore[no-untyped-def]
+    client = stack.client()
+    (model,) = client.models.list().data
+    assert model.id.startswith("SmolLM2") and client.models.retrieve(model.id).id == model.id
+    reply = client.chat.completions.create(model=model.id, messages=ASK, max_tokens=20, temperature=0)
+    assert reply.object == "chat.completion" and reply.model == model.id
+    assert "Paris" in reply.choices[0].message.content and reply.choices[0].finish_reason == "stop"
+    u = reply.usage
+    assert u.prompt_tokens > 10 and u.completion_tokens > 0 and u.total_tokens == u.prompt_tokens + u.completion_tokens
+    assert u.prompt_tokens_details.cached_tokens is not None
+
+
+def test_streamed_deltas_join_to_the_whole_reply(stack) -> None:  # type: ignore[no-untyped-def]
+    client = stack.client()
+    whole = client.chat.completions.create(model="any", messages=ASK, max_tokens=40, temperature=0)
+    chunks = list(client.chat.completions.create(model="any", messages=ASK, max_tokens=40, temperature=0, stream=True,
+                                                 stream_options={"include_usage": True}))  # fmt: skip
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == whole.choices[0].message.content
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "stop"
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
+
+
+def test_n_candidates_with_a_seed_are_reproducible(stack) -> None:  # type: ignore[no-untyped-def]
+    client = stack.client()
+
+    def sample() -> list[str]:
+        reply = client.chat.completions.create(model="m", messages=ASK, n=4, seed=11, temperature=0.9, max_tokens=16)
+        assert [c.index for c in reply.choices] == [0, 1, 2, 3]
+        return [c.message.content for c in reply.choices]
+
+    first = sample()
+    assert first == sample() and len(set(first)) > 1  # the same four, and not four copies of one
+
+
+def test_tool_calls_are_parsed_and_their_arguments_validate(stack) -> None:  # type: ignore[no-untyped-def]
+    client = stack.client()
+    ask = [{"role": "user", "content": "What is the weather in Paris right now?"}]
+    reply = client.chat.completions.create(model="m", messages=ask, tools=TOOLS, tool_choice="required",
+                                           max_tokens=80, temperature=0)  # fmt: skip
+    calls = reply.choices[0].message.tool_calls
+    assert calls and all(c.type == "function" and c.function.name == "get_weather" for c in calls)
+    for call in calls:
+        jsonschema.validate(json.loads(call.function.arguments), WEATHER)
+        assert call.id.startswith("call_")
+    # Streamed: the call's pieces add up to the same call.
+    stream = client.chat.completions.create(model="m", messages=ask, tools=TOOLS, tool_choice="required",
+                                            max_tokens=80, temperature=0, stream=True)  # fmt: skip
+    arguments: dict[int, str] = {}
+    for chunk in stream:
+        for d in chunk.choices[0].delta.tool_calls or ():
+            arguments[d.index] = arguments.get(d.index, "") + (d.function.arguments or "")
+    assert arguments[0] == calls[0].function.arguments
+    # The tool's result goes back, and the model answers in text.
+    messages = [
+        *ask,
+        reply.choices[0].message.model_dump(exclude_none=True),
+        {"role": "tool", "tool_call_id": calls[0].id, "content": '{"temperature": 21, "unit": "C"}'},
+    ]
+    answer = client.chat.completions.create(model="m", messages=messages, tools=TOOLS, tool_choice="none",
+                                            max_tokens=30, temperature=0)  # fmt: skip
+    assert answer.choices[0].message.content and not answer.choices[0].message.tool_calls
+
+
+def test_response_format_json_schema_validates(stack) -> None:  # type: ignore[no-untyped-def]
+    client = stack.client()
+    person = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 20},
+                                               "age": {"type": "integer"}}, "required": ["name", "age"],
+              "additionalProperties": False}  # fmt: skip
+    reply = client.chat.completions.create(
+        model="m", messages=[{"role": "user", "content": "Describe a person as JSON."}], max_tokens=60, temperature=0,
+        response_format={"type": "json_schema", "json_schema": {"name": "person", "schema": person, "strict": True}},
+    )  # fmt: skip
+    jsonschema.validate(json.loads(reply.choices[0].message.content), person)
+    ask = [{"role": "user", "content": 'Answer with the JSON object {"capital": "Paris"} and nothing else.'}]
+    obj = client.chat.completions.create(model="m", messages=ask, max_tokens=60, temperature=0,
+                                         response_format={"type": "json_object"})  # fmt: skip
+    assert obj.choices[0].finish_reason == "stop" and isinstance(json.loads(obj.choices[0].message.content), dict)
+
+
+def test_a_session_header_keeps_the_conversation_resident(stack) -> None:  # type: ignore[no-untyped-def]
+    client = stack.client(default_headers={"X-Cbd-Session": "agent-7"})
+    sessions_before = stack.stats().open_sessions
+    messages: list[dict] = [{"role": "user", "content": "Name a fruit."}]
+    cached = []
+    for follow_up in ("Name another one.", "And a third one?", None):
+        reply = client.chat.completions.create(model="m", messages=messages, max_tokens=12, temperature=0)
+        cached.append(reply.usage.prompt_tokens_details.cached_tokens)
+        messages += [reply.choices[0].message.model_dump(exclude_none=True)]
+        if follow_up:
+            messages.append({"role": "user", "content": follow_up})
+    assert cached[0] < cached[1] < cached[2], cached
+    assert stack.stats().open_sessions == sessions_before + 1  # one session carried all three calls
+    # An edited history cannot continue the session: the gateway starts a fresh one transparently.
+    edited = [{"role": "user", "content": "Name a vegetable."}]
+    assert client.chat.completions.create(model="m", messages=edited, max_tokens=8, temperature=0).choices[0].message
+
+
+def test_completions_with_one_and_several_prompts(stack) -> None:  # type: ignore[no-untyped-def]
+    client = stack.client()
+    one = client.completions.create(model="m", prompt="The capital of France is", max_tokens=5, temperature=0,
+                                    logprobs=2)  # fmt: skip
+    assert one.object == "text_completion" and one.choices[0].text
+    lp = one.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == 5 and "".join(lp.tokens) == one.choices[0].text
+    several = client.completions.create(model="m", prompt=["One, two,", "Red, green,"], max_tokens=3, temperature=0)
+    assert [c.index for c in several.choices] == [0, 1] and several.usage.completion_tokens == 6
+
+
+def test_errors_have_the_apis_statuses(stack) -> None:  # type: ignore[no-untyped-def]
+    client = stack.client()
+    with pytest.raises(openai.BadRequestError) as bad:
+        client.chat.completions.create(model="m", messages=ASK, presence_penalty=0.5)
+    assert "presence_penalty" in bad.value.message
+    with pytest.raises(openai.BadRequestError):
+        client.chat.completions.create(model="m", messages=ASK, tools=TOOLS, tool_choice={"type": "function",
+                                       "function": {"name": "no_such_tool"}})  # fmt: skip
+    with pytest.raises(openai.AuthenticationError):
+        stack.client(api_key="wrong").chat.completions.create(model="m", messages=ASK, max_tokens=2)
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("no-such-model")
+
+
+def _blocker(stack, release: threading.Event) -> threading.Thread:  # type: ignore[no-untyped-def]
+    """Holds one of the daemon's two seats (a long stream through the gateway) until `release` is set."""
+    started = threading.Event()
+
+    def run() -> None:
+        stream = stack.client().chat.completions.create(model="m", messages=ASK, max_tokens=2000, stream=True,
+                                                        extra_body={"ignore_eos": True})  # fmt: skip
+        for _ in stream:
+            started.set()
+            if release.is_set():
+                stream.close()
+                return
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    assert started.wait(60)
+    return thread
+
+
+def test_a_full_daemon_is_429_with_retry_after_and_the_clients_retry_succeeds(stack) -> None:  # type: ignore[no-untyped-def]
+    release = threading.Event()
+    blockers = [_blocker(stack, release), _blocker(stack, release)]
+    try:
+        with pytest.raises(openai.RateLimitError) as full:
+            stack.client().chat.completions.create(model="m", messages=ASK, max_tokens=4)
+        headers = full.value.response.headers
+        assert int(headers["retry-after"]) >= 1 and int(headers["retry-after-ms"]) >= 1
+        threading.Timer(1.0, release.set).start()  # the seat frees up while the client is retrying
+        reply = stack.client(max_retries=8).chat.completions.create(model="m", messages=ASK, max_tokens=4)
+        assert reply.choices[0].message.content
+    finally:
+        release.set()
+        for blocker in blockers:
+            blocker.join(60)
+
+
+def test_a_client_that_disconnects_mid_stream_frees_the_request(stack) -> None:  # type: ignore[no-untyped-def]
+    body = {"model": "m", "messages": ASK, "max_tokens": 2000, "stream": True, "ignore_eos": True}
+    headers = {"Authorization": f"Bearer {TOKEN}"}
+    with httpx.stream("POST", f"{stack.url}/chat/completions", json=body, headers=headers, timeout=60) as response:
+        assert response.status_code == 200
+        lines = response.iter_lines()
+        assert next(line for line in lines if line.startswith("data: "))
+        assert stack.stats().running == 1
+    deadline = time.monotonic() + 10
+    while (s := stack.stats()).running or s.live_requests:
+        assert time.monotonic() < deadline, s
+        time.sleep(0.05)
+    assert s.kv_blocks_used == 0 or s.open_sessions > 0
+
+
+def test_the_gateway_imports_no_engine_or_server_code() -> None:
+    code = ("import sys, cbd.gateway.app, cbd.gateway.main; "
+            "bad = sorted(m for m in sys.modules if m.startswith(('cbd.engine', 'cbd.server', 'cbd.ipc', 'torch'))); "
+            "assert not bad, bad")  # fmt: skip
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
