@@ -27,6 +27,7 @@ import random
 import shutil
 import socket
 import statistics
+import subprocess
 import sys
 import tempfile
 import threading
@@ -218,6 +219,20 @@ def _children(pid: int) -> list[int]:
     return [int(p.name) for p in Path("/proc").iterdir() if p.name.isdigit() and _ppid(int(p.name)) == pid]
 
 
+def _start_gateway(address: str) -> tuple[subprocess.Popen, str]:
+    port = _free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "cbd.cli", "openai", "--daemon", address, "--listen",
+                             f"127.0.0.1:{port}", "--log-level", "warning"])  # fmt: skip
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        try:
+            if urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2).status == 200:
+                break
+        except OSError:
+            time.sleep(0.2)
+    return proc, f"http://127.0.0.1:{port}/v1"
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -238,7 +253,14 @@ def daemon_runs(
             d.wait_serving(900)
             run(d.address, [Call(workloads[0][2][0], 8)], 1)  # warm-up
             best: dict[int, dict[str, object]] = {}
+            gateway = _start_gateway(d.address) if args.gateway and label == "daemon" else None
             for b, n, batch in workloads:
+                if gateway is not None:
+                    for _ in range(args.rounds):
+                        g = run(gateway[1], [Call(p, n) for p in batch], args.client_processes)
+                        print(f"gateway B={b}: {g.tokens / g.seconds:.0f} tok/s ({len(g.errors)} errors)", flush=True)
+                        best.setdefault(-b, {"tok_s": 0.0})
+                        best[-b]["tok_s"] = max(best[-b]["tok_s"], g.tokens / g.seconds)  # type: ignore[type-var]
                 for _ in range(args.rounds):
                     r = through_daemon(d, port, batch, n, args.client_processes)
                     print(f"{label} B={b}: {r['tok_s']:.0f} tok/s, {r['ms_step']:.2f} ms/step", flush=True)
@@ -248,6 +270,9 @@ def daemon_runs(
                     r = through_daemon(d, port, batch, n, args.client_processes, label)
                     print(f"{label} B={b} profiled: {r['tok_s']:.0f} tok/s, {r['ms_step']:.2f} ms/step", flush=True)
                     best[b]["profile"] = r["profile"]
+            if gateway is not None:
+                gateway[0].terminate()
+                gateway[0].wait(30)
         finally:
             d.stop()
             shutil.copy(d.log_path, OUT / f"daemon_{label}.log")
@@ -267,6 +292,7 @@ def main() -> None:
     parser.add_argument("--profile", action="store_true", help="py-spy the daemon in an extra round at --profile-batch")
     parser.add_argument("--profile-batch", type=int, default=128)
     parser.add_argument("--skip-in-process", action="store_true")
+    parser.add_argument("--gateway", action="store_true", help="also drive the daemon through `cbd openai`")
     parser.add_argument("--before", help="also run a daemon from this source tree (DIR/daemon, DIR/client)")
     args = parser.parse_args()
     checkpoint = Path(args.checkpoint)
@@ -323,6 +349,10 @@ def report(
     head = f"{'B':>4} {'new':>4} {'in-proc tok/s':>13} {'daemon tok/s':>12} {'ratio':>6} {'ms/step in/daemon':>18} {'busy':>5}"
     print(head + (f" {'before tok/s':>12} {'ratio':>6}" if before else ""))
     for b, n, _ in workloads:
+        if -b in remote:
+            g = remote[-b]["tok_s"]
+            print(f"{b:4d} {n:4d} gateway (cbd openai, HTTP + SSE): {g:.0f} tok/s = {g / remote[b]['tok_s']:.2f}x the "  # type: ignore[operator]
+                  f"daemon's gRPC figure")  # fmt: skip
         if b not in local:
             local[b] = {"tok_s": float("nan"), "ms_step": float("nan")}
         lo, re_ = local[b], remote[b]
@@ -333,6 +363,8 @@ def report(
         print(line)
     for label, runs in (("daemon", remote), ("before", before or {})):
         for b, r in runs.items():
+            if b < 0:
+                continue
             print(f"{label} B={b} CPU ms per engine step: {r['cpu_ms_per_step']}")
             for line in r["profile"]:  # type: ignore[attr-defined]
                 print(line)

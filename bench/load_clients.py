@@ -3,7 +3,8 @@
 The calls are dealt round-robin to P processes; each process opens its own channel, builds its requests,
 reports ready, and on the go signal starts all of its calls together (asyncio), reading every stream to
 its end. One Python client process can read only so many messages per second; with P processes the
-client is never the limit. Times are CLOCK_MONOTONIC, one clock for every process of the host.
+client is never the limit. Given an http(s) URL instead of a gRPC address, the same calls go through the
+OpenAI-compatible gateway (streamed /v1/completions on token ids, httpx). Times are CLOCK_MONOTONIC, one clock for every process of the host.
 
     from load_clients import Call, run
     result = run("unix:/tmp/cbd.sock", [Call(prompt_ids, max_tokens=256)] * 128, processes=8)
@@ -32,6 +33,46 @@ class Result:
     messages: int  # stream messages received
     seconds: float  # from the go signal to the last stream's end
     errors: list[str] = field(default_factory=list)
+
+
+def _http_client(url: str, calls: list[Call], ready: mp.Queue, go: mp.Event, done: mp.Queue) -> None:  # type: ignore[type-arg]
+    """The same calls through the OpenAI-compatible gateway: streamed /v1/completions on token ids."""
+    import json
+
+    import httpx
+
+    async def main() -> tuple[int, int, float, list[str]]:
+        bodies = [
+            {"model": "cbd", "prompt": c.prompt, "max_tokens": c.max_tokens, "temperature": c.temperature,
+             "ignore_eos": c.ignore_eos, "stream": True, "stream_options": {"include_usage": True}}
+            for c in calls
+        ]  # fmt: skip
+        limits = httpx.Limits(max_connections=len(calls) + 1, max_keepalive_connections=len(calls) + 1)
+        async with httpx.AsyncClient(base_url=url, timeout=3600, limits=limits) as client:
+            await client.get("/models")
+            ready.put(None)
+            await asyncio.to_thread(go.wait)
+            errors: list[str] = []
+
+            async def one(body: dict) -> tuple[int, int]:  # type: ignore[type-arg]
+                tokens = messages = 0
+                async with client.stream("POST", "/completions", json=body) as response:
+                    if response.status_code != 200:
+                        errors.append(f"{response.status_code}: {(await response.aread())[:200]!r}")
+                        return 0, 0
+                    async for line in response.aiter_lines():
+                        if line.startswith("data: {"):
+                            messages += 1
+                            usage = json.loads(line[6:]).get("usage")
+                            if usage:
+                                tokens = usage["completion_tokens"]
+                return tokens, messages
+
+            counts = await asyncio.gather(*(one(b) for b in bodies))
+            end = time.monotonic()
+        return sum(t for t, _ in counts), sum(m for _, m in counts), end, errors
+
+    done.put(asyncio.run(main()))
 
 
 def _client(address: str, calls: list[Call], ready: mp.Queue, go: mp.Event, done: mp.Queue) -> None:  # type: ignore[type-arg]
@@ -74,10 +115,12 @@ def _client(address: str, calls: list[Call], ready: mp.Queue, go: mp.Event, done
 
 
 def run(address: str, calls: list[Call], processes: int = 8, timeout: float = 3600.0) -> Result:
+    """address: the daemon's gRPC address, or the gateway's base URL (http://host:port/v1)."""
     ctx = mp.get_context("spawn")
     ready, done, go = ctx.Queue(), ctx.Queue(), ctx.Event()
     shares = [calls[i::processes] for i in range(processes)]
-    procs = [ctx.Process(target=_client, args=(address, s, ready, go, done), daemon=True) for s in shares if s]
+    target = _http_client if address.startswith("http") else _client
+    procs = [ctx.Process(target=target, args=(address, s, ready, go, done), daemon=True) for s in shares if s]
     for p in procs:
         p.start()
     for _ in procs:
