@@ -257,3 +257,15 @@ def test_the_gateway_imports_no_engine_or_server_code() -> None:
             "bad = sorted(m for m in sys.modules if m.startswith(('cbd.engine', 'cbd.server', 'cbd.ipc', 'torch'))); "
             "assert not bad, bad")  # fmt: skip
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+
+
+def test_a_client_that_gives_up_on_a_whole_reply_frees_the_request(stack) -> None:  # type: ignore[no-untyped-def]
+    body = {"model": "m", "messages": ASK, "max_tokens": 2000, "ignore_eos": True}
+    headers = {"Authorization": f"Bearer {TOKEN}", "X-Cbd-Session": "gives-up"}
+    sessions_before = stack.stats().open_sessions
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{stack.url}/chat/completions", json=body, headers=headers, timeout=2.0)
+    deadline = time.monotonic() + 10
+    while (s := stack.stats()).running or s.live_requests or s.open_sessions != sessions_before:
+        assert time.monotonic() < deadline, s  # the call is cancelled and the session it opened is closed
+        time.sleep(0.1)

@@ -56,8 +56,9 @@ class Gateway:
         if self._channel is not None:
             await self._channel.close()
 
-    async def model(self, metadata: list[tuple[str, str]]) -> str:
-        if self._model is None:
+    async def model(self, metadata: list[tuple[str, str]], fresh: bool = False) -> str:
+        """The served model's name (asked once; `fresh`: ask again, so the daemon checks this caller's token)."""
+        if self._model is None or fresh:
             info = await self._unary(self.stub.GetModelInfo(pb.GetModelInfoRequest(), metadata=metadata, timeout=30))
             self._model = info.model
         return self._model
@@ -72,18 +73,18 @@ class Gateway:
     async def chat(self, request: Request) -> Response:
         body = await _json(request)
         call = chat_call(body, request.headers.get(SESSION_HEADER))
-        return await self._answer("chat", call, _metadata(request))
+        return await self._answer("chat", call, request)
 
     async def completions(self, request: Request) -> Response:
         body = await _json(request)
-        return await self._answer("completion", completion_call(body), _metadata(request))
+        return await self._answer("completion", completion_call(body), request)
 
     async def models(self, request: Request) -> Response:
-        name = await self.model(_metadata(request))
+        name = await self.model(_metadata(request), fresh=True)
         return JSONResponse({"object": "list", "data": [_model_card(name)]})
 
     async def model_card(self, request: Request) -> Response:
-        name = await self.model(_metadata(request))
+        name = await self.model(_metadata(request), fresh=True)
         if request.path_params["model"] != name:
             raise ApiError(404, f"model {request.path_params['model']!r} is not served here; {name!r} is",
                            "not_found_error", "model", "model_not_found")  # fmt: skip
@@ -100,43 +101,59 @@ class Gateway:
         return JSONResponse({"status": "ok" if serving else "not serving"}, status_code=200 if serving else 503)
 
     # ---- answering -------------------------------------------------------------------------------
-    async def _answer(self, kind: str, call: Call, metadata: list[tuple[str, str]]) -> Response:
+    async def _answer(self, kind: str, call: Call, request: Request) -> Response:
+        metadata = _metadata(request)
         model = await self.model(metadata)
-        if call.session_key is not None:
-            if kind != "chat":
-                raise bad_request("sessions are for chats")
-            await self._bind(call, metadata)
-        streams = [self._start(r, metadata) for r in call.requests]
-        firsts = await asyncio.gather(*(self._first(s) for s in streams), return_exceptions=True)
-        failure = next((f for f in firsts if isinstance(f, BaseException)), None)
-        if failure is not None and call.session_key is not None and _expired(failure):
-            # The session the name was bound to is gone (closed, expired): a fresh one, transparently.
-            for s in streams:
-                s.cancel()
-            self.sessions.drop(call.session_key)
-            await self._bind(call, metadata)
+        fresh: str | None = None  # a session opened for this call: closed again unless the call completes
+        streams: list[Any] = []
+        handed_off = False
+        try:
+            if call.session_key is not None:
+                if kind != "chat":
+                    raise bad_request("sessions are for chats")
+                fresh = await self._bind(call, metadata)
             streams = [self._start(r, metadata) for r in call.requests]
-            firsts = await asyncio.gather(*(self._first(s) for s in streams), return_exceptions=True)
+            firsts = await _unless_gone(request, self._firsts(streams))
             failure = next((f for f in firsts if isinstance(f, BaseException)), None)
-        if failure is not None:
-            for s in streams:
-                s.cancel()
-            if isinstance(failure, grpc.aio.AioRpcError):
-                raise from_cbd(CbdError.from_rpc(failure))
-            raise failure
-        heads = [f for f in firsts if isinstance(f, pb.GenerateResponse)]
-        request_id = heads[0].request_id or uuid.uuid4().hex
-        reply = Reply(kind, request_id, int(time.time()), model, call.n, call.logprobs)
-        if not call.stream:
-            try:
-                await asyncio.gather(*(self._fold(reply, s, f, i * call.n)
-                                       for i, (s, f) in enumerate(zip(streams, heads))))  # fmt: skip
-            except grpc.aio.AioRpcError as exc:
-                raise from_cbd(CbdError.from_rpc(exc)) from None
-            self._remember(call, reply)
-            return JSONResponse(reply.whole())
-        return StreamingResponse(self._events(call, reply, streams, heads), media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})  # fmt: skip
+            if failure is not None and call.session_key is not None and fresh is None and _expired(failure):
+                # The session the name was bound to is gone (closed, expired): a fresh one, transparently.
+                for s in streams:
+                    s.cancel()
+                self.sessions.drop(call.session_key)
+                fresh = await self._bind(call, metadata)
+                streams = [self._start(r, metadata) for r in call.requests]
+                firsts = await _unless_gone(request, self._firsts(streams))
+                failure = next((f for f in firsts if isinstance(f, BaseException)), None)
+            if failure is not None:
+                if isinstance(failure, grpc.aio.AioRpcError):
+                    raise from_cbd(CbdError.from_rpc(failure))
+                raise failure
+            heads = [f for f in firsts if isinstance(f, pb.GenerateResponse)]
+            request_id = heads[0].request_id or uuid.uuid4().hex
+            reply = Reply(kind, request_id, int(time.time()), model, call.n, call.logprobs)
+            if not call.stream:
+                folds = asyncio.gather(*(self._fold(reply, s, f, i * call.n)
+                                         for i, (s, f) in enumerate(zip(streams, heads))))  # fmt: skip
+                try:
+                    await _unless_gone(request, folds)
+                except grpc.aio.AioRpcError as exc:
+                    raise from_cbd(CbdError.from_rpc(exc)) from None
+                self._remember(call, reply)
+                fresh = None
+                return JSONResponse(reply.whole())
+            handed_off = True
+            return StreamingResponse(self._events(call, reply, streams, heads, fresh, metadata),
+                                     media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})  # fmt: skip
+        finally:
+            if not handed_off:  # refused, failed, or the client went away: nothing may keep running
+                for s in streams:
+                    s.cancel()
+                if fresh is not None:
+                    self._abandon(call, fresh, metadata)
+
+    async def _firsts(self, streams: list[Any]) -> list[Any]:
+        return await asyncio.gather(*(self._first(s) for s in streams), return_exceptions=True)
 
     def _start(self, request: pb.GenerateRequest, metadata: list[tuple[str, str]]) -> Any:
         return self.stub.Generate(request, metadata=metadata, timeout=self.timeout)
@@ -154,7 +171,10 @@ class Gateway:
         async for response in _rest(stream):
             reply.add(response, offset)
 
-    async def _events(self, call: Call, reply: Reply, streams: list[Any], firsts: list[Any]) -> AsyncIterator[bytes]:
+    async def _events(
+        self, call: Call, reply: Reply, streams: list[Any], firsts: list[pb.GenerateResponse], fresh: str | None,
+        metadata: list[tuple[str, str]],
+    ) -> AsyncIterator[bytes]:  # fmt: skip
         queue: asyncio.Queue[tuple[int, Any]] = asyncio.Queue()
 
         async def pump(i: int, stream: Any, first: pb.GenerateResponse) -> None:
@@ -168,6 +188,7 @@ class Gateway:
 
         pumps = [asyncio.ensure_future(pump(i, s, f)) for i, (s, f) in enumerate(zip(streams, firsts))]
         open_streams = len(streams)
+        completed = False
         try:
             while open_streams:
                 i, item = await queue.get()
@@ -181,17 +202,21 @@ class Gateway:
                     yield _sse(chunk)
             if call.include_usage:
                 yield _sse(reply.usage_chunk())
+            self._remember(call, reply)  # before [DONE]: a client may hang up the moment it sees it
+            completed = True
             yield b"data: [DONE]\n\n"
-            self._remember(call, reply)
         finally:  # also when the client went away: cancel what still runs (the daemon aborts it)
             for s in streams:
                 s.cancel()
             for p in pumps:
                 p.cancel()
+            if not completed and fresh is not None:
+                self._abandon(call, fresh, metadata)
 
     # ---- sessions --------------------------------------------------------------------------------
-    async def _bind(self, call: Call, metadata: list[tuple[str, str]]) -> None:
-        """Make call.requests[0] a turn of the session bound to call.session_key (a new one if needed)."""
+    async def _bind(self, call: Call, metadata: list[tuple[str, str]]) -> str | None:
+        """Make call.requests[0] a turn of the session bound to call.session_key (a new one if needed);
+        returns the id of a session opened here (None when the bound one continues)."""
         assert call.session_key is not None and call.messages is not None
         request = call.requests[0]
         bound = self.sessions.get(call.session_key)
@@ -202,9 +227,9 @@ class Gateway:
             info = await self._unary(
                 self.stub.OpenSession(pb.OpenSessionRequest(), metadata=metadata, timeout=self.timeout)
             )
-            session_id, messages, parent = info.session_id, call.messages, None
+            session_id, messages, parent, fresh = info.session_id, call.messages, None, info.session_id
         else:
-            session_id, (messages, parent) = bound.session_id, plan  # type: ignore[union-attr]
+            session_id, (messages, parent), fresh = bound.session_id, plan, None  # type: ignore[union-attr]
         request.session_id = session_id
         del request.chat.messages[:]
         for m in messages:
@@ -216,6 +241,13 @@ class Gateway:
         request.ClearField("parent_candidate")
         if parent is not None:
             request.parent_candidate = parent
+        return fresh
+
+    def _abandon(self, call: Call, session_id: str, metadata: list[tuple[str, str]]) -> None:
+        """A session opened for a call that did not complete: closed, and its name forgotten."""
+        if call.session_key is not None:
+            self.sessions.drop(call.session_key)
+        asyncio.ensure_future(self._close(session_id, metadata))
 
     async def _close(self, session_id: str, metadata: list[tuple[str, str]]) -> None:
         try:
@@ -228,6 +260,25 @@ class Gateway:
             return
         replies = [chat_message(reply.choices[i].message(), 0) for i in sorted(reply.choices)]
         self.sessions.bind(call.session_key, call.requests[0].session_id, call.messages, replies)
+
+
+class _ClientGone(ApiError):
+    def __init__(self) -> None:
+        super().__init__(499, "the client closed the connection", "cancelled")
+
+
+async def _unless_gone(request: Request, work: Any) -> Any:
+    """Await `work` unless the HTTP client disconnects first (then it is cancelled: so are its gRPC calls)."""
+    task = asyncio.ensure_future(work)
+    try:
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=0.5)
+            if done:
+                return task.result()
+            if await request.is_disconnected():
+                raise _ClientGone()
+    finally:
+        task.cancel()
 
 
 async def _rest(stream: Any) -> AsyncIterator[pb.GenerateResponse]:

@@ -185,10 +185,11 @@ def serve(config: EngineConfig, commands_address: str, events_address: str, warm
         events.close()
         context.term()
         return 1
+    # Hello first: from the moment on_step_end is set, the engine thread owns the socket.
+    events.send(wire.events_encoder.encode(wire.Hello(engine.model_facts(), str(engine.loaded.checkpoint_dir))))
     outbox = Outbox(events, engine)
     engine.on_session_expired = outbox.expired
     engine.on_step_end = outbox.flush
-    events.send(wire.events_encoder.encode(wire.Hello(engine.model_facts(), str(engine.loaded.checkpoint_dir))))
     endpoint = Endpoint(engine, outbox)
     status = 0
     try:

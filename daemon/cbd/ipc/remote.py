@@ -177,10 +177,10 @@ class RemoteEngine:
         """Read what the process sent before it exited, then end whatever it left unanswered."""
         if self._reader is not None:
             self._reader.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
+            with contextlib.suppress(asyncio.CancelledError, Exception):
                 await self._reader
-            with contextlib.suppress(zmq.ZMQError):
-                while await self._events.poll(100):
+            with contextlib.suppress(zmq.ZMQError, msgspec.DecodeError):
+                while self.fatal is None and await self._events.poll(100):
                     self._apply(wire.events_decoder.decode(await self._events.recv()))
         if not self._stop_sent and self.fatal is None:
             how = f"signal {-status}" if status < 0 else f"status {status}"
@@ -359,20 +359,25 @@ class RemoteEngine:
         def answered(value: Any, error: BaseException | None) -> None:
             if future.set_running_or_notify_cancel():
                 future.set_exception(error) if error is not None else future.set_result(value)
+            elif isinstance(value, SessionInfo):  # its caller gave up: the session it opened would be orphaned
+                self._send(wire.CloseSession(self._call(lambda *_: None), value.session_id))
 
         self._send(make(self._call(answered)))
         return future
 
     async def _read(self) -> None:
         decode = wire.events_decoder.decode
-        while True:
-            message = await self._events.recv(copy=False)
-            try:
-                events = decode(message.buffer)
-            except msgspec.DecodeError:
-                log.exception("an undecodable message from the engine process")
-                continue
-            self._apply(events)
+        try:
+            while True:
+                message = await self._events.recv(copy=False)
+                self._apply(decode(message.buffer))
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # a broken channel: nothing more can be delivered, so stop the engine too
+            log.exception("reading the engine process's events failed")
+            self.fatal = EngineFailure(f"the engine channel failed: {type(exc).__name__}: {exc}")
+            if self._process.poll() is None:
+                self._process.send_signal(signal.SIGKILL)  # its exit then fails what is live
 
     def _apply(self, events: wire.Events) -> None:
         self.heartbeat = events.heartbeat
@@ -384,14 +389,20 @@ class RemoteEngine:
                 answer(reply.value, None if reply.error is None else wire.raise_failure(reply.error))
         for session_id in events.expired:
             if self.on_session_expired is not None:
-                self.on_session_expired(session_id)
+                try:
+                    self.on_session_expired(session_id)
+                except Exception:
+                    log.exception("session-expired callback failed")
         requests = self._requests
         for out in events.outputs:
             record = requests.get(out.request_id)
             if record is None:
                 continue
             if record.text is not None:
-                record.text.fill(out)
+                try:
+                    record.text.fill(out)
+                except Exception:  # the tokenizer failed on these ids: the text is lost, the tokens are not
+                    log.exception("detokenising an output of %s failed", out.request_id)
             for d in out.candidates:
                 if d.finish_reason is not None:
                     record.done.add(d.index)

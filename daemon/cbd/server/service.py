@@ -138,7 +138,7 @@ class CbdService(_Base):
         if kind != "chat":
             turn = TurnInput(self.prompts.continuation(request, kind), False, parent)
             future = engine.submit_turn(sid, turn, params, request_id=request_id, on_output=deliver)
-            return await asyncio.wrap_future(future)
+            return await _accepted(engine, future)
         # A chat turn: the whole conversation is rendered (its common prefix with the history keeps its
         # KV). Reading the transcript, rendering and queueing happen with no await in between, and the
         # log takes no other turn until this one has ended: the history read cannot be stale.
@@ -159,11 +159,11 @@ class CbdService(_Base):
             raise
 
         def settled(f: Future[str]) -> None:  # on this event loop
-            if f.cancelled() or f.exception() is not None:
+            if f.exception() is not None:  # refused; a turn that ran settles the log through its outputs
                 loop.call_soon_threadsafe(self.chats.refused, sid, chat)
 
         future.add_done_callback(settled)
-        return await asyncio.wrap_future(future)
+        return await _accepted(engine, future)
 
     @status.unary
     async def OpenSession(self, request: pb.OpenSessionRequest, context: grpc.aio.ServicerContext) -> pb.SessionInfo:  # noqa: N802
@@ -186,8 +186,10 @@ class CbdService(_Base):
         self, request: pb.CloseSessionRequest, context: grpc.aio.ServicerContext
     ) -> pb.CloseSessionResponse:  # noqa: N802
         engine = self._engine()
-        await asyncio.wrap_future(engine.close_session(request.session_id))
-        self.chats.forget(request.session_id)
+        try:
+            await asyncio.wrap_future(engine.close_session(request.session_id))
+        finally:  # closed, unknown, or its caller gone while it closed: the transcript goes either way
+            self.chats.forget(request.session_id)
         return pb.CloseSessionResponse()
 
     @status.unary
@@ -258,6 +260,21 @@ class CbdService(_Base):
             open_sessions=s.num_sessions,
             session_evictions=s.num_session_evictions,
         )
+
+
+async def _accepted(engine: RemoteEngine, future: Future[str]) -> str:
+    """The request id of a queued turn. The engine answers whether or not this caller still waits: a caller
+    that gives up first gets the turn aborted once accepted (its ABORT output settles what the turn
+    changed), or nothing if it was refused."""
+    waiting = asyncio.wrap_future(future)
+    waiting.add_done_callback(lambda w: w.cancelled() or w.exception())  # read here if nobody waits any more
+    try:
+        return await asyncio.shield(waiting)
+    except asyncio.CancelledError:
+        future.add_done_callback(
+            lambda f: engine.abort(f.result()) if not f.cancelled() and f.exception() is None else None
+        )
+        raise
 
 
 def _ttl(seconds: float) -> float | None:
