@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import uuid
 from collections.abc import Sequence
 from typing import Any, cast
 
@@ -182,8 +183,32 @@ def session_info(message: pb.SessionInfo) -> SessionInfo:
     return SessionInfo(**{f.name: getattr(message, f.name) for f in pb.SessionInfo.DESCRIPTOR.fields})
 
 
-def open_session_request(prefix: Prompt | None, ttl: float | None) -> pb.OpenSessionRequest:
-    request = pb.OpenSessionRequest()
+# Session affinity (proto/cbd/v1/cbd.proto, "Affinity"): every call about a session carries its key.
+AFFINITY_HEADER = "x-cbd-affinity"
+
+
+def affinity_key(session_id: str) -> str:
+    """The part of a session id a proxy routes by: up to the first '.'."""
+    return session_id.split(".", 1)[0]
+
+
+def new_session_id() -> str:
+    return uuid.uuid4().hex
+
+
+def fork_session_id(source: str) -> str:
+    """A fork's id: its source's affinity key, so that it lands on the daemon that holds the shared KV."""
+    return f"{affinity_key(source)}.{uuid.uuid4().hex[:16]}"
+
+
+def with_affinity(metadata: tuple[tuple[str, str], ...] | None, session_id: str | None) -> Any:
+    if not session_id:
+        return metadata
+    return (*(metadata or ()), (AFFINITY_HEADER, affinity_key(session_id)))
+
+
+def open_session_request(prefix: Prompt | None, ttl: float | None, session_id: str) -> pb.OpenSessionRequest:
+    request = pb.OpenSessionRequest(session_id=session_id)
     _set(request, "ttl_seconds", ttl or 0.0)
     if prefix is not None:
         set_prompt(request, prefix)

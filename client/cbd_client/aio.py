@@ -56,7 +56,9 @@ class AsyncClient:
         request = _convert.generate_request(prompt, n, options)
         try:
             async for response in self._stub.Generate(
-                request, timeout=timeout or self.timeout, metadata=self._metadata
+                request,
+                timeout=timeout or self.timeout,
+                metadata=_convert.with_affinity(self._metadata, request.session_id),
             ):
                 builder.add(response)
         except grpc.RpcError as e:
@@ -73,7 +75,11 @@ class AsyncClient:
     ) -> AsyncIterator[Delta]:
         """Yield deltas as they arrive; closing the iterator early cancels the request on the daemon."""
         request = _convert.generate_request(prompt, n, options)
-        call = self._stub.Generate(request, timeout=timeout or self.timeout, metadata=self._metadata)
+        call = self._stub.Generate(
+            request,
+            timeout=timeout or self.timeout,
+            metadata=_convert.with_affinity(self._metadata, request.session_id),
+        )
         try:
             async for response in call:
                 for delta in _convert.deltas(response):
@@ -94,28 +100,30 @@ class AsyncClient:
     async def stats(self) -> Stats:
         return _convert.stats(await self._call(self._stub.GetStats, pb.GetStatsRequest()))
 
-    async def session(self, prefix: Prompt | None = None, ttl: float | None = None) -> AsyncSession:
-        """Open a session (optionally starting with a system prompt or earlier messages)."""
-        info = _convert.session_info(
-            await self._call(self._stub.OpenSession, _convert.open_session_request(prefix, ttl))
-        )
-        return AsyncSession(self, info)
+    async def session(
+        self, prefix: Prompt | None = None, ttl: float | None = None, session_id: str | None = None
+    ) -> AsyncSession:
+        """As Client.session."""
+        sid = session_id or _convert.new_session_id()
+        request = _convert.open_session_request(prefix, ttl, sid)
+        return AsyncSession(self, _convert.session_info(await self._call(self._stub.OpenSession, request, sid)))
 
     async def get_session(self, session_id: str) -> SessionInfo:
-        return _convert.session_info(
-            await self._call(self._stub.GetSession, pb.GetSessionRequest(session_id=session_id))
-        )
+        request = pb.GetSessionRequest(session_id=session_id)
+        return _convert.session_info(await self._call(self._stub.GetSession, request, session_id))
 
     async def fork_session(
-        self, session_id: str, candidate: int | None = None, ttl: float | None = None
+        self, session_id: str, candidate: int | None = None, ttl: float | None = None, new_session_id: str | None = None
     ) -> SessionInfo:
-        request = pb.ForkSessionRequest(session_id=session_id, ttl_seconds=ttl or 0.0)
+        """As Client.fork_session."""
+        request = pb.ForkSessionRequest(session_id=session_id, ttl_seconds=ttl or 0.0,
+                                        new_session_id=new_session_id or _convert.fork_session_id(session_id))  # fmt: skip
         if candidate is not None:
             request.candidate = candidate
-        return _convert.session_info(await self._call(self._stub.ForkSession, request))
+        return _convert.session_info(await self._call(self._stub.ForkSession, request, session_id))
 
     async def close_session(self, session_id: str) -> None:
-        await self._call(self._stub.CloseSession, pb.CloseSessionRequest(session_id=session_id))
+        await self._call(self._stub.CloseSession, pb.CloseSessionRequest(session_id=session_id), session_id)
 
     async def wait_ready(self, timeout: float = 120.0, on_wait: Callable[[str], None] | None = None) -> ModelInfo:
         """As Client.wait_ready: fail at once where no daemon listens, wait while one is loading."""
@@ -139,8 +147,10 @@ class AsyncClient:
     async def __aexit__(self, *exc: object) -> None:
         await self.close()
 
-    async def _call(self, method, request):
+    async def _call(self, method, request, session_id: str | None = None):
         try:
-            return await method(request, timeout=self.timeout, metadata=self._metadata)
+            return await method(
+                request, timeout=self.timeout, metadata=_convert.with_affinity(self._metadata, session_id)
+            )
         except grpc.RpcError as e:
             raise CbdError.from_rpc(e) from None

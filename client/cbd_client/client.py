@@ -63,7 +63,11 @@ class Client:
         builder = _convert.CompletionBuilder(n)
         request = _convert.generate_request(prompt, n, options)
         try:
-            for response in self._stub.Generate(request, timeout=timeout or self.timeout, metadata=self._metadata):
+            for response in self._stub.Generate(
+                request,
+                timeout=timeout or self.timeout,
+                metadata=_convert.with_affinity(self._metadata, request.session_id),
+            ):
                 builder.add(response)
         except grpc.RpcError as e:
             raise CbdError.from_rpc(e) from None
@@ -79,7 +83,11 @@ class Client:
     ) -> Iterator[Delta]:
         """Yield deltas as they arrive; leaving the loop early cancels the request on the daemon."""
         request = _convert.generate_request(prompt, n, options)
-        call = self._stub.Generate(request, timeout=timeout or self.timeout, metadata=self._metadata)
+        call = self._stub.Generate(
+            request,
+            timeout=timeout or self.timeout,
+            metadata=_convert.with_affinity(self._metadata, request.session_id),
+        )
         try:
             for response in call:
                 yield from _convert.deltas(response)
@@ -99,22 +107,30 @@ class Client:
     def stats(self) -> Stats:
         return _convert.stats(self._call(self._stub.GetStats, pb.GetStatsRequest()))
 
-    def session(self, prefix: Prompt | None = None, ttl: float | None = None) -> Session:
-        """Open a session (optionally starting with a system prompt or earlier messages)."""
-        info = _convert.session_info(self._call(self._stub.OpenSession, _convert.open_session_request(prefix, ttl)))
-        return Session(self, info)
+    def session(self, prefix: Prompt | None = None, ttl: float | None = None, session_id: str | None = None) -> Session:
+        """Open a session (optionally starting with a system prompt or earlier messages). Its id is
+        proposed here (`session_id`, or a random one), so that a proxy can route every call of it alike."""
+        sid = session_id or _convert.new_session_id()
+        request = _convert.open_session_request(prefix, ttl, sid)
+        return Session(self, _convert.session_info(self._call(self._stub.OpenSession, request, sid)))
 
     def get_session(self, session_id: str) -> SessionInfo:
-        return _convert.session_info(self._call(self._stub.GetSession, pb.GetSessionRequest(session_id=session_id)))
+        request = pb.GetSessionRequest(session_id=session_id)
+        return _convert.session_info(self._call(self._stub.GetSession, request, session_id))
 
-    def fork_session(self, session_id: str, candidate: int | None = None, ttl: float | None = None) -> SessionInfo:
-        request = pb.ForkSessionRequest(session_id=session_id, ttl_seconds=ttl or 0.0)
+    def fork_session(
+        self, session_id: str, candidate: int | None = None, ttl: float | None = None, new_session_id: str | None = None
+    ) -> SessionInfo:
+        """A new session continuing this one; its id (default: this one's affinity key + a suffix) keeps it
+        on the same daemon behind a proxy."""
+        request = pb.ForkSessionRequest(session_id=session_id, ttl_seconds=ttl or 0.0,
+                                        new_session_id=new_session_id or _convert.fork_session_id(session_id))  # fmt: skip
         if candidate is not None:
             request.candidate = candidate
-        return _convert.session_info(self._call(self._stub.ForkSession, request))
+        return _convert.session_info(self._call(self._stub.ForkSession, request, session_id))
 
     def close_session(self, session_id: str) -> None:
-        self._call(self._stub.CloseSession, pb.CloseSessionRequest(session_id=session_id))
+        self._call(self._stub.CloseSession, pb.CloseSessionRequest(session_id=session_id), session_id)
 
     def wait_ready(self, timeout: float = 120.0, on_wait: Callable[[str], None] | None = None) -> ModelInfo:
         """Block until the daemon is up and warm. No daemon at the address (no socket file, connection
@@ -140,8 +156,8 @@ class Client:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def _call(self, method, request):
+    def _call(self, method, request, session_id: str | None = None):
         try:
-            return method(request, timeout=self.timeout, metadata=self._metadata)
+            return method(request, timeout=self.timeout, metadata=_convert.with_affinity(self._metadata, session_id))
         except grpc.RpcError as e:
             raise CbdError.from_rpc(e) from None

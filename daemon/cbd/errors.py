@@ -42,6 +42,10 @@ class UnknownSession(CbdError, KeyError):
         return str(self.args[0]) if self.args else ""
 
 
+class SessionExists(CbdError):
+    """A session with the proposed id is open already (ALREADY_EXISTS)."""
+
+
 class SessionBusy(CbdError):
     """The session cannot take this call in its current state (a turn in flight, candidates pending)."""
 

@@ -318,16 +318,18 @@ class Stats(_message.Message):
     def __init__(self, running: _Optional[int] = ..., waiting: _Optional[int] = ..., live_requests: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., kv_blocks_free: _Optional[int] = ..., kv_blocks_cached: _Optional[int] = ..., uptime_seconds: _Optional[float] = ..., num_preemptions: _Optional[int] = ..., num_steps: _Optional[int] = ..., generated_tokens: _Optional[int] = ..., open_sessions: _Optional[int] = ..., session_evictions: _Optional[int] = ...) -> None: ...
 
 class OpenSessionRequest(_message.Message):
-    __slots__ = ("ttl_seconds", "text", "chat", "tokens")
+    __slots__ = ("ttl_seconds", "text", "chat", "tokens", "session_id")
     TTL_SECONDS_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
     CHAT_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     ttl_seconds: float
     text: str
     chat: Chat
     tokens: TokenIds
-    def __init__(self, ttl_seconds: _Optional[float] = ..., text: _Optional[str] = ..., chat: _Optional[_Union[Chat, _Mapping]] = ..., tokens: _Optional[_Union[TokenIds, _Mapping]] = ...) -> None: ...
+    session_id: str
+    def __init__(self, ttl_seconds: _Optional[float] = ..., text: _Optional[str] = ..., chat: _Optional[_Union[Chat, _Mapping]] = ..., tokens: _Optional[_Union[TokenIds, _Mapping]] = ..., session_id: _Optional[str] = ...) -> None: ...
 
 class SessionInfo(_message.Message):
     __slots__ = ("session_id", "num_tokens", "resident_blocks", "pending_candidates", "idle_seconds", "busy", "ttl_seconds", "is_chat")
@@ -366,11 +368,13 @@ class GetSessionRequest(_message.Message):
     def __init__(self, session_id: _Optional[str] = ...) -> None: ...
 
 class ForkSessionRequest(_message.Message):
-    __slots__ = ("session_id", "candidate", "ttl_seconds")
+    __slots__ = ("session_id", "candidate", "ttl_seconds", "new_session_id")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     CANDIDATE_FIELD_NUMBER: _ClassVar[int]
     TTL_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    NEW_SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     candidate: int
     ttl_seconds: float
-    def __init__(self, session_id: _Optional[str] = ..., candidate: _Optional[int] = ..., ttl_seconds: _Optional[float] = ...) -> None: ...
+    new_session_id: str
+    def __init__(self, session_id: _Optional[str] = ..., candidate: _Optional[int] = ..., ttl_seconds: _Optional[float] = ..., new_session_id: _Optional[str] = ...) -> None: ...

@@ -46,6 +46,7 @@ class OpenSession:
     token_ids: list[int]  # the session's first history (a system prompt), validated by the caller
     chat: bool  # the history is a rendered conversation (turns re-render it)
     future: Future[SessionInfo]
+    session_id: str | None = None  # proposed by the caller; None: the engine makes one
 
 
 @dataclass(slots=True)
@@ -66,6 +67,7 @@ class ForkSession:
     candidate: int | None
     ttl: float | None
     future: Future[SessionInfo]
+    new_session_id: str | None = None  # the fork's id, proposed by the caller; None: the engine makes one
 
 
 @dataclass(slots=True)

@@ -175,15 +175,17 @@ class Engine:
         return future
 
     def open_session(
-        self, ttl: float | None = None, token_ids: list[int] | None = None, chat: bool = False
-    ) -> Future[SessionInfo]:
+        self, ttl: float | None = None, token_ids: list[int] | None = None, chat: bool = False,
+        session_id: str | None = None,
+    ) -> Future[SessionInfo]:  # fmt: skip
         """A new session, optionally starting from `token_ids` (a system prompt; `chat`: a rendered
-        conversation). ttl None: the configured default; inf: never expires."""
+        conversation). ttl None: the configured default; inf: never expires. session_id: the id the caller
+        proposes (InvalidRequest if malformed, SessionExists if open); None: one is made."""
         self._check_running()
         tokens = list(token_ids or [])
         if tokens:
             self.core.validate(tokens + [0], SamplingParams())  # room for at least one more token
-        return self._ask(lambda f: cmd.OpenSession(ttl, tokens, chat, f))
+        return self._ask(lambda f: cmd.OpenSession(ttl, tokens, chat, f, session_id))
 
     def close_session(self, session_id: str) -> Future[None]:
         return self._ask(lambda f: cmd.CloseSession(session_id, f))
@@ -192,9 +194,10 @@ class Engine:
         return self._ask(lambda f: cmd.GetSession(session_id, f))
 
     def fork_session(
-        self, session_id: str, candidate: int | None = None, ttl: float | None = None
-    ) -> Future[SessionInfo]:
-        return self._ask(lambda f: cmd.ForkSession(session_id, candidate, ttl, f))
+        self, session_id: str, candidate: int | None = None, ttl: float | None = None,
+        new_session_id: str | None = None,
+    ) -> Future[SessionInfo]:  # fmt: skip
+        return self._ask(lambda f: cmd.ForkSession(session_id, candidate, ttl, f, new_session_id))
 
     def touch_session(self, session_id: str) -> None:
         """The session's client is still there: its idle TTL starts over."""

@@ -196,7 +196,7 @@ class EngineLoop:
 
     def _open_session(self, c: cmd.OpenSession) -> None:
         sessions = self.core.sessions
-        _answer(c.future, lambda: sessions.info(sessions.open(c.ttl, c.token_ids, c.chat)))
+        _answer(c.future, lambda: sessions.info(sessions.open(c.ttl, c.token_ids, c.chat, c.session_id)))
 
     def _close_session(self, c: cmd.CloseSession) -> None:
         _answer(c.future, lambda: self.core.sessions.close(c.session_id))
@@ -207,7 +207,7 @@ class EngineLoop:
 
     def _fork_session(self, c: cmd.ForkSession) -> None:
         sessions = self.core.sessions
-        _answer(c.future, lambda: sessions.info(sessions.fork(c.session_id, c.candidate, c.ttl)))
+        _answer(c.future, lambda: sessions.info(sessions.fork(c.session_id, c.candidate, c.ttl, c.new_session_id)))
 
     def _touch_session(self, c: cmd.TouchSession) -> None:
         self.core.sessions.touch(c.session_id)

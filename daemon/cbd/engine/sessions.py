@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import re
 import secrets
 import time
 from collections.abc import Callable
@@ -24,7 +25,7 @@ from dataclasses import dataclass, field
 
 from cbd.engine.block_manager import BlockManager
 from cbd.engine.sequence import Request, Sequence
-from cbd.errors import CapacityExceeded, InvalidRequest, SessionBusy, UnknownSession
+from cbd.errors import CapacityExceeded, InvalidRequest, SessionBusy, SessionExists, UnknownSession
 
 
 @dataclass(slots=True)
@@ -103,6 +104,10 @@ class SessionManager:
     ) -> Session:  # fmt: skip
         """A new session whose history is `token_ids` (no KV yet). ttl None: the default; inf: never expires."""
         _check_ttl(ttl)
+        if session_id:
+            check_session_id(session_id)
+            if session_id in self.sessions:
+                raise SessionExists(f"a session with id {session_id!r} is open already")
         if len(self.sessions) >= self.max_sessions:
             raise CapacityExceeded(f"{len(self.sessions)} sessions are open, the limit is {self.max_sessions}")
         session_id = session_id or f"s-{next(self._ids)}-{secrets.token_hex(6)}"
@@ -125,16 +130,23 @@ class SessionManager:
         del self.sessions[session_id]
         self._release(session)
 
-    def fork(self, session_id: str, candidate: int | None = None, ttl: float | None = None) -> Session:
-        """A new session continuing from this one (or from one of its pending candidates); copy-on-write."""
+    def fork(
+        self, session_id: str, candidate: int | None = None, ttl: float | None = None, new_session_id: str | None = None
+    ) -> Session:
+        """A new session continuing from this one (or from one of its pending candidates); copy-on-write.
+        new_session_id: the id the fork gets (checked as open's); None: one is made."""
         _check_ttl(ttl)
+        if new_session_id:
+            check_session_id(new_session_id)
+            if new_session_id in self.sessions:
+                raise SessionExists(f"a session with id {new_session_id!r} is open already")
         source = self.get(session_id)
         if source.busy is not None:
             raise SessionBusy(f"session {session_id!r} has a turn in flight; fork it when the turn ends")
         if candidate is not None and not source.branches:
             raise InvalidRequest(f"candidate {candidate} does not exist: session {session_id!r} has none pending")
         base = self.pending_base(source, candidate, "candidate")
-        child = self.open(ttl if ttl is not None else source.ttl, base.token_ids, source.is_chat)
+        child = self.open(ttl if ttl is not None else source.ttl, base.token_ids, source.is_chat, new_session_id)
         child.block_table = self.bm.share(base.block_table)
         child.num_computed = base.num_computed
         return child
@@ -288,6 +300,19 @@ def _common_prefix(a: list[int], b: list[int]) -> int:
     while i < n and a[i] == b[i]:
         i += 1
     return i
+
+
+# A session id a client proposes: 1-128 characters of letters, digits and ._~- (not starting with '.').
+# The part before the first '.' is its affinity key (a proxy routes every call of the session by it).
+_SESSION_ID = re.compile(r"[A-Za-z0-9_~-][A-Za-z0-9._~-]{0,127}")
+
+
+def check_session_id(session_id: str) -> None:
+    if not _SESSION_ID.fullmatch(session_id):
+        raise InvalidRequest(
+            f"session id {session_id[:140]!r} is not 1-128 characters of letters, digits and . _ ~ - "
+            "(not starting with '.')"
+        )
 
 
 def _check_ttl(ttl: float | None) -> None:

@@ -29,6 +29,7 @@ from cbd.gateway.errors import ApiError, bad_request, from_cbd
 from cbd.gateway.replies import Reply
 from cbd.gateway.requests import Call, chat_call, chat_message, completion_call
 from cbd.gateway.sessions import SessionMap
+from cbd_client._convert import with_affinity
 from cbd_client.errors import CbdError
 from cbd_client.v1 import cbd_pb2 as pb
 from cbd_client.v1 import cbd_pb2_grpc
@@ -156,7 +157,9 @@ class Gateway:
         return await asyncio.gather(*(self._first(s) for s in streams), return_exceptions=True)
 
     def _start(self, request: pb.GenerateRequest, metadata: list[tuple[str, str]]) -> Any:
-        return self.stub.Generate(request, metadata=metadata, timeout=self.timeout)
+        return self.stub.Generate(
+            request, metadata=with_affinity(tuple(metadata), request.session_id), timeout=self.timeout
+        )
 
     @staticmethod
     async def _first(stream: Any) -> pb.GenerateResponse:
@@ -224,9 +227,11 @@ class Gateway:
         if plan is None:
             if bound is not None:
                 asyncio.ensure_future(self._close(bound.session_id, metadata))
+            proposed = uuid.uuid4().hex  # proposed here: a proxy routes the open like every later call
             info = await self._unary(
-                self.stub.OpenSession(pb.OpenSessionRequest(), metadata=metadata, timeout=self.timeout)
-            )
+                self.stub.OpenSession(pb.OpenSessionRequest(session_id=proposed),
+                                      metadata=with_affinity(tuple(metadata), proposed), timeout=self.timeout)
+            )  # fmt: skip
             session_id, messages, parent, fresh = info.session_id, call.messages, None, info.session_id
         else:
             session_id, (messages, parent), fresh = bound.session_id, plan, None  # type: ignore[union-attr]
@@ -251,7 +256,11 @@ class Gateway:
 
     async def _close(self, session_id: str, metadata: list[tuple[str, str]]) -> None:
         try:
-            await self.stub.CloseSession(pb.CloseSessionRequest(session_id=session_id), metadata=metadata, timeout=30)
+            await self.stub.CloseSession(
+                pb.CloseSessionRequest(session_id=session_id),
+                metadata=with_affinity(tuple(metadata), session_id),
+                timeout=30,
+            )
         except grpc.aio.AioRpcError:
             pass  # already gone
 

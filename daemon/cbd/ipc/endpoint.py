@@ -148,7 +148,7 @@ class Endpoint:
         self.outbox.reply_when_done(call_id, future)
 
     def _open_session(self, c: wire.OpenSession) -> None:
-        self._ask(c.call_id, lambda: self.engine.open_session(c.ttl, c.token_ids, c.chat))
+        self._ask(c.call_id, lambda: self.engine.open_session(c.ttl, c.token_ids, c.chat, c.session_id))
 
     def _close_session(self, c: wire.CloseSession) -> None:
         self._ask(c.call_id, lambda: self.engine.close_session(c.session_id))
@@ -157,7 +157,7 @@ class Endpoint:
         self._ask(c.call_id, lambda: self.engine.get_session(c.session_id))
 
     def _fork_session(self, c: wire.ForkSession) -> None:
-        self._ask(c.call_id, lambda: self.engine.fork_session(c.session_id, c.candidate, c.ttl))
+        self._ask(c.call_id, lambda: self.engine.fork_session(c.session_id, c.candidate, c.ttl, c.new_session_id))
 
     def _touch_session(self, c: wire.TouchSession) -> None:
         self.engine.touch_session(c.session_id)

@@ -297,13 +297,14 @@ class RemoteEngine:
         return future
 
     def open_session(
-        self, ttl: float | None = None, token_ids: list[int] | None = None, chat: bool = False
-    ) -> Future[SessionInfo]:
+        self, ttl: float | None = None, token_ids: list[int] | None = None, chat: bool = False,
+        session_id: str | None = None,
+    ) -> Future[SessionInfo]:  # fmt: skip
         self._check_running()
         tokens = list(token_ids or [])
         if tokens:
             self.validate(tokens + [0], SamplingParams())  # room for at least one more token
-        return self._ask(lambda call_id: wire.OpenSession(call_id, ttl, tokens, chat))
+        return self._ask(lambda call_id: wire.OpenSession(call_id, ttl, tokens, chat, session_id))
 
     def close_session(self, session_id: str) -> Future[None]:
         return self._ask(lambda call_id: wire.CloseSession(call_id, session_id))
@@ -312,9 +313,10 @@ class RemoteEngine:
         return self._ask(lambda call_id: wire.GetSession(call_id, session_id))
 
     def fork_session(
-        self, session_id: str, candidate: int | None = None, ttl: float | None = None
-    ) -> Future[SessionInfo]:
-        return self._ask(lambda call_id: wire.ForkSession(call_id, session_id, candidate, ttl))
+        self, session_id: str, candidate: int | None = None, ttl: float | None = None,
+        new_session_id: str | None = None,
+    ) -> Future[SessionInfo]:  # fmt: skip
+        return self._ask(lambda call_id: wire.ForkSession(call_id, session_id, candidate, ttl, new_session_id))
 
     def abort(self, request_id: str) -> None:
         """Abort a request if it is still live; its blocks are freed before the engine's next step."""

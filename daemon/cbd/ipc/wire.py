@@ -52,6 +52,7 @@ class OpenSession(msgspec.Struct, tag=True, array_like=True):
     ttl: float | None
     token_ids: list[int]
     chat: bool
+    session_id: str | None = None  # proposed by the client
 
 
 class CloseSession(msgspec.Struct, tag=True, array_like=True):
@@ -69,6 +70,7 @@ class ForkSession(msgspec.Struct, tag=True, array_like=True):
     session_id: str
     candidate: int | None
     ttl: float | None
+    new_session_id: str | None = None  # proposed by the client
 
 
 class TouchSession(msgspec.Struct, tag=True, array_like=True):

@@ -176,7 +176,9 @@ class CbdService(_Base):
             tokens = self.prompts.render(messages, add_generation_prompt=False)
         elif kind is not None:
             tokens = self.prompts.continuation(request, kind)
-        info = await asyncio.wrap_future(engine.open_session(ttl, tokens, chat=messages is not None))
+        info = await asyncio.wrap_future(
+            engine.open_session(ttl, tokens, chat=messages is not None, session_id=request.session_id or None)
+        )
         if messages is not None:
             self.chats.open(info.session_id, messages)
         return _session_info(info)
@@ -204,7 +206,11 @@ class CbdService(_Base):
         # Taken before the engine hop: the engine refuses to fork a session with a turn in flight,
         # so the conversation cannot change between this read and the fork.
         conversation = self.chats.conversation(request.session_id, candidate)
-        info = await asyncio.wrap_future(engine.fork_session(request.session_id, candidate, _ttl(request.ttl_seconds)))
+        info = await asyncio.wrap_future(
+            engine.fork_session(
+                request.session_id, candidate, _ttl(request.ttl_seconds), request.new_session_id or None
+            )
+        )
         if conversation is not None:
             self.chats.open(info.session_id, conversation)
         return _session_info(info)

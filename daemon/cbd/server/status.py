@@ -16,6 +16,7 @@ from cbd.errors import (
     EngineStopped,
     InvalidRequest,
     SessionBusy,
+    SessionExists,
     Unimplemented,
     UnknownRequest,
     UnknownSession,
@@ -31,6 +32,7 @@ _CODES: list[tuple[type[BaseException], grpc.StatusCode]] = [
     (UnknownRequest, grpc.StatusCode.NOT_FOUND),
     (UnknownSession, grpc.StatusCode.NOT_FOUND),
     (SessionBusy, grpc.StatusCode.FAILED_PRECONDITION),
+    (SessionExists, grpc.StatusCode.ALREADY_EXISTS),
     (EngineFailure, grpc.StatusCode.INTERNAL),
     (Unimplemented, grpc.StatusCode.UNIMPLEMENTED),
 ]
