@@ -72,7 +72,7 @@ class Cluster:
         config = self.directory / "envoy.json"
         config.write_text(json.dumps(bootstrap(self.listen, self.addresses, self.admin_port, self.health_interval)))
         log = open(self.directory / "envoy.log", "a")  # noqa: SIM115
-        self.envoy = subprocess.Popen([binary, "-c", str(config), "--log-level", os.environ.get("CBD_ENVOY_LOG_LEVEL", "warn")], stdout=log,
+        self.envoy = subprocess.Popen([binary, "-c", str(config), "--disable-hot-restart", "--log-level", os.environ.get("CBD_ENVOY_LOG_LEVEL", "warn")], stdout=log,
                                       stderr=subprocess.STDOUT)  # fmt: skip
         self.wait_healthy(len(self.addresses), timeout)
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from cbd_client import AsyncClient, Client
+from cbd_client import AsyncClient, CbdError, Client
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "deploy"))
 
@@ -72,3 +72,69 @@ def test_plain_calls_go_to_any_replica(cluster) -> None:  # type: ignore[no-unty
     with Client(cluster.listen, timeout=60) as client:
         for _ in range(6):
             assert len(client.generate(PROMPT, max_tokens=3, ignore_eos=True).candidates[0].token_ids) == 3
+
+
+@pytest.fixture()
+def fresh_cluster(tiny_checkpoint, tmp_path):  # type: ignore[no-untyped-def]
+    flags = ["--model", str(tiny_checkpoint("llama")), "--num-threads", "1"]
+    c = Cluster(3, f"127.0.0.1:{_free_port()}", flags, tmp_path, health_interval=0.5)
+    try:
+        c.start(timeout=300)
+        yield c
+    finally:
+        c.stop()
+
+
+def _holder(cluster: Cluster, session_id: str) -> int:
+    """Which replica holds the session (asked directly)."""
+    for i, address in enumerate(cluster.addresses):
+        with Client(address, timeout=10) as direct:
+            try:
+                direct.get_session(session_id)
+                return i
+            except CbdError:
+                continue
+    raise AssertionError(f"no replica holds {session_id}")
+
+
+TURNS_IN = [[5, 6, 7], [8, 9], [10, 11, 12], [13]]
+
+
+def test_a_lost_replica_fails_its_sessions_and_recover_reopens_them_elsewhere(fresh_cluster) -> None:  # type: ignore[no-untyped-def]
+    import os
+    import signal
+    import time
+
+    import grpc
+
+    cluster = fresh_cluster
+    with Client(cluster.addresses[0], timeout=60) as direct, direct.session(PROMPT) as reference:
+        expected = [reference.send(t, max_tokens=6, ignore_eos=True, temperature=0).candidates[0].token_ids
+                    for t in TURNS_IN]  # fmt: skip
+    with Client(cluster.listen, timeout=60) as client:
+        agent = client.session(PROMPT, recover=True)
+        plain = client.session(PROMPT, session_id=f"{agent.session_id}.plain")  # same key: same replica
+        others = [client.session(PROMPT) for _ in range(6)]
+        answers = []
+        for t in TURNS_IN[:2]:
+            answers.append(agent.send(t, max_tokens=6, ignore_eos=True, temperature=0).candidates[0].token_ids)
+            plain.send(t, max_tokens=2, ignore_eos=True)
+        lost = _holder(cluster, agent.session_id)
+        assert _holder(cluster, plain.session_id) == lost
+        survivors = [s for s in others if _holder(cluster, s.session_id) != lost]
+        assert survivors, "every other session hashed to the same replica"
+        first = [s.send([3, 4], max_tokens=2, ignore_eos=True).usage.prompt_tokens for s in survivors]
+        os.kill(cluster.replicas[lost].pid, signal.SIGKILL)
+        started = time.monotonic()
+        with pytest.raises(CbdError) as gone:
+            for _ in range(100):  # until the proxy notices: UNAVAILABLE, then NOT_FOUND from a live replica
+                plain.send([1, 2], max_tokens=2)
+        assert gone.value.code in (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.UNAVAILABLE)
+        assert time.monotonic() - started < 30
+        for t in TURNS_IN[2:]:
+            answers.append(agent.send(t, max_tokens=6, ignore_eos=True, temperature=0).candidates[0].token_ids)
+        assert answers == expected and agent.recoveries == 1
+        assert _holder(cluster, agent.session_id) != lost
+        for s, prompt_tokens in zip(survivors, first):  # untouched: their KV is still resident
+            reply = s.send([3, 4], max_tokens=2, ignore_eos=True)
+            assert reply.usage.cached_prompt_tokens >= prompt_tokens, reply.usage

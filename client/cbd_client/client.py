@@ -107,12 +107,18 @@ class Client:
     def stats(self) -> Stats:
         return _convert.stats(self._call(self._stub.GetStats, pb.GetStatsRequest()))
 
-    def session(self, prefix: Prompt | None = None, ttl: float | None = None, session_id: str | None = None) -> Session:
+    def session(
+        self, prefix: Prompt | None = None, ttl: float | None = None, session_id: str | None = None,
+        recover: bool = False,
+    ) -> Session:  # fmt: skip
         """Open a session (optionally starting with a system prompt or earlier messages). Its id is
-        proposed here (`session_id`, or a random one), so that a proxy can route every call of it alike."""
+        proposed here (`session_id`, or a random one), so that a proxy can route every call of it alike.
+        recover: keep the transcript on this side and, if the session's daemon is gone (behind a proxy),
+        re-open it elsewhere and retry the turn (see session.py)."""
         sid = session_id or _convert.new_session_id()
         request = _convert.open_session_request(prefix, ttl, sid)
-        return Session(self, _convert.session_info(self._call(self._stub.OpenSession, request, sid)))
+        info = _convert.session_info(self._call(self._stub.OpenSession, request, sid))
+        return Session(self, info, prefix, ttl, recover)
 
     def get_session(self, session_id: str) -> SessionInfo:
         request = pb.GetSessionRequest(session_id=session_id)

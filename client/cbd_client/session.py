@@ -20,6 +20,7 @@ import grpc
 
 from cbd_client._convert import Prompt
 from cbd_client.errors import CbdError
+from cbd_client.transcript import Transcript
 from cbd_client.types import Completion, Delta, SessionInfo
 
 if TYPE_CHECKING:
@@ -34,11 +35,27 @@ _REFUSALS = frozenset({
 })  # fmt: skip
 
 
-class _ChosenCandidate:
-    """The candidate `choose` picked; used by the next turn, kept if the daemon refuses that turn."""
+# A session whose daemon is gone: NOT_FOUND from another daemon, or UNAVAILABLE from a proxy meanwhile.
+_LOST = frozenset({grpc.StatusCode.NOT_FOUND, grpc.StatusCode.UNAVAILABLE})
+RECOVERY_ATTEMPTS = 20
+RECOVERY_PAUSE = 0.25  # seconds between attempts (a proxy takes a health-check interval to eject a daemon)
 
-    def __init__(self) -> None:
+
+class _ChosenCandidate:
+    """The candidate `choose` picked; used by the next turn, kept if the daemon refuses that turn.
+
+    recover=True: the session keeps a Transcript, and a turn that finds the session lost (its daemon gone
+    behind a proxy: NOT_FOUND or UNAVAILABLE) re-opens it from the transcript under a new id (so on a live
+    daemon) and runs the turn there; without it such a turn raises the CbdError."""
+
+    def __init__(self, prefix: Prompt | None = None, ttl: float | None = None, recover: bool = False) -> None:
         self._parent: int | None = None
+        self._ttl = ttl
+        self.transcript = Transcript(prefix) if recover else None
+        self.recoveries = 0  # how many times the session was re-opened elsewhere
+
+    def _lost(self, error: CbdError, attempt: int) -> bool:
+        return self.transcript is not None and error.code in _LOST and attempt < RECOVERY_ATTEMPTS
 
     def choose(self, candidate: int) -> None:
         """The candidate of the last (n > 1) turn that the next turn continues; the others are released then."""
@@ -55,21 +72,52 @@ class _ChosenCandidate:
 
 
 class Session(_ChosenCandidate):
-    def __init__(self, client: Client, info: SessionInfo) -> None:
-        super().__init__()
+    def __init__(
+        self, client: Client, info: SessionInfo, prefix: Prompt | None = None, ttl: float | None = None,
+        recover: bool = False,
+    ) -> None:  # fmt: skip
+        super().__init__(prefix, ttl, recover)
         self.client = client
         self.session_id = info.session_id
 
     def send(self, prompt: Prompt, *, n: int = 1, parent_candidate: int | None = None, **sampling) -> Completion:
         """One turn, run to completion. With n > 1, call `choose` before the next turn."""
         parent = self._take_parent(parent_candidate)
+        attempt = 0
+        while True:
+            try:
+                completion = self.client.generate(prompt, n=n, session_id=self.session_id, parent_candidate=parent,
+                                                  **sampling)  # fmt: skip
+                break
+            except CbdError as e:
+                if not self._lost(e, attempt):
+                    self._refused(parent, parent_candidate, e, streamed=False)
+                    raise
+                attempt += 1
+                self._reopen(parent)
+                parent = None  # the chosen candidate is in the re-opened session's history now
+        if self.transcript is not None:
+            self.transcript.continue_from(parent)
+            self.transcript.turn(prompt, completion)
+        return completion
+
+    def _reopen(self, parent: int | None) -> None:
+        """The session is lost: open it again from the transcript (the chosen candidate included)."""
+        import time
+
+        assert self.transcript is not None
+        self.transcript.continue_from(parent)
+        time.sleep(RECOVERY_PAUSE)
         try:
-            return self.client.generate(prompt, n=n, session_id=self.session_id, parent_candidate=parent, **sampling)
+            self.session_id = self.client.session(self.transcript.as_prefix(), self._ttl).session_id
+            self.recoveries += 1
         except CbdError as e:
-            self._refused(parent, parent_candidate, e, streamed=False)
-            raise
+            if e.code not in _LOST:
+                raise
 
     def stream(self, prompt: Prompt, *, n: int = 1, parent_candidate: int | None = None, **sampling) -> Iterator[Delta]:
+        if self.transcript is not None:
+            raise TypeError("a session opened with recover=True takes its turns with send()")
         parent = self._take_parent(parent_candidate)
         streamed = False
         try:
@@ -84,7 +132,9 @@ class Session(_ChosenCandidate):
 
     def fork(self, candidate: int | None = None, ttl: float | None = None) -> Session:
         """A new session continuing from this one (or from a pending candidate), sharing its KV copy-on-write."""
-        return Session(self.client, self.client.fork_session(self.session_id, candidate, ttl))
+        fork = Session(self.client, self.client.fork_session(self.session_id, candidate, ttl))
+        fork.transcript = self.transcript.fork(candidate) if self.transcript is not None else None
+        return fork
 
     def info(self) -> SessionInfo:
         return self.client.get_session(self.session_id)

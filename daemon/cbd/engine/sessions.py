@@ -121,7 +121,10 @@ class SessionManager:
     def get(self, session_id: str) -> Session:
         session = self.sessions.get(session_id)
         if session is None:
-            raise UnknownSession(f"no open session {session_id!r} (closed, expired, or never opened)")
+            raise UnknownSession(
+                f"no open session {session_id!r} (closed, expired, or never opened; behind a proxy, the daemon "
+                "that held it may be gone)"
+            )
         return session
 
     def close(self, session_id: str) -> None:
