@@ -138,3 +138,38 @@ def test_a_lost_replica_fails_its_sessions_and_recover_reopens_them_elsewhere(fr
         for s, prompt_tokens in zip(survivors, first):  # untouched: their KV is still resident
             reply = s.send([3, 4], max_tokens=2, ignore_eos=True)
             assert reply.usage.cached_prompt_tokens >= prompt_tokens, reply.usage
+
+
+def test_a_draining_replica_finishes_its_streams_and_gets_no_new_sessions(fresh_cluster) -> None:  # type: ignore[no-untyped-def]
+    import threading
+    import time
+
+    cluster = fresh_cluster
+    with Client(cluster.listen, timeout=60) as client:
+        agent = client.session(PROMPT)
+        agent.send([5, 6], max_tokens=2, ignore_eos=True)
+        draining = _holder(cluster, agent.session_id)
+        tokens: list[int] = []
+        finish: list[str | None] = []
+        started = threading.Event()
+
+        def stream() -> None:
+            for delta in agent.stream([7, 8], max_tokens=300, ignore_eos=True):
+                tokens.extend(delta.token_ids)
+                started.set()
+                if delta.finish_reason:
+                    finish.append(delta.finish_reason)
+
+        reader = threading.Thread(target=stream)
+        reader.start()
+        assert started.wait(30)
+        cluster.replicas[draining].terminate()  # SIGTERM: drain
+        reader.join(60)
+        assert finish == ["length"] and len(tokens) == 300  # the live stream finished, whole
+        assert cluster.replicas[draining].wait(60) == 0
+        deadline = time.monotonic() + 30
+        while cluster.healthy() > 2:  # Envoy's health checks take it out
+            assert time.monotonic() < deadline
+            time.sleep(0.1)
+        fresh = [client.session(PROMPT) for _ in range(12)]
+        assert all(_holder(cluster, s.session_id) != draining for s in fresh)
