@@ -173,3 +173,23 @@ def test_a_draining_replica_finishes_its_streams_and_gets_no_new_sessions(fresh_
             time.sleep(0.1)
         fresh = [client.session(PROMPT) for _ in range(12)]
         assert all(_holder(cluster, s.session_id) != draining for s in fresh)
+
+
+def test_the_replica_and_envoy_units_verify(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    import shutil
+    import subprocess
+
+    analyze = shutil.which("systemd-analyze")
+    if analyze is None:
+        pytest.skip("systemd-analyze is not installed")
+    root = Path(__file__).resolve().parents[1] / "systemd"
+    binaries = {"/opt/cbd/bin/cbd": Path(sys.executable).with_name("cbd"), "/opt/cbd/bin/envoy": envoy_binary()}
+    for source, name in (("cbd@.service", "cbd@0.service"), ("cbd-envoy.service", "cbd-envoy.service")):
+        unit = (root / source).read_text()
+        for installed, here in binaries.items():  # this environment's programs stand in for /opt/cbd's
+            unit = unit.replace(installed, str(here))
+        path = tmp_path / name
+        path.write_text(unit)
+        proc = subprocess.run([analyze, "verify", str(path)], capture_output=True, text=True, timeout=60)
+        problems = [line for line in (proc.stdout + proc.stderr).splitlines() if name in line]
+        assert proc.returncode == 0 and not problems, proc.stdout + proc.stderr
