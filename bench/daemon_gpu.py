@@ -25,7 +25,6 @@ import json
 import os
 import random
 import shutil
-import socket
 import statistics
 import subprocess
 import sys
@@ -48,7 +47,7 @@ from cbd.config import EngineConfig  # noqa: E402
 from cbd.engine.engine import Engine  # noqa: E402
 from cbd.engine.sampling_params import SamplingParams  # noqa: E402
 from cbd_client import Client  # noqa: E402
-from daemon_process import DaemonProcess  # noqa: E402
+from daemon_process import DaemonProcess, free_port  # noqa: E402
 
 OUT = Path(os.environ.get("OUT", "."))
 SHAPE = dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
@@ -220,7 +219,7 @@ def _children(pid: int) -> list[int]:
 
 
 def _start_gateway(address: str) -> tuple[subprocess.Popen, str]:
-    port = _free_port()
+    port = free_port()
     proc = subprocess.Popen([sys.executable, "-m", "cbd.cli", "openai", "--daemon", address, "--listen",
                              f"127.0.0.1:{port}", "--log-level", "warning"])  # fmt: skip
     deadline = time.monotonic() + 60
@@ -233,12 +232,6 @@ def _start_gateway(address: str) -> tuple[subprocess.Popen, str]:
     return proc, f"http://127.0.0.1:{port}/v1"
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def daemon_runs(
     label: str,
     config_file: Path,
@@ -246,7 +239,7 @@ def daemon_runs(
     args: argparse.Namespace,
     env: dict[str, str] | None,
 ) -> dict[int, dict[str, object]]:
-    port = _free_port()
+    port = free_port()
     with tempfile.TemporaryDirectory() as tmp:
         d = DaemonProcess(Path(tmp) / "cbd.sock", "--config", str(config_file), "--metrics-port", str(port), env=env)
         try:

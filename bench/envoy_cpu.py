@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import socket
 import statistics
 import sys
 import tempfile
@@ -19,8 +18,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "deploy"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
 from cluster import Cluster  # noqa: E402
+from daemon_process import free_port  # noqa: E402
 from grpc_cpu import messages, through_grpc  # noqa: E402
 
 
@@ -31,9 +32,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5)
     args = parser.parse_args()
     chats = messages(args.prompts)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     with tempfile.TemporaryDirectory() as tmp:
         cluster = Cluster(1, f"127.0.0.1:{port}", [], Path(tmp))
         try:

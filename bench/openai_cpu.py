@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import socket
 import statistics
 import subprocess
 import sys
@@ -28,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
 from grpc_cpu import messages, through_grpc  # noqa: E402
 
-from daemon_process import DaemonProcess  # noqa: E402
+from daemon_process import DaemonProcess, free_port  # noqa: E402
 
 
 async def through_gateway(url: str, prompts: list, new_tokens: int) -> float:
@@ -59,9 +58,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5)
     args = parser.parse_args()
     chats = messages(args.prompts)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     with tempfile.TemporaryDirectory() as tmp:
         daemon = DaemonProcess(Path(tmp) / "cbd.sock")
         gateway = subprocess.Popen([sys.executable, "-m", "cbd.cli", "openai", "--daemon", daemon.address,

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from cbd.model.loader import LoadedModel, load_model
+from daemon_process import DaemonProcess
 
 torch.set_num_threads(max(1, min(2, torch.get_num_threads())))
 
@@ -103,3 +104,19 @@ def compiler():  # type: ignore[no-untyped-def]
 
     tokenizer = AutoTokenizer.from_pretrained(resolve_checkpoint(None))
     return GrammarCompiler(tokenizer, 49152, (tokenizer.eos_token_id,))
+
+
+@pytest.fixture()
+def tiny_daemon(tiny_checkpoint, tmp_path):  # type: ignore[no-untyped-def]
+    """Start real daemons serving the tiny llama checkpoint (flags, env); all are stopped at the end."""
+
+    def start(*flags: str, env: dict[str, str] | None = None) -> DaemonProcess:
+        d = DaemonProcess(tmp_path / "cbd.sock", "--model", str(tiny_checkpoint("llama")), *flags, env=env)
+        d.wait_serving(120)
+        started.append(d)
+        return d
+
+    started: list[DaemonProcess] = []
+    yield start
+    for d in started:
+        d.stop()

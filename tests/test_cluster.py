@@ -4,13 +4,13 @@ that holds its KV, and sessions spread over all replicas. Real daemons (tiny mod
 from __future__ import annotations
 
 import asyncio
-import socket
 import sys
 from pathlib import Path
 
 import pytest
 
 from cbd_client import AsyncClient, CbdError, Client
+from daemon_process import free_port
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "deploy"))
 
@@ -21,16 +21,10 @@ PROMPT = list(range(2, 40))
 SESSIONS, TURNS = 30, 4
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def cluster(tiny_checkpoint, tmp_path_factory):  # type: ignore[no-untyped-def]
     flags = ["--model", str(tiny_checkpoint("llama")), "--num-threads", "1"]
-    c = Cluster(3, f"127.0.0.1:{_free_port()}", flags, tmp_path_factory.mktemp("cluster"), health_interval=0.5)
+    c = Cluster(3, f"127.0.0.1:{free_port()}", flags, tmp_path_factory.mktemp("cluster"), health_interval=0.5)
     try:
         c.start(timeout=300)
         yield c
@@ -77,7 +71,7 @@ def test_plain_calls_go_to_any_replica(cluster) -> None:  # type: ignore[no-unty
 @pytest.fixture()
 def fresh_cluster(tiny_checkpoint, tmp_path):  # type: ignore[no-untyped-def]
     flags = ["--model", str(tiny_checkpoint("llama")), "--num-threads", "1"]
-    c = Cluster(3, f"127.0.0.1:{_free_port()}", flags, tmp_path, health_interval=0.5)
+    c = Cluster(3, f"127.0.0.1:{free_port()}", flags, tmp_path, health_interval=0.5)
     try:
         c.start(timeout=300)
         yield c

@@ -54,21 +54,6 @@ def wait_gone(pid: int, timeout: float = 30.0) -> bool:
     return not alive(pid)
 
 
-@pytest.fixture()
-def tiny_daemon(tiny_checkpoint, tmp_path):  # type: ignore[no-untyped-def]
-    started: list[DaemonProcess] = []
-
-    def start(*flags: str) -> DaemonProcess:
-        d = DaemonProcess(tmp_path / "cbd.sock", "--model", str(tiny_checkpoint("llama")), *flags)
-        d.wait_serving(120)
-        started.append(d)
-        return d
-
-    yield start
-    for d in started:
-        d.stop()
-
-
 def test_killing_the_engine_process_fails_every_live_call_with_internal_and_the_daemon_exits(tiny_daemon) -> None:  # type: ignore[no-untyped-def]
     d = tiny_daemon()
     engine = engine_pid(d)

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import threading
@@ -17,7 +16,7 @@ import openai
 import pytest
 
 from cbd_client import Client
-from daemon_process import DaemonProcess
+from daemon_process import DaemonProcess, free_port
 
 pytestmark = pytest.mark.slow
 TOKEN = "s3cret-token"
@@ -26,12 +25,6 @@ WEATHER = {"type": "object", "properties": {"city": {"type": "string", "maxLengt
                                             "unit": {"enum": ["C", "F"]}}, "required": ["city", "unit"]}  # fmt: skip
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Current weather in a city",
                                            "parameters": WEATHER}}]  # fmt: skip
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Stack:
@@ -51,7 +44,7 @@ def stack(tmp_path_factory):  # type: ignore[no-untyped-def]
     tmp = tmp_path_factory.mktemp("gw")
     (tmp / "token").write_text(TOKEN)
     daemon = DaemonProcess(tmp / "cbd.sock", "--auth-token-file", str(tmp / "token"), "--max-queued-requests", "2")
-    port = _free_port()
+    port = free_port()
     log = open(tmp / "gateway.log", "w")
     gateway = subprocess.Popen(
         [sys.executable, "-m", "cbd.cli", "openai", "--daemon", daemon.address, "--listen", f"127.0.0.1:{port}"],

@@ -9,23 +9,8 @@ import grpc
 import pytest
 
 from cbd_client import CbdError, Client
-from daemon_process import DaemonProcess
 
 PROMPT = list(range(2, 40))
-
-
-@pytest.fixture()
-def tiny_daemon(tiny_checkpoint, tmp_path):  # type: ignore[no-untyped-def]
-    def start(*flags: str, env: dict[str, str] | None = None) -> DaemonProcess:
-        d = DaemonProcess(tmp_path / "cbd.sock", "--model", str(tiny_checkpoint("llama")), *flags, env=env)
-        d.wait_serving(120)
-        started.append(d)
-        return d
-
-    started: list[DaemonProcess] = []
-    yield start
-    for d in started:
-        d.stop()
 
 
 def test_full_queue_is_resource_exhausted(tiny_daemon) -> None:  # type: ignore[no-untyped-def]
