@@ -66,8 +66,26 @@ def set_prompt(message: pb.GenerateRequest | pb.TokenizeRequest | pb.OpenSession
 
 
 _REQUEST_OPTIONS = frozenset(
-    {"request_id", "session_id", "parent_candidate", "tools", "tool_choice", "response_format"}
-)
+    {"request_id", "session_id", "parent_candidate", "tools", "tool_choice", "response_format", "expected_idle_ms",
+     "retention"}
+)  # fmt: skip
+
+_RETENTION = {"low": pb.RETENTION_LOW, "normal": pb.RETENTION_NORMAL, "high": pb.RETENTION_HIGH}
+_RETENTION_NAMES = {v: k for k, v in _RETENTION.items()}
+_KV_TIERS = {pb.KV_TIER_NONE: "none", pb.KV_TIER_GPU: "gpu", pb.KV_TIER_HOST: "host", pb.KV_TIER_RECOMPUTE: "recompute"}
+
+
+def set_hints(message: Message, expected_idle_ms: int | None, retention: str | None) -> None:
+    """Retention hints of a session (see proto SessionInfo.kv_tier): expected_idle_ms, and retention
+    "low" | "normal" | "high" (None: unchanged / the default)."""
+    if expected_idle_ms is not None:
+        if isinstance(expected_idle_ms, bool) or not isinstance(expected_idle_ms, int):
+            raise invalid(f"expected_idle_ms must be an integer number of milliseconds, got {expected_idle_ms!r}")
+        _set(message, "expected_idle_ms", expected_idle_ms)
+    if retention is not None:
+        if retention not in _RETENTION:
+            raise invalid(f"retention must be one of {sorted(_RETENTION)}, got {retention!r}")
+        _set(message, "retention", _RETENTION[retention])
 
 
 def generate_request(prompt: Prompt, n: int, options: dict[str, Any]) -> pb.GenerateRequest:
@@ -87,6 +105,7 @@ def generate_request(prompt: Prompt, n: int, options: dict[str, Any]) -> pb.Gene
     _set(request, "session_id", session_id)
     if parent_candidate is not None:
         _set(request, "parent_candidate", parent_candidate)
+    set_hints(request, options.get("expected_idle_ms"), options.get("retention"))
     set_prompt(request, prompt)
     set_tools(request, options.get("tools"), options.get("tool_choice"))
     set_response_format(request, options.get("response_format"))
@@ -180,7 +199,11 @@ def stats(message: pb.Stats) -> Stats:
 
 
 def session_info(message: pb.SessionInfo) -> SessionInfo:
-    return SessionInfo(**{f.name: getattr(message, f.name) for f in pb.SessionInfo.DESCRIPTOR.fields})
+    values = {f.name: getattr(message, f.name) for f in pb.SessionInfo.DESCRIPTOR.fields}
+    values["kv_tier"] = _KV_TIERS.get(message.kv_tier, "none")
+    values["retention"] = _RETENTION_NAMES.get(message.retention, "normal")
+    values["expected_idle_ms"] = message.expected_idle_ms if message.HasField("expected_idle_ms") else None
+    return SessionInfo(**values)
 
 
 # Session affinity (proto/cbd/v1/cbd.proto, "Affinity"): every call about a session carries its key.
@@ -207,9 +230,13 @@ def with_affinity(metadata: tuple[tuple[str, str], ...] | None, session_id: str 
     return (*(metadata or ()), (AFFINITY_HEADER, affinity_key(session_id)))
 
 
-def open_session_request(prefix: Prompt | None, ttl: float | None, session_id: str) -> pb.OpenSessionRequest:
+def open_session_request(
+    prefix: Prompt | None, ttl: float | None, session_id: str, expected_idle_ms: int | None = None,
+    retention: str | None = None,
+) -> pb.OpenSessionRequest:  # fmt: skip
     request = pb.OpenSessionRequest(session_id=session_id)
     _set(request, "ttl_seconds", ttl or 0.0)
+    set_hints(request, expected_idle_ms, retention)
     if prefix is not None:
         set_prompt(request, prefix)
     return request

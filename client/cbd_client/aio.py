@@ -101,11 +101,12 @@ class AsyncClient:
         return _convert.stats(await self._call(self._stub.GetStats, pb.GetStatsRequest()))
 
     async def session(
-        self, prefix: Prompt | None = None, ttl: float | None = None, session_id: str | None = None
-    ) -> AsyncSession:
+        self, prefix: Prompt | None = None, ttl: float | None = None, session_id: str | None = None, *,
+        expected_idle_ms: int | None = None, retention: str | None = None,
+    ) -> AsyncSession:  # fmt: skip
         """As Client.session."""
         sid = session_id or _convert.new_session_id()
-        request = _convert.open_session_request(prefix, ttl, sid)
+        request = _convert.open_session_request(prefix, ttl, sid, expected_idle_ms, retention)
         return AsyncSession(self, _convert.session_info(await self._call(self._stub.OpenSession, request, sid)))
 
     async def get_session(self, session_id: str) -> SessionInfo:

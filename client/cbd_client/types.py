@@ -116,6 +116,11 @@ class Stats:
     generated_tokens: int
     open_sessions: int = 0
     session_evictions: int = 0
+    host_kv_blocks_total: int = 0  # the host KV tier (0: none)
+    host_kv_blocks_used: int = 0
+    kv_blocks_offloaded: int = 0  # GPU -> host (idle sessions), since start
+    kv_blocks_restored: int = 0  # host -> GPU (turns), since start
+    restored_prompt_tokens: int = 0  # prompt tokens restored instead of recomputed
 
 
 @dataclass(frozen=True, slots=True)
@@ -128,3 +133,7 @@ class SessionInfo:
     busy: bool
     ttl_seconds: float
     is_chat: bool
+    kv_tier: str = "none"  # where its KV is: "gpu", "host", "recompute" (released) or "none" (no tokens)
+    host_blocks: int = 0  # KV blocks in the host tier
+    expected_idle_ms: int | None = None  # the retention hints in force
+    retention: str = "normal"  # "low" | "normal" | "high"

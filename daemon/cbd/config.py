@@ -25,6 +25,12 @@ class EngineConfig:
     num_kv_blocks: int | None = None
     # KV pool size in GiB, used when num_kv_blocks is not set.
     kv_cache_gib: float = 0.5
+    # Host KV tier in GiB (pinned host memory on CUDA): idle sessions' KV is copied there instead of being
+    # dropped when the KV pool runs short. None: a quarter of the host's RAM, at most 64 GiB and at most four
+    # times the GPU KV pool; 0: no host tier. Not with tensor_parallel_size > 1 (there it is always 0).
+    host_kv_gib: float | None = None
+    # Host KV tier size in blocks; None sizes it from host_kv_gib.
+    num_host_kv_blocks: int | None = None
     # Sequences (candidates) running at once.
     max_num_seqs: int = 128
     # Token budget of one engine step; longer prefills are split into chunks that fit.
@@ -66,6 +72,10 @@ class EngineConfig:
             raise ValueError(f"num_kv_blocks must be >= 2, got {self.num_kv_blocks}")
         if self.kv_cache_gib <= 0:
             raise ValueError(f"kv_cache_gib must be > 0, got {self.kv_cache_gib}")
+        if self.host_kv_gib is not None and not self.host_kv_gib >= 0:
+            raise ValueError(f"host_kv_gib must be >= 0, got {self.host_kv_gib}")
+        if self.num_host_kv_blocks is not None and self.num_host_kv_blocks < 0:
+            raise ValueError(f"num_host_kv_blocks must be >= 0, got {self.num_host_kv_blocks}")
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
         if self.max_num_batched_tokens < 1:
@@ -100,6 +110,13 @@ class EngineConfig:
     @classmethod
     def from_dict(cls, values: dict[str, object]) -> EngineConfig:
         return config_from_dict(cls, values, "engine config")
+
+    def host_kv_bytes(self, gpu_pool_bytes: int) -> int:
+        """The host tier's size: host_kv_gib, or by default a quarter of physical RAM (at most 64 GiB and
+        at most 4x the GPU pool, `gpu_pool_bytes`)."""
+        if self.host_kv_gib is not None:
+            return int(self.host_kv_gib * 2**30)
+        return min(64 * 2**30, physical_memory() // 4, 4 * gpu_pool_bytes)
 
     def intra_op_threads(self) -> int:
         return self.num_threads or len(os.sched_getaffinity(0))
@@ -150,3 +167,8 @@ _DTYPES: dict[str, torch.dtype] = {
     "bfloat16": torch.bfloat16,
     "float16": torch.float16,
 }
+
+
+def physical_memory() -> int:
+    """Bytes of RAM this host has."""
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")

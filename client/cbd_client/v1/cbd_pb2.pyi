@@ -13,6 +13,20 @@ class ToolChoiceMode(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     TOOL_CHOICE_MODE_NONE: _ClassVar[ToolChoiceMode]
     TOOL_CHOICE_MODE_REQUIRED: _ClassVar[ToolChoiceMode]
 
+class Retention(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    RETENTION_UNSPECIFIED: _ClassVar[Retention]
+    RETENTION_LOW: _ClassVar[Retention]
+    RETENTION_NORMAL: _ClassVar[Retention]
+    RETENTION_HIGH: _ClassVar[Retention]
+
+class KvTier(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    KV_TIER_NONE: _ClassVar[KvTier]
+    KV_TIER_GPU: _ClassVar[KvTier]
+    KV_TIER_HOST: _ClassVar[KvTier]
+    KV_TIER_RECOMPUTE: _ClassVar[KvTier]
+
 class FinishReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
     FINISH_REASON_UNSPECIFIED: _ClassVar[FinishReason]
@@ -24,6 +38,14 @@ class FinishReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
 TOOL_CHOICE_MODE_AUTO: ToolChoiceMode
 TOOL_CHOICE_MODE_NONE: ToolChoiceMode
 TOOL_CHOICE_MODE_REQUIRED: ToolChoiceMode
+RETENTION_UNSPECIFIED: Retention
+RETENTION_LOW: Retention
+RETENTION_NORMAL: Retention
+RETENTION_HIGH: Retention
+KV_TIER_NONE: KvTier
+KV_TIER_GPU: KvTier
+KV_TIER_HOST: KvTier
+KV_TIER_RECOMPUTE: KvTier
 FINISH_REASON_UNSPECIFIED: FinishReason
 FINISH_REASON_STOP: FinishReason
 FINISH_REASON_LENGTH: FinishReason
@@ -136,7 +158,7 @@ class SamplingParams(_message.Message):
     def __init__(self, max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., min_p: _Optional[float] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., logprobs: _Optional[int] = ..., include_special_tokens: _Optional[bool] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("text", "chat", "tokens", "sampling", "n", "request_id", "session_id", "parent_candidate", "tools", "tool_choice", "response_format")
+    __slots__ = ("text", "chat", "tokens", "sampling", "n", "request_id", "session_id", "parent_candidate", "tools", "tool_choice", "response_format", "expected_idle_ms", "retention")
     TEXT_FIELD_NUMBER: _ClassVar[int]
     CHAT_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -148,6 +170,8 @@ class GenerateRequest(_message.Message):
     TOOLS_FIELD_NUMBER: _ClassVar[int]
     TOOL_CHOICE_FIELD_NUMBER: _ClassVar[int]
     RESPONSE_FORMAT_FIELD_NUMBER: _ClassVar[int]
+    EXPECTED_IDLE_MS_FIELD_NUMBER: _ClassVar[int]
+    RETENTION_FIELD_NUMBER: _ClassVar[int]
     text: str
     chat: Chat
     tokens: TokenIds
@@ -159,7 +183,9 @@ class GenerateRequest(_message.Message):
     tools: _containers.RepeatedCompositeFieldContainer[Tool]
     tool_choice: ToolChoice
     response_format: ResponseFormat
-    def __init__(self, text: _Optional[str] = ..., chat: _Optional[_Union[Chat, _Mapping]] = ..., tokens: _Optional[_Union[TokenIds, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., n: _Optional[int] = ..., request_id: _Optional[str] = ..., session_id: _Optional[str] = ..., parent_candidate: _Optional[int] = ..., tools: _Optional[_Iterable[_Union[Tool, _Mapping]]] = ..., tool_choice: _Optional[_Union[ToolChoice, _Mapping]] = ..., response_format: _Optional[_Union[ResponseFormat, _Mapping]] = ...) -> None: ...
+    expected_idle_ms: int
+    retention: Retention
+    def __init__(self, text: _Optional[str] = ..., chat: _Optional[_Union[Chat, _Mapping]] = ..., tokens: _Optional[_Union[TokenIds, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., n: _Optional[int] = ..., request_id: _Optional[str] = ..., session_id: _Optional[str] = ..., parent_candidate: _Optional[int] = ..., tools: _Optional[_Iterable[_Union[Tool, _Mapping]]] = ..., tool_choice: _Optional[_Union[ToolChoice, _Mapping]] = ..., response_format: _Optional[_Union[ResponseFormat, _Mapping]] = ..., expected_idle_ms: _Optional[int] = ..., retention: _Optional[_Union[Retention, str]] = ...) -> None: ...
 
 class TopLogprob(_message.Message):
     __slots__ = ("token_id", "logprob", "token")
@@ -288,7 +314,7 @@ class GetStatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class Stats(_message.Message):
-    __slots__ = ("running", "waiting", "live_requests", "kv_blocks_total", "kv_blocks_used", "kv_blocks_free", "kv_blocks_cached", "uptime_seconds", "num_preemptions", "num_steps", "generated_tokens", "open_sessions", "session_evictions")
+    __slots__ = ("running", "waiting", "live_requests", "kv_blocks_total", "kv_blocks_used", "kv_blocks_free", "kv_blocks_cached", "uptime_seconds", "num_preemptions", "num_steps", "generated_tokens", "open_sessions", "session_evictions", "host_kv_blocks_total", "host_kv_blocks_used", "kv_blocks_offloaded", "kv_blocks_restored", "restored_prompt_tokens")
     RUNNING_FIELD_NUMBER: _ClassVar[int]
     WAITING_FIELD_NUMBER: _ClassVar[int]
     LIVE_REQUESTS_FIELD_NUMBER: _ClassVar[int]
@@ -302,6 +328,11 @@ class Stats(_message.Message):
     GENERATED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     OPEN_SESSIONS_FIELD_NUMBER: _ClassVar[int]
     SESSION_EVICTIONS_FIELD_NUMBER: _ClassVar[int]
+    HOST_KV_BLOCKS_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    HOST_KV_BLOCKS_USED_FIELD_NUMBER: _ClassVar[int]
+    KV_BLOCKS_OFFLOADED_FIELD_NUMBER: _ClassVar[int]
+    KV_BLOCKS_RESTORED_FIELD_NUMBER: _ClassVar[int]
+    RESTORED_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     running: int
     waiting: int
     live_requests: int
@@ -315,24 +346,33 @@ class Stats(_message.Message):
     generated_tokens: int
     open_sessions: int
     session_evictions: int
-    def __init__(self, running: _Optional[int] = ..., waiting: _Optional[int] = ..., live_requests: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., kv_blocks_free: _Optional[int] = ..., kv_blocks_cached: _Optional[int] = ..., uptime_seconds: _Optional[float] = ..., num_preemptions: _Optional[int] = ..., num_steps: _Optional[int] = ..., generated_tokens: _Optional[int] = ..., open_sessions: _Optional[int] = ..., session_evictions: _Optional[int] = ...) -> None: ...
+    host_kv_blocks_total: int
+    host_kv_blocks_used: int
+    kv_blocks_offloaded: int
+    kv_blocks_restored: int
+    restored_prompt_tokens: int
+    def __init__(self, running: _Optional[int] = ..., waiting: _Optional[int] = ..., live_requests: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., kv_blocks_free: _Optional[int] = ..., kv_blocks_cached: _Optional[int] = ..., uptime_seconds: _Optional[float] = ..., num_preemptions: _Optional[int] = ..., num_steps: _Optional[int] = ..., generated_tokens: _Optional[int] = ..., open_sessions: _Optional[int] = ..., session_evictions: _Optional[int] = ..., host_kv_blocks_total: _Optional[int] = ..., host_kv_blocks_used: _Optional[int] = ..., kv_blocks_offloaded: _Optional[int] = ..., kv_blocks_restored: _Optional[int] = ..., restored_prompt_tokens: _Optional[int] = ...) -> None: ...
 
 class OpenSessionRequest(_message.Message):
-    __slots__ = ("ttl_seconds", "text", "chat", "tokens", "session_id")
+    __slots__ = ("ttl_seconds", "text", "chat", "tokens", "session_id", "expected_idle_ms", "retention")
     TTL_SECONDS_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
     CHAT_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    EXPECTED_IDLE_MS_FIELD_NUMBER: _ClassVar[int]
+    RETENTION_FIELD_NUMBER: _ClassVar[int]
     ttl_seconds: float
     text: str
     chat: Chat
     tokens: TokenIds
     session_id: str
-    def __init__(self, ttl_seconds: _Optional[float] = ..., text: _Optional[str] = ..., chat: _Optional[_Union[Chat, _Mapping]] = ..., tokens: _Optional[_Union[TokenIds, _Mapping]] = ..., session_id: _Optional[str] = ...) -> None: ...
+    expected_idle_ms: int
+    retention: Retention
+    def __init__(self, ttl_seconds: _Optional[float] = ..., text: _Optional[str] = ..., chat: _Optional[_Union[Chat, _Mapping]] = ..., tokens: _Optional[_Union[TokenIds, _Mapping]] = ..., session_id: _Optional[str] = ..., expected_idle_ms: _Optional[int] = ..., retention: _Optional[_Union[Retention, str]] = ...) -> None: ...
 
 class SessionInfo(_message.Message):
-    __slots__ = ("session_id", "num_tokens", "resident_blocks", "pending_candidates", "idle_seconds", "busy", "ttl_seconds", "is_chat")
+    __slots__ = ("session_id", "num_tokens", "resident_blocks", "pending_candidates", "idle_seconds", "busy", "ttl_seconds", "is_chat", "kv_tier", "host_blocks", "expected_idle_ms", "retention")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
     RESIDENT_BLOCKS_FIELD_NUMBER: _ClassVar[int]
@@ -341,6 +381,10 @@ class SessionInfo(_message.Message):
     BUSY_FIELD_NUMBER: _ClassVar[int]
     TTL_SECONDS_FIELD_NUMBER: _ClassVar[int]
     IS_CHAT_FIELD_NUMBER: _ClassVar[int]
+    KV_TIER_FIELD_NUMBER: _ClassVar[int]
+    HOST_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    EXPECTED_IDLE_MS_FIELD_NUMBER: _ClassVar[int]
+    RETENTION_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     num_tokens: int
     resident_blocks: int
@@ -349,7 +393,11 @@ class SessionInfo(_message.Message):
     busy: bool
     ttl_seconds: float
     is_chat: bool
-    def __init__(self, session_id: _Optional[str] = ..., num_tokens: _Optional[int] = ..., resident_blocks: _Optional[int] = ..., pending_candidates: _Optional[int] = ..., idle_seconds: _Optional[float] = ..., busy: _Optional[bool] = ..., ttl_seconds: _Optional[float] = ..., is_chat: _Optional[bool] = ...) -> None: ...
+    kv_tier: KvTier
+    host_blocks: int
+    expected_idle_ms: int
+    retention: Retention
+    def __init__(self, session_id: _Optional[str] = ..., num_tokens: _Optional[int] = ..., resident_blocks: _Optional[int] = ..., pending_candidates: _Optional[int] = ..., idle_seconds: _Optional[float] = ..., busy: _Optional[bool] = ..., ttl_seconds: _Optional[float] = ..., is_chat: _Optional[bool] = ..., kv_tier: _Optional[_Union[KvTier, str]] = ..., host_blocks: _Optional[int] = ..., expected_idle_ms: _Optional[int] = ..., retention: _Optional[_Union[Retention, str]] = ...) -> None: ...
 
 class CloseSessionRequest(_message.Message):
     __slots__ = ("session_id",)

@@ -8,6 +8,9 @@ Pure Python, no tensors. Block states:
 A block gets a hash only once it is full and its KV has been computed (`commit`), so a revived
 block always holds valid KV. Writes only go to positions >= num_computed_tokens, which lie in a
 partial or a new block; a shared partial block is copied before the write (copy-on-write).
+A block whose KV is being copied to the host tier when it is freed carries a fence (the copy's
+ticket) until it is next allocated; the plan that allocates it collects the fence (`take_fences`),
+and the runner makes that step's writes wait for the copy.
 """
 
 from __future__ import annotations
@@ -35,6 +38,8 @@ class BlockManager:
         self.free_ids: list[int] = list(range(num_blocks - 1, -1, -1))  # pop() takes the lowest id
         self.cached_free: OrderedDict[int, None] = OrderedDict()  # block ids, least recently freed first
         self.hash_to_block: dict[int, int] = {}
+        self.fences: dict[int, int] = {}  # block id -> ticket of a copy that still reads it
+        self._taken_fences: set[int] = set()  # tickets of fenced blocks allocated since take_fences
 
     # ---- queries ----------------------------------------------------------------------------
     @property
@@ -148,6 +153,20 @@ class BlockManager:
         self.release(seq.block_table)
         seq.block_table = []
 
+    def allocate_blocks(self, count: int) -> list[int]:
+        """`count` fresh private blocks (callers check num_free_blocks first)."""
+        return [self._allocate() for _ in range(count)]
+
+    def fence(self, block_ids: list[int], ticket: int) -> None:
+        """A copy (ticket) reads these blocks: whoever is next given one must wait for it."""
+        for block_id in block_ids:
+            self.fences[block_id] = ticket
+
+    def take_fences(self) -> set[int]:
+        """Tickets of the fenced blocks allocated since the last call."""
+        taken, self._taken_fences = self._taken_fences, set()
+        return taken
+
     def release(self, block_table: list[int]) -> None:
         """Drop one reference on each block."""
         # Tail blocks first, so under LRU a prefix outlives the blocks that extend it.
@@ -208,6 +227,9 @@ class BlockManager:
         else:
             raise RuntimeError("KV pool exhausted; callers must check can_append first")
         self.blocks[block_id].ref_count = 1
+        ticket = self.fences.pop(block_id, None)
+        if ticket is not None:
+            self._taken_fences.add(ticket)
         return block_id
 
     def _take(self, block_id: int) -> None:

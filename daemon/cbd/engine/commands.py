@@ -47,6 +47,8 @@ class OpenSession:
     chat: bool  # the history is a rendered conversation (turns re-render it)
     future: Future[SessionInfo]
     session_id: str | None = None  # proposed by the caller; None: the engine makes one
+    expected_idle: float | None = None  # retention hints (see SessionManager.open)
+    retention: int = 0
 
 
 @dataclass(slots=True)

@@ -27,7 +27,7 @@ import itertools
 import logging
 import secrets
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, cast
 
 import torch
@@ -35,9 +35,11 @@ import torch
 from cbd.config import EngineConfig
 from cbd.engine.admission import Admission
 from cbd.engine.block_manager import BlockManager
+from cbd.engine.host_pool import HostPool
+from cbd.engine.kv_copier import HostTierMoves, KvCopier
 from cbd.engine.live import LiveRequest, OutputCallback
 from cbd.engine.output_processor import OutputProcessor
-from cbd.engine.outputs import CandidateDelta, EngineStats, RequestOutput, TokenLogprob, Usage
+from cbd.engine.outputs import CandidateDelta, EngineStats, HostTierStats, RequestOutput, TokenLogprob, Usage
 from cbd.engine.runner import InflightStep, ModelRunner, SampledTokens
 from cbd.engine.sampling_params import SamplingParams, validate_request
 from cbd.engine.scheduler import SampleRow, Scheduler, StepPlan
@@ -76,14 +78,27 @@ class EngineCore:
         )
         self.max_model_len = min(config.max_model_len or spec.max_position_embeddings, num_blocks * bs)
         self.block_manager = BlockManager(num_blocks, bs, config.enable_prefix_caching)
-        self.sessions = SessionManager(self.block_manager, config.max_sessions, config.session_ttl)
-        self.scheduler = Scheduler(
-            self.block_manager, config.max_num_seqs, config.max_num_batched_tokens, reclaim=self.sessions.evict,
-            max_model_len=self.max_model_len, new_fork=self._fork,
-        )  # fmt: skip
         self.runner = ModelRunner(
             loaded.model, num_blocks, bs, self.max_model_len, config.attention_backend,
             min(config.cuda_graph_max_batch, config.max_num_seqs) if config.cuda_graphs else 0,
+        )  # fmt: skip
+        # The host tier (not with tensor parallelism: each rank would have to move its own shard).
+        num_host = 0
+        if tp_group is None:
+            block_bytes = ModelRunner.kv_bytes_per_block(loaded.model, bs)
+            num_host = config.num_host_kv_blocks or 0
+            if config.num_host_kv_blocks is None:
+                num_host = config.host_kv_bytes(num_blocks * block_bytes) // block_bytes
+        self.host_pool = HostPool(num_host) if num_host else None
+        self.copier = KvCopier(self.runner.kv_caches, bs, num_host, self.runner.streams) if num_host else None
+        self.sessions = SessionManager(
+            self.block_manager, config.max_sessions, config.session_ttl, self.host_pool,
+            self.copier.offload if self.copier is not None else None,
+        )  # fmt: skip
+        tier = HostTierMoves(self.host_pool, self.copier) if self.host_pool and self.copier else None
+        self.scheduler = Scheduler(
+            self.block_manager, config.max_num_seqs, config.max_num_batched_tokens, reclaim=self.sessions.evict,
+            max_model_len=self.max_model_len, new_fork=self._fork, host_tier=tier,
         )  # fmt: skip
         if tp_group is not None:
             graph_batch = min(config.cuda_graph_max_batch, config.max_num_seqs) if config.cuda_graphs else 0
@@ -100,6 +115,7 @@ class EngineCore:
         self._request_ids = itertools.count()
         self.num_steps = 0
         self.num_generated_tokens = 0
+        self.host_tier_stats = HostTierStats()
 
     # ---- admission --------------------------------------------------------------------------
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
@@ -128,13 +144,14 @@ class EngineCore:
 
     def _start(
         self, live: LiveRequest, prompt: list[int], params: SamplingParams, block_table: list[int] | None = None,
-        num_computed: int = 0, session: Any = None,
+        num_computed: int = 0, session: Any = None, host_prefix: tuple[list[int], int] | None = None,
     ) -> Request:  # fmt: skip
         """Create the request and its first sequence (starting from `block_table` KV, if any) and queue it."""
         seed = params.seed if params.seed is not None else secrets.randbits(63)
         request = Request(live.request_id, prompt, params, seed)
         seq = self._new_sequence(request, 0, list(prompt))
         seq.block_table, seq.num_computed_tokens = block_table or [], num_computed
+        seq.host_prefix = host_prefix
         seq.pending_forks = params.n - 1
         live.request = request
         if session is not None:
@@ -167,7 +184,8 @@ class EngineCore:
         resident KV. Raises UnknownSession, SessionBusy, InvalidRequest and changes nothing then."""
         session = self.sessions.get(session_id)
         start = self.sessions.begin_turn(session, turn, lambda prompt: self.validate(prompt, params))
-        return self._start(live, start.prompt, params, start.block_table, start.num_computed, session)
+        host_prefix = (start.host_table, start.host_tokens) if start.host_table else None
+        return self._start(live, start.prompt, params, start.block_table, start.num_computed, session, host_prefix)
 
     def abort_request(self, request_id: str) -> RequestOutput:
         live = self.live.get(request_id)
@@ -223,7 +241,23 @@ class EngineCore:
             num_sessions=len(self.sessions.sessions),
             num_session_evictions=self.sessions.num_evictions,
             gpu_busy=self._gpu_busy(),
+            host=self._host_stats(),
         )
+
+    def _host_stats(self) -> HostTierStats | None:
+        if self.host_pool is None or self.copier is None:
+            return None
+        stats = self.host_tier_stats
+        for seconds in self.copier.drain_latencies():
+            stats.observe_restore(seconds)
+        stats.num_blocks, stats.num_blocks_used = self.host_pool.num_blocks, self.host_pool.num_used_blocks
+        stats.bytes_per_block = self.copier.bytes_per_block
+        stats.num_offloaded_blocks = self.sessions.num_offloaded_blocks
+        stats.num_restored_blocks = self.scheduler.num_restored_blocks
+        stats.num_restored_tokens = self.scheduler.num_restored_tokens
+        stats.num_host_evictions = self.sessions.num_host_evictions
+        stats.session_hits = dict(self.sessions.hits)
+        return replace(stats, restore_buckets=list(stats.restore_buckets), session_hits=dict(stats.session_hits))
 
     def check_integrity(self) -> None:
         """The block manager's invariants, with every holder of a reference: live sequences, sessions'
@@ -234,6 +268,11 @@ class EngineCore:
             holders.append(session.block_table)
             holders.extend(b.block_table for b in session.branches)
         self.block_manager.check_integrity(holders)
+        if self.host_pool is not None:
+            host = self.sessions.host_holders()
+            host += [seq.host_prefix[0] for live in self.live.live.values() if live.request is not None
+                     for seq in live.request.sequences if seq.host_prefix is not None]  # fmt: skip
+            self.host_pool.check_integrity(host)
 
     def _gpu_busy(self) -> float | None:
         now = time.monotonic()
@@ -247,6 +286,8 @@ class EngineCore:
         their token masks (sync: every grammar is up to date) or with its sampling deferred (overlap:
         the grammars still wait for the tokens of the step in flight; see step())."""
         batch = pack_step(plan, self.runner.graph_bucket, self.runner.scratch_block)
+        if plan.fences and self.copier is not None:  # it reuses GPU blocks a copy to the host still reads
+            self.copier.fence_compute(plan.fences)
         if any(row.target.grammar is not None for row in plan.samples):
             if self.overlap:
                 batch.defer_sample = True

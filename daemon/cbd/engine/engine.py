@@ -28,7 +28,7 @@ from cbd.engine.live import LiveRequest, OutputCallback
 from cbd.engine.outputs import EngineStats, ModelFacts
 from cbd.engine.request_stream import Completion, RequestStream
 from cbd.engine.sampling_params import SamplingParams
-from cbd.engine.sessions import SessionInfo, TurnInput
+from cbd.engine.sessions import RETENTION_NORMAL, SessionInfo, TurnInput
 from cbd.errors import CapacityExceeded, EngineStopped
 from cbd.model.loader import LoadedModel
 
@@ -176,16 +176,17 @@ class Engine:
 
     def open_session(
         self, ttl: float | None = None, token_ids: list[int] | None = None, chat: bool = False,
-        session_id: str | None = None,
+        session_id: str | None = None, *, expected_idle: float | None = None, retention: int = RETENTION_NORMAL,
     ) -> Future[SessionInfo]:  # fmt: skip
         """A new session, optionally starting from `token_ids` (a system prompt; `chat`: a rendered
         conversation). ttl None: the configured default; inf: never expires. session_id: the id the caller
-        proposes (InvalidRequest if malformed, SessionExists if open); None: one is made."""
+        proposes (InvalidRequest if malformed, SessionExists if open); None: one is made. expected_idle
+        (seconds until the first turn) and retention: hints for the order in which idle KV leaves the GPU."""
         self._check_running()
         tokens = list(token_ids or [])
         if tokens:
             self.core.validate(tokens + [0], SamplingParams())  # room for at least one more token
-        return self._ask(lambda f: cmd.OpenSession(ttl, tokens, chat, f, session_id))
+        return self._ask(lambda f: cmd.OpenSession(ttl, tokens, chat, f, session_id, expected_idle, retention))
 
     def close_session(self, session_id: str) -> Future[None]:
         return self._ask(lambda f: cmd.CloseSession(session_id, f))

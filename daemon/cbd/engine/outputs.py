@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import bisect
 from dataclasses import dataclass, field
 
 from cbd.engine.sequence import FinishReason
@@ -54,6 +55,33 @@ class EngineStats:
     num_sessions: int = 0
     num_session_evictions: int = 0
     gpu_busy: float | None = None  # device busy fraction of the recent steps (CUDA only)
+    host: HostTierStats | None = None  # None: no host tier
+
+
+# Upper bounds (seconds) of the buckets of the host tier's restore-latency histogram.
+RESTORE_SECONDS_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0)
+
+
+@dataclass(slots=True)
+class HostTierStats:
+    """The host KV tier: its pool, what moved, and how long copies took (cumulative)."""
+
+    num_blocks: int = 0
+    num_blocks_used: int = 0
+    bytes_per_block: int = 0
+    num_offloaded_blocks: int = 0
+    num_restored_blocks: int = 0
+    num_restored_tokens: int = 0  # prompt tokens restored instead of recomputed
+    num_host_evictions: int = 0  # sessions whose host blocks were released (to recompute)
+    session_hits: dict[str, int] = field(default_factory=dict)  # session turns by where their KV was
+    # Restore latency (from the copy's start to its completion as the engine saw it): count per bucket
+    # of RESTORE_SECONDS_BUCKETS (one more for larger), and the sum.
+    restore_buckets: list[int] = field(default_factory=lambda: [0] * (len(RESTORE_SECONDS_BUCKETS) + 1))
+    restore_seconds_sum: float = 0.0
+
+    def observe_restore(self, seconds: float) -> None:
+        self.restore_buckets[bisect.bisect_left(RESTORE_SECONDS_BUCKETS, seconds)] += 1
+        self.restore_seconds_sum += seconds
 
 
 @dataclass(frozen=True, slots=True)

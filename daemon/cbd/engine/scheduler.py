@@ -9,7 +9,10 @@ Policy per step, under `max_num_batched_tokens` and `max_num_seqs`:
      when the KV pool cannot grow, the most recently admitted sequence is preempted (its blocks
      freed, its tokens kept) and re-queued at the front of `waiting` to be recomputed later;
   2. then waiting sequences in FIFO order, each first reviving any cached prefix blocks; one whose
-     prefix another admission computes this step waits a step to share it instead.
+     prefix another admission computes this step waits a step to share it instead. A session turn
+     whose history's KV is on the host tier gets fresh blocks for what the prefix cache lacks, and
+     their restore is started (`HostTier.restore`); it leaves the queue for `restoring` and comes
+     back to its front, with its KV in place, once the copy is complete: no step waits for a restore.
 The plan knows nothing about devices.
 
 The scheduler also does the plan's accounting, in one place, on both sides of the device work:
@@ -31,6 +34,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from cbd.engine.block_manager import BlockManager
 from cbd.engine.sequence import PLACEHOLDER, Sequence, SequenceStatus
@@ -61,6 +65,8 @@ class StepPlan:
     block_copies: list[tuple[int, int]] = field(default_factory=list)  # (src, dst) before the forward
     preempted: list[Sequence] = field(default_factory=list)
     samples: list[SampleRow] = field(default_factory=list)  # in chunk order, a parent's forks after it
+    # Tickets of copies to the host tier that read blocks this step may overwrite: its device work waits for them.
+    fences: set[int] = field(default_factory=set)
 
     @property
     def num_tokens(self) -> int:
@@ -68,6 +74,20 @@ class StepPlan:
 
     def __bool__(self) -> bool:
         return bool(self.chunks)
+
+
+class HostTier(Protocol):
+    """What the scheduler needs of the host tier (the core wires the host pool and the copier)."""
+
+    def restore(self, host_ids: list[int], gpu_ids: list[int]) -> int:
+        """Start copying host blocks to GPU blocks (pairwise); returns the copy's ticket."""
+        ...
+
+    def is_done(self, ticket: int, block: bool) -> bool: ...
+
+    def release(self, host_ids: list[int]) -> None:
+        """Drop one reference on each host block."""
+        ...
 
 
 class Scheduler:
@@ -80,6 +100,7 @@ class Scheduler:
         *,
         max_model_len: int,
         new_fork: Callable[[Sequence, int, list[int]], Sequence],
+        host_tier: HostTier | None = None,
     ) -> None:
         self.block_manager = block_manager
         self.max_model_len = max_model_len
@@ -94,17 +115,23 @@ class Scheduler:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
+        self.host_tier = host_tier
+        self.restoring: list[tuple[Sequence, int]] = []  # admitted, waiting for their restore (ticket)
         self.num_preemptions = 0
+        self.num_restored_blocks = 0
+        self.num_restored_tokens = 0  # prompt tokens whose KV came from the host instead of being computed
 
     def add(self, seq: Sequence) -> None:
         seq.status = SequenceStatus.WAITING
         self.waiting.append(seq)
 
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.restoring)
 
     def schedule(self) -> StepPlan:
         plan = StepPlan()
+        if self.restoring:
+            self._finish_restores()
         budget = self.max_num_batched_tokens
         bm = self.block_manager
         index = 0
@@ -127,7 +154,45 @@ class Scheduler:
         if not plan.preempted:  # the pool is short: admitting now would only thrash
             self._admit(plan, budget)
         self._book(plan)
+        plan.fences = bm.take_fences()
         return plan
+
+    def _finish_restores(self) -> None:
+        """Sequences whose restore is complete go back to the front of the queue, in admission order.
+        With nothing else to run, wait for the oldest restore rather than spin."""
+        assert self.host_tier is not None
+        idle = not self.running and not self.waiting
+        done: list[tuple[Sequence, int]] = []
+        pending: list[tuple[Sequence, int]] = []
+        for i, (seq, ticket) in enumerate(self.restoring):
+            (done if self.host_tier.is_done(ticket, idle and i == 0) else pending).append((seq, ticket))
+        self.restoring = pending
+        self.waiting.extendleft(seq for seq, _ in reversed(done))
+
+    def _start_restore(self, seq: Sequence) -> bool | None:
+        """Give seq (its prefix-cache hits already attached) fresh blocks for the rest of its host
+        prefix and start their restore. True: started (seq goes to `restoring`); False: nothing to
+        restore (the prefix cache had it all), go on admitting it; None: no room now (nothing changed)."""
+        assert seq.host_prefix is not None and self.host_tier is not None
+        bm = self.block_manager
+        host_ids, tokens = seq.host_prefix
+        hits = len(seq.block_table)
+        if hits >= len(host_ids) or seq.num_computed_tokens >= tokens:
+            self.host_tier.release(host_ids)
+            seq.host_prefix = None
+            return False
+        if not self._make_room(seq, tokens - seq.num_computed_tokens):
+            return None
+        fresh = bm.allocate_blocks(len(host_ids) - hits)
+        ticket = self.host_tier.restore(host_ids[hits:], fresh)
+        self.host_tier.release(host_ids)
+        seq.host_prefix = None
+        seq.block_table += fresh
+        seq.num_computed_tokens = tokens
+        self.restoring.append((seq, ticket))
+        self.num_restored_blocks += len(fresh)
+        self.num_restored_tokens += tokens - hits * bm.block_size
+        return True
 
     def _book(self, plan: StepPlan) -> None:
         """Account for the plan as launched (see the module docstring)."""
@@ -216,6 +281,15 @@ class Scheduler:
                     continue
             if not seq.block_table:
                 seq.num_computed_tokens = bm.allocate_prefix(seq)
+                if seq.host_prefix is not None:
+                    started = self._start_restore(seq)
+                    if started is None:
+                        bm.free(seq)
+                        seq.num_computed_tokens = 0
+                        break
+                    if started:
+                        self.waiting.popleft()
+                        continue
             num_new = min(seq.num_uncomputed, budget)
             if not self._make_room(seq, num_new):
                 bm.free(seq)
@@ -260,6 +334,16 @@ class Scheduler:
             self.running.remove(seq)
         elif seq.status is SequenceStatus.WAITING and seq in self.waiting:
             self.waiting.remove(seq)
+        elif seq.status is SequenceStatus.WAITING:
+            for i, (restoring, ticket) in enumerate(self.restoring):
+                if restoring is seq:  # its blocks are being written: whoever gets them next waits for the copy
+                    del self.restoring[i]
+                    self.block_manager.fence(seq.block_table, ticket)
+                    break
+        if seq.host_prefix is not None:
+            assert self.host_tier is not None
+            self.host_tier.release(seq.host_prefix[0])
+            seq.host_prefix = None
         self.block_manager.free(seq)
         seq.status = SequenceStatus.FINISHED
 

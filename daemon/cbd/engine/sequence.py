@@ -48,6 +48,9 @@ class Sequence:
     status: SequenceStatus = SequenceStatus.WAITING
     num_computed_tokens: int = 0
     block_table: list[int] = field(default_factory=list)
+    # A session turn whose history's KV is on the host tier: references on the host blocks and the
+    # tokens they cover; the scheduler restores them when it admits the sequence (then None).
+    host_prefix: tuple[list[int], int] | None = None
     # Chained hashes of this sequence's full blocks, computed lazily; index i covers block i.
     block_hashes: list[int] = field(default_factory=list)
     pending_forks: int = 0

@@ -7,10 +7,16 @@ starts from the session's blocks, so only the new tokens are prefilled. When the
 session adopts the finished sequence's tokens and blocks (n = 1), or keeps every candidate as a
 branch until the next turn names the one that continues (`parent_candidate`).
 
-Idle sessions yield to running requests: when the pool runs short, the least recently used idle
-session's blocks are released (its tokens stay; the next turn recomputes, reviving whatever the
-prefix cache still holds). Sessions expire after their idle TTL; their number is capped.
-Engine-thread only, like the block manager it shares.
+Idle sessions yield to running requests: when the pool runs short, idle sessions' KV leaves the
+GPU in eviction order (`eviction_order`: retention LOW, NORMAL, HIGH; within one, the session
+expected back last goes first). With a host tier it is copied to host blocks (`offload`); the next
+turn's sequence takes references on them and the scheduler restores them before its prefill.
+Without one, or when the host pool is full of sessions due back sooner, it is released: the tokens
+stay, and the next turn recomputes, reviving whatever the prefix cache still holds. Host blocks are
+evicted the same way, to recompute. A branch (the history or a pending candidate) is in one tier at
+a time: GPU (`block_table`), host (`host_table`), or none.
+Sessions expire after their idle TTL; their number is capped. Engine-thread only, like the block
+manager it shares.
 """
 
 from __future__ import annotations
@@ -24,6 +30,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from cbd.engine.block_manager import BlockManager
+from cbd.engine.host_pool import HostPool
 from cbd.engine.sequence import Request, Sequence
 from cbd.errors import CapacityExceeded, InvalidRequest, SessionBusy, SessionExists, UnknownSession
 
@@ -38,6 +45,8 @@ class Branch:
     token_ids: list[int] = field(default_factory=list)
     block_table: list[int] = field(default_factory=list)  # resident KV for token_ids[:num_computed]
     num_computed: int = 0
+    host_table: list[int] = field(default_factory=list)  # host-tier KV for token_ids[:num_host]
+    num_host: int = 0
 
 
 @dataclass(slots=True, kw_only=True)
@@ -51,21 +60,43 @@ class Session(Branch):
     busy: Request | None = None  # the turn in flight
     turn_replaces: bool = False  # the turn in flight re-rendered the history (a chat turn)
     last_used: float = field(default_factory=time.monotonic)
+    # Retention hints: how long the agent expects to be away after its last call (None: unknown), and
+    # a retention class (RETENTION_LOW, _NORMAL, _HIGH: the order in which idle sessions leave the GPU).
+    expected_idle: float | None = None
+    retention: int = 0
+
+    def branches_and_self(self) -> list[Branch]:
+        return [self, *self.branches]
+
+    def next_use(self, now: float) -> float:
+        """When the session is expected back: last use + the hinted idle time; without a hint, as long
+        from now as it has been idle already (so plain LRU among sessions without hints). Never before now."""
+        if self.expected_idle is not None:
+            return max(now, self.last_used + self.expected_idle)
+        return now + (now - self.last_used)
 
     def idle_seconds(self, now: float | None = None) -> float:
         return (now if now is not None else time.monotonic()) - self.last_used
+
+
+RETENTION_LOW, RETENTION_NORMAL, RETENTION_HIGH = -1, 0, 1
 
 
 @dataclass(slots=True)
 class SessionInfo:
     session_id: str
     num_tokens: int
-    resident_blocks: int
+    resident_blocks: int  # GPU blocks
     pending_candidates: int
     idle_seconds: float
     busy: bool
     ttl: float | None
     is_chat: bool
+    host_blocks: int = 0
+    # Where its KV is: "gpu" (some on the GPU), "host" (only on the host), "recompute" (none kept), "none" (no tokens).
+    tier: str = "none"
+    expected_idle: float | None = None
+    retention: int = RETENTION_NORMAL
 
 
 @dataclass(slots=True)
@@ -76,6 +107,8 @@ class TurnInput:
     token_ids: list[int]
     replace: bool = False
     parent_candidate: int | None = None  # the pending candidate of the last turn that continues
+    expected_idle: float | None = None  # hint: seconds the agent expects to be away after this turn
+    retention: int | None = None  # hint: the session's new retention class (None: unchanged)
 
 
 @dataclass(slots=True)
@@ -85,25 +118,39 @@ class TurnStart:
     prompt: list[int]
     block_table: list[int]  # shared references, already counted
     num_computed: int
+    # Or the KV is on the host: references on the host blocks covering prompt[:host_tokens].
+    host_table: list[int] = field(default_factory=list)
+    host_tokens: int = 0
 
 
 class SessionManager:
-    def __init__(self, block_manager: BlockManager, max_sessions: int, default_ttl: float | None) -> None:
+    def __init__(
+        self, block_manager: BlockManager, max_sessions: int, default_ttl: float | None,
+        host: HostPool | None = None, offload: Callable[[list[int], list[int]], int] | None = None,
+    ) -> None:  # fmt: skip
+        """host, offload: the host tier (None: none), and the copy of GPU blocks to host blocks
+        (pairwise; returns the copy's ticket, which fences the GPU blocks until it completes)."""
         self.bm = block_manager
+        self.host = host
+        self.offload_copy = offload
         self.max_sessions = max_sessions
         self.default_ttl = default_ttl
         self.sessions: dict[str, Session] = {}
         self._ids = itertools.count()
         self.num_evictions = 0
         self.num_expired = 0
+        self.num_offloaded_blocks = 0  # GPU blocks copied to the host tier
+        self.num_host_evictions = 0  # sessions whose host blocks were released (to recompute)
+        self.hits = {"gpu": 0, "host": 0, "recompute": 0}  # turns by where their history's KV was
 
     # ---- lifecycle ----------------------------------------------------------------------------
     def open(
         self, ttl: float | None = None, token_ids: list[int] | None = None, is_chat: bool = False,
-        session_id: str | None = None,
+        session_id: str | None = None, expected_idle: float | None = None, retention: int = RETENTION_NORMAL,
     ) -> Session:  # fmt: skip
         """A new session whose history is `token_ids` (no KV yet). ttl None: the default; inf: never expires."""
         _check_ttl(ttl)
+        _check_hints(expected_idle, retention)
         if session_id:
             check_session_id(session_id)
             if session_id in self.sessions:
@@ -113,7 +160,7 @@ class SessionManager:
         session_id = session_id or f"s-{next(self._ids)}-{secrets.token_hex(6)}"
         session = Session(
             list(token_ids or []), session_id=session_id, ttl=ttl if ttl is not None else self.default_ttl,
-            is_chat=is_chat,
+            is_chat=is_chat, expected_idle=expected_idle, retention=retention,
         )  # fmt: skip
         self.sessions[session_id] = session
         return session
@@ -149,9 +196,15 @@ class SessionManager:
         if candidate is not None and not source.branches:
             raise InvalidRequest(f"candidate {candidate} does not exist: session {session_id!r} has none pending")
         base = self.pending_base(source, candidate, "candidate")
-        child = self.open(ttl if ttl is not None else source.ttl, base.token_ids, source.is_chat, new_session_id)
+        child = self.open(
+            ttl if ttl is not None else source.ttl, base.token_ids, source.is_chat, new_session_id,
+            retention=source.retention,
+        )  # fmt: skip
         child.block_table = self.bm.share(base.block_table)
         child.num_computed = base.num_computed
+        if base.host_table:
+            assert self.host is not None
+            child.host_table, child.num_host = self.host.share(base.host_table), base.num_host
         return child
 
     @staticmethod
@@ -178,12 +231,16 @@ class SessionManager:
             session.last_used = time.monotonic()
 
     def info(self, session: Session) -> SessionInfo:
-        resident = set(session.block_table)
-        for b in session.branches:
+        resident: set[int] = set()
+        host: set[int] = set()
+        for b in session.branches_and_self():
             resident.update(b.block_table)
+            host.update(b.host_table)
+        tier = "gpu" if resident else "host" if host else "recompute" if session.token_ids else "none"
         return SessionInfo(
             session.session_id, len(session.token_ids), len(resident), len(session.branches),
-            session.idle_seconds(), session.busy is not None, session.ttl, session.is_chat,
+            session.idle_seconds(), session.busy is not None, session.ttl, session.is_chat, len(host), tier,
+            session.expected_idle, session.retention,
         )  # fmt: skip
 
     # ---- turns --------------------------------------------------------------------------------
@@ -197,6 +254,7 @@ class SessionManager:
             raise InvalidRequest("this session holds a chat; send chat messages")
         if not turn.token_ids:
             raise InvalidRequest("a turn must add at least one token")
+        _check_hints(turn.expected_idle, turn.retention if turn.retention is not None else RETENTION_NORMAL)
         base = self.pending_base(session, turn.parent_candidate, "parent_candidate")
         prompt = list(turn.token_ids) if turn.replace else base.token_ids + list(turn.token_ids)
         validate(prompt)
@@ -204,11 +262,23 @@ class SessionManager:
             assert turn.parent_candidate is not None  # pending_base refused it otherwise
             self._adopt(session, session.branches.pop(turn.parent_candidate))
             self._release_branches(session)
+        session.expected_idle = turn.expected_idle
+        if turn.retention is not None:
+            session.retention = turn.retention
         common = _common_prefix(session.token_ids, prompt) if turn.replace else len(session.token_ids)
+        session.turn_replaces = turn.replace
+        bs = self.bm.block_size
+        if session.host_table:  # the KV is on the host: the turn restores the common prefix's blocks
+            assert self.host is not None
+            self.hits["host"] += 1
+            computed = min(session.num_host, common, len(prompt) - 1)
+            host_table = self.host.share(session.host_table[: -(-computed // bs)])
+            return TurnStart(prompt, [], 0, host_table, computed)
+        if session.token_ids:
+            self.hits["gpu" if session.num_computed else "recompute"] += 1
         # Reuse the resident KV of the common prefix; at least one token is computed (for logits).
         computed = min(session.num_computed, common, len(prompt) - 1)
-        table = self.bm.share(session.block_table[: -(-computed // self.bm.block_size)])
-        session.turn_replaces = turn.replace
+        table = self.bm.share(session.block_table[: -(-computed // bs)])
         return TurnStart(prompt, table, computed)
 
     def turn_started(self, session: Session, request: Request) -> None:
@@ -243,28 +313,70 @@ class SessionManager:
             self._adopt(session, session.branches.pop())
 
     # ---- memory pressure and expiry -------------------------------------------------------------
+    def eviction_order(self, sessions: list[Session], now: float | None = None) -> list[Session]:
+        """Which sessions leave a tier first: retention LOW, then NORMAL, then HIGH; within a class, the
+        one expected back last (`Session.next_use`) first."""
+        now = now if now is not None else time.monotonic()
+        return sorted(sessions, key=lambda s: (s.retention, -s.next_use(now)))
+
     def evict(self, blocks_needed: int, include_busy: bool = False) -> int:
-        """Release sessions' KV, least recently used first, until blocks_needed are free: idle sessions
+        """Move sessions' KV off the GPU in eviction order until blocks_needed are free: idle sessions
         only, or also those with a turn in flight (the turn's sequence keeps its own references, so
-        this frees only what nothing running needs; the session recomputes later)."""
+        this frees only what nothing running needs; the session recomputes later). An idle session's
+        KV goes to the host tier when there is one and it has room (after evicting host-resident
+        sessions that come before it in the same order); otherwise it is released."""
         freed = 0
-        candidates = sorted(
-            (s for s in self.sessions.values() if include_busy or s.busy is None), key=lambda s: s.last_used
-        )
-        for session in candidates:
+        now = time.monotonic()
+        order = self.eviction_order([s for s in self.sessions.values() if include_busy or s.busy is None], now)
+        for rank, session in enumerate(order):
             if self.bm.num_free_blocks >= blocks_needed:
                 break
-            if not session.block_table and not any(b.block_table for b in session.branches):
+            if not any(b.block_table for b in session.branches_and_self()):
                 continue
             before = self.bm.num_free_blocks
-            self.bm.release(session.block_table)
-            session.block_table, session.num_computed = [], 0
-            for b in session.branches:
-                self.bm.release(b.block_table)
-                b.block_table, b.num_computed = [], 0
+            for b in session.branches_and_self():
+                if b.block_table and not (session.busy is None and self._offload(b, order[:rank])):
+                    self.bm.release(b.block_table)
+                    b.block_table, b.num_computed = [], 0
             freed += self.bm.num_free_blocks - before
             self.num_evictions += 1
         return freed
+
+    def _offload(self, branch: Branch, before: list[Session]) -> bool:
+        """Copy a branch's GPU blocks to new host blocks and free the GPU ones (fenced until the copy is
+        done); False if there is no host tier or no room in it, even after releasing the host blocks of
+        sessions in `before` (those that come before this one in eviction order)."""
+        if self.host is None or self.offload_copy is None:
+            return False
+        count = len(branch.block_table)
+        if self.host.num_free_blocks < count:
+            for other in before:
+                if self.host.num_free_blocks >= count:
+                    break
+                if other.busy is None and any(b.host_table for b in other.branches_and_self()):
+                    for b in other.branches_and_self():
+                        self._drop_host(b)
+                    self.num_host_evictions += 1
+        host_ids = self.host.allocate(count)
+        if host_ids is None:
+            return False
+        ticket = self.offload_copy(branch.block_table, host_ids)
+        self.bm.fence(branch.block_table, ticket)
+        self.bm.release(branch.block_table)
+        branch.host_table, branch.num_host = host_ids, branch.num_computed
+        branch.block_table, branch.num_computed = [], 0
+        self.num_offloaded_blocks += count
+        return True
+
+    def _drop_host(self, branch: Branch) -> None:
+        if branch.host_table:
+            assert self.host is not None
+            self.host.release(branch.host_table)
+        branch.host_table, branch.num_host = [], 0
+
+    def host_holders(self) -> list[list[int]]:
+        """Every host table sessions hold (integrity checks)."""
+        return [b.host_table for s in self.sessions.values() for b in s.branches_and_self() if b.host_table]
 
     def expire(self, now: float | None = None) -> list[str]:
         now = now if now is not None else time.monotonic()
@@ -280,20 +392,24 @@ class SessionManager:
     # ---- internals ------------------------------------------------------------------------------
     def _adopt(self, session: Session, branch: Branch) -> None:
         self.bm.release(session.block_table)
+        self._drop_host(session)
         session.token_ids, session.block_table, session.num_computed = (
             branch.token_ids,
             branch.block_table,
             branch.num_computed,
         )
+        session.host_table, session.num_host = branch.host_table, branch.num_host
 
     def _release_branches(self, session: Session) -> None:
         for b in session.branches:
             self.bm.release(b.block_table)
+            self._drop_host(b)
         session.branches = []
 
     def _release(self, session: Session) -> None:
         self.bm.release(session.block_table)
         session.block_table, session.num_computed = [], 0
+        self._drop_host(session)
         self._release_branches(session)
 
 
@@ -316,6 +432,13 @@ def check_session_id(session_id: str) -> None:
             f"session id {session_id[:140]!r} is not 1-128 characters of letters, digits and . _ ~ - "
             "(not starting with '.')"
         )
+
+
+def _check_hints(expected_idle: float | None, retention: int) -> None:
+    if expected_idle is not None and not (expected_idle >= 0 and math.isfinite(expected_idle)):
+        raise InvalidRequest(f"expected idle time must be a finite number of seconds >= 0, got {expected_idle}")
+    if retention not in (RETENTION_LOW, RETENTION_NORMAL, RETENTION_HIGH):
+        raise InvalidRequest(f"unknown retention class {retention}")
 
 
 def _check_ttl(ttl: float | None) -> None:

@@ -126,7 +126,7 @@ class Endpoint:
         try:
             params = self._params(c.params, c.grammar)
             future = self.engine.submit_turn(
-                c.session_id, TurnInput(c.token_ids, c.replace, c.parent_candidate), params,
+                c.session_id, TurnInput(c.token_ids, c.replace, c.parent_candidate, c.expected_idle, c.retention), params,
                 request_id=c.request_id, on_output=self.outbox.output,
             )  # fmt: skip
         except Exception as exc:
@@ -148,7 +148,9 @@ class Endpoint:
         self.outbox.reply_when_done(call_id, future)
 
     def _open_session(self, c: wire.OpenSession) -> None:
-        self._ask(c.call_id, lambda: self.engine.open_session(c.ttl, c.token_ids, c.chat, c.session_id))
+        self._ask(c.call_id, lambda: self.engine.open_session(
+            c.ttl, c.token_ids, c.chat, c.session_id, expected_idle=c.expected_idle, retention=c.retention,
+        ))  # fmt: skip
 
     def _close_session(self, c: wire.CloseSession) -> None:
         self._ask(c.call_id, lambda: self.engine.close_session(c.session_id))

@@ -42,7 +42,7 @@ from cbd.engine.live import OutputCallback
 from cbd.engine.outputs import CandidateDelta, EngineStats, ModelFacts, RequestOutput
 from cbd.engine.sampling_params import SamplingParams, validate_request
 from cbd.engine.sequence import FinishReason
-from cbd.engine.sessions import SessionInfo, TurnInput
+from cbd.engine.sessions import RETENTION_NORMAL, SessionInfo, TurnInput
 from cbd.errors import CapacityExceeded, EngineFailure, EngineStopped
 from cbd.ipc import wire
 from cbd.ipc.text import RequestText
@@ -292,19 +292,21 @@ class RemoteEngine:
         call_id = self._call(answered)
         self._send(wire.AddTurn(
             call_id, rid, session_id, turn.token_ids, turn.replace, turn.parent_candidate,
-            wire.params_to_wire(params), spec,
+            wire.params_to_wire(params), spec, turn.expected_idle, turn.retention,
         ))  # fmt: skip
         return future
 
     def open_session(
         self, ttl: float | None = None, token_ids: list[int] | None = None, chat: bool = False,
-        session_id: str | None = None,
+        session_id: str | None = None, *, expected_idle: float | None = None, retention: int = RETENTION_NORMAL,
     ) -> Future[SessionInfo]:  # fmt: skip
         self._check_running()
         tokens = list(token_ids or [])
         if tokens:
             self.validate(tokens + [0], SamplingParams())  # room for at least one more token
-        return self._ask(lambda call_id: wire.OpenSession(call_id, ttl, tokens, chat, session_id))
+        return self._ask(
+            lambda call_id: wire.OpenSession(call_id, ttl, tokens, chat, session_id, expected_idle, retention)
+        )
 
     def close_session(self, session_id: str) -> Future[None]:
         return self._ask(lambda call_id: wire.CloseSession(call_id, session_id))

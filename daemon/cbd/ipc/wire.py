@@ -41,6 +41,8 @@ class AddTurn(msgspec.Struct, tag=True, array_like=True):
     parent_candidate: int | None
     params: dict[str, Any]
     grammar: GrammarSpec | None
+    expected_idle: float | None = None  # retention hints (sessions.TurnInput)
+    retention: int | None = None
 
 
 class Abort(msgspec.Struct, tag=True, array_like=True):
@@ -53,6 +55,8 @@ class OpenSession(msgspec.Struct, tag=True, array_like=True):
     token_ids: list[int]
     chat: bool
     session_id: str | None = None  # proposed by the client
+    expected_idle: float | None = None  # retention hints (SessionManager.open)
+    retention: int = 0
 
 
 class CloseSession(msgspec.Struct, tag=True, array_like=True):

@@ -5,10 +5,10 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector
 
-from cbd.engine.outputs import EngineStats, RequestOutput
+from cbd.engine.outputs import RESTORE_SECONDS_BUCKETS, EngineStats, HostTierStats, RequestOutput
 
 _LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 
@@ -17,7 +17,7 @@ class _EngineCollector(Collector):
     def __init__(self, stats: Callable[[], EngineStats | None], live: Callable[[], int]) -> None:
         self._stats, self._live = stats, live
 
-    def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
+    def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily | HistogramMetricFamily]:
         s = self._stats()
         if s is None:
             return
@@ -39,10 +39,44 @@ class _EngineCollector(Collector):
             )  # fmt: skip
         yield CounterMetricFamily("cbd_preemptions", "Sequences preempted for KV space.", value=s.num_preemptions)
         yield CounterMetricFamily(
-            "cbd_session_evictions", "Idle sessions whose KV was released for running requests.",
+            "cbd_session_evictions", "Times an idle session's KV left the GPU (to the host tier, or released) for running requests.",
             value=s.num_session_evictions,
         )  # fmt: skip
         yield CounterMetricFamily("cbd_engine_steps", "Engine steps run.", value=s.num_steps)
+        if s.host is not None:
+            yield from _host_tier(s.host)
+
+
+def _host_tier(h: HostTierStats) -> Iterator[GaugeMetricFamily | CounterMetricFamily | HistogramMetricFamily]:
+    yield GaugeMetricFamily("cbd_host_kv_blocks_total", "Blocks in the host KV tier.", value=h.num_blocks)
+    yield GaugeMetricFamily("cbd_host_kv_blocks_used", "Host KV blocks holding sessions' KV.", value=h.num_blocks_used)
+    for name, blocks, doc in (
+        ("offloaded", h.num_offloaded_blocks, "copied from the GPU to the host tier (idle sessions)"),
+        ("restored", h.num_restored_blocks, "copied from the host tier back to the GPU (turns)"),
+    ):
+        yield CounterMetricFamily(f"cbd_kv_{name}_blocks", f"KV blocks {doc}.", value=blocks)
+        yield CounterMetricFamily(f"cbd_kv_{name}_bytes", f"Bytes of KV {doc}.", value=blocks * h.bytes_per_block)
+    yield CounterMetricFamily(
+        "cbd_kv_restored_prompt_tokens", "Prompt tokens restored from the host tier instead of recomputed.",
+        value=h.num_restored_tokens,
+    )  # fmt: skip
+    yield CounterMetricFamily(
+        "cbd_host_kv_evictions", "Sessions whose host-tier KV was released (their next turn recomputes).",
+        value=h.num_host_evictions,
+    )  # fmt: skip
+    hits = CounterMetricFamily("cbd_session_turns_by_tier", "Session turns by where their history's KV was.",
+                               labels=["tier"])  # fmt: skip
+    for tier in ("gpu", "host", "recompute"):
+        hits.add_metric([tier], h.session_hits.get(tier, 0))
+    yield hits
+    cumulative, buckets = 0, []
+    for bound, count in zip((*RESTORE_SECONDS_BUCKETS, float("inf")), h.restore_buckets, strict=True):
+        cumulative += count
+        buckets.append(("+Inf" if bound == float("inf") else str(bound), cumulative))
+    yield HistogramMetricFamily(
+        "cbd_kv_restore_seconds", "From a restore's start to its completion as the engine saw it.",
+        buckets=buckets, sum_value=h.restore_seconds_sum,
+    )  # fmt: skip
 
 
 class Metrics:

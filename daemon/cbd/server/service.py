@@ -14,7 +14,7 @@ from cbd.engine.grammar import MAX_GRAMMAR_BYTES
 from cbd.engine.outputs import RequestOutput, merge_outputs
 from cbd.engine.sampling_params import MAX_CANDIDATES, MAX_LOGPROBS, MAX_STOP_STRINGS, SamplingParams
 from cbd.engine.sequence import FinishReason
-from cbd.engine.sessions import SessionInfo, TurnInput
+from cbd.engine.sessions import RETENTION_HIGH, RETENTION_LOW, RETENTION_NORMAL, SessionInfo, TurnInput
 from cbd.errors import EngineFailure, EngineStopped, InvalidRequest
 from cbd.ipc.remote import RemoteEngine
 from cbd.server import convert, status
@@ -74,6 +74,8 @@ class CbdService(_Base):
             request_id = await self._submit_turn(engine, request, params, outputs.put_nowait, structured.tools)
         elif request.HasField("parent_candidate"):
             raise InvalidRequest("parent_candidate names a candidate of a session's last turn; it needs session_id")
+        elif request.HasField("expected_idle_ms") or request.retention:
+            raise InvalidRequest("expected_idle_ms and retention are hints about a session; they need session_id")
         else:
             prompt = self.prompts.encode(request, structured.tools)
             prompt_tokens = len(prompt)
@@ -130,13 +132,15 @@ class CbdService(_Base):
         """Queue a turn of a session; `deliver` is called on this event loop with each output."""
         sid = request.session_id
         parent = request.parent_candidate if request.HasField("parent_candidate") else None
+        idle = request.expected_idle_ms / 1000 if request.HasField("expected_idle_ms") else None
+        retention = _retention(request.retention)
         request_id = request.request_id or None
         loop = asyncio.get_running_loop()
         kind = request.WhichOneof("input")
         if kind is None:
             raise InvalidRequest("a turn needs an input: set one of text, chat or tokens")
         if kind != "chat":
-            turn = TurnInput(self.prompts.continuation(request, kind), False, parent)
+            turn = TurnInput(self.prompts.continuation(request, kind), False, parent, idle, retention)
             future = engine.submit_turn(sid, turn, params, request_id=request_id, on_output=deliver)
             return await _accepted(engine, future)
         # A chat turn: the whole conversation is rendered (its common prefix with the history keeps its
@@ -152,7 +156,11 @@ class CbdService(_Base):
                 deliver(out)
 
             future = engine.submit_turn(
-                sid, TurnInput(tokens, True, parent), params, request_id=request_id, on_output=on_chat_output
+                sid,
+                TurnInput(tokens, True, parent, idle, retention),
+                params,
+                request_id=request_id,
+                on_output=on_chat_output,
             )
         except BaseException:
             self.chats.refused(sid, chat)
@@ -177,7 +185,14 @@ class CbdService(_Base):
         elif kind is not None:
             tokens = self.prompts.continuation(request, kind)
         info = await asyncio.wrap_future(
-            engine.open_session(ttl, tokens, chat=messages is not None, session_id=request.session_id or None)
+            engine.open_session(
+                ttl,
+                tokens,
+                chat=messages is not None,
+                session_id=request.session_id or None,
+                expected_idle=request.expected_idle_ms / 1000 if request.HasField("expected_idle_ms") else None,
+                retention=_retention(request.retention) or RETENTION_NORMAL,
+            )  # fmt: skip
         )
         if messages is not None:
             self.chats.open(info.session_id, messages)
@@ -265,6 +280,11 @@ class CbdService(_Base):
             generated_tokens=s.num_generated_tokens,
             open_sessions=s.num_sessions,
             session_evictions=s.num_session_evictions,
+            host_kv_blocks_total=s.host.num_blocks if s.host else 0,
+            host_kv_blocks_used=s.host.num_blocks_used if s.host else 0,
+            kv_blocks_offloaded=s.host.num_offloaded_blocks if s.host else 0,
+            kv_blocks_restored=s.host.num_restored_blocks if s.host else 0,
+            restored_prompt_tokens=s.host.num_restored_tokens if s.host else 0,
         )
 
 
@@ -298,4 +318,27 @@ def _session_info(info: SessionInfo) -> pb.SessionInfo:
         busy=info.busy,
         ttl_seconds=info.ttl or 0.0,
         is_chat=info.is_chat,
+        kv_tier=_KV_TIERS[info.tier],
+        host_blocks=info.host_blocks,
+        expected_idle_ms=None if info.expected_idle is None else min(2**32 - 1, round(info.expected_idle * 1000)),
+        retention={RETENTION_LOW: pb.RETENTION_LOW, RETENTION_HIGH: pb.RETENTION_HIGH}.get(
+            info.retention, pb.RETENTION_NORMAL
+        ),
     )
+
+
+_KV_TIERS = {"none": pb.KV_TIER_NONE, "gpu": pb.KV_TIER_GPU, "host": pb.KV_TIER_HOST, "recompute": pb.KV_TIER_RECOMPUTE}
+
+
+def _retention(value: int) -> int | None:
+    """The engine's retention class for a proto Retention; None for UNSPECIFIED."""
+    classes: dict[int, int] = {
+        pb.RETENTION_LOW: RETENTION_LOW,
+        pb.RETENTION_NORMAL: RETENTION_NORMAL,
+        pb.RETENTION_HIGH: RETENTION_HIGH,
+    }
+    if value == pb.RETENTION_UNSPECIFIED:
+        return None
+    if value not in classes:
+        raise InvalidRequest(f"unknown retention {value}")
+    return classes[value]

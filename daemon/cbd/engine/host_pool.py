@@ -1,0 +1,65 @@
+"""Host KV blocks: the second tier's accounting (ref counts and a free list; no tensors).
+
+A host block holds one GPU block's KV (every layer) in host memory; the copies themselves are the
+runner's (kv_copier.py). Sessions offloaded under GPU memory pressure hold references on their
+host blocks, and a turn being restored from them holds one more until its copy is enqueued.
+Blocks are handed out lowest id first, so the blocks of one offload are mostly contiguous and
+the copier moves them in few large copies. Engine-thread only.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections import Counter
+
+
+class HostPool:
+    def __init__(self, num_blocks: int) -> None:
+        self.num_blocks = num_blocks
+        self.ref_counts: dict[int, int] = {}  # blocks in use only
+        self._free = list(range(num_blocks))  # a heap: the lowest id first
+        heapq.heapify(self._free)
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self._free)
+
+    @property
+    def num_used_blocks(self) -> int:
+        return self.num_blocks - len(self._free)
+
+    def allocate(self, count: int) -> list[int] | None:
+        """`count` blocks with one reference each, in ascending id order; None (and nothing taken) if
+        the pool has fewer free."""
+        if count > len(self._free):
+            return None
+        ids = [heapq.heappop(self._free) for _ in range(count)]
+        for i in ids:
+            self.ref_counts[i] = 1
+        return ids
+
+    def share(self, ids: list[int]) -> list[int]:
+        for i in ids:
+            assert i in self.ref_counts, f"host block {i} is free"
+            self.ref_counts[i] += 1
+        return list(ids)
+
+    def release(self, ids: list[int]) -> None:
+        for i in ids:
+            refs = self.ref_counts.get(i, 0)
+            assert refs > 0, f"host block {i} is released twice"
+            if refs == 1:
+                del self.ref_counts[i]
+                heapq.heappush(self._free, i)
+            else:
+                self.ref_counts[i] = refs - 1
+
+    def check_integrity(self, holders: list[list[int]]) -> None:
+        """Each block's ref count equals its number of holders; free blocks are exactly those with none."""
+        counts = Counter(i for table in holders for i in table)
+        wrong = {i: (self.ref_counts.get(i, 0), counts[i]) for i in set(counts) | set(self.ref_counts)
+                 if self.ref_counts.get(i, 0) != counts[i]}  # fmt: skip
+        assert not wrong, f"host ref counts differ from their holders (block: (refs, holders)): {wrong}"
+        assert len(set(self._free)) == len(self._free), "a host block is on the free list twice"
+        assert not set(self._free) & set(self.ref_counts), "a host block is both free and in use"
+        assert len(self._free) + len(self.ref_counts) == self.num_blocks, "host blocks lost"
