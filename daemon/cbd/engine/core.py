@@ -169,11 +169,13 @@ class EngineCore:
         parent_candidate: int | None = None,
         request_id: str | None = None,
         on_output: OutputCallback | None = None,
+        expected_idle: float | None = None,
+        retention: int | None = None,
     ) -> Request:
-        """Reserve and queue a turn of a session (see start_turn)."""
+        """Reserve and queue a turn of a session (see start_turn; expected_idle, retention: TurnInput's hints)."""
         live = self.live.reserve(request_id or f"req-{next(self._request_ids)}", len(tokens), on_output)
         try:
-            return self.start_turn(live, session_id, TurnInput(tokens, replace, parent_candidate), params)
+            return self.start_turn(live, session_id, TurnInput(tokens, replace, parent_candidate, expected_idle, retention), params)
         except BaseException:
             self.live.release(live.request_id)
             raise

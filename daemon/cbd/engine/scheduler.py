@@ -30,6 +30,7 @@ features add per step (grammar state, accepted drafts) is booked in the same two
 
 from __future__ import annotations
 
+import logging
 import time
 from collections import deque
 from collections.abc import Callable
@@ -38,6 +39,8 @@ from typing import Protocol
 
 from cbd.engine.block_manager import BlockManager
 from cbd.engine.sequence import PLACEHOLDER, Sequence, SequenceStatus
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(slots=True)
@@ -184,7 +187,14 @@ class Scheduler:
         if not self._make_room(seq, tokens - seq.num_computed_tokens):
             return None
         fresh = bm.allocate_blocks(len(host_ids) - hits)
-        ticket = self.host_tier.restore(host_ids[hits:], fresh)
+        try:
+            ticket = self.host_tier.restore(host_ids[hits:], fresh)
+        except Exception:  # recompute instead: the blocks are the sequence's own, their content unused
+            log.exception("restoring %d KV blocks from the host tier failed; the turn recomputes them", len(fresh))
+            bm.release(fresh)
+            self.host_tier.release(host_ids)
+            seq.host_prefix = None
+            return False
         self.host_tier.release(host_ids)
         seq.host_prefix = None
         seq.block_table += fresh

@@ -22,6 +22,7 @@ manager it shares.
 from __future__ import annotations
 
 import itertools
+import logging
 import math
 import re
 import secrets
@@ -33,6 +34,8 @@ from cbd.engine.block_manager import BlockManager
 from cbd.engine.host_pool import HostPool
 from cbd.engine.sequence import Request, Sequence
 from cbd.errors import CapacityExceeded, InvalidRequest, SessionBusy, SessionExists, UnknownSession
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(slots=True)
@@ -360,7 +363,12 @@ class SessionManager:
         host_ids = self.host.allocate(count)
         if host_ids is None:
             return False
-        ticket = self.offload_copy(branch.block_table, host_ids)
+        try:
+            ticket = self.offload_copy(branch.block_table, host_ids)
+        except Exception:  # the KV stays where it was; the caller releases it (the next turn recomputes)
+            log.exception("offloading %d KV blocks to the host tier failed", count)
+            self.host.release(host_ids)
+            return False
         self.bm.fence(branch.block_table, ticket)
         self.bm.release(branch.block_table)
         branch.host_table, branch.num_host = host_ids, branch.num_computed
