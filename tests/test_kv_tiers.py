@@ -65,7 +65,9 @@ def test_a_host_tier_that_fits_the_agents_restores_instead_of_recomputing(tiny_l
     tiered = make_core(tiny_loaded, block_size=4, num_kv_blocks=40, num_host_kv_blocks=400)
     dropped = make_core(tiny_loaded, block_size=4, num_kv_blocks=40, num_host_kv_blocks=0)
     (want, ideal_computed), (got, tiered_computed), (again, dropped_computed) = (
-        _play(ideal, scripts), _play(tiered, scripts), _play(dropped, scripts)
+        _play(ideal, scripts),
+        _play(tiered, scripts),
+        _play(dropped, scripts),
     )
     assert got == want and again == want
     assert tiered.sessions.num_offloaded_blocks > 0 and tiered.scheduler.num_restored_blocks > 0

@@ -175,7 +175,9 @@ class EngineCore:
         """Reserve and queue a turn of a session (see start_turn; expected_idle, retention: TurnInput's hints)."""
         live = self.live.reserve(request_id or f"req-{next(self._request_ids)}", len(tokens), on_output)
         try:
-            return self.start_turn(live, session_id, TurnInput(tokens, replace, parent_candidate, expected_idle, retention), params)
+            return self.start_turn(
+                live, session_id, TurnInput(tokens, replace, parent_candidate, expected_idle, retention), params
+            )
         except BaseException:
             self.live.release(live.request_id)
             raise
