@@ -58,9 +58,11 @@ def _cluster(name: str, policy: str, replicas: list[str], health_interval: float
         },
         "health_checks": [
             {
-                "timeout": "1s",
+                # A replica whose CPU is saturated may answer late: one slow answer does not take it
+                # out (a dead one fails at once, twice in a row within two intervals).
+                "timeout": "5s",
                 "interval": f"{health_interval}s",
-                "unhealthy_threshold": 1,
+                "unhealthy_threshold": 2,
                 "healthy_threshold": 1,
                 "no_traffic_interval": f"{health_interval}s",
                 "grpc_health_check": {},
