@@ -103,6 +103,7 @@ def test_a_stale_socket_is_replaced_and_a_foreign_file_is_refused(tiny_checkpoin
         ([], {"CBD_MAX_NUM_SEQS": "many"}, None, ["CBD_MAX_NUM_SEQS", "many"]),
         ([], {}, '[engine]\nblock_size = "abc"\n', ["block_size", "abc"]),
         ([], {}, "[server]\nshutdown_grace = true\n", ["shutdown_grace"]),
+        (["--host-kv-gib", "1000000"], {}, None, ["host_kv_gib", "1000000", "RAM"]),
     ],
 )
 def test_start_up_failures_exit_78_with_one_line_and_leave_nothing_behind(tmp_path, args, env, toml, needles) -> None:  # type: ignore[no-untyped-def]
@@ -113,6 +114,13 @@ def test_start_up_failures_exit_78_with_one_line_and_leave_nothing_behind(tmp_pa
     proc = run_cbd("serve", "--listen", f"unix:{sock}", *args, env=env)
     assert_one_clear_line(proc, *needles)
     assert sorted(p.name for p in tmp_path.iterdir()) == (["cbd.toml"] if toml else [])
+
+
+def test_a_host_kv_tier_that_cannot_be_allocated_is_a_configuration_error(tiny_checkpoint, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    proc = run_cbd("serve", "--listen", f"unix:{tmp_path / 'cbd.sock'}", "--model", str(tiny_checkpoint("llama")),
+                   "--num-host-kv-blocks", str(10**14))  # fmt: skip
+    assert_one_clear_line(proc, "host_kv_gib", "cannot allocate")
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_cuda_without_cuda_is_a_configuration_error(tmp_path) -> None:  # type: ignore[no-untyped-def]

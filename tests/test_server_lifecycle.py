@@ -162,10 +162,13 @@ def test_prometheus_metrics_count_requests_tokens_and_kv(tiny_daemon) -> None:  
     assert values['cbd_candidates_total{finish_reason="length"}'] == 2
     assert values["cbd_completion_tokens_total"] == 10
     assert values["cbd_prompt_tokens_total"] == len(PROMPT)
-    assert values["cbd_time_to_first_token_seconds_count"] >= 1
+    assert values['cbd_time_to_first_token_seconds_count{priority="interactive"}'] >= 1
     assert values["cbd_live_requests"] == 1 and values["cbd_kv_blocks_used"] > 0
     assert 0 < values["cbd_kv_usage_ratio"] <= 1 and values["cbd_open_sessions"] == 0
-    assert values["cbd_inter_token_latency_seconds_count"] >= 4 and values["cbd_queue_seconds_count"] >= 1
+    assert (
+        values["cbd_inter_token_latency_seconds_count"] >= 4
+        and values['cbd_queue_seconds_count{priority="interactive"}'] >= 1
+    )
 
 
 def test_systemd_unit_verifies(tmp_path) -> None:  # type: ignore[no-untyped-def]

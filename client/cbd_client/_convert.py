@@ -67,12 +67,22 @@ def set_prompt(message: pb.GenerateRequest | pb.TokenizeRequest | pb.OpenSession
 
 _REQUEST_OPTIONS = frozenset(
     {"request_id", "session_id", "parent_candidate", "tools", "tool_choice", "response_format", "expected_idle_ms",
-     "retention"}
+     "retention", "priority", "tenant"}
 )  # fmt: skip
 
 _RETENTION = {"low": pb.RETENTION_LOW, "normal": pb.RETENTION_NORMAL, "high": pb.RETENTION_HIGH}
 _RETENTION_NAMES = {v: k for k, v in _RETENTION.items()}
+_PRIORITY = {"interactive": pb.PRIORITY_INTERACTIVE, "batch": pb.PRIORITY_BATCH}
+_PRIORITY_NAMES = {v: k for k, v in _PRIORITY.items()}
 _KV_TIERS = {pb.KV_TIER_NONE: "none", pb.KV_TIER_GPU: "gpu", pb.KV_TIER_HOST: "host", pb.KV_TIER_RECOMPUTE: "recompute"}
+
+
+def set_priority(message: Message, priority: str | None) -> None:
+    """priority: "interactive" | "batch" (None: unset; see the proto's Priority)."""
+    if priority is not None:
+        if priority not in _PRIORITY:
+            raise invalid(f"priority must be one of {sorted(_PRIORITY)}, got {priority!r}")
+        _set(message, "priority", _PRIORITY[priority])
 
 
 def set_hints(message: Message, expected_idle_ms: int | None, retention: str | None) -> None:
@@ -106,6 +116,9 @@ def generate_request(prompt: Prompt, n: int, options: dict[str, Any]) -> pb.Gene
     if parent_candidate is not None:
         _set(request, "parent_candidate", parent_candidate)
     set_hints(request, options.get("expected_idle_ms"), options.get("retention"))
+    set_priority(request, options.get("priority"))
+    if options.get("tenant") is not None:
+        _set(request, "tenant", options["tenant"])
     set_prompt(request, prompt)
     set_tools(request, options.get("tools"), options.get("tool_choice"))
     set_response_format(request, options.get("response_format"))
@@ -203,6 +216,7 @@ def session_info(message: pb.SessionInfo) -> SessionInfo:
     values["kv_tier"] = _KV_TIERS.get(message.kv_tier, "none")
     values["retention"] = _RETENTION_NAMES.get(message.retention, "normal")
     values["expected_idle_ms"] = message.expected_idle_ms if message.HasField("expected_idle_ms") else None
+    values["priority"] = _PRIORITY_NAMES.get(message.priority, "interactive")
     return SessionInfo(**values)
 
 
@@ -232,11 +246,12 @@ def with_affinity(metadata: tuple[tuple[str, str], ...] | None, session_id: str 
 
 def open_session_request(
     prefix: Prompt | None, ttl: float | None, session_id: str, expected_idle_ms: int | None = None,
-    retention: str | None = None,
+    retention: str | None = None, priority: str | None = None,
 ) -> pb.OpenSessionRequest:  # fmt: skip
     request = pb.OpenSessionRequest(session_id=session_id)
     _set(request, "ttl_seconds", ttl or 0.0)
     set_hints(request, expected_idle_ms, retention)
+    set_priority(request, priority)
     if prefix is not None:
         set_prompt(request, prefix)
     return request

@@ -9,7 +9,8 @@ ignore_eos, logprobs, include_special_tokens (see proto/cbd/v1/cbd.proto for the
 Structured output: tools=, tool_choice=, response_format= (see cbd_client.structured); a candidate's
 tool calls are `candidate.tool_calls`, and a streamed Delta carries `tool_calls` pieces.
 A prompt is a str (text), a list of ints (token ids) or a list of {"role", "content"} dicts (chat).
-Session turns (and `session()`) also take retention hints: expected_idle_ms= (how long the agent will
+Scheduling keywords: priority= "interactive" (default) | "batch", tenant= (fair share between callers; the
+auth token's name when the daemon checks tokens). Session turns (and `session()`) also take retention hints: expected_idle_ms= (how long the agent will
 be away after the turn, e.g. while a tool runs) and retention= "low" | "normal" | "high".
 """
 
@@ -112,14 +113,16 @@ class Client:
     def session(
         self, prefix: Prompt | None = None, ttl: float | None = None, session_id: str | None = None,
         recover: bool = False, *, expected_idle_ms: int | None = None, retention: str | None = None,
+        priority: str | None = None,
     ) -> Session:  # fmt: skip
         """Open a session (optionally starting with a system prompt or earlier messages). Its id is
         proposed here (`session_id`, or a random one), so that a proxy can route every call of it alike.
         recover: keep the transcript on this side and, if the session's daemon is gone (behind a proxy),
         re-open it elsewhere and retry the turn (see session.py). expected_idle_ms, retention: retention
-        hints ("low" | "normal" | "high"; see the proto's SessionInfo.kv_tier); turns take them too."""
+        hints ("low" | "normal" | "high"; see the proto's SessionInfo.kv_tier); turns take them too.
+        priority: the class its turns are scheduled in ("interactive" | "batch"), unless a turn says."""
         sid = session_id or _convert.new_session_id()
-        request = _convert.open_session_request(prefix, ttl, sid, expected_idle_ms, retention)
+        request = _convert.open_session_request(prefix, ttl, sid, expected_idle_ms, retention, priority)
         info = _convert.session_info(self._call(self._stub.OpenSession, request, sid))
         return Session(self, info, prefix, ttl, recover)
 

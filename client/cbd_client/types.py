@@ -121,6 +121,7 @@ class Stats:
     kv_blocks_offloaded: int = 0  # GPU -> host (idle sessions), since start
     kv_blocks_restored: int = 0  # host -> GPU (turns), since start
     restored_prompt_tokens: int = 0  # prompt tokens restored instead of recomputed
+    priority_preemptions: int = 0  # of num_preemptions, those made for interactive requests
 
 
 @dataclass(frozen=True, slots=True)
@@ -137,3 +138,4 @@ class SessionInfo:
     host_blocks: int = 0  # KV blocks in the host tier
     expected_idle_ms: int | None = None  # the retention hints in force
     retention: str = "normal"  # "low" | "normal" | "high"
+    priority: str = "interactive"  # its turns' class: "interactive" | "batch"

@@ -48,6 +48,11 @@ class EngineConfig:
     cpu_packed_gemm: bool = True
     # Shard the model over this many GPUs of the host (or CPU processes); the engine starts the ranks itself.
     tensor_parallel_size: int = 1
+    # Seconds after which a queued batch-priority request is scheduled as interactive (its starvation bound).
+    priority_aging_seconds: float = 30.0
+    # Batch-priority requests are refused (RESOURCE_EXHAUSTED) once the live requests or their prompt tokens
+    # reach this share of max_queued_requests / max_queued_tokens; interactive ones only at the caps.
+    batch_queue_share: float = 0.75
     # Open sessions at most (OpenSession beyond it is RESOURCE_EXHAUSTED).
     max_sessions: int = 1024
     # Default idle seconds after which a session closes itself.
@@ -96,6 +101,10 @@ class EngineConfig:
             )
         if self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
+        if not self.priority_aging_seconds > 0:
+            raise ValueError(f"priority_aging_seconds must be > 0, got {self.priority_aging_seconds}")
+        if not 0 < self.batch_queue_share <= 1:
+            raise ValueError(f"batch_queue_share must be in (0, 1], got {self.batch_queue_share}")
         if self.max_sessions < 0:
             raise ValueError(f"max_sessions must be >= 0, got {self.max_sessions}")
         if self.session_ttl <= 0:

@@ -52,3 +52,7 @@ class SessionBusy(CbdError):
 
 class EngineFailure(CbdError):
     """The engine failed while running the request (INTERNAL)."""
+
+
+class SettingError(CbdError, ValueError):
+    """A setting that cannot work on this host, found while the engine starts (the daemon exits 78)."""

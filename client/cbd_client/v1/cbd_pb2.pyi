@@ -13,6 +13,12 @@ class ToolChoiceMode(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     TOOL_CHOICE_MODE_NONE: _ClassVar[ToolChoiceMode]
     TOOL_CHOICE_MODE_REQUIRED: _ClassVar[ToolChoiceMode]
 
+class Priority(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    PRIORITY_UNSPECIFIED: _ClassVar[Priority]
+    PRIORITY_INTERACTIVE: _ClassVar[Priority]
+    PRIORITY_BATCH: _ClassVar[Priority]
+
 class Retention(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
     RETENTION_UNSPECIFIED: _ClassVar[Retention]
@@ -38,6 +44,9 @@ class FinishReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
 TOOL_CHOICE_MODE_AUTO: ToolChoiceMode
 TOOL_CHOICE_MODE_NONE: ToolChoiceMode
 TOOL_CHOICE_MODE_REQUIRED: ToolChoiceMode
+PRIORITY_UNSPECIFIED: Priority
+PRIORITY_INTERACTIVE: Priority
+PRIORITY_BATCH: Priority
 RETENTION_UNSPECIFIED: Retention
 RETENTION_LOW: Retention
 RETENTION_NORMAL: Retention
@@ -158,7 +167,7 @@ class SamplingParams(_message.Message):
     def __init__(self, max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., min_p: _Optional[float] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., logprobs: _Optional[int] = ..., include_special_tokens: _Optional[bool] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("text", "chat", "tokens", "sampling", "n", "request_id", "session_id", "parent_candidate", "tools", "tool_choice", "response_format", "expected_idle_ms", "retention")
+    __slots__ = ("text", "chat", "tokens", "sampling", "n", "request_id", "session_id", "parent_candidate", "tools", "tool_choice", "response_format", "expected_idle_ms", "retention", "priority", "tenant")
     TEXT_FIELD_NUMBER: _ClassVar[int]
     CHAT_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -172,6 +181,8 @@ class GenerateRequest(_message.Message):
     RESPONSE_FORMAT_FIELD_NUMBER: _ClassVar[int]
     EXPECTED_IDLE_MS_FIELD_NUMBER: _ClassVar[int]
     RETENTION_FIELD_NUMBER: _ClassVar[int]
+    PRIORITY_FIELD_NUMBER: _ClassVar[int]
+    TENANT_FIELD_NUMBER: _ClassVar[int]
     text: str
     chat: Chat
     tokens: TokenIds
@@ -185,7 +196,9 @@ class GenerateRequest(_message.Message):
     response_format: ResponseFormat
     expected_idle_ms: int
     retention: Retention
-    def __init__(self, text: _Optional[str] = ..., chat: _Optional[_Union[Chat, _Mapping]] = ..., tokens: _Optional[_Union[TokenIds, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., n: _Optional[int] = ..., request_id: _Optional[str] = ..., session_id: _Optional[str] = ..., parent_candidate: _Optional[int] = ..., tools: _Optional[_Iterable[_Union[Tool, _Mapping]]] = ..., tool_choice: _Optional[_Union[ToolChoice, _Mapping]] = ..., response_format: _Optional[_Union[ResponseFormat, _Mapping]] = ..., expected_idle_ms: _Optional[int] = ..., retention: _Optional[_Union[Retention, str]] = ...) -> None: ...
+    priority: Priority
+    tenant: str
+    def __init__(self, text: _Optional[str] = ..., chat: _Optional[_Union[Chat, _Mapping]] = ..., tokens: _Optional[_Union[TokenIds, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., n: _Optional[int] = ..., request_id: _Optional[str] = ..., session_id: _Optional[str] = ..., parent_candidate: _Optional[int] = ..., tools: _Optional[_Iterable[_Union[Tool, _Mapping]]] = ..., tool_choice: _Optional[_Union[ToolChoice, _Mapping]] = ..., response_format: _Optional[_Union[ResponseFormat, _Mapping]] = ..., expected_idle_ms: _Optional[int] = ..., retention: _Optional[_Union[Retention, str]] = ..., priority: _Optional[_Union[Priority, str]] = ..., tenant: _Optional[str] = ...) -> None: ...
 
 class TopLogprob(_message.Message):
     __slots__ = ("token_id", "logprob", "token")
@@ -314,7 +327,7 @@ class GetStatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class Stats(_message.Message):
-    __slots__ = ("running", "waiting", "live_requests", "kv_blocks_total", "kv_blocks_used", "kv_blocks_free", "kv_blocks_cached", "uptime_seconds", "num_preemptions", "num_steps", "generated_tokens", "open_sessions", "session_evictions", "host_kv_blocks_total", "host_kv_blocks_used", "kv_blocks_offloaded", "kv_blocks_restored", "restored_prompt_tokens")
+    __slots__ = ("running", "waiting", "live_requests", "kv_blocks_total", "kv_blocks_used", "kv_blocks_free", "kv_blocks_cached", "uptime_seconds", "num_preemptions", "num_steps", "generated_tokens", "open_sessions", "session_evictions", "host_kv_blocks_total", "host_kv_blocks_used", "kv_blocks_offloaded", "kv_blocks_restored", "restored_prompt_tokens", "priority_preemptions")
     RUNNING_FIELD_NUMBER: _ClassVar[int]
     WAITING_FIELD_NUMBER: _ClassVar[int]
     LIVE_REQUESTS_FIELD_NUMBER: _ClassVar[int]
@@ -333,6 +346,7 @@ class Stats(_message.Message):
     KV_BLOCKS_OFFLOADED_FIELD_NUMBER: _ClassVar[int]
     KV_BLOCKS_RESTORED_FIELD_NUMBER: _ClassVar[int]
     RESTORED_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PRIORITY_PREEMPTIONS_FIELD_NUMBER: _ClassVar[int]
     running: int
     waiting: int
     live_requests: int
@@ -351,10 +365,11 @@ class Stats(_message.Message):
     kv_blocks_offloaded: int
     kv_blocks_restored: int
     restored_prompt_tokens: int
-    def __init__(self, running: _Optional[int] = ..., waiting: _Optional[int] = ..., live_requests: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., kv_blocks_free: _Optional[int] = ..., kv_blocks_cached: _Optional[int] = ..., uptime_seconds: _Optional[float] = ..., num_preemptions: _Optional[int] = ..., num_steps: _Optional[int] = ..., generated_tokens: _Optional[int] = ..., open_sessions: _Optional[int] = ..., session_evictions: _Optional[int] = ..., host_kv_blocks_total: _Optional[int] = ..., host_kv_blocks_used: _Optional[int] = ..., kv_blocks_offloaded: _Optional[int] = ..., kv_blocks_restored: _Optional[int] = ..., restored_prompt_tokens: _Optional[int] = ...) -> None: ...
+    priority_preemptions: int
+    def __init__(self, running: _Optional[int] = ..., waiting: _Optional[int] = ..., live_requests: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., kv_blocks_free: _Optional[int] = ..., kv_blocks_cached: _Optional[int] = ..., uptime_seconds: _Optional[float] = ..., num_preemptions: _Optional[int] = ..., num_steps: _Optional[int] = ..., generated_tokens: _Optional[int] = ..., open_sessions: _Optional[int] = ..., session_evictions: _Optional[int] = ..., host_kv_blocks_total: _Optional[int] = ..., host_kv_blocks_used: _Optional[int] = ..., kv_blocks_offloaded: _Optional[int] = ..., kv_blocks_restored: _Optional[int] = ..., restored_prompt_tokens: _Optional[int] = ..., priority_preemptions: _Optional[int] = ...) -> None: ...
 
 class OpenSessionRequest(_message.Message):
-    __slots__ = ("ttl_seconds", "text", "chat", "tokens", "session_id", "expected_idle_ms", "retention")
+    __slots__ = ("ttl_seconds", "text", "chat", "tokens", "session_id", "expected_idle_ms", "retention", "priority")
     TTL_SECONDS_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
     CHAT_FIELD_NUMBER: _ClassVar[int]
@@ -362,6 +377,7 @@ class OpenSessionRequest(_message.Message):
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     EXPECTED_IDLE_MS_FIELD_NUMBER: _ClassVar[int]
     RETENTION_FIELD_NUMBER: _ClassVar[int]
+    PRIORITY_FIELD_NUMBER: _ClassVar[int]
     ttl_seconds: float
     text: str
     chat: Chat
@@ -369,10 +385,11 @@ class OpenSessionRequest(_message.Message):
     session_id: str
     expected_idle_ms: int
     retention: Retention
-    def __init__(self, ttl_seconds: _Optional[float] = ..., text: _Optional[str] = ..., chat: _Optional[_Union[Chat, _Mapping]] = ..., tokens: _Optional[_Union[TokenIds, _Mapping]] = ..., session_id: _Optional[str] = ..., expected_idle_ms: _Optional[int] = ..., retention: _Optional[_Union[Retention, str]] = ...) -> None: ...
+    priority: Priority
+    def __init__(self, ttl_seconds: _Optional[float] = ..., text: _Optional[str] = ..., chat: _Optional[_Union[Chat, _Mapping]] = ..., tokens: _Optional[_Union[TokenIds, _Mapping]] = ..., session_id: _Optional[str] = ..., expected_idle_ms: _Optional[int] = ..., retention: _Optional[_Union[Retention, str]] = ..., priority: _Optional[_Union[Priority, str]] = ...) -> None: ...
 
 class SessionInfo(_message.Message):
-    __slots__ = ("session_id", "num_tokens", "resident_blocks", "pending_candidates", "idle_seconds", "busy", "ttl_seconds", "is_chat", "kv_tier", "host_blocks", "expected_idle_ms", "retention")
+    __slots__ = ("session_id", "num_tokens", "resident_blocks", "pending_candidates", "idle_seconds", "busy", "ttl_seconds", "is_chat", "kv_tier", "host_blocks", "expected_idle_ms", "retention", "priority")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
     RESIDENT_BLOCKS_FIELD_NUMBER: _ClassVar[int]
@@ -385,6 +402,7 @@ class SessionInfo(_message.Message):
     HOST_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     EXPECTED_IDLE_MS_FIELD_NUMBER: _ClassVar[int]
     RETENTION_FIELD_NUMBER: _ClassVar[int]
+    PRIORITY_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     num_tokens: int
     resident_blocks: int
@@ -397,7 +415,8 @@ class SessionInfo(_message.Message):
     host_blocks: int
     expected_idle_ms: int
     retention: Retention
-    def __init__(self, session_id: _Optional[str] = ..., num_tokens: _Optional[int] = ..., resident_blocks: _Optional[int] = ..., pending_candidates: _Optional[int] = ..., idle_seconds: _Optional[float] = ..., busy: _Optional[bool] = ..., ttl_seconds: _Optional[float] = ..., is_chat: _Optional[bool] = ..., kv_tier: _Optional[_Union[KvTier, str]] = ..., host_blocks: _Optional[int] = ..., expected_idle_ms: _Optional[int] = ..., retention: _Optional[_Union[Retention, str]] = ...) -> None: ...
+    priority: Priority
+    def __init__(self, session_id: _Optional[str] = ..., num_tokens: _Optional[int] = ..., resident_blocks: _Optional[int] = ..., pending_candidates: _Optional[int] = ..., idle_seconds: _Optional[float] = ..., busy: _Optional[bool] = ..., ttl_seconds: _Optional[float] = ..., is_chat: _Optional[bool] = ..., kv_tier: _Optional[_Union[KvTier, str]] = ..., host_blocks: _Optional[int] = ..., expected_idle_ms: _Optional[int] = ..., retention: _Optional[_Union[Retention, str]] = ..., priority: _Optional[_Union[Priority, str]] = ...) -> None: ...
 
 class CloseSessionRequest(_message.Message):
     __slots__ = ("session_id",)

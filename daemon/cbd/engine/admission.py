@@ -7,6 +7,8 @@ hint: the time in which, at the rate requests have been finishing lately, enough
 have finished to make room for this caller *after* the callers refused before it whose hinted time has
 not come yet (a virtual queue: a crowd of refused clients is spread over time instead of retrying
 all at once).
+Batch-priority requests see smaller caps (`batch_share` of each), so that under load they are refused
+before interactive ones are.
 
 Admission is also the one registry of live requests (`LiveRequest` records, see live.py): reserving
 is where a request id is checked for uniqueness, once.
@@ -33,9 +35,10 @@ _MAX_HINTED = 100_000
 
 
 class Admission:
-    def __init__(self, max_requests: int, max_tokens: int) -> None:
+    def __init__(self, max_requests: int, max_tokens: int, batch_share: float = 1.0) -> None:
         self.max_requests = max_requests
         self.max_tokens = max_tokens
+        self.batch_share = batch_share
         self._lock = threading.Lock()
         # request id -> record. Written under the lock; the engine thread reads it without (a dict
         # lookup is atomic, and a record is only removed by `release`).
@@ -65,20 +68,27 @@ class Admission:
     def get(self, request_id: str) -> LiveRequest | None:
         return self._live.get(request_id)
 
-    def reserve(self, request_id: str, num_tokens: int, on_output: OutputCallback | None = None) -> LiveRequest:
+    def reserve(
+        self, request_id: str, num_tokens: int, on_output: OutputCallback | None = None, batch: bool = False
+    ) -> LiveRequest:
+        """batch: a batch-priority request (its caps are `batch_share` of the caps)."""
+        share = self.batch_share if batch else 1.0
+        max_requests = max(1, int(self.max_requests * share)) if batch else self.max_requests
+        max_tokens = max(1, int(self.max_tokens * share)) if batch else self.max_tokens
+        kind = "; batch requests get a share of it" if batch and share < 1 else ""
         with self._lock:
             if request_id in self._live:
                 raise InvalidRequest(f"request id {request_id!r} is already in use by a live request")
-            if len(self._live) >= self.max_requests:
-                wait = self._retry_after(len(self._live) - self.max_requests + 1)
+            if len(self._live) >= max_requests:
+                wait = self._retry_after(len(self._live) - max_requests + 1)
                 raise CapacityExceeded(
-                    f"{len(self._live)} requests are live, the limit is {self.max_requests}; "
+                    f"{len(self._live)} requests are live, the limit is {max_requests}{kind}; "
                     f"retry in {wait:.2f} s", retry_after=wait,
                 )  # fmt: skip
-            if self._tokens + num_tokens > self.max_tokens:
-                wait = self._retry_after(self._requests_to_free(self._tokens + num_tokens - self.max_tokens))
+            if self._tokens + num_tokens > max_tokens:
+                wait = self._retry_after(self._requests_to_free(self._tokens + num_tokens - max_tokens))
                 raise CapacityExceeded(
-                    f"{self._tokens} prompt tokens are queued or running, the limit is {self.max_tokens}; "
+                    f"{self._tokens} prompt tokens are queued or running, the limit is {max_tokens}{kind}; "
                     f"retry in {wait:.2f} s", retry_after=wait,
                 )  # fmt: skip
             live = self._live[request_id] = LiveRequest(request_id, num_tokens, on_output)

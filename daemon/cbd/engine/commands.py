@@ -49,6 +49,7 @@ class OpenSession:
     session_id: str | None = None  # proposed by the caller; None: the engine makes one
     expected_idle: float | None = None  # retention hints (see SessionManager.open)
     retention: int = 0
+    priority: int = 0  # its turns' scheduling class (sampling_params.PRIORITY_*)
 
 
 @dataclass(slots=True)

@@ -90,6 +90,8 @@ class EngineCore:
             if config.num_host_kv_blocks is None:
                 num_host = config.host_kv_bytes(num_blocks * block_bytes) // block_bytes
         self.host_pool = HostPool(num_host) if num_host else None
+        # With a host tier, idle sessions are copied out while 1/20 of the GPU pool is not free.
+        self._free_target = max(1, num_blocks // 20)
         self.copier = KvCopier(self.runner.kv_caches, bs, num_host, self.runner.streams) if num_host else None
         self.sessions = SessionManager(
             self.block_manager, config.max_sessions, config.session_ttl, self.host_pool,
@@ -99,6 +101,7 @@ class EngineCore:
         self.scheduler = Scheduler(
             self.block_manager, config.max_num_seqs, config.max_num_batched_tokens, reclaim=self.sessions.evict,
             max_model_len=self.max_model_len, new_fork=self._fork, host_tier=tier,
+            aging_seconds=config.priority_aging_seconds,
         )  # fmt: skip
         if tp_group is not None:
             graph_batch = min(config.cuda_graph_max_batch, config.max_num_seqs) if config.cuda_graphs else 0
@@ -149,6 +152,11 @@ class EngineCore:
         """Create the request and its first sequence (starting from `block_table` KV, if any) and queue it."""
         seed = params.seed if params.seed is not None else secrets.randbits(63)
         request = Request(live.request_id, prompt, params, seed)
+        request.tenant = params.tenant
+        if params.priority is not None:
+            request.priority = params.priority
+        elif session is not None:
+            request.priority = session.priority
         seq = self._new_sequence(request, 0, list(prompt))
         seq.block_table, seq.num_computed_tokens = block_table or [], num_computed
         seq.host_prefix = host_prefix
@@ -240,6 +248,7 @@ class EngineCore:
             num_blocks_free=bm.num_free_blocks,
             num_blocks_cached=bm.num_cached_free_blocks,
             num_preemptions=self.scheduler.num_preemptions,
+            num_priority_preemptions=self.scheduler.num_priority_preemptions,
             num_steps=self.num_steps,
             num_generated_tokens=self.num_generated_tokens,
             num_sessions=len(self.sessions.sessions),
@@ -299,6 +308,8 @@ class EngineCore:
                 batch.masks = self._masks(plan)
         step = self.runner.launch(batch)
         self.num_steps += 1
+        if self.host_pool is not None:  # keep some GPU blocks free ahead of need (see offload_ahead)
+            self.sessions.offload_ahead(self._free_target)
         return _Launched(plan, step)
 
     def _masks(self, plan: StepPlan) -> torch.Tensor:
@@ -361,6 +372,7 @@ class EngineCore:
         out = RequestOutput(request.request_id, deltas)
         if not request.queue_reported and request.first_scheduled is not None:
             out.queue_seconds = request.first_scheduled - request.arrival_time
+            out.priority = request.priority
             request.queue_reported = True
         if request.is_finished:
             if request.session is not None:

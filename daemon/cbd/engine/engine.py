@@ -27,7 +27,7 @@ from cbd.engine.grammar import CompiledGrammar, GrammarSpec, LazyGrammarCompiler
 from cbd.engine.live import LiveRequest, OutputCallback
 from cbd.engine.outputs import EngineStats, ModelFacts
 from cbd.engine.request_stream import Completion, RequestStream
-from cbd.engine.sampling_params import SamplingParams
+from cbd.engine.sampling_params import PRIORITY_BATCH, SamplingParams
 from cbd.engine.sessions import RETENTION_NORMAL, SessionInfo, TurnInput
 from cbd.errors import CapacityExceeded, EngineStopped
 from cbd.model.loader import LoadedModel
@@ -56,7 +56,9 @@ class Engine:
         self._wake = threading.Event()
         self._stopping = False
         # The one registry of live requests: seats and prompt tokens, capped; ids unique; callbacks.
-        self.admission = admission or Admission(self.config.max_queued_requests, self.config.max_queued_tokens)
+        self.admission = admission or Admission(
+            self.config.max_queued_requests, self.config.max_queued_tokens, self.config.batch_queue_share
+        )
         self._loop = EngineLoop(self.config, self.admission, self._inbox, self._wake, detokenize)
         self._thread = threading.Thread(target=self._loop.run, args=(loaded,), name="cbd-engine", daemon=True)
         self._thread.start()
@@ -146,7 +148,7 @@ class Engine:
         shutdown has begun."""
         self._check_running()
         self.core.validate(prompt_token_ids, params)
-        live = self._reserve(request_id, len(prompt_token_ids), on_output)
+        live = self._reserve(request_id, len(prompt_token_ids), on_output, params)
         self._send(cmd.AddRequest(live, prompt_token_ids, params))
         return live.request_id
 
@@ -163,7 +165,7 @@ class Engine:
         id once the engine thread accepted it, or raises UnknownSession, SessionBusy, InvalidRequest;
         CapacityExceeded and EngineStopped raise at once."""
         try:
-            live = self._reserve(request_id, len(turn.token_ids), on_output)
+            live = self._reserve(request_id, len(turn.token_ids), on_output, params)
         except CapacityExceeded:  # refused for now; the session must not expire while its client retries
             self._send(cmd.TouchSession(session_id))
             raise
@@ -177,16 +179,20 @@ class Engine:
     def open_session(
         self, ttl: float | None = None, token_ids: list[int] | None = None, chat: bool = False,
         session_id: str | None = None, *, expected_idle: float | None = None, retention: int = RETENTION_NORMAL,
+        priority: int = 0,
     ) -> Future[SessionInfo]:  # fmt: skip
         """A new session, optionally starting from `token_ids` (a system prompt; `chat`: a rendered
         conversation). ttl None: the configured default; inf: never expires. session_id: the id the caller
         proposes (InvalidRequest if malformed, SessionExists if open); None: one is made. expected_idle
-        (seconds until the first turn) and retention: hints for the order in which idle KV leaves the GPU."""
+        (seconds until the first turn) and retention: hints for the order in which idle KV leaves the GPU;
+        priority: the class its turns are scheduled in unless a turn says otherwise."""
         self._check_running()
         tokens = list(token_ids or [])
         if tokens:
             self.core.validate(tokens + [0], SamplingParams())  # room for at least one more token
-        return self._ask(lambda f: cmd.OpenSession(ttl, tokens, chat, f, session_id, expected_idle, retention))
+        return self._ask(
+            lambda f: cmd.OpenSession(ttl, tokens, chat, f, session_id, expected_idle, retention, priority)
+        )
 
     def close_session(self, session_id: str) -> Future[None]:
         return self._ask(lambda f: cmd.CloseSession(session_id, f))
@@ -257,9 +263,12 @@ class Engine:
         if self._stopping or self._loop.fatal is not None:
             raise EngineStopped("the engine is shutting down")
 
-    def _reserve(self, request_id: str | None, num_tokens: int, on_output: OutputCallback | None) -> LiveRequest:
+    def _reserve(
+        self, request_id: str | None, num_tokens: int, on_output: OutputCallback | None, params: SamplingParams
+    ) -> LiveRequest:
         self._check_running()
-        return self.admission.reserve(request_id or uuid.uuid4().hex, num_tokens, on_output)
+        batch = params.priority == PRIORITY_BATCH
+        return self.admission.reserve(request_id or uuid.uuid4().hex, num_tokens, on_output, batch)
 
     def _send(self, command: cmd.Command) -> None:
         self._inbox.put(command)

@@ -197,7 +197,7 @@ class EngineLoop:
     def _open_session(self, c: cmd.OpenSession) -> None:
         sessions = self.core.sessions
         _answer(c.future, lambda: sessions.info(
-            sessions.open(c.ttl, c.token_ids, c.chat, c.session_id, c.expected_idle, c.retention)
+            sessions.open(c.ttl, c.token_ids, c.chat, c.session_id, c.expected_idle, c.retention, c.priority)
         ))  # fmt: skip
 
     def _close_session(self, c: cmd.CloseSession) -> None:

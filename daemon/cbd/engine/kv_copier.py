@@ -25,6 +25,7 @@ import torch
 
 from cbd.engine.host_pool import HostPool
 from cbd.engine.streams import DeviceStreams
+from cbd.errors import SettingError
 
 
 class KvCopier:
@@ -40,9 +41,12 @@ class KvCopier:
         shape = (num_host_blocks, layers, block_size, two, kv_heads, head_dim)
         try:
             self.host = torch.empty(shape, dtype=kv_caches.dtype, pin_memory=streams.cuda)
-        except RuntimeError as exc:  # pinned memory the system will not lock
-            raise MemoryError(f"cannot allocate {self.block_bytes(kv_caches, block_size) * num_host_blocks / 2**30:.1f} "
-                              f"GiB of host KV memory: {str(exc).splitlines()[0]}") from None  # fmt: skip
+        except (RuntimeError, MemoryError) as exc:  # memory the system will not give or lock
+            gib = self.block_bytes(kv_caches, block_size) * num_host_blocks / 2**30
+            raise SettingError(
+                f"host_kv_gib: cannot allocate {gib:.1f} GiB of {'pinned ' if streams.cuda else ''}host memory for "
+                f"the host KV tier ({(str(exc).splitlines() or [type(exc).__name__])[0]}); lower it, or 0 to go without"
+            ) from None
         self.bytes_per_block = self.host[0].numel() * self.host.element_size() if num_host_blocks else 0
         self.blocks_per_chunk = max(1, chunk_bytes // max(1, self.bytes_per_block))
         self.stream = torch.cuda.Stream(kv_caches.device) if streams.cuda else None

@@ -39,6 +39,7 @@ class RequestOutput:
     finished: bool = False
     usage: Usage | None = None  # set on the last output of a request
     queue_seconds: float | None = None  # on the first output: from submission to first being scheduled
+    priority: int | None = None  # on the first output: the class it is scheduled in (sampling_params.PRIORITY_*)
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,6 +55,7 @@ class EngineStats:
     num_generated_tokens: int
     num_sessions: int = 0
     num_session_evictions: int = 0
+    num_priority_preemptions: int = 0  # of num_preemptions, those made for a more urgent request
     gpu_busy: float | None = None  # device busy fraction of the recent steps (CUDA only)
     host: HostTierStats | None = None  # None: no host tier
 
@@ -123,8 +125,9 @@ def merge_outputs(outputs: list[RequestOutput]) -> RequestOutput:
             m.usage = d.usage or m.usage
     last = outputs[-1]
     queue_seconds = next((o.queue_seconds for o in outputs if o.queue_seconds is not None), None)
+    priority = next((o.priority for o in outputs if o.priority is not None), None)
     usage = next((o.usage for o in reversed(outputs) if o.usage is not None), None)
     finished = any(o.finished for o in outputs)
     return RequestOutput(
-        last.request_id, sorted(merged.values(), key=lambda d: d.index), finished, usage, queue_seconds
+        last.request_id, sorted(merged.values(), key=lambda d: d.index), finished, usage, queue_seconds, priority
     )

@@ -1,4 +1,4 @@
-"""Per-request sampling parameters, validated once at the boundary."""
+"""Per-request sampling (and scheduling) parameters, validated once at the boundary."""
 
 from __future__ import annotations
 
@@ -15,6 +15,9 @@ MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_CHARS = 256
 MAX_STOP_TOKEN_IDS = 64
 MAX_CANDIDATES = 64
+MAX_TENANT_CHARS = 128
+# Priority classes (scheduler.py): interactive requests are admitted first and may preempt batch ones.
+PRIORITY_INTERACTIVE, PRIORITY_BATCH = 0, 1
 
 
 @dataclass(frozen=True, slots=True)
@@ -34,6 +37,10 @@ class SamplingParams:
     # Every candidate's reply is held to this grammar (constrained decoding; see engine/grammar.py). Once
     # the grammar is complete the candidate stops (finish reason stop), ignore_eos notwithstanding.
     grammar: CompiledGrammar | None = None
+    # Scheduling: PRIORITY_INTERACTIVE or PRIORITY_BATCH; None: the session's class for a turn, else
+    # interactive. tenant: whom the request is for (the batch is shared fairly among a class's tenants).
+    priority: int | None = None
+    tenant: str = ""
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
@@ -64,6 +71,10 @@ class SamplingParams:
             raise InvalidRequest(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
         if not 1 <= self.n <= MAX_CANDIDATES:
             raise InvalidRequest(f"n must be in [1, {MAX_CANDIDATES}], got {self.n}")
+        if self.priority not in (None, PRIORITY_INTERACTIVE, PRIORITY_BATCH):
+            raise InvalidRequest(f"unknown priority {self.priority}")
+        if len(self.tenant) > MAX_TENANT_CHARS:
+            raise InvalidRequest(f"tenant has at most {MAX_TENANT_CHARS} characters, got {len(self.tenant)}")
 
     @property
     def greedy(self) -> bool:

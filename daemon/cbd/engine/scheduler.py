@@ -5,11 +5,20 @@ a chunk of them (a whole prompt, a prefill chunk, or the one token of a decode).
 reaches the end of the sequence, the step also samples its next token.
 
 Policy per step, under `max_num_batched_tokens` and `max_num_seqs`:
+  0. priority: if the most urgent waiting sequence cannot get a seat or the KV for its first chunk
+     and less urgent sequences are running, those are preempted (least urgent first, newest first
+     within a class) until it can;
   1. running sequences in admission order (decodes first in practice, since they are older);
-     when the KV pool cannot grow, the most recently admitted sequence is preempted (its blocks
-     freed, its tokens kept) and re-queued at the front of `waiting` to be recomputed later;
-  2. then waiting sequences in FIFO order, each first reviving any cached prefix blocks; one whose
-     prefix another admission computes this step waits a step to share it instead. A session turn
+     when the KV pool cannot grow, a sequence no more urgent than the one growing is preempted (its
+     blocks freed, its tokens kept; least urgent, then most recently admitted, first; the one growing
+     itself if every other is more urgent) and re-queued to be recomputed later;
+  2. then waiting sequences: most urgent class first (interactive, then batch); within a class the
+     tenant with the fewest running seats first (fair share), oldest request first; each first
+     reviving any cached prefix blocks; one whose prefix another admission computes this step waits
+     a step to share it instead.
+A batch request queued for `aging_seconds` counts as interactive from then on (for admission and
+for preemption), so under any interactive load it runs within that time plus the wait of the
+interactive requests queued before that moment. A session turn
      whose history's KV is on the host tier gets fresh blocks for what the prefix cache lacks, and
      their restore is started (`HostTier.restore`); it leaves the queue for `restoring` and comes
      back to its front, with its KV in place, once the copy is complete: no step waits for a restore.
@@ -38,6 +47,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from cbd.engine.block_manager import BlockManager
+from cbd.engine.sampling_params import PRIORITY_INTERACTIVE
 from cbd.engine.sequence import PLACEHOLDER, Sequence, SequenceStatus
 
 log = logging.getLogger(__name__)
@@ -104,6 +114,8 @@ class Scheduler:
         max_model_len: int,
         new_fork: Callable[[Sequence, int, list[int]], Sequence],
         host_tier: HostTier | None = None,
+        aging_seconds: float = 30.0,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.block_manager = block_manager
         self.max_model_len = max_model_len
@@ -120,13 +132,28 @@ class Scheduler:
         self.running: list[Sequence] = []
         self.host_tier = host_tier
         self.restoring: list[tuple[Sequence, int]] = []  # admitted, waiting for their restore (ticket)
+        self.aging_seconds = aging_seconds
+        self.clock = clock
         self.num_preemptions = 0
+        self.num_priority_preemptions = 0  # of num_preemptions, those made for a more urgent request
         self.num_restored_blocks = 0
         self.num_restored_tokens = 0  # prompt tokens whose KV came from the host instead of being computed
 
     def add(self, seq: Sequence) -> None:
         seq.status = SequenceStatus.WAITING
+        if seq.request.queued_at is None:
+            seq.request.queued_at = self.clock()
         self.waiting.append(seq)
+
+    def urgency(self, seq: Sequence, now: float | None = None) -> int:
+        """The class seq is scheduled in: its request's priority, or interactive once it has aged."""
+        request = seq.request
+        if request.priority == PRIORITY_INTERACTIVE:
+            return PRIORITY_INTERACTIVE
+        now = now if now is not None else self.clock()
+        if request.queued_at is not None and now - request.queued_at >= self.aging_seconds:
+            return PRIORITY_INTERACTIVE
+        return request.priority
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running or self.restoring)
@@ -137,6 +164,10 @@ class Scheduler:
             self._finish_restores()
         budget = self.max_num_batched_tokens
         bm = self.block_manager
+        now = self.clock()
+        if self.waiting and self.running:
+            self._preempt_for_priority(plan, now)
+        short = False
         index = 0
         while index < len(self.running) and budget > 0:
             seq = self.running[index]
@@ -145,7 +176,9 @@ class Scheduler:
                 continue
             num_new = min(seq.num_uncomputed, budget)
             while not self._make_room(seq, num_new):
-                victim = self.running.pop()
+                short = True
+                victim = self._memory_victim(index, now)
+                self.running.remove(victim)
                 self._preempt(victim, plan)
                 if victim is seq:
                     break
@@ -154,8 +187,8 @@ class Scheduler:
                 plan.chunks.append(ScheduledChunk(seq, num_new))
                 budget -= num_new
                 index += 1
-        if not plan.preempted:  # the pool is short: admitting now would only thrash
-            self._admit(plan, budget)
+        if not short:  # the pool is short: admitting now would only thrash
+            self._admit(plan, budget, now)
         self._book(plan)
         plan.fences = bm.take_fences()
         return plan
@@ -269,8 +302,8 @@ class Scheduler:
                 self.block_manager.commit(chunk.seq)
         return live
 
-    def _admit(self, plan: StepPlan, budget: int) -> None:
-        """Admit waiting sequences in FIFO order while the budget, the seats and the pool allow.
+    def _admit(self, plan: StepPlan, budget: int, now: float) -> None:
+        """Admit waiting sequences, in `_AdmissionOrder`, while the budget, the seats and the pool allow.
 
         A sequence whose first full block is being computed this step by another admitted sequence
         is deferred one step, so that it then revives those blocks from the prefix cache instead of
@@ -279,15 +312,17 @@ class Scheduler:
         bm = self.block_manager
         seats = sum(s.seats for s in self.running)
         inflight: set[int] = set()
-        deferred: list[Sequence] = []
-        while self.waiting and budget > 0:
-            seq = self.waiting[0]
+        order = _AdmissionOrder(self, now)
+        while budget > 0:
+            seq = order.next()
+            if seq is None:
+                break
             if seats + seq.seats > self.max_num_seqs or seq.num_placeholders:
                 break  # no seat, or (preempted while a step samples its token) the token is not known yet
             if not seq.block_table and inflight:
                 first = bm.cacheable_hashes(seq, min(seq.num_tokens - 1, bm.block_size))
                 if first and first[0] in inflight and not bm.is_cached(first[0]):
-                    deferred.append(self.waiting.popleft())
+                    order.skip(seq)  # deferred: next step it shares the prefix
                     continue
             if not seq.block_table:
                 seq.num_computed_tokens = bm.allocate_prefix(seq)
@@ -298,14 +333,14 @@ class Scheduler:
                         seq.num_computed_tokens = 0
                         break
                     if started:
-                        self.waiting.popleft()
+                        self._unqueue(order, seq)
                         continue
             num_new = min(seq.num_uncomputed, budget)
             if not self._make_room(seq, num_new):
                 bm.free(seq)
                 seq.num_computed_tokens = 0
                 break
-            self.waiting.popleft()
+            self._unqueue(order, seq)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             seats += seq.seats
@@ -314,7 +349,43 @@ class Scheduler:
             budget -= num_new
             if bm.enable_prefix_caching:
                 inflight.update(bm.cacheable_hashes(seq, seq.num_computed_tokens + num_new))
-        self.waiting.extendleft(reversed(deferred))
+
+    def _unqueue(self, order: _AdmissionOrder, seq: Sequence) -> None:
+        order.take(seq)
+        if self.waiting[0] is seq:
+            self.waiting.popleft()
+        else:
+            self.waiting.remove(seq)
+
+    def _preempt_for_priority(self, plan: StepPlan, now: float) -> None:
+        """If the most urgent waiting sequence has no seat or no KV for its first chunk, preempt less
+        urgent running sequences (least urgent first, newest first within a class) until it has."""
+        best = min(self.waiting, key=lambda s: (self.urgency(s, now), s.request.queued_at or 0.0))
+        level = self.urgency(best, now)
+        victims = [s for s in self.running if self.urgency(s, now) > level and not s.final_in_flight]
+        if not victims or best.num_placeholders:
+            return
+        bm = self.block_manager
+        need = bm.blocks_needed(min(best.num_tokens, self.max_num_batched_tokens)) - len(best.block_table)
+        seats = sum(s.seats for s in self.running)
+        if bm.num_free_blocks < need and self.reclaim is not None:
+            self.reclaim(need, False)
+        victims.sort(key=lambda s: (self.urgency(s, now), self.running.index(s)))
+        while victims and (seats + best.seats > self.max_num_seqs or bm.num_free_blocks < need):
+            victim = victims.pop()
+            self.running.remove(victim)
+            seats -= victim.seats
+            self._preempt(victim, plan)
+            self.num_priority_preemptions += 1
+
+    def _memory_victim(self, index: int, now: float) -> Sequence:
+        """Whom to preempt so that running[index] can grow: among the running sequences not yet scheduled
+        this step, the least urgent one no more urgent than it, newest first; else itself."""
+        seq = self.running[index]
+        level = self.urgency(seq, now)
+        tail = [(self.urgency(s, now), i) for i, s in enumerate(self.running) if i > index]
+        eligible = [(u, i) for u, i in tail if u >= level]
+        return self.running[max(eligible)[1]] if eligible else seq
 
     def _make_room(self, seq: Sequence, num_new: int) -> bool:
         """Whether seq can grow by num_new tokens, after freeing what no running sequence needs:
@@ -361,6 +432,47 @@ class Scheduler:
         self.block_manager.free(seq)
         seq.num_computed_tokens = 0
         seq.status = SequenceStatus.WAITING
-        self.waiting.appendleft(seq)
+        self.waiting.appendleft(seq)  # queued first within its class and tenant (it is older than the rest)
         plan.preempted.append(seq)
         self.num_preemptions += 1
+
+
+class _AdmissionOrder:
+    """The order in which one step considers waiting sequences: by class (urgency), then the tenant
+    with the fewest seats running or admitted so far this step, then queue order. With one class and
+    one tenant this is the queue's order. `next()` shows the next one; `take` (admitted) and `skip`
+    (deferred: stays queued) move past it."""
+
+    def __init__(self, scheduler: Scheduler, now: float) -> None:
+        self.groups: dict[tuple[int, str], deque[Sequence]] = {}
+        for seq in scheduler.waiting:
+            self.groups.setdefault((scheduler.urgency(seq, now), seq.request.tenant), deque()).append(seq)
+        self.position = {id(s): i for i, s in enumerate(scheduler.waiting)} if len(self.groups) > 1 else {}
+        self.seats: dict[str, int] = {}
+        if len(self.groups) > 1:
+            for seq in scheduler.running:
+                self.seats[seq.request.tenant] = self.seats.get(seq.request.tenant, 0) + seq.seats
+
+    def next(self) -> Sequence | None:
+        if not self.groups:
+            return None
+        if len(self.groups) == 1:
+            return next(iter(self.groups.values()))[0]
+        key = min(self.groups, key=lambda k: (k[0], self.seats.get(k[1], 0), self.position[id(self.groups[k][0])]))
+        return self.groups[key][0]
+
+    def take(self, seq: Sequence) -> None:
+        self._drop(seq)
+        self.seats[seq.request.tenant] = self.seats.get(seq.request.tenant, 0) + seq.seats
+
+    def skip(self, seq: Sequence) -> None:
+        self._drop(seq)
+
+    def _drop(self, seq: Sequence) -> None:
+        for key, group in self.groups.items():
+            if group and group[0] is seq:
+                group.popleft()
+                if not group:
+                    del self.groups[key]
+                return
+        raise AssertionError("only the sequence next() returned can be taken or skipped")

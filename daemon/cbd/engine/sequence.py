@@ -110,6 +110,11 @@ class Request:
     prompt_cache_recorded: bool = False
     session: Any = None  # the engine Session this request is a turn of
     first_scheduled: float | None = None  # monotonic time of its first step
+    # Scheduling (resolved when queued: the params', else the session's, else interactive), and when the
+    # scheduler first queued it (its clock; the start of aging).
+    priority: int = 0
+    tenant: str = ""
+    queued_at: float | None = None
     queue_reported: bool = False
 
     @property

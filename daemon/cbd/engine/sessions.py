@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 
 from cbd.engine.block_manager import BlockManager
 from cbd.engine.host_pool import HostPool
+from cbd.engine.sampling_params import PRIORITY_BATCH, PRIORITY_INTERACTIVE
 from cbd.engine.sequence import Request, Sequence
 from cbd.errors import CapacityExceeded, InvalidRequest, SessionBusy, SessionExists, UnknownSession
 
@@ -67,6 +68,7 @@ class Session(Branch):
     # a retention class (RETENTION_LOW, _NORMAL, _HIGH: the order in which idle sessions leave the GPU).
     expected_idle: float | None = None
     retention: int = 0
+    priority: int = 0  # its turns' scheduling class unless a turn says otherwise (sampling_params.PRIORITY_*)
 
     def branches_and_self(self) -> list[Branch]:
         return [self, *self.branches]
@@ -100,6 +102,7 @@ class SessionInfo:
     tier: str = "none"
     expected_idle: float | None = None
     retention: int = RETENTION_NORMAL
+    priority: int = 0
 
 
 @dataclass(slots=True)
@@ -150,10 +153,13 @@ class SessionManager:
     def open(
         self, ttl: float | None = None, token_ids: list[int] | None = None, is_chat: bool = False,
         session_id: str | None = None, expected_idle: float | None = None, retention: int = RETENTION_NORMAL,
+        priority: int = 0,
     ) -> Session:  # fmt: skip
         """A new session whose history is `token_ids` (no KV yet). ttl None: the default; inf: never expires."""
         _check_ttl(ttl)
         _check_hints(expected_idle, retention)
+        if priority not in (PRIORITY_INTERACTIVE, PRIORITY_BATCH):
+            raise InvalidRequest(f"unknown priority {priority}")
         if session_id:
             check_session_id(session_id)
             if session_id in self.sessions:
@@ -163,7 +169,7 @@ class SessionManager:
         session_id = session_id or f"s-{next(self._ids)}-{secrets.token_hex(6)}"
         session = Session(
             list(token_ids or []), session_id=session_id, ttl=ttl if ttl is not None else self.default_ttl,
-            is_chat=is_chat, expected_idle=expected_idle, retention=retention,
+            is_chat=is_chat, expected_idle=expected_idle, retention=retention, priority=priority,
         )  # fmt: skip
         self.sessions[session_id] = session
         return session
@@ -201,7 +207,7 @@ class SessionManager:
         base = self.pending_base(source, candidate, "candidate")
         child = self.open(
             ttl if ttl is not None else source.ttl, base.token_ids, source.is_chat, new_session_id,
-            retention=source.retention,
+            retention=source.retention, priority=source.priority,
         )  # fmt: skip
         child.block_table = self.bm.share(base.block_table)
         child.num_computed = base.num_computed
@@ -243,7 +249,7 @@ class SessionManager:
         return SessionInfo(
             session.session_id, len(session.token_ids), len(resident), len(session.branches),
             session.idle_seconds(), session.busy is not None, session.ttl, session.is_chat, len(host), tier,
-            session.expected_idle, session.retention,
+            session.expected_idle, session.retention, session.priority,
         )  # fmt: skip
 
     # ---- turns --------------------------------------------------------------------------------
@@ -344,6 +350,25 @@ class SessionManager:
             freed += self.bm.num_free_blocks - before
             self.num_evictions += 1
         return freed
+
+    def offload_ahead(self, free_target: int) -> None:
+        """With a host tier: copy idle sessions' KV to it, in eviction order, until free_target GPU blocks
+        are free (or no idle session is left on the GPU, or the host pool has no room). Called after a
+        step is launched, so that the copies run while the GPU computes and the blocks they free are
+        ready (their fences passed) by the time a later step needs them; never releases KV to recompute."""
+        if self.host is None or self.bm.num_free_blocks >= free_target:
+            return
+        for session in self.eviction_order([s for s in self.sessions.values() if s.busy is None]):
+            if self.bm.num_free_blocks >= free_target:
+                break
+            branches = [b for b in session.branches_and_self() if b.block_table]
+            if not branches:
+                continue
+            if sum(len(b.block_table) for b in branches) > self.host.num_free_blocks:
+                break  # proactively, only into free host blocks
+            for b in branches:
+                self._offload(b, [])
+            self.num_evictions += 1
 
     def _offload(self, branch: Branch, before: list[Session]) -> bool:
         """Copy a branch's GPU blocks to new host blocks and free the GPU ones (fenced until the copy is

@@ -30,7 +30,7 @@ from cbd.engine.outputs import CandidateDelta, RequestOutput
 from cbd.engine.sampling_params import SamplingParams
 from cbd.engine.sequence import FinishReason
 from cbd.engine.sessions import TurnInput
-from cbd.errors import EngineStopped
+from cbd.errors import EngineStopped, SettingError
 from cbd.ipc import wire
 
 log = logging.getLogger(__name__)
@@ -150,6 +150,7 @@ class Endpoint:
     def _open_session(self, c: wire.OpenSession) -> None:
         self._ask(c.call_id, lambda: self.engine.open_session(
             c.ttl, c.token_ids, c.chat, c.session_id, expected_idle=c.expected_idle, retention=c.retention,
+            priority=c.priority,
         ))  # fmt: skip
 
     def _close_session(self, c: wire.CloseSession) -> None:
@@ -182,7 +183,10 @@ def serve(config: EngineConfig, commands_address: str, events_address: str, warm
     try:
         engine = _start(config, warmup)
     except BaseException as exc:
-        kind = "load" if isinstance(exc, (OSError, ValueError)) else type(exc).__name__
+        kind = (
+            "setting" if isinstance(exc, SettingError)
+            else "load" if isinstance(exc, (OSError, ValueError)) else type(exc).__name__
+        )  # fmt: skip
         events.send(wire.events_encoder.encode(wire.Hello(None, None, wire.Failure(kind, str(exc)))))
         events.close()
         context.term()

@@ -40,7 +40,7 @@ from cbd.engine.admission import Admission
 from cbd.engine.grammar import CompiledGrammar, GrammarSpec, LazyGrammarCompiler
 from cbd.engine.live import OutputCallback
 from cbd.engine.outputs import CandidateDelta, EngineStats, ModelFacts, RequestOutput
-from cbd.engine.sampling_params import SamplingParams, validate_request
+from cbd.engine.sampling_params import PRIORITY_BATCH, SamplingParams, validate_request
 from cbd.engine.sequence import FinishReason
 from cbd.engine.sessions import RETENTION_NORMAL, SessionInfo, TurnInput
 from cbd.errors import CapacityExceeded, EngineFailure, EngineStopped
@@ -53,11 +53,12 @@ _Answer = Callable[[Any, BaseException | None], None]
 
 
 class EngineStartFailed(Exception):
-    """The engine process could not start; `load`: the model could not be read as configured."""
+    """The engine process could not start. kind: "load" (the model could not be read as configured),
+    "setting" (a setting that cannot work on this host), or another failure's name."""
 
-    def __init__(self, message: str, load: bool) -> None:
+    def __init__(self, message: str, kind: str) -> None:
         super().__init__(message)
-        self.load = load
+        self.kind = kind
 
 
 @dataclass(slots=True)
@@ -81,7 +82,7 @@ class RemoteEngine:
         self._directory = directory
         self.facts: ModelFacts
         self.tokenizer: Any = None
-        self.admission = Admission(config.max_queued_requests, config.max_queued_tokens)
+        self.admission = Admission(config.max_queued_requests, config.max_queued_tokens, config.batch_queue_share)
         self._requests: dict[str, _Request] = {}
         self._calls: dict[int, _Answer] = {}
         self._call_ids = itertools.count()
@@ -132,12 +133,12 @@ class RemoteEngine:
         if not receive.done():
             receive.cancel()
             raise EngineStartFailed(
-                f"the engine process exited with status {self._exited.result()} while starting", False
+                f"the engine process exited with status {self._exited.result()} while starting", "exited"
             )
         hello = wire.hello_decoder.decode(receive.result())
         if hello.error is not None or hello.facts is None:
             error = hello.error or wire.Failure("EngineFailure", "no model facts")
-            raise EngineStartFailed(error.message, error.kind == "load")
+            raise EngineStartFailed(error.message, error.kind)
         self.facts = hello.facts
         blocks = self.facts.num_kv_blocks
         self._stats = EngineStats(0, 0, blocks, 0, blocks, 0, 0, 0, 0)
@@ -299,13 +300,14 @@ class RemoteEngine:
     def open_session(
         self, ttl: float | None = None, token_ids: list[int] | None = None, chat: bool = False,
         session_id: str | None = None, *, expected_idle: float | None = None, retention: int = RETENTION_NORMAL,
+        priority: int = 0,
     ) -> Future[SessionInfo]:  # fmt: skip
         self._check_running()
         tokens = list(token_ids or [])
         if tokens:
             self.validate(tokens + [0], SamplingParams())  # room for at least one more token
         return self._ask(
-            lambda call_id: wire.OpenSession(call_id, ttl, tokens, chat, session_id, expected_idle, retention)
+            lambda call_id: wire.OpenSession(call_id, ttl, tokens, chat, session_id, expected_idle, retention, priority)
         )
 
     def close_session(self, session_id: str) -> Future[None]:
@@ -337,7 +339,9 @@ class RemoteEngine:
         self, request_id: str | None, num_tokens: int, params: SamplingParams, on_output: OutputCallback | None
     ) -> str:
         self._check_running()
-        live = self.admission.reserve(request_id or uuid.uuid4().hex, num_tokens)
+        live = self.admission.reserve(
+            request_id or uuid.uuid4().hex, num_tokens, batch=params.priority == PRIORITY_BATCH
+        )
         self._requests[live.request_id] = _Request(
             on_output, params.n, RequestText.for_request(self.tokenizer, params), set()
         )

@@ -57,6 +57,7 @@ class OpenSession(msgspec.Struct, tag=True, array_like=True):
     session_id: str | None = None  # proposed by the client
     expected_idle: float | None = None  # retention hints (SessionManager.open)
     retention: int = 0
+    priority: int = 0  # its turns' scheduling class
 
 
 class CloseSession(msgspec.Struct, tag=True, array_like=True):

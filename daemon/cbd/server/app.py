@@ -28,7 +28,7 @@ from cbd import __version__
 from cbd.config import EngineConfig
 from cbd.ipc.remote import EngineStartFailed, RemoteEngine
 from cbd.model.loader import default_cache_dir
-from cbd.server.auth import BearerTokenInterceptor, read_token
+from cbd.server.auth import BearerTokenInterceptor, read_tokens
 from cbd.server.background import detach
 from cbd.server.background import stop as stop_daemon
 from cbd.server.logs import configure as configure_logging
@@ -59,8 +59,9 @@ async def serve(
     engine_config: EngineConfig, server_config: ServerConfig, on_listening: Callable[[list[str]], None] | None = None
 ) -> None:
     interceptors = []
-    if server_config.auth_token_file:
-        interceptors.append(BearerTokenInterceptor(read_token(server_config.auth_token_file)))
+    tokens = read_tokens(server_config.auth_token_file) if server_config.auth_token_file else None
+    if tokens is not None:
+        interceptors.append(BearerTokenInterceptor(tokens))
     limit = server_config.max_message_bytes
     # No SO_REUSEPORT: a second daemon on the same port must fail to bind, not share the port.
     options = [
@@ -69,7 +70,7 @@ async def serve(
         ("grpc.so_reuseport", 0),
     ]
     server = grpc.aio.server(interceptors=interceptors, options=options)
-    service = CbdService()
+    service = CbdService(tokens=tokens)
     cbd_pb2_grpc.add_CbdServicer_to_server(service, server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
@@ -172,8 +173,10 @@ def _loaded(load: asyncio.Future[RemoteEngine]) -> RemoteEngine:
     try:
         return load.result()
     except EngineStartFailed as exc:
-        if exc.load:  # a model that cannot be read as configured
+        if exc.kind == "load":  # a model that cannot be read as configured
             raise StartupError(f"could not load the model: {exc}") from exc
+        if exc.kind == "setting":
+            raise StartupError(str(exc)) from exc
         raise StartupError(f"could not start the engine: {exc}", status=1) from exc
 
 

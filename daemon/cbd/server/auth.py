@@ -1,39 +1,68 @@
 """Optional bearer-token authentication: a server interceptor on every RPC except health.
 
-The token is read from a file (so it never appears on a command line or in logs) and compared in
-constant time. Clients send it as `authorization: Bearer <token>` metadata (`Client(token=...)`).
+The tokens are read from a file (so they never appear on a command line or in logs) and compared in
+constant time. The file holds one token, or several lines of `NAME TOKEN` (blank lines and lines
+starting with '#' are skipped); a bare token is named "default". A token's name is the caller's
+tenant for fair scheduling (it wins over the request's own `tenant` field). Clients send the token
+as `authorization: Bearer <token>` metadata (`Client(token=...)`).
 """
 
 from __future__ import annotations
 
 import hmac
+import re
+from collections.abc import Sequence
 from pathlib import Path
 
 import grpc
 
 _EXEMPT = ("/grpc.health.v1.Health/",)
+_NAME = re.compile(r"[A-Za-z0-9._~-]{1,128}")
 
 
-def read_token(path: str) -> bytes:
-    token = Path(path).read_text().strip()
-    if not token:
+def read_tokens(path: str) -> dict[str, bytes]:
+    """name -> token from an auth token file (ValueError naming the file if it is malformed)."""
+    lines = [line.strip() for line in Path(path).read_text().splitlines()]
+    lines = [line for line in lines if line and not line.startswith("#")]
+    if not lines:
         raise ValueError(f"auth_token_file {path} is empty")
-    return token.encode()
+    if len(lines) == 1 and len(lines[0].split()) == 1:
+        return {"default": lines[0].encode()}
+    tokens: dict[str, bytes] = {}
+    for number, line in enumerate(lines, 1):
+        parts = line.split()
+        if len(parts) != 2 or not _NAME.fullmatch(parts[0]):
+            raise ValueError(
+                f"auth_token_file {path}: entry {number} is not `NAME TOKEN` (NAME: letters, digits, ._~-)"
+            )
+        if parts[0] in tokens:
+            raise ValueError(f"auth_token_file {path}: the name {parts[0]!r} appears twice")
+        tokens[parts[0]] = parts[1].encode()
+    return tokens
+
+
+def token_name(tokens: dict[str, bytes], metadata: Sequence[tuple[str, str | bytes]] | None) -> str | None:
+    """The name of the token a call presents (None: none of them)."""
+    presented = b""
+    for key, value in metadata or ():
+        if key == "authorization":
+            presented = value.encode() if isinstance(value, str) else value
+    found = None
+    for name, token in tokens.items():  # every entry is compared: the time does not say which matched
+        if hmac.compare_digest(presented, b"Bearer " + token):
+            found = name
+    return found
 
 
 class BearerTokenInterceptor(grpc.aio.ServerInterceptor):
-    def __init__(self, token: bytes) -> None:
-        self._expected = b"Bearer " + token
+    def __init__(self, tokens: dict[str, bytes]) -> None:
+        self._tokens = tokens
 
     async def intercept_service(self, continuation, handler_call_details):
         method = handler_call_details.method
         if method.startswith(_EXEMPT):
             return await continuation(handler_call_details)
-        presented = b""
-        for key, value in handler_call_details.invocation_metadata or ():
-            if key == "authorization":
-                presented = value.encode() if isinstance(value, str) else value
-        if hmac.compare_digest(presented, self._expected):
+        if token_name(self._tokens, handler_call_details.invocation_metadata) is not None:
             return await continuation(handler_call_details)
         return _deny(method)
 

@@ -5,8 +5,9 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from cbd.engine.outputs import RequestOutput, Usage
-from cbd.engine.sampling_params import SamplingParams
+from cbd.engine.sampling_params import PRIORITY_BATCH, PRIORITY_INTERACTIVE, SamplingParams
 from cbd.engine.sequence import FinishReason
+from cbd.errors import InvalidRequest
 from cbd.server.tool_call_parser import ToolCallDelta, ToolCallParser
 from cbd.server.tool_calls import CallFormat
 from cbd_client.v1 import cbd_pb2 as pb
@@ -20,9 +21,20 @@ _FINISH = {
 }
 
 
-def sampling_params(request: pb.GenerateRequest) -> SamplingParams:
+def priority(value: int) -> int | None:
+    """The engine's priority class for a proto Priority; None for UNSPECIFIED."""
+    if value == pb.PRIORITY_UNSPECIFIED:
+        return None
+    classes: dict[int, int] = {pb.PRIORITY_INTERACTIVE: PRIORITY_INTERACTIVE, pb.PRIORITY_BATCH: PRIORITY_BATCH}
+    if value not in classes:
+        raise InvalidRequest(f"unknown priority {value}")
+    return classes[value]
+
+
+def sampling_params(request: pb.GenerateRequest, tenant: str = "") -> SamplingParams:
+    """tenant: the caller's (see CbdService._tenant)."""
     s = request.sampling
-    values: dict[str, object] = {"n": request.n or 1}
+    values: dict[str, object] = {"n": request.n or 1, "priority": priority(request.priority), "tenant": tenant}
     for name in ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "logprobs"):
         if s.HasField(name):
             values[name] = getattr(s, name)

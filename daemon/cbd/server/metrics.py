@@ -9,6 +9,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 from prometheus_client.registry import Collector
 
 from cbd.engine.outputs import RESTORE_SECONDS_BUCKETS, EngineStats, HostTierStats, RequestOutput
+from cbd.engine.sampling_params import PRIORITY_BATCH
 
 _LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 
@@ -37,7 +38,10 @@ class _EngineCollector(Collector):
                 "cbd_gpu_idle_ratio", "Fraction of the engine loop's recent wall time the GPU had no step to run.",
                 value=1.0 - s.gpu_busy,
             )  # fmt: skip
-        yield CounterMetricFamily("cbd_preemptions", "Sequences preempted for KV space.", value=s.num_preemptions)
+        preemptions = CounterMetricFamily("cbd_preemptions", "Sequences preempted, by cause.", labels=["cause"])
+        preemptions.add_metric(["memory"], s.num_preemptions - s.num_priority_preemptions)
+        preemptions.add_metric(["priority"], s.num_priority_preemptions)
+        yield preemptions
         yield CounterMetricFamily(
             "cbd_session_evictions", "Times an idle session's KV left the GPU (to the host tier, or released) for running requests.",
             value=s.num_session_evictions,
@@ -79,6 +83,11 @@ def _host_tier(h: HostTierStats) -> Iterator[GaugeMetricFamily | CounterMetricFa
     )  # fmt: skip
 
 
+def priority_label(priority: int | None) -> str:
+    """The bounded label of a priority class."""
+    return "batch" if priority == PRIORITY_BATCH else "interactive"
+
+
 class Metrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
@@ -97,16 +106,16 @@ class Metrics:
         )
         self.completion_tokens = Counter("cbd_completion_tokens", "Generated tokens.", registry=self.registry)
         self.first_token = Histogram(
-            "cbd_time_to_first_token_seconds", "From request arrival to its first token.",
-            buckets=_LATENCY_BUCKETS, registry=self.registry,
+            "cbd_time_to_first_token_seconds", "From request arrival to its first token, by priority class.",
+            ["priority"], buckets=_LATENCY_BUCKETS, registry=self.registry,
         )  # fmt: skip
         self.inter_token = Histogram(
             "cbd_inter_token_latency_seconds", "Time between consecutive messages carrying new tokens of a request.",
             buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5), registry=self.registry,
         )  # fmt: skip
         self.queue = Histogram(
-            "cbd_queue_seconds", "From submission to the engine to the request's first step.",
-            buckets=_LATENCY_BUCKETS, registry=self.registry,
+            "cbd_queue_seconds", "From submission to the engine to the request's first step, by priority class.",
+            ["priority"], buckets=_LATENCY_BUCKETS, registry=self.registry,
         )  # fmt: skip
         self.duration = Histogram(
             "cbd_request_duration_seconds", "From request arrival to its last message.",
@@ -119,7 +128,7 @@ class Metrics:
     def observe(self, output: RequestOutput, elapsed: float) -> None:
         """Account one engine output of a request that arrived `elapsed` seconds ago."""
         if output.queue_seconds is not None:
-            self.queue.observe(output.queue_seconds)
+            self.queue.labels(priority_label(output.priority)).observe(output.queue_seconds)
         for delta in output.candidates:
             if delta.finish_reason is not None:
                 self.candidates.labels(delta.finish_reason.value).inc()

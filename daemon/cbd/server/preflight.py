@@ -11,9 +11,9 @@ from pathlib import Path
 
 import torch
 
-from cbd.config import EngineConfig
+from cbd.config import EngineConfig, physical_memory
 from cbd.model.loader import default_gguf_path
-from cbd.server.auth import read_token
+from cbd.server.auth import read_tokens
 from cbd.server.settings import ServerConfig
 
 
@@ -21,13 +21,17 @@ def preflight(engine: EngineConfig, server: ServerConfig) -> None:
     """Raise ValueError or OSError naming the setting that cannot work on this host."""
     _check_model(engine.model)
     _check_device(engine)
+    if engine.host_kv_gib is not None and engine.host_kv_gib * 2**30 > physical_memory():
+        raise ValueError(
+            f"host_kv_gib: {engine.host_kv_gib:g} GiB is more than this host's RAM ({physical_memory() / 2**30:.1f} GiB)"
+        )
     if server.socket_group:
         try:
             grp.getgrnam(server.socket_group)
         except KeyError:
             raise ValueError(f"socket_group: there is no group named {server.socket_group!r} on this host") from None
     if server.auth_token_file:
-        read_token(server.auth_token_file)
+        read_tokens(server.auth_token_file)
     for name in ("tls_cert_file", "tls_key_file", "tls_client_ca_file"):
         path = getattr(server, name)
         if path and not Path(path).is_file():

@@ -12,15 +12,23 @@ import grpc
 
 from cbd.engine.grammar import MAX_GRAMMAR_BYTES
 from cbd.engine.outputs import RequestOutput, merge_outputs
-from cbd.engine.sampling_params import MAX_CANDIDATES, MAX_LOGPROBS, MAX_STOP_STRINGS, SamplingParams
+from cbd.engine.sampling_params import (
+    MAX_CANDIDATES,
+    MAX_LOGPROBS,
+    MAX_STOP_STRINGS,
+    PRIORITY_BATCH,
+    PRIORITY_INTERACTIVE,
+    SamplingParams,
+)
 from cbd.engine.sequence import FinishReason
 from cbd.engine.sessions import RETENTION_HIGH, RETENTION_LOW, RETENTION_NORMAL, SessionInfo, TurnInput
 from cbd.errors import EngineFailure, EngineStopped, InvalidRequest
 from cbd.ipc.remote import RemoteEngine
 from cbd.server import convert, status
+from cbd.server.auth import token_name
 from cbd.server.chats import ChatLogs
 from cbd.server.logs import request_line
-from cbd.server.metrics import Metrics
+from cbd.server.metrics import Metrics, priority_label
 from cbd.server.prompts import PromptEncoder
 from cbd.server.structured import structure
 from cbd.server.tool_calls import MAX_TOOLS, Tool
@@ -29,8 +37,9 @@ from cbd_client.v1.cbd_pb2_grpc import CbdServicer as _Base
 
 
 class CbdService(_Base):
-    def __init__(self, metrics: Metrics | None = None) -> None:
+    def __init__(self, metrics: Metrics | None = None, tokens: dict[str, bytes] | None = None) -> None:
         self.engine: RemoteEngine | None = None  # set once the engine process serves
+        self.tokens = tokens  # auth tokens by name: a caller's token name is its tenant
         self.prompts = PromptEncoder(None)
         self.chats = ChatLogs(None, ())
         self.started_at = time.monotonic()
@@ -61,7 +70,7 @@ class CbdService(_Base):
         self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.GenerateResponse]:  # noqa: N802
         engine = self._engine()
-        params = convert.sampling_params(request)
+        params = convert.sampling_params(request, self._tenant(request, context))
         structured = structure(request, self.prompts.call_format)
         if structured.spec is not None:  # compiled off the event loop and the engine thread; cached by text
             params = replace(params, grammar=await asyncio.to_thread(engine.compile_grammar, structured.spec))
@@ -83,6 +92,7 @@ class CbdService(_Base):
                 prompt, params, request.request_id or None, outputs.put_nowait
             )  # makes an id if none
         output: RequestOutput | None = None
+        priority = params.priority  # the class it runs in, known for sure from its first output
         waiting_first_token = True
         last_token_at = first_token_at = 0.0
         finishes: set[str] = set()
@@ -95,9 +105,10 @@ class CbdService(_Base):
                 for out in pending:  # metrics count every engine output, merged or not
                     finishes.update(d.finish_reason.value for d in out.candidates if d.finish_reason is not None)
                     prompt_tokens = next((d.usage.prompt_tokens for d in out.candidates if d.usage), prompt_tokens)
+                    priority = out.priority if out.priority is not None else priority
                     if any(d.token_ids for d in out.candidates):
                         if waiting_first_token:
-                            self.metrics.first_token.observe(elapsed)
+                            self.metrics.first_token.labels(priority_label(priority)).observe(elapsed)
                             waiting_first_token = False
                             first_token_at = elapsed
                         else:
@@ -117,6 +128,7 @@ class CbdService(_Base):
             usage = output.usage if completed and output is not None else None
             request_line(
                 request_id=request_id, session_id=request.session_id or None, n=params.n,
+                priority=priority_label(priority), tenant=params.tenant or None,
                 outcome="completed" if completed else "cancelled",
                 prompt_tokens=usage.prompt_tokens if usage else prompt_tokens,
                 cached_prompt_tokens=usage.cached_prompt_tokens if usage else None,
@@ -173,6 +185,12 @@ class CbdService(_Base):
         future.add_done_callback(settled)
         return await _accepted(engine, future)
 
+    def _tenant(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext) -> str:
+        """The caller's tenant: its auth token's name when auth is on, else the request's tenant field."""
+        if self.tokens is not None:
+            return token_name(self.tokens, context.invocation_metadata()) or ""
+        return request.tenant
+
     @status.unary
     async def OpenSession(self, request: pb.OpenSessionRequest, context: grpc.aio.ServicerContext) -> pb.SessionInfo:  # noqa: N802
         engine = self._engine()
@@ -192,6 +210,7 @@ class CbdService(_Base):
                 session_id=request.session_id or None,
                 expected_idle=request.expected_idle_ms / 1000 if request.HasField("expected_idle_ms") else None,
                 retention=_retention(request.retention) or RETENTION_NORMAL,
+                priority=convert.priority(request.priority) or PRIORITY_INTERACTIVE,
             )  # fmt: skip
         )
         if messages is not None:
@@ -280,6 +299,7 @@ class CbdService(_Base):
             generated_tokens=s.num_generated_tokens,
             open_sessions=s.num_sessions,
             session_evictions=s.num_session_evictions,
+            priority_preemptions=s.num_priority_preemptions,
             host_kv_blocks_total=s.host.num_blocks if s.host else 0,
             host_kv_blocks_used=s.host.num_blocks_used if s.host else 0,
             kv_blocks_offloaded=s.host.num_offloaded_blocks if s.host else 0,
@@ -324,6 +344,7 @@ def _session_info(info: SessionInfo) -> pb.SessionInfo:
         retention={RETENTION_LOW: pb.RETENTION_LOW, RETENTION_HIGH: pb.RETENTION_HIGH}.get(
             info.retention, pb.RETENTION_NORMAL
         ),
+        priority=pb.PRIORITY_BATCH if info.priority == PRIORITY_BATCH else pb.PRIORITY_INTERACTIVE,
     )
 
 

@@ -42,7 +42,8 @@ class ServerConfig:
     socket_mode: str = "0660"
     # Group of unix sockets the daemon creates; "" keeps the process's group.
     socket_group: str = ""
-    # File holding a bearer token every RPC but health must present ("authorization: Bearer <token>"); "" = off.
+    # File holding the bearer token every RPC but health must present ("authorization: Bearer <token>"), or
+    # lines of `NAME TOKEN` (the name is the caller's tenant for fair scheduling); "" = off.
     auth_token_file: str = ""
     # Largest gRPC message accepted or sent, in bytes (a bigger request is refused with RESOURCE_EXHAUSTED).
     max_message_bytes: int = 8 * 1024 * 1024
