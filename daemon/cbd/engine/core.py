@@ -89,10 +89,11 @@ class EngineCore:
             num_host = config.num_host_kv_blocks or 0
             if config.num_host_kv_blocks is None:
                 num_host = config.host_kv_bytes(num_blocks * block_bytes) // block_bytes
+        # The host memory first: a size the host cannot give fails here, naming the setting.
+        self.copier = KvCopier(self.runner.kv_caches, bs, num_host, self.runner.streams) if num_host else None
         self.host_pool = HostPool(num_host) if num_host else None
         # With a host tier, idle sessions are copied out while 1/20 of the GPU pool is not free.
         self._free_target = max(1, num_blocks // 20)
-        self.copier = KvCopier(self.runner.kv_caches, bs, num_host, self.runner.streams) if num_host else None
         self.sessions = SessionManager(
             self.block_manager, config.max_sessions, config.session_ttl, self.host_pool,
             self.copier.offload if self.copier is not None else None,

@@ -23,7 +23,7 @@ def preflight(engine: EngineConfig, server: ServerConfig) -> None:
     _check_device(engine)
     if engine.host_kv_gib is not None and engine.host_kv_gib * 2**30 > physical_memory():
         raise ValueError(
-            f"host_kv_gib: {engine.host_kv_gib:g} GiB is more than this host's RAM ({physical_memory() / 2**30:.1f} GiB)"
+            f"host_kv_gib: {engine.host_kv_gib:.12g} GiB is more than this host's RAM ({physical_memory() / 2**30:.1f} GiB)"
         )
     if server.socket_group:
         try:
