@@ -61,8 +61,8 @@ def run(core: EngineCore, system: list[int], agents: list[Agent], new_tokens: in
     ttft: dict[int, list[float]] = {}
     by_request: dict[str, Agent] = {}
     generated = 0
-    for agent in agents:
-        agent.turn, agent.answers, agent.ready_at = 0, [], 0.0
+    for agent in agents:  # agents arrive spread over the first tool gap, as they would
+        agent.turn, agent.answers, agent.ready_at = 0, [], agent.index * agent.gaps[-1] / len(agents)
         session = core.sessions.open(token_ids=system + agent.first)
         agent.session_id = session.session_id
     start = time.perf_counter()
@@ -107,18 +107,22 @@ def run(core: EngineCore, system: list[int], agents: list[Agent], new_tokens: in
     assert core.block_manager.num_used_blocks == 0
     host = core.stats().host
     every = [t for v in ttft.values() for t in v]
+    warm = [t for k, v in ttft.items() if k > 0 for t in v]  # turns after the first (which is cold in every mode)
     result = {
         "mode": label,
         "total_s": total,
         "tok_s": generated / total,
         "ttft_p50": statistics.median(every),
         "ttft_p99": _pct(every, 0.99),
+        "warm_ttft_p50": statistics.median(warm) if warm else float("nan"),
+        "warm_ttft_p99": _pct(warm, 0.99) if warm else float("nan"),
         "ttft_by_turn": {k: {"p50": statistics.median(v), "p99": _pct(v, 0.99)} for k, v in sorted(ttft.items())},
         "prompt_tokens": prompt_tokens,
         "computed_prompt_tokens": prompt_tokens - cached_tokens,
         "offloaded_blocks": host.num_offloaded_blocks if host else 0,
         "restored_blocks": host.num_restored_blocks if host else 0,
         "session_evictions": core.sessions.num_evictions,
+        "preemptions": core.scheduler.num_preemptions,
         "answers": [a.answers for a in agents],
     }
     log.info("%s: %.1f s, %.1f tok/s, TTFT p50 %.1f ms p99 %.1f ms, computed %d of %d prompt tokens", label, total,
@@ -177,7 +181,7 @@ def main() -> None:
     if args.gpu:  # the issue's shape: 128 agents, ~8K-token histories, +300 / 100 tokens per turn, 1-5 s tools
         defaults = dict(agents=128, history=7000, tool=300, new_tokens=100, gap=(1.0, 5.0))
     else:
-        defaults = dict(agents=12, history=300, tool=40, new_tokens=16, gap=(0.2, 1.0))
+        defaults = dict(agents=12, history=300, tool=40, new_tokens=16, gap=(3.0, 6.0))
     for key, value in defaults.items():
         if getattr(args, key) is None:
             setattr(args, key, value)
@@ -247,16 +251,18 @@ def main() -> None:
           f"tool ~{args.tool}, {args.new_tokens} new tokens, tool gap {args.gap[0]}-{args.gap[1]} s")  # fmt: skip
     print(f"sessions' KV {all_sessions} blocks ({all_sessions * gib:.1f} GiB) = {all_sessions / small:.1f}x the "
           f"GPU pool of recompute/host ({small} blocks); greedy answers equal across modes: {same}")  # fmt: skip
-    print(
-        f"{'mode':10s} {'tok/s':>8s} {'TTFT p50':>9s} {'TTFT p99':>9s} {'computed':>10s} {'offload':>8s} {'restore':>8s}"
-    )
+    print("TTFT in ms; '2+': the turns after each agent's first (the first computes the whole history in every mode)")
+    print(f"{'mode':10s} {'tok/s':>8s} {'p50':>8s} {'p99':>8s} {'2+ p50':>8s} {'2+ p99':>8s} {'computed':>9s} "
+          f"{'offload':>8s} {'restore':>8s} {'preempt':>8s}")  # fmt: skip
     for mode, r in results.items():
-        print(f"{mode:10s} {r['tok_s']:8.1f} {1000 * r['ttft_p50']:8.1f}m {1000 * r['ttft_p99']:8.1f}m "
-              f"{r['computed_prompt_tokens']:10d} {r['offloaded_blocks']:8d} {r['restored_blocks']:8d}")  # fmt: skip
+        print(f"{mode:10s} {r['tok_s']:8.1f} {1000 * r['ttft_p50']:8.1f} {1000 * r['ttft_p99']:8.1f} "
+              f"{1000 * r['warm_ttft_p50']:8.1f} {1000 * r['warm_ttft_p99']:8.1f} {r['computed_prompt_tokens']:9d} "
+              f"{r['offloaded_blocks']:8d} {r['restored_blocks']:8d} {r['preemptions']:8d}")  # fmt: skip
     if "recompute" in results and "host" in results:
         rc, h = results["recompute"], results["host"]
-        print(f"host vs recompute: TTFT p50 {h['ttft_p50'] / rc['ttft_p50']:.2f}x (floor <= 0.5), "
-              f"throughput {h['tok_s'] / rc['tok_s']:.2f}x (floor >= 1.5)")  # fmt: skip
+        print(f"host vs recompute: TTFT p50 {h['ttft_p50'] / rc['ttft_p50']:.2f}x, turns 2+ "
+              f"{h['warm_ttft_p50'] / rc['warm_ttft_p50']:.2f}x (floor <= 0.5); throughput "
+              f"{h['tok_s'] / rc['tok_s']:.2f}x (floor >= 1.5)")  # fmt: skip
     print("TTFT p50 ms by turn: " + "  ".join(
         f"{mode} " + "/".join(f"{1000 * v['p50']:.0f}" for v in r["ttft_by_turn"].values()) for mode, r in results.items()
     ))  # fmt: skip

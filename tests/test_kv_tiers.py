@@ -146,7 +146,7 @@ def test_abort_during_restore_close_after_offload_and_expiry_leave_nothing(tiny_
     request = core.add_session_turn(sid, [7, 8, 9], GREEDY)
     checked_step(core)
     assert len(core.scheduler.restoring) == 1
-    restoring_blocks = list(core.scheduler.restoring[0][0].block_table)
+    restoring_blocks = list(core.scheduler.restoring[0].seq.block_table)
     core.abort_request(request.request_id)
     assert not core.scheduler.restoring
     assert all(b in core.block_manager.fences for b in restoring_blocks)  # reuse waits for the copy

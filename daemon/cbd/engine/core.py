@@ -220,6 +220,8 @@ class EngineCore:
             plan = self.scheduler.schedule()
             if plan:
                 launched = self._launch(plan)
+            if self.scheduler.restoring:  # after the launch: its block copies read before restores write
+                self.scheduler.issue_restores()
         if not self.overlap:
             return self._complete(launched) if launched is not None else []
         previous, self._inflight = self._inflight, launched
@@ -266,7 +268,7 @@ class EngineCore:
             stats.observe_restore(seconds)
         stats.num_blocks, stats.num_blocks_used = self.host_pool.num_blocks, self.host_pool.num_used_blocks
         stats.bytes_per_block = self.copier.bytes_per_block
-        stats.num_offloaded_blocks = self.sessions.num_offloaded_blocks
+        stats.num_offloaded_blocks = self.sessions.num_offloaded_blocks + self.scheduler.num_set_aside_blocks
         stats.num_restored_blocks = self.scheduler.num_restored_blocks
         stats.num_restored_tokens = self.scheduler.num_restored_tokens
         stats.num_host_evictions = self.sessions.num_host_evictions
@@ -286,6 +288,7 @@ class EngineCore:
             host = self.sessions.host_holders()
             host += [seq.host_prefix[0] for live in self.live.live.values() if live.request is not None
                      for seq in live.request.sequences if seq.host_prefix is not None]  # fmt: skip
+            host += [r.host_ids for r in self.scheduler.restoring]
             self.host_pool.check_integrity(host)
 
     def _gpu_busy(self) -> float | None:

@@ -19,6 +19,7 @@ Offloads and restores are ordered among themselves by the one copy stream.
 from __future__ import annotations
 
 import itertools
+import logging
 import time
 
 import torch
@@ -26,6 +27,8 @@ import torch
 from cbd.engine.host_pool import HostPool
 from cbd.engine.streams import DeviceStreams
 from cbd.errors import SettingError
+
+log = logging.getLogger(__name__)
 
 
 class KvCopier:
@@ -155,3 +158,14 @@ class HostTierMoves:
 
     def release(self, host_ids: list[int]) -> None:
         self.pool.release(host_ids)
+
+    def offload(self, gpu_ids: list[int]) -> tuple[list[int], int] | None:
+        host_ids = self.pool.allocate(len(gpu_ids))
+        if host_ids is None:
+            return None
+        try:
+            return host_ids, self.copier.offload(gpu_ids, host_ids)
+        except Exception:
+            log.exception("offloading %d KV blocks to the host tier failed; they will be recomputed", len(gpu_ids))
+            self.pool.release(host_ids)
+            return None

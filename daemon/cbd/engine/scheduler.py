@@ -11,7 +11,9 @@ Policy per step, under `max_num_batched_tokens` and `max_num_seqs`:
   1. running sequences in admission order (decodes first in practice, since they are older);
      when the KV pool cannot grow, a sequence no more urgent than the one growing is preempted (its
      blocks freed, its tokens kept; least urgent, then most recently admitted, first; the one growing
-     itself if every other is more urgent) and re-queued to be recomputed later;
+     itself if every other is more urgent) and re-queued; with a host tier its KV is copied there and
+     restored when it is admitted again, otherwise it is recomputed (`_set_aside`, also used for
+     the blocks of queued sequences that must make room);
   2. then waiting sequences: most urgent class first (interactive, then batch); within a class the
      tenant with the fewest running seats first (fair share), oldest request first; each first
      reviving any cached prefix blocks; one whose prefix another admission computes this step waits
@@ -89,6 +91,18 @@ class StepPlan:
         return bool(self.chunks)
 
 
+@dataclass(slots=True)
+class Restore:
+    """A sequence whose KV comes back from the host tier: blocks [hits, len(host_ids)) of its table are
+    copied from host_ids[hits:] (host references held until the copy is issued), `tokens` in all."""
+
+    seq: Sequence
+    host_ids: list[int]
+    hits: int
+    tokens: int
+    ticket: int | None = None  # set when the copy is issued
+
+
 class HostTier(Protocol):
     """What the scheduler needs of the host tier (the core wires the host pool and the copier)."""
 
@@ -100,6 +114,11 @@ class HostTier(Protocol):
 
     def release(self, host_ids: list[int]) -> None:
         """Drop one reference on each host block."""
+        ...
+
+    def offload(self, gpu_ids: list[int]) -> tuple[list[int], int] | None:
+        """Copy GPU blocks to new host blocks: (host ids, the copy's ticket), or None if the host pool
+        has no room (or the copy failed)."""
         ...
 
 
@@ -131,12 +150,13 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.host_tier = host_tier
-        self.restoring: list[tuple[Sequence, int]] = []  # admitted, waiting for their restore (ticket)
+        self.restoring: list[Restore] = []  # admitted, waiting for their restore
         self.aging_seconds = aging_seconds
         self.clock = clock
         self.num_preemptions = 0
         self.num_priority_preemptions = 0  # of num_preemptions, those made for a more urgent request
         self.num_restored_blocks = 0
+        self.num_set_aside_blocks = 0  # blocks of preempted or queued sequences copied to the host tier
         self.num_restored_tokens = 0  # prompt tokens whose KV came from the host instead of being computed
 
     def add(self, seq: Sequence) -> None:
@@ -198,17 +218,20 @@ class Scheduler:
         With nothing else to run, wait for the oldest restore rather than spin."""
         assert self.host_tier is not None
         idle = not self.running and not self.waiting
-        done: list[tuple[Sequence, int]] = []
-        pending: list[tuple[Sequence, int]] = []
-        for i, (seq, ticket) in enumerate(self.restoring):
-            (done if self.host_tier.is_done(ticket, idle and i == 0) else pending).append((seq, ticket))
+        done: list[Restore] = []
+        pending: list[Restore] = []
+        for i, r in enumerate(self.restoring):
+            complete = r.ticket is not None and self.host_tier.is_done(r.ticket, idle and i == 0)
+            (done if complete else pending).append(r)
         self.restoring = pending
-        self.waiting.extendleft(seq for seq, _ in reversed(done))
+        self.waiting.extendleft(r.seq for r in reversed(done))
 
     def _start_restore(self, seq: Sequence) -> bool | None:
         """Give seq (its prefix-cache hits already attached) fresh blocks for the rest of its host
-        prefix and start their restore. True: started (seq goes to `restoring`); False: nothing to
-        restore (the prefix cache had it all), go on admitting it; None: no room now (nothing changed)."""
+        prefix; their copy is issued once this step is launched (`issue_restores`: the step's own block
+        copies may still read a block just freed and handed out here). True: seq goes to `restoring`;
+        False: nothing to restore (the prefix cache had it all), go on admitting it; None: no room now
+        (nothing changed)."""
         assert seq.host_prefix is not None and self.host_tier is not None
         bm = self.block_manager
         host_ids, tokens = seq.host_prefix
@@ -220,22 +243,34 @@ class Scheduler:
         if not self._make_room(seq, tokens - seq.num_computed_tokens):
             return None
         fresh = bm.allocate_blocks(len(host_ids) - hits)
-        try:
-            ticket = self.host_tier.restore(host_ids[hits:], fresh)
-        except Exception:  # recompute instead: the blocks are the sequence's own, their content unused
-            log.exception("restoring %d KV blocks from the host tier failed; the turn recomputes them", len(fresh))
-            bm.release(fresh)
-            self.host_tier.release(host_ids)
-            seq.host_prefix = None
-            return False
-        self.host_tier.release(host_ids)
         seq.host_prefix = None
         seq.block_table += fresh
         seq.num_computed_tokens = tokens
-        self.restoring.append((seq, ticket))
-        self.num_restored_blocks += len(fresh)
-        self.num_restored_tokens += tokens - hits * bm.block_size
+        self.restoring.append(Restore(seq, host_ids, hits, tokens))
         return True
+
+    def issue_restores(self) -> None:
+        """Start the copies of the restores this step's schedule set up (call after launching it). A copy
+        that fails leaves the sequence to recompute what it lacks (back to the queue's front)."""
+        if self.host_tier is None:
+            return
+        bs = self.block_manager.block_size
+        for r in [r for r in self.restoring if r.ticket is None]:
+            fresh = r.seq.block_table[r.hits : len(r.host_ids)]
+            try:
+                r.ticket = self.host_tier.restore(r.host_ids[r.hits :], fresh)
+            except Exception:
+                log.exception("restoring %d KV blocks from the host tier failed; they are recomputed", len(fresh))
+                self.restoring.remove(r)
+                self.block_manager.release(fresh)
+                del r.seq.block_table[r.hits :]
+                r.seq.num_computed_tokens = r.hits * bs
+                self.waiting.appendleft(r.seq)
+            else:
+                self.num_restored_blocks += len(fresh)
+                self.num_restored_tokens += r.tokens - r.hits * bs
+            self.host_tier.release(r.host_ids)
+            r.host_ids = []
 
     def _book(self, plan: StepPlan) -> None:
         """Account for the plan as launched (see the module docstring)."""
@@ -337,8 +372,7 @@ class Scheduler:
                         continue
             num_new = min(seq.num_uncomputed, budget)
             if not self._make_room(seq, num_new):
-                bm.free(seq)
-                seq.num_computed_tokens = 0
+                self._set_aside(seq)
                 break
             self._unqueue(order, seq)
             seq.status = SequenceStatus.RUNNING
@@ -403,8 +437,7 @@ class Scheduler:
                 return True
         for other in self.waiting:
             if other is not seq and other.block_table and not other.num_placeholders:
-                bm.free(other)
-                other.num_computed_tokens = 0
+                self._set_aside(other)
         if self.reclaim is not None:
             self.reclaim(needed, True)
         return bm.can_append(seq, num_new)
@@ -416,10 +449,13 @@ class Scheduler:
         elif seq.status is SequenceStatus.WAITING and seq in self.waiting:
             self.waiting.remove(seq)
         elif seq.status is SequenceStatus.WAITING:
-            for i, (restoring, ticket) in enumerate(self.restoring):
-                if restoring is seq:  # its blocks are being written: whoever gets them next waits for the copy
+            for i, r in enumerate(self.restoring):
+                if r.seq is seq:
                     del self.restoring[i]
-                    self.block_manager.fence(seq.block_table, ticket)
+                    if r.ticket is not None:  # its blocks are being written: whoever gets them next waits
+                        self.block_manager.fence(seq.block_table, r.ticket)
+                    elif self.host_tier is not None:  # never issued: the host references are still held
+                        self.host_tier.release(r.host_ids)
                     break
         if seq.host_prefix is not None:
             assert self.host_tier is not None
@@ -428,9 +464,24 @@ class Scheduler:
         self.block_manager.free(seq)
         seq.status = SequenceStatus.FINISHED
 
-    def _preempt(self, seq: Sequence, plan: StepPlan) -> None:
-        self.block_manager.free(seq)
+    def _set_aside(self, seq: Sequence) -> None:
+        """Free seq's GPU blocks; with a host tier that has room, their KV is copied there first and
+        restored when seq is admitted again (otherwise it is recomputed then)."""
+        bm = self.block_manager
+        computed = min(seq.num_computed_tokens, seq.num_tokens - 1)
+        if self.host_tier is not None and seq.host_prefix is None and computed > 0 and seq.block_table:
+            table = seq.block_table[: -(-computed // bm.block_size)]
+            moved = self.host_tier.offload(table)
+            if moved is not None:
+                host_ids, ticket = moved
+                bm.fence(table, ticket)
+                seq.host_prefix = (host_ids, computed)
+                self.num_set_aside_blocks += len(table)
+        bm.free(seq)
         seq.num_computed_tokens = 0
+
+    def _preempt(self, seq: Sequence, plan: StepPlan) -> None:
+        self._set_aside(seq)
         seq.status = SequenceStatus.WAITING
         self.waiting.appendleft(seq)  # queued first within its class and tenant (it is older than the rest)
         plan.preempted.append(seq)
