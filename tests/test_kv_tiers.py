@@ -174,7 +174,7 @@ def test_failed_copies_fall_back_to_recompute_with_the_same_answer(tiny_loaded) 
 
         if fail == "offload":
             core.copier.offload = broken  # type: ignore[method-assign]
-            core.sessions.offload_copy = broken
+
         _pressure(core)
         tier = core.sessions.info(core.sessions.get(sid)).tier
         assert tier == ("recompute" if fail == "offload" else "host")
@@ -266,3 +266,26 @@ def test_through_the_daemon_tiers_hints_stats_and_metrics(tiny_daemon) -> None: 
     assert values["cbd_kv_restored_bytes_total"] > 0 and values["cbd_kv_restore_seconds_count"] >= 1
     assert values['cbd_session_turns_by_tier_total{tier="host"}'] >= 1
     assert values["cbd_kv_restored_prompt_tokens_total"] >= 30
+
+
+def test_a_prefix_sessions_share_is_on_the_host_once(tiny_loaded) -> None:
+    core = make_core(tiny_loaded, block_size=4, num_kv_blocks=200, num_host_kv_blocks=400)
+    system = list(range(2, 42))  # 10 full blocks every session starts with
+    ids = [core.sessions.open(token_ids=system).session_id for _ in range(3)]
+    for i, sid in enumerate(ids):
+        _turn(core, sid, [50 + i] * 6)
+    held = [core.sessions.info(core.sessions.get(sid)).resident_blocks for sid in ids]
+    core.sessions.evict(core.block_manager.num_blocks)  # everything idle leaves the GPU
+    host = [core.sessions.info(core.sessions.get(sid)).host_blocks for sid in ids]
+    assert host == held and all(h > 10 for h in host)
+    assert core.host_pool is not None
+    assert core.host_pool.num_used_blocks == sum(held) - 2 * 10  # the 10 shared blocks once, not three times
+    answers = [_turn(core, sid, [7, 8])[0] for sid in ids]  # restored: answers as if they had stayed
+    fresh = make_core(tiny_loaded, block_size=4, num_kv_blocks=200, num_host_kv_blocks=0)
+    fresh_ids = [fresh.sessions.open(token_ids=system).session_id for _ in range(3)]
+    for i, sid in enumerate(fresh_ids):
+        _turn(fresh, sid, [50 + i] * 6)
+    assert answers == [_turn(fresh, sid, [7, 8])[0] for sid in fresh_ids]
+    for sid in ids:
+        core.sessions.close(sid)
+    _assert_empty(core)

@@ -94,11 +94,13 @@ class EngineCore:
         self.host_pool = HostPool(num_host) if num_host else None
         # With a host tier, idle sessions are copied out while 1/20 of the GPU pool is not free.
         self._free_target = max(1, num_blocks // 20)
+        tier = (
+            HostTierMoves(self.host_pool, self.copier, self.block_manager) if self.host_pool and self.copier else None
+        )
         self.sessions = SessionManager(
             self.block_manager, config.max_sessions, config.session_ttl, self.host_pool,
-            self.copier.offload if self.copier is not None else None,
+            tier.offload if tier is not None else None, tier.keys if tier is not None else None,
         )  # fmt: skip
-        tier = HostTierMoves(self.host_pool, self.copier) if self.host_pool and self.copier else None
         self.scheduler = Scheduler(
             self.block_manager, config.max_num_seqs, config.max_num_batched_tokens, reclaim=self.sessions.evict,
             max_model_len=self.max_model_len, new_fork=self._fork, host_tier=tier,
@@ -289,6 +291,8 @@ class EngineCore:
             host += [seq.host_prefix[0] for live in self.live.live.values() if live.request is not None
                      for seq in live.request.sequences if seq.host_prefix is not None]  # fmt: skip
             host += [r.host_ids for r in self.scheduler.restoring]
+            host += [seq.host_backup[0] for live in self.live.live.values() if live.request is not None
+                     for seq in live.request.sequences if seq.host_backup is not None]  # fmt: skip
             self.host_pool.check_integrity(host)
 
     def _gpu_busy(self) -> float | None:

@@ -4,7 +4,10 @@ A host block holds one GPU block's KV (every layer) in host memory; the copies t
 runner's (kv_copier.py). Sessions offloaded under GPU memory pressure hold references on their
 host blocks, and a turn being restored from them holds one more until its copy is enqueued.
 Blocks are handed out lowest id first, so the blocks of one offload are mostly contiguous and
-the copier moves them in few large copies. Engine-thread only.
+the copier moves them in few large copies. A full block is known by its prefix-cache hash (and
+tokens): offloading a block whose content the host holds already takes a reference on that copy
+instead of copying again (`place`), so a system prompt many sessions share is on the host once.
+Engine-thread only.
 """
 
 from __future__ import annotations
@@ -19,6 +22,8 @@ class HostPool:
         self.ref_counts: dict[int, int] = {}  # blocks in use only
         self._free = list(range(num_blocks))  # a heap: the lowest id first
         heapq.heapify(self._free)
+        self._by_hash: dict[tuple[int, tuple[int, ...]], int] = {}  # (hash, tokens) -> host block
+        self._key: dict[int, tuple[int, tuple[int, ...]]] = {}  # host block -> its (hash, tokens)
 
     @property
     def num_free_blocks(self) -> int:
@@ -38,6 +43,32 @@ class HostPool:
             self.ref_counts[i] = 1
         return ids
 
+    def place(self, keys: list[tuple[int, tuple[int, ...]] | None]) -> tuple[list[int], list[int]] | None:
+        """Host blocks for a run of GPU blocks with these content keys ((hash, tokens) of a full block,
+        None for a private one): the copy the host holds already, or a new block. Returns (host ids, the
+        indices of the blocks to copy), or None (nothing taken) if the pool lacks room for the new ones."""
+        found = [self._by_hash.get(k) if k is not None else None for k in keys]
+        fresh = self.allocate(sum(1 for f in found if f is None))
+        if fresh is None:
+            return None
+        ids: list[int] = []
+        copy: list[int] = []
+        it = iter(fresh)
+        for index, (key, host_id) in enumerate(zip(keys, found, strict=True)):
+            if host_id is None:
+                host_id = next(it)
+                copy.append(index)
+                if key is not None and key not in self._by_hash:
+                    self._by_hash[key], self._key[host_id] = host_id, key
+            else:
+                self.ref_counts[host_id] += 1
+            ids.append(host_id)
+        return ids, copy
+
+    def missing(self, keys: list[tuple[int, tuple[int, ...]] | None]) -> int:
+        """How many new blocks `place(keys)` would take."""
+        return sum(1 for k in keys if k is None or k not in self._by_hash)
+
     def share(self, ids: list[int]) -> list[int]:
         for i in ids:
             assert i in self.ref_counts, f"host block {i} is free"
@@ -50,6 +81,9 @@ class HostPool:
             assert refs > 0, f"host block {i} is released twice"
             if refs == 1:
                 del self.ref_counts[i]
+                key = self._key.pop(i, None)
+                if key is not None:
+                    del self._by_hash[key]
                 heapq.heappush(self._free, i)
             else:
                 self.ref_counts[i] = refs - 1

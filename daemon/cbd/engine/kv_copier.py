@@ -24,6 +24,7 @@ import time
 
 import torch
 
+from cbd.engine.block_manager import BlockManager
 from cbd.engine.host_pool import HostPool
 from cbd.engine.streams import DeviceStreams
 from cbd.errors import SettingError
@@ -144,11 +145,17 @@ def _runs(host_ids: list[int], limit: int) -> list[tuple[int, int]]:
 
 
 class HostTierMoves:
-    """The scheduler's view of the host tier (scheduler.HostTier): restores through the copier,
-    references through the host pool."""
+    """The host tier as the scheduler and the session manager use it (scheduler.HostTier): blocks
+    placed in the host pool (a full block the host holds already is shared, not copied again) and
+    copied by the copier."""
 
-    def __init__(self, pool: HostPool, copier: KvCopier) -> None:
-        self.pool, self.copier = pool, copier
+    def __init__(self, pool: HostPool, copier: KvCopier, block_manager: BlockManager) -> None:
+        self.pool, self.copier, self.bm = pool, copier, block_manager
+
+    def keys(self, gpu_ids: list[int]) -> list[tuple[int, tuple[int, ...]] | None]:
+        """Content keys of GPU blocks: (prefix-cache hash, tokens) of a full committed block, else None."""
+        blocks = self.bm.blocks
+        return [(blocks[b].hash, blocks[b].token_ids) if blocks[b].hash is not None else None for b in gpu_ids]  # type: ignore[misc]
 
     def restore(self, host_ids: list[int], gpu_ids: list[int]) -> int:
         return self.copier.restore(host_ids, gpu_ids)
@@ -159,13 +166,18 @@ class HostTierMoves:
     def release(self, host_ids: list[int]) -> None:
         self.pool.release(host_ids)
 
-    def offload(self, gpu_ids: list[int]) -> tuple[list[int], int] | None:
-        host_ids = self.pool.allocate(len(gpu_ids))
-        if host_ids is None:
+    def offload(self, gpu_ids: list[int]) -> tuple[list[int], int | None] | None:
+        """Host blocks holding these GPU blocks' KV, and the ticket of the copy that fills the new ones
+        (None: the host had them all); None if the pool lacks room or the copy failed (nothing taken)."""
+        placed = self.pool.place(self.keys(gpu_ids))
+        if placed is None:
             return None
+        host_ids, copy = placed
+        if not copy:
+            return host_ids, None
         try:
-            return host_ids, self.copier.offload(gpu_ids, host_ids)
+            return host_ids, self.copier.offload([gpu_ids[i] for i in copy], [host_ids[i] for i in copy])
         except Exception:
-            log.exception("offloading %d KV blocks to the host tier failed; they will be recomputed", len(gpu_ids))
+            log.exception("offloading %d KV blocks to the host tier failed; they will be recomputed", len(copy))
             self.pool.release(host_ids)
             return None

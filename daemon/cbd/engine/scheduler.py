@@ -116,9 +116,9 @@ class HostTier(Protocol):
         """Drop one reference on each host block."""
         ...
 
-    def offload(self, gpu_ids: list[int]) -> tuple[list[int], int] | None:
-        """Copy GPU blocks to new host blocks: (host ids, the copy's ticket), or None if the host pool
-        has no room (or the copy failed)."""
+    def offload(self, gpu_ids: list[int]) -> tuple[list[int], int | None] | None:
+        """Copy GPU blocks to the host pool: (host ids, the copy's ticket, None if nothing needed copying),
+        or None if the host pool has no room (or the copy failed)."""
         ...
 
 
@@ -226,7 +226,7 @@ class Scheduler:
         self.restoring = pending
         self.waiting.extendleft(r.seq for r in reversed(done))
 
-    def _start_restore(self, seq: Sequence) -> bool | None:
+    def _start_restore(self, seq: Sequence, budget: int) -> bool | None:
         """Give seq (its prefix-cache hits already attached) fresh blocks for the rest of its host
         prefix; their copy is issued once this step is launched (`issue_restores`: the step's own block
         copies may still read a block just freed and handed out here). True: seq goes to `restoring`;
@@ -240,7 +240,8 @@ class Scheduler:
             self.host_tier.release(host_ids)
             seq.host_prefix = None
             return False
-        if not self._make_room(seq, tokens - seq.num_computed_tokens):
+        # Room for the restored blocks and the first chunk after them, or the restore would be undone.
+        if not self._make_room(seq, tokens - seq.num_computed_tokens + min(seq.num_tokens - tokens, budget)):
             return None
         fresh = bm.allocate_blocks(len(host_ids) - hits)
         seq.host_prefix = None
@@ -269,7 +270,10 @@ class Scheduler:
             else:
                 self.num_restored_blocks += len(fresh)
                 self.num_restored_tokens += r.tokens - r.hits * bs
-            self.host_tier.release(r.host_ids)
+                if r.seq.host_backup is None:  # kept until it runs (see _set_aside)
+                    r.seq.host_backup, r.host_ids = (r.host_ids, r.tokens), []
+            if r.host_ids:
+                self.host_tier.release(r.host_ids)
             r.host_ids = []
 
     def _book(self, plan: StepPlan) -> None:
@@ -359,10 +363,11 @@ class Scheduler:
                 if first and first[0] in inflight and not bm.is_cached(first[0]):
                     order.skip(seq)  # deferred: next step it shares the prefix
                     continue
+            held = bool(seq.block_table)  # KV it brought (restored, or its session's), not prefix hits taken now
             if not seq.block_table:
                 seq.num_computed_tokens = bm.allocate_prefix(seq)
                 if seq.host_prefix is not None:
-                    started = self._start_restore(seq)
+                    started = self._start_restore(seq, budget)
                     if started is None:
                         bm.free(seq)
                         seq.num_computed_tokens = 0
@@ -372,9 +377,17 @@ class Scheduler:
                         continue
             num_new = min(seq.num_uncomputed, budget)
             if not self._make_room(seq, num_new):
-                self._set_aside(seq)
+                if held:
+                    self._set_aside(seq)
+                else:  # prefix hits stay in the cache
+                    bm.free(seq)
+                    seq.num_computed_tokens = 0
                 break
             self._unqueue(order, seq)
+            if seq.host_backup is not None:
+                assert self.host_tier is not None
+                self.host_tier.release(seq.host_backup[0])
+                seq.host_backup = None
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             seats += seq.seats
@@ -457,10 +470,11 @@ class Scheduler:
                     elif self.host_tier is not None:  # never issued: the host references are still held
                         self.host_tier.release(r.host_ids)
                     break
-        if seq.host_prefix is not None:
-            assert self.host_tier is not None
-            self.host_tier.release(seq.host_prefix[0])
-            seq.host_prefix = None
+        for held in (seq.host_prefix, seq.host_backup):
+            if held is not None:
+                assert self.host_tier is not None
+                self.host_tier.release(held[0])
+        seq.host_prefix = seq.host_backup = None
         self.block_manager.free(seq)
         seq.status = SequenceStatus.FINISHED
 
@@ -469,12 +483,15 @@ class Scheduler:
         restored when seq is admitted again (otherwise it is recomputed then)."""
         bm = self.block_manager
         computed = min(seq.num_computed_tokens, seq.num_tokens - 1)
-        if self.host_tier is not None and seq.host_prefix is None and computed > 0 and seq.block_table:
+        if seq.host_backup is not None and seq.host_prefix is None and computed == seq.host_backup[1]:
+            seq.host_prefix, seq.host_backup = seq.host_backup, None  # restored and not run: still on the host
+        elif self.host_tier is not None and seq.host_prefix is None and computed > 0 and seq.block_table:
             table = seq.block_table[: -(-computed // bm.block_size)]
             moved = self.host_tier.offload(table)
             if moved is not None:
                 host_ids, ticket = moved
-                bm.fence(table, ticket)
+                if ticket is not None:
+                    bm.fence(table, ticket)
                 seq.host_prefix = (host_ids, computed)
                 self.num_set_aside_blocks += len(table)
         bm.free(seq)

@@ -51,6 +51,9 @@ class Sequence:
     # A session turn whose history's KV is on the host tier: references on the host blocks and the
     # tokens they cover; the scheduler restores them when it admits the sequence (then None).
     host_prefix: tuple[list[int], int] | None = None
+    # After a restore, until the sequence runs: the host blocks it came from (kept, so that setting it
+    # aside again frees its GPU blocks without copying anything back).
+    host_backup: tuple[list[int], int] | None = None
     # Chained hashes of this sequence's full blocks, computed lazily; index i covers block i.
     block_hashes: list[int] = field(default_factory=list)
     pending_forks: int = 0

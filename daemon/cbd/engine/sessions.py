@@ -132,10 +132,14 @@ class TurnStart:
 class SessionManager:
     def __init__(
         self, block_manager: BlockManager, max_sessions: int, default_ttl: float | None,
-        host: HostPool | None = None, offload: Callable[[list[int], list[int]], int] | None = None,
+        host: HostPool | None = None,
+        offload: Callable[[list[int]], tuple[list[int], int | None] | None] | None = None,
+        content_keys: Callable[[list[int]], list] | None = None,
     ) -> None:  # fmt: skip
-        """host, offload: the host tier (None: none), and the copy of GPU blocks to host blocks
-        (pairwise; returns the copy's ticket, which fences the GPU blocks until it completes)."""
+        """host, offload, content_keys: the host tier (None: none); offload(gpu blocks) places them in
+        the host pool and copies what it lacks ((host ids, the copy's ticket, which fences the GPU blocks
+        until it completes), or None: no room); content_keys(gpu blocks): what HostPool.place matches."""
+        self.content_keys = content_keys
         self.bm = block_manager
         self.host = host
         self.offload_copy = offload
@@ -364,7 +368,11 @@ class SessionManager:
             branches = [b for b in session.branches_and_self() if b.block_table]
             if not branches:
                 continue
-            if sum(len(b.block_table) for b in branches) > self.host.num_free_blocks:
+            needed = sum(
+                self.host.missing(self.content_keys(b.block_table)) if self.content_keys else len(b.block_table)
+                for b in branches
+            )
+            if needed > self.host.num_free_blocks:
                 break  # proactively, only into free host blocks
             for b in branches:
                 self._offload(b, [])
@@ -377,6 +385,8 @@ class SessionManager:
         if self.host is None or self.offload_copy is None:
             return False
         count = len(branch.block_table)
+        if self.content_keys is not None:
+            count = self.host.missing(self.content_keys(branch.block_table))
         if self.host.num_free_blocks < count:
             for other in before:
                 if self.host.num_free_blocks >= count:
@@ -385,16 +395,12 @@ class SessionManager:
                     for b in other.branches_and_self():
                         self._drop_host(b)
                     self.num_host_evictions += 1
-        host_ids = self.host.allocate(count)
-        if host_ids is None:
+        moved = self.offload_copy(branch.block_table)
+        if moved is None:  # no room, or the copy failed: the caller releases the KV (the next turn recomputes)
             return False
-        try:
-            ticket = self.offload_copy(branch.block_table, host_ids)
-        except Exception:  # the KV stays where it was; the caller releases it (the next turn recomputes)
-            log.exception("offloading %d KV blocks to the host tier failed", count)
-            self.host.release(host_ids)
-            return False
-        self.bm.fence(branch.block_table, ticket)
+        host_ids, ticket = moved
+        if ticket is not None:
+            self.bm.fence(branch.block_table, ticket)
         self.bm.release(branch.block_table)
         branch.host_table, branch.num_host = host_ids, branch.num_computed
         branch.block_table, branch.num_computed = [], 0
