@@ -47,7 +47,7 @@ from cbd.engine.sequence import FinishReason, Request, Sequence
 from cbd.engine.sessions import SessionManager, TurnInput
 from cbd.engine.step_inputs import pack_step
 from cbd.engine.tp_messages import Setup
-from cbd.errors import UnknownRequest
+from cbd.errors import SettingError, UnknownRequest
 from cbd.model.loader import LoadedModel
 
 log = logging.getLogger(__name__)
@@ -89,8 +89,17 @@ class EngineCore:
             num_host = config.num_host_kv_blocks or 0
             if config.num_host_kv_blocks is None:
                 num_host = config.host_kv_bytes(num_blocks * block_bytes) // block_bytes
-        # The host memory first: a size the host cannot give fails here, naming the setting.
-        self.copier = KvCopier(self.runner.kv_caches, bs, num_host, self.runner.streams) if num_host else None
+        # The host memory first: a size the host cannot give fails here, naming the setting (by default,
+        # the daemon goes on without a host tier instead).
+        self.copier = None
+        if num_host:
+            try:
+                self.copier = KvCopier(self.runner.kv_caches, bs, num_host, self.runner.streams)
+            except SettingError as exc:
+                if config.host_kv_gib is not None or config.num_host_kv_blocks is not None:
+                    raise
+                log.warning("no host KV tier: %s", exc)
+                num_host = 0
         self.host_pool = HostPool(num_host) if num_host else None
         # With a host tier, idle sessions are copied out while 1/20 of the GPU pool is not free.
         self._free_target = max(1, num_blocks // 20)
