@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from cbd_client import AsyncClient, CbdError, Client
+from cbd_client.session import AsyncSession
 from daemon_process import free_port
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "deploy"))
@@ -108,6 +109,16 @@ def test_a_lost_replica_fails_its_sessions_and_recover_reopens_them_elsewhere(fr
     with Client(cluster.listen, timeout=60) as client:
         agent = client.session(PROMPT, recover=True)
         plain = client.session(PROMPT, session_id=f"{agent.session_id}.plain")  # same key: same replica
+
+        async def async_turns(session: AsyncSession | None, turns: list[list[int]]) -> tuple[AsyncSession, list]:
+            async with AsyncClient(cluster.listen, timeout=60) as aclient:
+                if session is None:  # the same key as `agent`: on the replica that will be lost
+                    session = await aclient.session(PROMPT, session_id=f"{agent.session_id}.async", recover=True)
+                session.client = aclient
+                replies = [await session.send(t, max_tokens=6, ignore_eos=True, temperature=0) for t in turns]
+                return session, [r.candidates[0].token_ids for r in replies]
+
+        async_agent, async_answers = asyncio.run(async_turns(None, TURNS_IN[:2]))
         others = [client.session(PROMPT) for _ in range(6)]
         answers = []
         for t in TURNS_IN[:2]:
@@ -128,6 +139,8 @@ def test_a_lost_replica_fails_its_sessions_and_recover_reopens_them_elsewhere(fr
         for t in TURNS_IN[2:]:
             answers.append(agent.send(t, max_tokens=6, ignore_eos=True, temperature=0).candidates[0].token_ids)
         assert answers == expected and agent.recoveries == 1
+        async_agent, later = asyncio.run(async_turns(async_agent, TURNS_IN[2:]))
+        assert async_answers + later == expected and async_agent.recoveries == 1
         assert _holder(cluster, agent.session_id) != lost
         for s, prompt_tokens in zip(survivors, first):  # untouched: their KV is still resident
             reply = s.send([3, 4], max_tokens=2, ignore_eos=True)

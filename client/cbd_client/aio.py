@@ -101,13 +101,15 @@ class AsyncClient:
         return _convert.stats(await self._call(self._stub.GetStats, pb.GetStatsRequest()))
 
     async def session(
-        self, prefix: Prompt | None = None, ttl: float | None = None, session_id: str | None = None, *,
-        expected_idle_ms: int | None = None, retention: str | None = None, priority: str | None = None,
+        self, prefix: Prompt | None = None, ttl: float | None = None, session_id: str | None = None,
+        recover: bool = False, *, expected_idle_ms: int | None = None, retention: str | None = None,
+        priority: str | None = None,
     ) -> AsyncSession:  # fmt: skip
         """As Client.session."""
         sid = session_id or _convert.new_session_id()
         request = _convert.open_session_request(prefix, ttl, sid, expected_idle_ms, retention, priority)
-        return AsyncSession(self, _convert.session_info(await self._call(self._stub.OpenSession, request, sid)))
+        info = _convert.session_info(await self._call(self._stub.OpenSession, request, sid))
+        return AsyncSession(self, info, prefix, ttl, recover)
 
     async def get_session(self, session_id: str) -> SessionInfo:
         request = pb.GetSessionRequest(session_id=session_id)

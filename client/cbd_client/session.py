@@ -150,23 +150,54 @@ class Session(_ChosenCandidate):
 
 
 class AsyncSession(_ChosenCandidate):
-    def __init__(self, client: AsyncClient, info: SessionInfo) -> None:
-        super().__init__()
+    def __init__(
+        self, client: AsyncClient, info: SessionInfo, prefix: Prompt | None = None, ttl: float | None = None,
+        recover: bool = False,
+    ) -> None:  # fmt: skip
+        super().__init__(prefix, ttl, recover)
         self.client = client
         self.session_id = info.session_id
 
     async def send(self, prompt: Prompt, *, n: int = 1, parent_candidate: int | None = None, **sampling) -> Completion:
+        """As Session.send (with recover=True, a lost session is re-opened from the transcript)."""
         parent = self._take_parent(parent_candidate)
+        attempt = 0
+        while True:
+            try:
+                completion = await self.client.generate(
+                    prompt, n=n, session_id=self.session_id, parent_candidate=parent, **sampling
+                )
+                break
+            except CbdError as e:
+                if not self._lost(e, attempt):
+                    self._refused(parent, parent_candidate, e, streamed=False)
+                    raise
+                attempt += 1
+                await self._reopen(parent)
+                parent = None  # the chosen candidate is in the re-opened session's history now
+        if self.transcript is not None:
+            self.transcript.continue_from(parent)
+            self.transcript.turn(prompt, completion)
+        return completion
+
+    async def _reopen(self, parent: int | None) -> None:
+        import asyncio
+
+        assert self.transcript is not None
+        self.transcript.continue_from(parent)
+        await asyncio.sleep(RECOVERY_PAUSE)
         try:
-            return await self.client.generate(prompt, n=n, session_id=self.session_id, parent_candidate=parent,
-                                              **sampling)  # fmt: skip
+            self.session_id = (await self.client.session(self.transcript.as_prefix(), self._ttl)).session_id
+            self.recoveries += 1
         except CbdError as e:
-            self._refused(parent, parent_candidate, e, streamed=False)
-            raise
+            if e.code not in _LOST:
+                raise
 
     async def stream(
         self, prompt: Prompt, *, n: int = 1, parent_candidate: int | None = None, **sampling
     ) -> AsyncIterator[Delta]:
+        if self.transcript is not None:
+            raise TypeError("a session opened with recover=True takes its turns with send()")
         parent = self._take_parent(parent_candidate)
         streamed = False
         try:
@@ -179,7 +210,9 @@ class AsyncSession(_ChosenCandidate):
             raise
 
     async def fork(self, candidate: int | None = None, ttl: float | None = None) -> AsyncSession:
-        return AsyncSession(self.client, await self.client.fork_session(self.session_id, candidate, ttl))
+        fork = AsyncSession(self.client, await self.client.fork_session(self.session_id, candidate, ttl))
+        fork.transcript = self.transcript.fork(candidate) if self.transcript is not None else None
+        return fork
 
     async def info(self) -> SessionInfo:
         return await self.client.get_session(self.session_id)
