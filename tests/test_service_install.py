@@ -151,3 +151,22 @@ def _check_gateway_unit(user: str, group: str) -> None:
     finally:
         gateway.terminate()
         gateway.communicate(timeout=60)
+
+
+def test_the_replica_and_envoy_units_and_envoy_are_installed(installed, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """README's "Several replicas behind Envoy" as services: the units as shipped, Envoy in the venv, and the
+    bootstrap written by the installed envoy.py accepted by that Envoy."""
+    for name in ("cbd@.service", "cbd-envoy.service"):
+        assert Path("/etc/systemd/system", name).read_bytes() == (ROOT / "systemd" / name).read_bytes()
+    envoy = Path("/opt/cbd/bin/envoy")
+    assert os.access(envoy, os.X_OK)
+    assert "/opt/cbd/bin/envoy" in unit_values((ROOT / "systemd" / "cbd-envoy.service").read_text())["ExecStart"][0]
+    bootstrap = subprocess.run(["/opt/cbd/bin/python", "/opt/cbd/share/cbd/envoy.py", "--listen", "127.0.0.1:50051",
+                                "unix:/run/cbd-0/cbd.sock", "unix:/run/cbd-1/cbd.sock"],
+                               capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert bootstrap.returncode == 0, bootstrap.stderr
+    config = tmp_path / "envoy.json"
+    config.write_text(bootstrap.stdout)
+    check = subprocess.run([str(envoy), "--mode", "validate", "-c", str(config)], capture_output=True, text=True,
+                           timeout=120)  # fmt: skip
+    assert check.returncode == 0, check.stdout + check.stderr
