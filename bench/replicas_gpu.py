@@ -35,9 +35,9 @@ sys.path.insert(0, str(HERE.parent / "deploy"))
 
 from cluster import Cluster  # noqa: E402
 from daemon_gpu import build_checkpoint  # noqa: E402
-from daemon_process import DaemonProcess, free_port  # noqa: E402
 
 from cbd_client import AsyncClient  # noqa: E402
+from daemon_process import DaemonProcess, free_port  # noqa: E402
 
 
 async def agents_run(address: str, args: argparse.Namespace) -> dict:
