@@ -33,7 +33,27 @@ def cluster(tiny_checkpoint, tmp_path_factory):  # type: ignore[no-untyped-def]
         c.stop()
 
 
+def _routes_to_every_replica(cluster: Cluster, tries: int = 100) -> list[int]:
+    """Open (and close) sessions through Envoy until each replica has been given one, at most `tries`: Envoy
+    has then seen every replica healthy and put it in its hash ring. Returns the sessions each replica got."""
+    import time
+
+    got = [0] * len(cluster.addresses)
+    with Client(cluster.listen, timeout=30) as client:
+        for _ in range(tries):
+            session = client.session(PROMPT[:4])
+            got[_holder(cluster, session.session_id)] += 1
+            session.close()
+            if all(got):
+                break
+            time.sleep(0.05)
+    return got
+
+
 def test_sessions_keep_their_replica_and_spread_over_all(cluster) -> None:  # type: ignore[no-untyped-def]
+    probe = _routes_to_every_replica(cluster)
+    assert all(probe), (probe, cluster.healthy())
+
     async def agent(client: AsyncClient, i: int) -> list[tuple[int, int]]:
         session = await client.session(PROMPT)
         usage = []
