@@ -76,10 +76,16 @@ def test_every_call_about_a_session_carries_its_affinity_key() -> None:
                 lambda: c.fork_session("abc.f1"),
                 lambda: c.close_session("abc"),
                 lambda: c.generate([1, 2]),
+                lambda: c.generate([1, 2], affinity="planner-prompt"),
+                lambda: list(c.stream([1, 2], affinity="planner-prompt.v2")),
             ):
                 with pytest.raises(CbdError):
                     call()
     finally:
         server.stop(0)
     assert seen == [("OpenSession", "abc"), ("Generate", "abc"), ("Generate", "abc"), ("GetSession", "abc"),
-                    ("ForkSession", "abc"), ("CloseSession", "abc"), ("Generate", None)]  # fmt: skip
+                    ("ForkSession", "abc"), ("CloseSession", "abc"), ("Generate", None),
+                    ("Generate", "planner-prompt"), ("Generate", "planner-prompt")]  # fmt: skip
+    with Client(f"127.0.0.1:{port}", timeout=10) as c, pytest.raises(CbdError) as both:
+        c.generate([1, 2], session_id="abc", affinity="other")  # a session's calls go by its id
+    assert both.value.code == grpc.StatusCode.INVALID_ARGUMENT

@@ -67,7 +67,7 @@ def set_prompt(message: pb.GenerateRequest | pb.TokenizeRequest | pb.OpenSession
 
 _REQUEST_OPTIONS = frozenset(
     {"request_id", "session_id", "parent_candidate", "tools", "tool_choice", "response_format", "expected_idle_ms",
-     "retention", "priority", "tenant"}
+     "retention", "priority", "tenant", "affinity"}
 )  # fmt: skip
 
 _RETENTION = {"low": pb.RETENTION_LOW, "normal": pb.RETENTION_NORMAL, "high": pb.RETENTION_HIGH}
@@ -106,6 +106,9 @@ def generate_request(prompt: Prompt, n: int, options: dict[str, Any]) -> pb.Gene
     if unknown:
         raise TypeError(f"unknown parameters {unknown}; known: {sorted(_SAMPLING_FIELDS | _REQUEST_OPTIONS)}")
     request_id, session_id = options.get("request_id") or "", options.get("session_id") or ""
+    affinity = options.get("affinity")
+    if affinity is not None and (session_id or not isinstance(affinity, str) or not affinity):
+        raise invalid("affinity routes a plain request (a session's calls are routed by its id); give a non-empty str")
     parent_candidate = options.get("parent_candidate")
     if not isinstance(n, int) or isinstance(n, bool) or n < 1:
         raise invalid(f"n must be an integer >= 1, got {n!r}")

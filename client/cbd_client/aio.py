@@ -58,7 +58,7 @@ class AsyncClient:
             async for response in self._stub.Generate(
                 request,
                 timeout=timeout or self.timeout,
-                metadata=_convert.with_affinity(self._metadata, request.session_id),
+                metadata=_convert.with_affinity(self._metadata, request.session_id or options.get("affinity")),
             ):
                 builder.add(response)
         except grpc.RpcError as e:
@@ -78,7 +78,7 @@ class AsyncClient:
         call = self._stub.Generate(
             request,
             timeout=timeout or self.timeout,
-            metadata=_convert.with_affinity(self._metadata, request.session_id),
+            metadata=_convert.with_affinity(self._metadata, request.session_id or options.get("affinity")),
         )
         try:
             async for response in call:

@@ -9,7 +9,9 @@ ignore_eos, logprobs, include_special_tokens (see proto/cbd/v1/cbd.proto for the
 Structured output: tools=, tool_choice=, response_format= (see cbd_client.structured); a candidate's
 tool calls are `candidate.tool_calls`, and a streamed Delta carries `tool_calls` pieces.
 A prompt is a str (text), a list of ints (token ids) or a list of {"role", "content"} dicts (chat).
-Scheduling keywords: priority= "interactive" (default) | "batch", tenant= (fair share between callers; the
+Routing: affinity= "<key>" on a plain request (not a session's) makes a proxy in front of several daemons
+send every call with that key to the same one, e.g. a name for a long system prompt, so its prefix-cache
+hits survive scale-out. Scheduling keywords: priority= "interactive" (default) | "batch", tenant= (fair share between callers; the
 auth token's name when the daemon checks tokens). Session turns (and `session()`) also take retention hints: expected_idle_ms= (how long the agent will
 be away after the turn, e.g. while a tool runs) and retention= "low" | "normal" | "high".
 """
@@ -69,7 +71,7 @@ class Client:
             for response in self._stub.Generate(
                 request,
                 timeout=timeout or self.timeout,
-                metadata=_convert.with_affinity(self._metadata, request.session_id),
+                metadata=_convert.with_affinity(self._metadata, request.session_id or options.get("affinity")),
             ):
                 builder.add(response)
         except grpc.RpcError as e:
@@ -89,7 +91,7 @@ class Client:
         call = self._stub.Generate(
             request,
             timeout=timeout or self.timeout,
-            metadata=_convert.with_affinity(self._metadata, request.session_id),
+            metadata=_convert.with_affinity(self._metadata, request.session_id or options.get("affinity")),
         )
         try:
             for response in call:
