@@ -37,6 +37,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
 from cbd_client import AsyncClient  # noqa: E402
+from cbd_client.session import AsyncSession  # noqa: E402
 from daemon_process import DaemonProcess  # noqa: E402
 
 
@@ -45,7 +46,7 @@ class Client:
     index: int
     questions: list[list[int]]
     round: int = 0
-    session: object = None
+    session: AsyncSession | None = None
 
 
 @dataclass
@@ -77,7 +78,8 @@ async def run_rate(address: str, args: argparse.Namespace, rate: float, seed: in
             start = time.perf_counter()
             first = None
             usage = None
-            async for delta in c.session.stream(  # type: ignore[attr-defined]
+            assert c.session is not None
+            async for delta in c.session.stream(
                 c.questions[c.round], max_tokens=args.output_length, temperature=0, ignore_eos=True
             ):
                 if first is None and delta.token_ids:
@@ -108,7 +110,8 @@ async def run_rate(address: str, args: argparse.Namespace, rate: float, seed: in
         elapsed = time.perf_counter() - started
         stats = await client.stats()
         for c in clients:
-            await c.session.close()  # type: ignore[attr-defined]
+            if c.session is not None:
+                await c.session.close()
     t, lat = sorted(metrics.ttft), sorted(metrics.latency)
     return {
         "rate": rate,

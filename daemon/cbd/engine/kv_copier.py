@@ -154,8 +154,11 @@ class HostTierMoves:
 
     def keys(self, gpu_ids: list[int]) -> list[tuple[int, tuple[int, ...]] | None]:
         """Content keys of GPU blocks: (prefix-cache hash, tokens) of a full committed block, else None."""
-        blocks = self.bm.blocks
-        return [(blocks[b].hash, blocks[b].token_ids) if blocks[b].hash is not None else None for b in gpu_ids]  # type: ignore[misc]
+        keys: list[tuple[int, tuple[int, ...]] | None] = []
+        for b in gpu_ids:
+            block = self.bm.blocks[b]
+            keys.append((block.hash, block.token_ids) if block.hash is not None else None)
+        return keys
 
     def restore(self, host_ids: list[int], gpu_ids: list[int]) -> int:
         return self.copier.restore(host_ids, gpu_ids)
