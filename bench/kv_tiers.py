@@ -178,9 +178,10 @@ def main() -> None:
     parser.add_argument("--modes", default="recompute,host,ideal")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
-    if args.gpu:  # ~8K-token histories, +300 / 100 tokens per turn, 1-5 s tools. 64 agents: their KV (64 GiB at
-        # the 8B shape) must fit the ideal mode's GPU pool and the host tier must fit in the host's RAM.
-        defaults = dict(agents=64, history=7000, tool=300, new_tokens=100, gap=(1.0, 5.0))
+    if args.gpu:  # ~8K-token histories, +300 / 100 tokens per turn, 1-5 s tools. 40 agents: their KV (43 GiB at
+        # the 8B shape) must fit the ideal mode's GPU pool and the host tier in pinned host memory (64 agents'
+        # 68 GiB could not be pinned on a 125 GiB H200 host).
+        defaults = dict(agents=40, history=7000, tool=300, new_tokens=100, gap=(1.0, 5.0))
     else:
         defaults = dict(agents=12, history=300, tool=40, new_tokens=16, gap=(3.0, 6.0))
     for key, value in defaults.items():

@@ -69,7 +69,7 @@ def test_decode_kernel_matches_reference(dtype, block_size, heads, window, split
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("block_size", [4, 16])
-@pytest.mark.parametrize("heads", [(4, 4), (8, 2), (32, 8)])
+@pytest.mark.parametrize("heads", [(4, 4), (8, 2), (32, 8), (14, 2)])
 @pytest.mark.parametrize("window", [None, 24])
 @pytest.mark.parametrize("head_dim", [64, 80])
 def test_extend_kernel_matches_reference(dtype, block_size, heads, window, head_dim) -> None:
@@ -77,11 +77,20 @@ def test_extend_kernel_matches_reference(dtype, block_size, heads, window, head_
     rng = random.Random(block_size + heads[0] * 3 + head_dim)
     torch.manual_seed(rng.randrange(1000))
     num_heads, num_kv_heads = heads
-    query_lens = [70, 1, 13, 1, 33, 5]
-    context_lens = [70, 90, 13, 200, 140, 5]
+    query_lens = [70, 1, 13, 1, 33, 5, 2, 4]  # long runs, decodes and short runs (drafts) in one batch
+    context_lens = [70, 90, 13, 200, 140, 5, 77, 4]
     kv, layout = _paged_case(rng, block_size, num_kv_heads, head_dim, dtype, query_lens, context_lens)
     q = torch.randn(sum(query_lens), num_heads, head_dim, device=DEVICE).to(dtype)
     scale = head_dim**-0.5
+    ours = triton_attention.extend(
+        q, kv, layout.block_tables, layout.query_start, layout.context_lens, layout.max_query_len, block_size,
+        scale, window,
+    )  # fmt: skip
+    ref = reference_metadata(layout, block_size, window).attend(q.float(), kv.float(), scale)
+    torch.testing.assert_close(ours.float(), ref, atol=TOL[dtype], rtol=TOL[dtype])
+    short = [1, 3, 1, 2]  # only short runs: one launch of short tiles
+    kv, layout = _paged_case(rng, block_size, num_kv_heads, head_dim, dtype, short, [50, 9, 1, 130])
+    q = torch.randn(sum(short), num_heads, head_dim, device=DEVICE).to(dtype)
     ours = triton_attention.extend(
         q, kv, layout.block_tables, layout.query_start, layout.context_lens, layout.max_query_len, block_size,
         scale, window,

@@ -8,7 +8,8 @@ lives in slot `block_tables[b, p // PAGE] * PAGE + p % PAGE`. Queries are packed
   (so K/V are read once per group); a second kernel merges the ranges by log-sum-exp. The grid
   depends only on the batch size, so it can be captured in a CUDA graph.
 - `extend`: several queries per sequence at the end of its context (prefill, a prefill chunk over
-  a cached prefix, mixed with decodes): flash-attention style tiles with the causal mask.
+  a cached prefix, mixed with decodes): flash-attention style tiles with the causal mask; a tile
+  packs queries x the query heads of one GQA group, so K/V are read once per group here too.
 Both honour a sliding window. The plain-torch `attention.paged_attention` is the oracle.
 """
 
@@ -163,34 +164,47 @@ def decode(
 def _extend_kernel(
     Q, KV, BT, QSTART, CTX, OUT, scale,
     sq_t, sq_h, skv_s, skv_kv, skv_h, sbt_b, so_t, so_h,
-    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, PAGE: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, WINDOW: tl.constexpr, IEEE: tl.constexpr,
+    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    PAGE: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, WINDOW: tl.constexpr,
+    SELECT: tl.constexpr, SHORT: tl.constexpr, IEEE: tl.constexpr,
 ):  # fmt: skip
+    # One program: BLOCK_Q queries of one sequence x the GROUP query heads of one KV head, packed as
+    # BLOCK_Q * GROUP_PAD rows (row r: query r // GROUP_PAD, head r % GROUP_PAD), so that each K/V
+    # tile is loaded once for the whole GQA group. SELECT 1: only sequences of at most SHORT queries;
+    # 2: only longer ones; 0: all.
     m_block = tl.program_id(0)
     b = tl.program_id(1).to(tl.int64)
-    head = tl.program_id(2)
+    kv_head = tl.program_id(2)
     q_start = tl.load(QSTART + b).to(tl.int32)
     q_len = tl.load(QSTART + b + 1).to(tl.int32) - q_start
-    if m_block * BLOCK_M >= q_len:
+    if m_block * BLOCK_Q >= q_len:
+        return
+    if SELECT == 1 and q_len > SHORT:
+        return
+    if SELECT == 2 and q_len <= SHORT:
         return
     ctx = tl.load(CTX + b).to(tl.int32)
     prefix = ctx - q_len
-    m = m_block * BLOCK_M + tl.arange(0, BLOCK_M)
-    m_mask = m < q_len
+    r = tl.arange(0, BLOCK_Q * GROUP_PAD)
+    m = m_block * BLOCK_Q + r // GROUP_PAD
+    g = r % GROUP_PAD
+    row_mask = (m < q_len) & (g < GROUP)
+    heads = kv_head * GROUP + g
     q_pos = prefix + m
     d = tl.arange(0, BLOCK_D)
     d_mask = d < HEAD_DIM
     rows = (q_start + m).to(tl.int64)
-    q = tl.load(Q + rows[:, None] * sq_t + head * sq_h + d[None, :], mask=m_mask[:, None] & d_mask[None, :], other=0.0)
-    kv_base = KV + (head // GROUP) * skv_h
+    io_mask = row_mask[:, None] & d_mask[None, :]
+    q = tl.load(Q + rows[:, None] * sq_t + heads[:, None] * sq_h + d[None, :], mask=io_mask, other=0.0)
+    kv_base = KV + kv_head * skv_h
     qk_scale = scale * 1.4426950408889634
-    m_i = tl.full([BLOCK_M], -1.0e30, tl.float32)
-    l_i = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    hi = tl.minimum(ctx, prefix + (m_block + 1) * BLOCK_M)
+    m_i = tl.full([BLOCK_Q * GROUP_PAD], -1.0e30, tl.float32)
+    l_i = tl.zeros([BLOCK_Q * GROUP_PAD], tl.float32)
+    acc = tl.zeros([BLOCK_Q * GROUP_PAD, BLOCK_D], tl.float32)
+    hi = tl.minimum(ctx, prefix + (m_block + 1) * BLOCK_Q)
     lo = 0
     if WINDOW > 0:
-        lo = tl.maximum(prefix + m_block * BLOCK_M - WINDOW + 1, 0) // BLOCK_N * BLOCK_N
+        lo = tl.maximum(prefix + m_block * BLOCK_Q - WINDOW + 1, 0) // BLOCK_N * BLOCK_N
     for n0 in range(lo, hi, BLOCK_N):
         n = n0 + tl.arange(0, BLOCK_N)
         n_mask = n < hi
@@ -203,8 +217,12 @@ def _extend_kernel(
             allowed = allowed & (n[None, :] > q_pos[:, None] - WINDOW)
         m_i, l_i, acc = _online_softmax_block(q, ptr, kv_mask, allowed, skv_kv, qk_scale, m_i, l_i, acc, IEEE)
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
-    tl.store(OUT + rows[:, None] * so_t + head * so_h + d[None, :], out.to(OUT.dtype.element_ty),
-             mask=m_mask[:, None] & d_mask[None, :])  # fmt: skip
+    tl.store(OUT + rows[:, None] * so_t + heads[:, None] * so_h + d[None, :], out.to(OUT.dtype.element_ty),
+             mask=io_mask)  # fmt: skip
+
+
+def _queries_per_tile(rows: int, group_pad: int) -> int:
+    return max(1, rows // group_pad)
 
 
 def extend(
@@ -218,18 +236,31 @@ def extend(
     scale: float,
     sliding_window: int | None = None,
 ) -> torch.Tensor:
+    """Tiles of 64 rows (queries x the heads of a GQA group) for long query runs; a batch that also
+    holds short ones (decodes and drafts beside a prefill) gets a second launch with 16-row tiles
+    for those, so a decode's K/V is read once per group and its tile is not mostly padding."""
     num_tokens, num_heads, head_dim = q.shape
     num_seqs = context_lens.shape[0]
+    num_kv_heads = kv_cache.shape[2]
+    group = num_heads // num_kv_heads
+    group_pad = triton.next_power_of_2(group)
     out = torch.empty_like(q)
     block_d = triton.next_power_of_2(head_dim)
-    block_m = 16 if max_query_len <= 16 else 64
     block_n = 64 if block_d <= 128 else 32
-    _extend_kernel[(triton.cdiv(max_query_len, block_m), num_seqs, num_heads)](
-        q, kv_cache, block_tables, query_start, context_lens, out, scale,
-        q.stride(0), q.stride(1), kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2),
-        block_tables.stride(0), out.stride(0), out.stride(1),
-        GROUP=num_heads // kv_cache.shape[2], HEAD_DIM=head_dim, BLOCK_D=block_d, PAGE=page_size,
-        BLOCK_M=block_m, BLOCK_N=block_n, WINDOW=sliding_window or 0, IEEE=q.dtype == torch.float32,
-        num_warps=4, num_stages=2,
-    )  # fmt: skip
+    short_q = _queries_per_tile(16, group_pad)
+    long_q = _queries_per_tile(64, group_pad)
+    if max_query_len <= short_q:
+        launches = [(0, short_q)]
+    else:
+        launches = [(1, short_q), (2, long_q)]
+    for select, block_q in launches:
+        tiles = 1 if select == 1 else triton.cdiv(max_query_len, block_q)  # a short run fits one tile
+        _extend_kernel[(tiles, num_seqs, num_kv_heads)](
+            q, kv_cache, block_tables, query_start, context_lens, out, scale,
+            q.stride(0), q.stride(1), kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2),
+            block_tables.stride(0), out.stride(0), out.stride(1),
+            GROUP=group, GROUP_PAD=group_pad, HEAD_DIM=head_dim, BLOCK_D=block_d, PAGE=page_size,
+            BLOCK_Q=block_q, BLOCK_N=block_n, WINDOW=sliding_window or 0, SELECT=select, SHORT=short_q,
+            IEEE=q.dtype == torch.float32, num_warps=4, num_stages=2,
+        )  # fmt: skip
     return out
