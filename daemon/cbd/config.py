@@ -59,6 +59,13 @@ class EngineConfig:
     session_ttl: float = 600.0
     # Keep one step in flight while the CPU prepares the next: "auto" (on for CUDA, off on CPU) | "on" | "off".
     overlap: str = "auto"
+    # Speculative decoding with drafts looked up in the sequence's own context (n-grams): "auto" (while at most
+    # speculative_max_batch sequences run) | "ngram" (always) | "off". Outputs are the same either way.
+    speculative: str = "auto"
+    # Draft tokens a sequence verifies per step, at most.
+    num_speculative_tokens: int = 4
+    # "auto" speculates while at most this many sequences run (beyond, a step costs more per token verified).
+    speculative_max_batch: int = 4
     # "auto" (flash-attn if installed and usable, else Triton on CUDA, else torch) | "torch" | "triton" | "flash".
     attention_backend: str = "auto"
     # Capture CUDA graphs for decode steps before reporting ready.
@@ -95,6 +102,12 @@ class EngineConfig:
             raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {self.dtype!r}")
         if self.overlap not in ("auto", "on", "off"):
             raise ValueError(f"overlap must be 'auto', 'on' or 'off', got {self.overlap!r}")
+        if self.speculative not in ("auto", "ngram", "off"):
+            raise ValueError(f"speculative must be 'auto', 'ngram' or 'off', got {self.speculative!r}")
+        if not 1 <= self.num_speculative_tokens <= 16:
+            raise ValueError(f"num_speculative_tokens must be in [1, 16], got {self.num_speculative_tokens}")
+        if self.speculative_max_batch < 1:
+            raise ValueError(f"speculative_max_batch must be >= 1, got {self.speculative_max_batch}")
         if self.attention_backend not in ("auto", "torch", "triton", "flash"):
             raise ValueError(
                 f"attention_backend must be 'auto', 'torch', 'triton' or 'flash', got {self.attention_backend!r}"

@@ -35,11 +35,21 @@ import torch
 from cbd.config import EngineConfig
 from cbd.engine.admission import Admission
 from cbd.engine.block_manager import BlockManager
+from cbd.engine.drafter import NgramDrafter
 from cbd.engine.host_pool import HostPool
 from cbd.engine.kv_copier import HostTierMoves, KvCopier
 from cbd.engine.live import LiveRequest, OutputCallback
 from cbd.engine.output_processor import OutputProcessor
-from cbd.engine.outputs import CandidateDelta, EngineStats, HostTierStats, RequestOutput, TokenLogprob, Usage
+from cbd.engine.outputs import (
+    CandidateDelta,
+    EngineStats,
+    HostTierStats,
+    RequestOutput,
+    SpeculationStats,
+    TokenLogprob,
+    Usage,
+    merge_deltas,
+)  # fmt: skip
 from cbd.engine.runner import InflightStep, ModelRunner, SampledTokens
 from cbd.engine.sampling_params import SamplingParams, validate_request
 from cbd.engine.scheduler import SampleRow, Scheduler, StepPlan
@@ -114,12 +124,15 @@ class EngineCore:
             self.block_manager, config.max_num_seqs, config.max_num_batched_tokens, reclaim=self.sessions.evict,
             max_model_len=self.max_model_len, new_fork=self._fork, host_tier=tier,
             aging_seconds=config.priority_aging_seconds,
+            drafter=NgramDrafter() if config.speculative != "off" else None,
+            num_speculative_tokens=config.num_speculative_tokens,
         )  # fmt: skip
         if tp_group is not None:
             graph_batch = min(config.cuda_graph_max_batch, config.max_num_seqs) if config.cuda_graphs else 0
             tp_group.broadcast(Setup(num_blocks, self.max_model_len, graph_batch))
             self.runner.broadcast = tp_group.broadcast
         self.overlap = config.overlap_enabled(self.runner.device)
+        self.scheduler.draft_backoff = self.overlap  # there, a step that finds no draft cost a synchronous step
         self._inflight: _Launched | None = None
         self._gpu_busy_at, self._gpu_busy_value = 0.0, cast(float | None, None)
         self.outputs = OutputProcessor(loaded.tokenizer, loaded.eos_token_ids, self.max_model_len, detokenize)
@@ -226,22 +239,39 @@ class EngineCore:
         self.runner.warm_up()
 
     def step(self) -> list[RequestOutput]:
+        outputs: list[RequestOutput] = []
+        speculate = self._speculate()
+        if speculate and self._inflight is not None:  # drafts follow known tokens: complete the step in flight
+            previous, self._inflight = self._inflight, None
+            outputs = self._complete(previous)
         launched = None
         if self.scheduler.has_work():
-            plan = self.scheduler.schedule()
+            plan = self.scheduler.schedule(speculate)
             if plan:
                 launched = self._launch(plan)
             if self.scheduler.restoring:  # after the launch: its block copies read before restores write
                 self.scheduler.issue_restores()
-        if not self.overlap:
-            return self._complete(launched) if launched is not None else []
+        if not self.overlap or (launched is not None and launched.plan.speculative):
+            # Synchronous: without overlap always; with drafts, the next plan depends on how many are kept.
+            return outputs + (self._complete(launched) if launched is not None else [])
         previous, self._inflight = self._inflight, launched
-        outputs = self._complete(previous) if previous is not None else []
+        outputs += self._complete(previous) if previous is not None else []
         if launched is not None and launched.step.pending is not None:
             # Constrained rows: the forward of this step is on the device already; its sampling waits
             # for the masks, which need the previous step's tokens (just accepted by the grammars).
             self.runner.sample_masked(launched.step, self._masks(launched.plan))
         return outputs
+
+    def _speculate(self) -> bool:
+        """Whether this step may verify drafts: speculation on, the batch small enough for "auto" and, in
+        overlap mode (where it costs a synchronous step), some running sequence due to try."""
+        scheduler = self.scheduler
+        running = scheduler.running
+        if scheduler.drafter is None or not running:
+            return False
+        if self.config.speculative == "auto" and len(running) > self.config.speculative_max_batch:
+            return False
+        return not self.overlap or any(scheduler.can_speculate(seq) for seq in running)
 
     def fail_all(self, reason: FinishReason) -> list[RequestOutput]:
         if self._inflight is not None:
@@ -269,6 +299,11 @@ class EngineCore:
             num_session_evictions=self.sessions.num_evictions,
             gpu_busy=self._gpu_busy(),
             host=self._host_stats(),
+            speculation=SpeculationStats(
+                self.scheduler.num_speculative_steps,
+                self.scheduler.num_draft_tokens,
+                self.scheduler.num_accepted_tokens,
+            ),  # fmt: skip
         )
 
     def _host_stats(self) -> HostTierStats | None:
@@ -319,7 +354,7 @@ class EngineCore:
         if plan.fences and self.copier is not None:  # it reuses GPU blocks a copy to the host still reads
             self.copier.fence_compute(plan.fences)
         if any(row.target.grammar is not None for row in plan.samples):
-            if self.overlap:
+            if self.overlap and not plan.speculative:  # (a plan with drafts follows a completed step)
                 batch.defer_sample = True
             else:
                 batch.masks = self._masks(plan)
@@ -346,6 +381,8 @@ class EngineCore:
         for i in self.scheduler.update_from_output(plan, sampled.token_ids):
             row = plan.samples[i]
             seq = row.target
+            if seq.is_finished:  # it stopped at an earlier token of the drafts it kept: nothing past it
+                continue
             delta = self.outputs.on_token(seq, row.position, _logprob(sampled, row, i))
             self.num_generated_tokens += 1
             if delta.finish_reason is not None:
@@ -356,7 +393,7 @@ class EngineCore:
                 self.scheduler.finish(seq)
                 delta.usage = self._usage(seq.request, seq.num_output_tokens)
             deltas.setdefault(seq.request.request_id, (seq, []))[1].append(delta)
-        return [self._output(seq.request, ds) for seq, ds in deltas.values()]
+        return [self._output(seq.request, merge_deltas(ds)) for seq, ds in deltas.values()]
 
     def _fork(self, parent: Sequence, candidate: int, token_ids: list[int]) -> Sequence:
         """The scheduler's fan-out hook: a new candidate of parent's request (its blocks are the scheduler's)."""

@@ -58,6 +58,7 @@ class EngineStats:
     num_priority_preemptions: int = 0  # of num_preemptions, those made for a more urgent request
     gpu_busy: float | None = None  # device busy fraction of the recent steps (CUDA only)
     host: HostTierStats | None = None  # None: no host tier
+    speculation: SpeculationStats | None = None
 
 
 # Upper bounds (seconds) of the buckets of the host tier's restore-latency histogram.
@@ -101,33 +102,49 @@ class ModelFacts:
     eos_token_ids: tuple[int, ...]
 
 
+@dataclass(frozen=True, slots=True)
+class SpeculationStats:
+    num_steps: int = 0  # sequence-steps that verified drafts
+    num_draft_tokens: int = 0  # drafts proposed and verified
+    num_accepted_tokens: int = 0  # of those, kept (each saved one step of its sequence)
+
+
+def merge_deltas(deltas: list[CandidateDelta]) -> list[CandidateDelta]:
+    """Consecutive deltas as one per candidate (in first-seen order): tokens, text and logprobs
+    concatenated; the last finish reason and usage. A step that keeps drafts moves a candidate by
+    several tokens."""
+    if len(deltas) < 2 or len({d.index for d in deltas}) == len(deltas):
+        return deltas
+    merged: dict[int, CandidateDelta] = {}
+    for d in deltas:
+        m = merged.get(d.index)
+        if m is None:
+            merged[d.index] = CandidateDelta(
+                d.index, list(d.token_ids), d.text, None if d.logprobs is None else list(d.logprobs),
+                d.finish_reason, d.usage,
+            )  # fmt: skip
+            continue
+        m.token_ids.extend(d.token_ids)
+        m.text += d.text
+        if d.logprobs is not None:
+            m.logprobs = (m.logprobs or []) + d.logprobs
+        m.finish_reason = d.finish_reason or m.finish_reason
+        m.usage = d.usage or m.usage
+    return list(merged.values())
+
+
 def merge_outputs(outputs: list[RequestOutput]) -> RequestOutput:
     """Consecutive outputs of one request as one (a stream that fell behind catches up in one message):
     each candidate's tokens, text and logprobs concatenated in order; its last finish reason and usage;
     the request's first queue time and last usage. Nothing is dropped."""
     if len(outputs) == 1:
         return outputs[0]
-    merged: dict[int, CandidateDelta] = {}
-    for out in outputs:
-        for d in out.candidates:
-            m = merged.get(d.index)
-            if m is None:
-                merged[d.index] = CandidateDelta(
-                    d.index, list(d.token_ids), d.text, None if d.logprobs is None else list(d.logprobs),
-                    d.finish_reason, d.usage,
-                )  # fmt: skip
-                continue
-            m.token_ids.extend(d.token_ids)
-            m.text += d.text
-            if d.logprobs is not None:
-                m.logprobs = (m.logprobs or []) + d.logprobs
-            m.finish_reason = d.finish_reason or m.finish_reason
-            m.usage = d.usage or m.usage
+    merged = merge_deltas([d for out in outputs for d in out.candidates])
     last = outputs[-1]
     queue_seconds = next((o.queue_seconds for o in outputs if o.queue_seconds is not None), None)
     priority = next((o.priority for o in outputs if o.priority is not None), None)
     usage = next((o.usage for o in reversed(outputs) if o.usage is not None), None)
     finished = any(o.finished for o in outputs)
     return RequestOutput(
-        last.request_id, sorted(merged.values(), key=lambda d: d.index), finished, usage, queue_seconds, priority
+        last.request_id, sorted(merged, key=lambda d: d.index), finished, usage, queue_seconds, priority
     )

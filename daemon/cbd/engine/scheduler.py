@@ -18,6 +18,16 @@ Policy per step, under `max_num_batched_tokens` and `max_num_seqs`:
      tenant with the fewest running seats first (fair share), oldest request first; each first
      reviving any cached prefix blocks; one whose prefix another admission computes this step waits
      a step to share it instead.
+Speculation (`schedule(speculate=True)`): a decoding sequence whose tokens are all known gets up
+to `num_speculative_tokens` draft tokens from the drafter (engine/drafter.py); its chunk is its last
+token plus the drafts, and the step samples a token after each of them (one `SampleRow` per
+position, the same position-keyed randomness as without drafts). `update_from_output` keeps the
+drafts up to the first one that differs from the token sampled before it, then that sampled token:
+exactly the tokens the sequence would have got one step at a time, greedy or seeded. The KV of the
+rejected positions is left behind the sequence's end (overwritten when those positions are computed
+again) and the blocks that only they used are freed; drafts are never committed to the prefix
+cache. A plan with drafts must complete before the next is scheduled (the next step's positions
+depend on how many were kept): the core runs such steps synchronously.
 A batch request queued for `aging_seconds` counts as interactive from then on (for admission and
 for preemption), so under any interactive load it runs within that time plus the wait of the
 interactive requests queued before that moment. A session turn
@@ -63,6 +73,7 @@ class ScheduledChunk:
     start: int = 0  # num_computed_tokens before the step: the chunk is token_ids[start : start + num_new_tokens]
     carry_row: int = -1  # >= 0: its last token is in flight, sampled at this row of the previous step
     samples: bool = False  # the chunk reaches the end of the sequence: the step samples its next token
+    num_draft: int = 0  # its last num_draft tokens are drafts: the step samples after each chunk token from them on
 
 
 @dataclass(slots=True)
@@ -72,6 +83,7 @@ class SampleRow:
     source: Sequence  # whose chunk's last logits row is sampled; its request's params and seed apply
     target: Sequence  # the candidate that receives the token
     position: int  # index of the token in target.token_ids (a PLACEHOLDER until the step completes)
+    num_draft: int = 0  # > 0: the first of num_draft + 1 rows verifying target's drafts (positions in order)
 
 
 @dataclass(slots=True)
@@ -87,6 +99,11 @@ class StepPlan:
     def num_tokens(self) -> int:
         return sum(c.num_new_tokens for c in self.chunks)
 
+    @property
+    def speculative(self) -> bool:
+        """Some chunk verifies drafts: the plan must complete before the next one is scheduled."""
+        return any(c.num_draft for c in self.chunks)
+
     def __bool__(self) -> bool:
         return bool(self.chunks)
 
@@ -101,6 +118,12 @@ class Restore:
     hits: int
     tokens: int
     ticket: int | None = None  # set when the copy is issued
+
+
+class Drafter(Protocol):
+    def propose(self, seq: Sequence, k: int) -> list[int]:
+        """Up to k tokens likely to follow seq's (all known) tokens; [] when it has no guess."""
+        ...
 
 
 class HostTier(Protocol):
@@ -135,8 +158,12 @@ class Scheduler:
         host_tier: HostTier | None = None,
         aging_seconds: float = 30.0,
         clock: Callable[[], float] = time.monotonic,
+        drafter: Drafter | None = None,
+        num_speculative_tokens: int = 0,
     ) -> None:
         self.block_manager = block_manager
+        self.drafter = drafter
+        self.num_speculative_tokens = num_speculative_tokens if drafter is not None else 0
         self.max_model_len = max_model_len
         # new_fork(parent, candidate, token_ids): a new sequence of parent's request (the core makes
         # it: sequence ids and output state are its business).
@@ -158,6 +185,11 @@ class Scheduler:
         self.num_restored_blocks = 0
         self.num_set_aside_blocks = 0  # blocks of preempted or queued sequences copied to the host tier
         self.num_restored_tokens = 0  # prompt tokens whose KV came from the host instead of being computed
+        self.num_draft_tokens = 0  # proposed and verified
+        self.num_accepted_tokens = 0  # of those, kept
+        self.num_speculative_steps = 0
+        self.draft_backoff = False  # overlap mode: after misses, a sequence waits before drafting again
+        self.step_index = 0  # schedule() calls so far (the backoff's clock)
 
     def add(self, seq: Sequence) -> None:
         seq.status = SequenceStatus.WAITING
@@ -178,7 +210,47 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running or self.restoring)
 
-    def schedule(self) -> StepPlan:
+    def can_speculate(self, seq: Sequence) -> bool:
+        """Whether seq may get drafts when its tokens are known: a plain decode, not due to stop by length."""
+        return (
+            seq.grammar is None
+            and not seq.pending_forks
+            and not seq.final_in_flight
+            and seq.num_computed_tokens > 0
+            and seq.num_tokens > seq.num_prompt_tokens
+            and seq.draft_retry_step <= self.step_index
+        )
+
+    def _drafts(self, seq: Sequence, budget: int) -> list[int]:
+        """Drafts for a decoding seq this step, within the budget, its length limits and the pool."""
+        if seq.num_uncomputed != 1 or seq.num_placeholders or not self.can_speculate(seq):
+            return []
+        params = seq.request.params
+        room = min(
+            self.num_speculative_tokens,
+            budget - 1,
+            params.max_tokens - seq.num_output_tokens - 1,  # all kept + the token after them: the last one at most
+            self.max_model_len - seq.num_tokens - 1,
+        )  # fmt: skip
+        drafts = self.drafter.propose(seq, room) if room > 0 and self.drafter is not None else []
+        if drafts and not self.block_manager.can_append(seq, 1 + len(drafts)):
+            return []
+        if not drafts:
+            self._missed(seq, verified=False)
+        return drafts
+
+    def _missed(self, seq: Sequence, verified: bool) -> None:
+        """After drafts none of which was kept (verified), or in overlap mode after finding no draft,
+        seq waits 2, 4, ... 32 steps before drafting again (a kept draft resets it): verifying costs
+        compute, and in overlap mode a step that speculates is synchronous."""
+        seq.draft_misses += 1
+        if verified or self.draft_backoff:
+            seq.draft_retry_step = self.step_index + min(32, 2**seq.draft_misses)
+
+    def schedule(self, speculate: bool = False) -> StepPlan:
+        """The next step's plan; with speculate, decoding sequences whose tokens are all known may
+        verify drafts in it (then the plan must complete before the next schedule)."""
+        self.step_index += 1
         plan = StepPlan()
         if self.restoring:
             self._finish_restores()
@@ -194,7 +266,8 @@ class Scheduler:
             if seq.final_in_flight:
                 index += 1  # its last token is being sampled: nothing left to compute
                 continue
-            num_new = min(seq.num_uncomputed, budget)
+            drafts = self._drafts(seq, budget) if speculate else []
+            num_new = min(seq.num_uncomputed, budget) + len(drafts)
             while not self._make_room(seq, num_new):
                 short = True
                 victim = self._memory_victim(index, now)
@@ -203,8 +276,11 @@ class Scheduler:
                 if victim is seq:
                     break
             else:
+                if drafts:
+                    seq.token_ids += drafts
+                    seq.num_draft = len(drafts)
                 plan.block_copies += bm.append(seq, num_new)
-                plan.chunks.append(ScheduledChunk(seq, num_new))
+                plan.chunks.append(ScheduledChunk(seq, num_new, num_draft=len(drafts)))
                 budget -= num_new
                 index += 1
         if not short:  # the pool is short: admitting now would only thrash
@@ -301,6 +377,16 @@ class Scheduler:
             if not chunk.samples:
                 continue
             parent = chunk.seq
+            if chunk.num_draft:  # a row after the last known token and after each draft
+                first = parent.num_tokens - chunk.num_draft
+                self._sample_into(parent, parent, parent.num_tokens, rows)
+                parent.final_in_flight = False  # how many are kept is not known yet: decided when it completes
+                rows[-1:] = [SampleRow(parent, parent, first + i) for i in range(chunk.num_draft + 1)]
+                rows[-chunk.num_draft - 1].num_draft = chunk.num_draft
+                parent.pending_row = -1  # a plan with drafts completes before the next is scheduled
+                self.num_draft_tokens += chunk.num_draft
+                self.num_speculative_steps += 1
+                continue
             position = parent.num_tokens
             self._sample_into(parent, parent, position, rows)
             after = parent
@@ -327,8 +413,17 @@ class Scheduler:
         the indices of the rows whose target is still live (one that finished or was aborted while
         the step was in flight drops its token)."""
         live = []
+        skip = 0
         for i, row in enumerate(plan.samples):
+            if skip:
+                skip -= 1
+                continue
             seq = row.target
+            if row.num_draft:
+                skip = row.num_draft
+                if not seq.is_finished:
+                    live += self._verify(seq, row, i, token_ids)
+                continue
             if seq.is_finished:
                 continue
             seq.token_ids[row.position] = token_ids[i]
@@ -340,6 +435,30 @@ class Scheduler:
             if not chunk.seq.is_finished:
                 self.block_manager.commit(chunk.seq)
         return live
+
+    def _verify(self, seq: Sequence, row: SampleRow, i: int, token_ids: list[int]) -> list[int]:
+        """Keep seq's drafts up to the first that differs from the token sampled before it, then that
+        sampled token; cut the rest and free the blocks only they used. Returns the rows kept."""
+        first, k = row.position, row.num_draft
+        kept = 0
+        while kept < k and token_ids[i + kept] == seq.token_ids[first + kept]:
+            kept += 1
+        end = first + kept  # the token sampled after the kept drafts goes here; its KV is not computed yet
+        seq.token_ids[end] = token_ids[i + kept]
+        del seq.token_ids[end + 1 :]
+        seq.num_draft = seq.num_placeholders = 0
+        seq.num_computed_tokens = end
+        bm = self.block_manager
+        keep_blocks = bm.blocks_needed(end)
+        if len(seq.block_table) > keep_blocks:
+            bm.release(seq.block_table[keep_blocks:])
+            del seq.block_table[keep_blocks:]
+        self.num_accepted_tokens += kept
+        if kept:
+            seq.draft_misses = 0
+        else:
+            self._missed(seq, verified=True)
+        return list(range(i, i + kept + 1))
 
     def _admit(self, plan: StepPlan, budget: int, now: float) -> None:
         """Admit waiting sequences, in `_AdmissionOrder`, while the budget, the seats and the pool allow.

@@ -11,6 +11,10 @@ Overlap: when a step that samples a sequence's next token is launched, a PLACEHO
 at once (`num_placeholders` counts them, `pending_row` is its sampling row in that step), so the
 next step can be scheduled before the token is known; the token replaces the placeholder when
 the step completes.
+
+Speculation: a step that verifies drafts appends them before the placeholder (`num_draft` of them);
+they are inputs of the step but not known tokens until the step says which the model would have
+produced itself: those stay, the rest are cut (see Scheduler.update_from_output).
 """
 
 from __future__ import annotations
@@ -61,6 +65,10 @@ class Sequence:
     pending_row: int = -1  # sampling row of the newest placeholder in the step that samples it
     final_in_flight: bool = False  # the token in flight is its last (length limit): schedule no more
     finish_reason: FinishReason | None = None
+    num_draft: int = 0  # draft tokens being verified, right before the placeholder
+    draft_index: Any = None  # the drafter's index of this sequence's n-grams (engine/drafter.py)
+    draft_retry_step: int = 0  # overlap mode: the step from which drafting is tried again after misses
+    draft_misses: int = 0  # consecutive speculative steps with no draft or none accepted
     grammar: Any = None  # GrammarState: where the reply stands in its request's grammar (None: unconstrained)
     # Output-side state owned by the engine's output processor (detokenizer, stop matcher).
     output_state: Any = None
@@ -75,12 +83,13 @@ class Sequence:
 
     @property
     def num_known_tokens(self) -> int:
-        return len(self.token_ids) - self.num_placeholders
+        return len(self.token_ids) - self.num_placeholders - self.num_draft
 
     def drop_placeholders(self) -> None:
-        if self.num_placeholders:
-            del self.token_ids[-self.num_placeholders :]
-            self.num_placeholders = 0
+        """Cut the tokens in flight (and drafts being verified) off."""
+        if self.num_placeholders or self.num_draft:
+            del self.token_ids[self.num_known_tokens :]
+            self.num_placeholders = self.num_draft = 0
 
     @property
     def num_output_tokens(self) -> int:

@@ -191,8 +191,8 @@ def pack_step(plan: StepPlan, graph_bucket: Callable[[int], int | None], scratch
         ctx.append(start + n)
         tables.append(seq.block_table)
         max_query_len = max(max_query_len, n)
-        if chunk.samples:
-            logits_rows.append(len(ids) - 1)
+        if chunk.samples:  # its last token's logits; with drafts, those of the tokens before each draft too
+            logits_rows += range(len(ids) - 1 - chunk.num_draft, len(ids))
     rows = plan.samples
     num_seqs = len(plan.chunks)
     decode_only = len(ids) == num_seqs and len(rows) == num_seqs
@@ -216,10 +216,10 @@ def pack_step(plan: StepPlan, graph_bucket: Callable[[int], int | None], scratch
     packed.add("ctx", ctx)
     packed.add("logits_rows", logits_rows)
     if len(rows) != len(logits_rows):  # forks: several rows read one logits row (rows come grouped by source)
-        row_logits, k, source = [], -1, None
+        row_logits, k, source, position = [], -1, None, -1
         for r in rows:
-            if r.source is not source:
-                k, source = k + 1, r.source
+            if r.source is not source or r.position != position:  # a fork repeats its parent's position
+                k, source, position = k + 1, r.source, r.position
             row_logits.append(k)
         packed.add("row_logits", row_logits)
     if carry_dst:

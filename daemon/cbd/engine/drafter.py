@@ -1,0 +1,60 @@
+"""Draft tokens for speculative decoding, from the sequence's own tokens (n-gram / prompt lookup).
+
+Agents copy: a tool result quoted back, a file rewritten with one change, a path repeated from the
+context. If the last n tokens of a sequence (n = 4, then 3, then 2) occurred before in it (prompt,
+session history, or its own output), the tokens that followed that earlier occurrence, most recent
+occurrence first, are proposed as the next tokens. The target model then checks them all in one step
+(`Scheduler`, speculative chunks) and keeps the longest run that it would have produced itself.
+
+Cost: each sequence keeps an index {n-gram: position after its latest occurrence}, extended
+incrementally as tokens are appended (O(1) per token and n), so a proposal is a few dict lookups
+whatever the context length. A session turn's sequence indexes its history once, on its first
+proposal. No device work, no model.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from cbd.engine.sequence import Sequence
+
+NGRAM_SIZES = (4, 3, 2)  # the longest match first: fewer false starts
+
+
+@dataclass(slots=True)
+class NgramIndex:
+    """{n-gram of the tokens: the position right after its latest occurrence}, over token_ids[:indexed + 1]."""
+
+    positions: dict[tuple[int, ...], int] = field(default_factory=dict)
+    indexed: int = 0  # n-grams ending before this position are in the index
+
+    def extend(self, tokens: list[int], end: int) -> None:
+        """Index the n-grams ending at positions [indexed, end - 1) (each has a known follower)."""
+        positions = self.positions
+        for i in range(max(self.indexed, 0), end - 1):
+            for n in NGRAM_SIZES:
+                if i + 1 >= n:
+                    positions[tuple(tokens[i + 1 - n : i + 1])] = i + 1
+        self.indexed = max(self.indexed, end - 1)
+
+
+class NgramDrafter:
+    """Proposes up to k tokens for a sequence whose tokens are all known (no draft, no placeholder)."""
+
+    def propose(self, seq: Sequence, k: int) -> list[int]:
+        if k <= 0:
+            return []
+        tokens = seq.token_ids
+        end = len(tokens)
+        index = seq.draft_index
+        if index is None or index.indexed > end - 1:  # new, or the sequence was cut back (rare)
+            index = seq.draft_index = NgramIndex()
+        index.extend(tokens, end)
+        positions = index.positions
+        for n in NGRAM_SIZES:
+            if end < n + 1:
+                continue
+            start = positions.get(tuple(tokens[end - n : end]))
+            if start is not None:
+                return tokens[start : min(start + k, end)]
+        return []
