@@ -242,8 +242,8 @@ class EngineCore:
         outputs: list[RequestOutput] = []
         speculate = self._speculate()
         if speculate and self._inflight is not None:  # drafts follow known tokens: complete the step in flight
-            previous, self._inflight = self._inflight, None
-            outputs = self._complete(previous)
+            drained, self._inflight = self._inflight, None
+            outputs = self._complete(drained)
         launched = None
         if self.scheduler.has_work():
             plan = self.scheduler.schedule(speculate)
