@@ -122,6 +122,9 @@ class Stats:
     kv_blocks_restored: int = 0  # host -> GPU (turns), since start
     restored_prompt_tokens: int = 0  # prompt tokens restored instead of recomputed
     priority_preemptions: int = 0  # of num_preemptions, those made for interactive requests
+    draft_tokens: int = 0  # speculative decoding: draft tokens verified since start
+    accepted_draft_tokens: int = 0  # of those, kept
+    speculative_steps: int = 0  # sequence-steps that verified drafts
 
 
 @dataclass(frozen=True, slots=True)

@@ -327,7 +327,7 @@ class GetStatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class Stats(_message.Message):
-    __slots__ = ("running", "waiting", "live_requests", "kv_blocks_total", "kv_blocks_used", "kv_blocks_free", "kv_blocks_cached", "uptime_seconds", "num_preemptions", "num_steps", "generated_tokens", "open_sessions", "session_evictions", "host_kv_blocks_total", "host_kv_blocks_used", "kv_blocks_offloaded", "kv_blocks_restored", "restored_prompt_tokens", "priority_preemptions")
+    __slots__ = ("running", "waiting", "live_requests", "kv_blocks_total", "kv_blocks_used", "kv_blocks_free", "kv_blocks_cached", "uptime_seconds", "num_preemptions", "num_steps", "generated_tokens", "open_sessions", "session_evictions", "host_kv_blocks_total", "host_kv_blocks_used", "kv_blocks_offloaded", "kv_blocks_restored", "restored_prompt_tokens", "priority_preemptions", "draft_tokens", "accepted_draft_tokens", "speculative_steps")
     RUNNING_FIELD_NUMBER: _ClassVar[int]
     WAITING_FIELD_NUMBER: _ClassVar[int]
     LIVE_REQUESTS_FIELD_NUMBER: _ClassVar[int]
@@ -347,6 +347,9 @@ class Stats(_message.Message):
     KV_BLOCKS_RESTORED_FIELD_NUMBER: _ClassVar[int]
     RESTORED_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     PRIORITY_PREEMPTIONS_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    ACCEPTED_DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    SPECULATIVE_STEPS_FIELD_NUMBER: _ClassVar[int]
     running: int
     waiting: int
     live_requests: int
@@ -366,7 +369,10 @@ class Stats(_message.Message):
     kv_blocks_restored: int
     restored_prompt_tokens: int
     priority_preemptions: int
-    def __init__(self, running: _Optional[int] = ..., waiting: _Optional[int] = ..., live_requests: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., kv_blocks_free: _Optional[int] = ..., kv_blocks_cached: _Optional[int] = ..., uptime_seconds: _Optional[float] = ..., num_preemptions: _Optional[int] = ..., num_steps: _Optional[int] = ..., generated_tokens: _Optional[int] = ..., open_sessions: _Optional[int] = ..., session_evictions: _Optional[int] = ..., host_kv_blocks_total: _Optional[int] = ..., host_kv_blocks_used: _Optional[int] = ..., kv_blocks_offloaded: _Optional[int] = ..., kv_blocks_restored: _Optional[int] = ..., restored_prompt_tokens: _Optional[int] = ..., priority_preemptions: _Optional[int] = ...) -> None: ...
+    draft_tokens: int
+    accepted_draft_tokens: int
+    speculative_steps: int
+    def __init__(self, running: _Optional[int] = ..., waiting: _Optional[int] = ..., live_requests: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., kv_blocks_free: _Optional[int] = ..., kv_blocks_cached: _Optional[int] = ..., uptime_seconds: _Optional[float] = ..., num_preemptions: _Optional[int] = ..., num_steps: _Optional[int] = ..., generated_tokens: _Optional[int] = ..., open_sessions: _Optional[int] = ..., session_evictions: _Optional[int] = ..., host_kv_blocks_total: _Optional[int] = ..., host_kv_blocks_used: _Optional[int] = ..., kv_blocks_offloaded: _Optional[int] = ..., kv_blocks_restored: _Optional[int] = ..., restored_prompt_tokens: _Optional[int] = ..., priority_preemptions: _Optional[int] = ..., draft_tokens: _Optional[int] = ..., accepted_draft_tokens: _Optional[int] = ..., speculative_steps: _Optional[int] = ...) -> None: ...
 
 class OpenSessionRequest(_message.Message):
     __slots__ = ("ttl_seconds", "text", "chat", "tokens", "session_id", "expected_idle_ms", "retention", "priority")

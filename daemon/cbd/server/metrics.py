@@ -47,6 +47,16 @@ class _EngineCollector(Collector):
             value=s.num_session_evictions,
         )  # fmt: skip
         yield CounterMetricFamily("cbd_engine_steps", "Engine steps run.", value=s.num_steps)
+        if s.speculation is not None:
+            spec = s.speculation
+            yield CounterMetricFamily("cbd_spec_draft_tokens", "Draft tokens verified (speculative decoding).",
+                                      value=spec.num_draft_tokens)  # fmt: skip
+            yield CounterMetricFamily("cbd_spec_accepted_tokens", "Draft tokens kept (each saved a step).",
+                                      value=spec.num_accepted_tokens)  # fmt: skip
+            yield GaugeMetricFamily(
+                "cbd_spec_acceptance_ratio", "Kept / verified draft tokens since start (0 before any).",
+                value=spec.num_accepted_tokens / spec.num_draft_tokens if spec.num_draft_tokens else 0.0,
+            )  # fmt: skip
         if s.host is not None:
             yield from _host_tier(s.host)
 

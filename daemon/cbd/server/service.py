@@ -305,6 +305,9 @@ class CbdService(_Base):
             kv_blocks_offloaded=s.host.num_offloaded_blocks if s.host else 0,
             kv_blocks_restored=s.host.num_restored_blocks if s.host else 0,
             restored_prompt_tokens=s.host.num_restored_tokens if s.host else 0,
+            draft_tokens=s.speculation.num_draft_tokens if s.speculation else 0,
+            accepted_draft_tokens=s.speculation.num_accepted_tokens if s.speculation else 0,
+            speculative_steps=s.speculation.num_steps if s.speculation else 0,
         )
 
 

@@ -1,0 +1,246 @@
+"""Speculative decoding (n-gram drafts from the sequence's own context, verified in one step).
+
+The oracle is the same engine with `speculative="off"`: greedy outputs must be equal token for token,
+and so must seeded samples (each position's draw uses the same position-keyed randomness, and a
+draft is kept only where it equals that draw). A statistical test on a tiny model checks that the
+tokens sampled at verified positions follow the model's own distribution (transformers' softmax)."""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+
+import pytest
+import torch
+
+from cbd.engine.core import EngineCore
+from cbd.engine.drafter import NgramDrafter, NgramIndex
+from cbd.engine.sampling_params import SamplingParams
+from cbd.engine.sequence import Request, Sequence
+from helpers import checked_step, make_core, run_all
+
+CODE = """def load(path):
+    with open(path) as f:
+        rows = [line.split(",") for line in f]
+    return rows
+
+
+def total(rows):
+    return sum(float(row[2]) for row in rows)
+"""
+
+
+def _chat(loaded, text: str) -> list[int]:  # type: ignore[no-untyped-def]
+    tok = loaded.tokenizer
+    return tok.encode(tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
+                                              tokenize=False))  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def prompts(default_model):  # type: ignore[no-untyped-def]
+    return {
+        "copy": _chat(default_model, "Repeat this code exactly, renaming `rows` to `records`:\n\n" + CODE),
+        "quote": _chat(default_model, "The tool returned: {\"status\": \"ok\", \"path\": \"/srv/data/2024/q3.csv\", "
+                                      "\"rows\": 1842}. Quote the tool result back verbatim, then say done."),
+        "plain": _chat(default_model, "Name three colours."),
+    }  # fmt: skip
+
+
+def _speculated(core: EngineCore) -> tuple[int, int]:
+    stats = core.stats().speculation
+    assert stats is not None
+    return stats.num_draft_tokens, stats.num_accepted_tokens
+
+
+def test_the_drafter_proposes_what_followed_the_latest_earlier_occurrence() -> None:
+    seq = Sequence(0, Request("r", [], SamplingParams(), 0), 0, [5, 6, 7, 8, 9, 1, 2, 5, 6, 7, 3, 5, 6, 7], 3)
+    drafter = NgramDrafter()
+    assert drafter.propose(seq, 3) == [3, 5, 6]  # "5 6 7" last occurred at 7..9, followed by 3
+    seq.token_ids += [3, 5]
+    assert drafter.propose(seq, 2) == [6, 7]  # the index grew with the tokens: "7 3 5" was seen
+    assert drafter.propose(seq, 0) == []
+    fresh = Sequence(1, seq.request, 0, [1, 2, 3, 4], 1)
+    assert drafter.propose(fresh, 4) == []  # nothing repeats
+    index = NgramIndex()
+    index.extend([1, 2, 1, 2], 4)
+    assert index.positions[(1, 2)] == 2 and index.indexed == 3  # the suffix's own n-grams wait for a follower
+
+
+@pytest.mark.parametrize("kind", ["copy", "quote", "plain"])
+def test_greedy_outputs_equal_without_speculation(default_model, prompts, kind) -> None:  # type: ignore[no-untyped-def]
+    params = SamplingParams(max_tokens=48, temperature=0.0, logprobs=2)
+    results = {}
+    for mode in ("off", "ngram"):
+        core = make_core(default_model, speculative=mode, num_kv_blocks=512)
+        results[mode] = run_all(core, [prompts[kind]], params)[0]
+        assert core.block_manager.num_used_blocks == 0
+        if mode == "ngram" and kind != "plain":
+            drafted, accepted = _speculated(core)
+            assert drafted > 0 and accepted > 0, (drafted, accepted)  # the feature ran
+    off, on = results["off"], results["ngram"]
+    assert on["tokens"] == off["tokens"] and on["text"] == off["text"] and on["finish"] == off["finish"]
+    assert on["usage"] == off["usage"]
+    lp_off = [(lp.token_id, round(lp.logprob, 3)) for o in off["outputs"] for d in o.candidates for lp in d.logprobs]
+    lp_on = [(lp.token_id, round(lp.logprob, 3)) for o in on["outputs"] for d in o.candidates for lp in d.logprobs]
+    assert lp_on == lp_off
+    # A step that keeps drafts moves a candidate by several tokens in one output.
+    if kind == "copy":
+        assert max(len(d.token_ids) for o in on["outputs"] for d in o.candidates) > 1
+
+
+def test_fan_out_and_seeded_sampling_equal_without_speculation(default_model, prompts) -> None:  # type: ignore[no-untyped-def]
+    cases = [
+        SamplingParams(max_tokens=40, temperature=0.0, n=4),
+        SamplingParams(max_tokens=40, temperature=0.7, n=4, seed=11),
+        SamplingParams(max_tokens=40, temperature=1.0, top_p=0.9, seed=5),
+    ]
+    batch = [prompts["copy"], prompts["quote"], prompts["copy"]]
+    results = {}
+    for mode in ("off", "ngram"):
+        core = make_core(default_model, speculative=mode, num_kv_blocks=1024)
+        results[mode] = [(r["tokens"], r["finish"]) for r in run_all(core, batch, cases)]
+        assert core.block_manager.num_used_blocks == 0
+    assert results["ngram"] == results["off"]
+    again = make_core(default_model, speculative="ngram", num_kv_blocks=1024)
+    assert [(r["tokens"], r["finish"]) for r in run_all(again, batch, cases)] == results["ngram"]  # reproducible
+
+
+def test_stops_inside_a_kept_run_end_the_output_there(default_model, prompts) -> None:  # type: ignore[no-untyped-def]
+    base = SamplingParams(max_tokens=60, temperature=0.0)
+    core = make_core(default_model, speculative="off", num_kv_blocks=512)
+    full = run_all(core, [prompts["copy"]], base)[0]
+    tokens, text = full["tokens"][0], full["text"][0]
+    stop_string = text[len(text) // 2 : len(text) // 2 + 6]
+    stop_id = tokens[len(tokens) * 2 // 3]
+    cases = [
+        SamplingParams(max_tokens=60, temperature=0.0, stop=[stop_string]),
+        SamplingParams(max_tokens=60, temperature=0.0, stop_token_ids=[stop_id]),
+        SamplingParams(max_tokens=23, temperature=0.0),  # max_tokens in the middle of a run
+    ]
+    for params in cases:
+        out = {}
+        for mode in ("off", "ngram"):
+            core = make_core(default_model, speculative=mode, num_kv_blocks=512)
+            r = run_all(core, [prompts["copy"]], params)[0]
+            out[mode] = (r["tokens"], r["text"], r["finish"], r["usage"])
+            assert core.block_manager.num_used_blocks == 0
+        assert out["ngram"] == out["off"], params
+    assert stop_string not in out["off"][1][0]
+
+
+def test_session_turns_equal_without_speculation(default_model) -> None:  # type: ignore[no-untyped-def]
+    turns = [
+        "Here is a file:\n" + CODE + "\nRepeat it exactly.",
+        " Now repeat only the function total, exactly.",
+        " Repeat the first line of the file again.",
+    ]
+    answers = {}
+    for mode in ("off", "ngram"):
+        core = make_core(default_model, speculative=mode, num_kv_blocks=1024)
+        sid = core.sessions.open().session_id
+        got = []
+        for text in turns:
+            request = core.add_session_turn(
+                sid, _chat(default_model, text), SamplingParams(max_tokens=40, temperature=0.0)
+            )
+            tokens: list[int] = []
+            cached = None
+            while core.has_work():
+                for out in checked_step(core):
+                    if out.request_id == request.request_id:
+                        tokens += [t for d in out.candidates for t in d.token_ids]
+                        cached = out.usage.cached_prompt_tokens if out.finished and out.usage else cached
+            got.append((tokens, cached))
+        if mode == "ngram":
+            assert _speculated(core)[1] > 0
+        core.sessions.close(sid)
+        core.check_integrity()
+        assert core.block_manager.num_used_blocks == 0
+        answers[mode] = got
+    assert answers["ngram"] == answers["off"]
+
+
+def test_abort_during_a_verifying_step_and_preemption_leave_no_blocks(default_model, prompts) -> None:  # type: ignore[no-untyped-def]
+    core = make_core(default_model, speculative="ngram", num_kv_blocks=512)
+    request = core.add_request(prompts["copy"], SamplingParams(max_tokens=60, temperature=0.0))
+    wait = core.runner.wait
+    aborted = []
+
+    def wait_then_abort(step):  # type: ignore[no-untyped-def]
+        result = wait(step)
+        seq = request.sequences[0]
+        if seq.num_draft and not aborted:  # the step verifying drafts has run; the caller cancels now
+            aborted.append(core.abort_request(request.request_id))
+        return result
+
+    core.runner.wait = wait_then_abort  # type: ignore[method-assign]
+    while core.has_work():
+        checked_step(core)
+    assert aborted and request.sequences[0].num_draft == 0
+    assert core.block_manager.num_used_blocks == 0
+    # A pool too small for all four copies at once: sequences are preempted and recomputed; outputs as unconstrained.
+    params = SamplingParams(max_tokens=40, temperature=0.0)
+    batch = [prompts["copy"], prompts["quote"], prompts["copy"], prompts["quote"]]
+    small = make_core(
+        default_model, speculative="ngram", num_kv_blocks=50, block_size=8, max_num_seqs=4, enable_prefix_caching=False
+    )
+    got = [r["tokens"] for r in run_all(small, batch, params)]
+    assert small.scheduler.num_preemptions > 0 and _speculated(small)[1] > 0
+    assert small.block_manager.num_used_blocks == 0
+    big = make_core(default_model, speculative="off", num_kv_blocks=1024)
+    assert got == [r["tokens"] for r in run_all(big, batch, params)]
+
+
+def test_auto_speculates_only_at_small_batches(default_model, prompts) -> None:  # type: ignore[no-untyped-def]
+    params = SamplingParams(max_tokens=24, temperature=0.0)
+    core = make_core(default_model, speculative="auto", speculative_max_batch=2, num_kv_blocks=1024)
+    run_all(core, [prompts["copy"]] * 3, params)  # three at once: above the limit until one finishes
+    wide = _speculated(core)[0]
+    core = make_core(default_model, speculative="auto", speculative_max_batch=2, num_kv_blocks=1024)
+    run_all(core, [prompts["copy"]], params)
+    assert _speculated(core)[0] > 0 and wide == 0
+
+
+class _FixedDrafter:
+    """Proposes the same tokens at every step: every position after the first is verified."""
+
+    def __init__(self, token: int) -> None:
+        self.token = token
+
+    def propose(self, seq: Sequence, k: int) -> list[int]:
+        return [self.token] * min(k, 2)
+
+
+def test_sampled_tokens_at_verified_positions_follow_the_model(tiny_checkpoint, tiny_loaded) -> None:  # type: ignore[no-untyped-def]
+    """Many seeds on a tiny model, with a drafter that always proposes the second token's most likely
+    value: the second tokens (all sampled at verified positions) have the frequencies of the model's
+    own distribution (transformers' softmax, marginalised over the first token), not inflated towards
+    the draft; and each seed's tokens equal those without speculation."""
+    from transformers import AutoModelForCausalLM
+
+    prompt = [10, 11, 12, 13] * 4 + [10, 11]
+    temperature, seeds = 1.0, 800
+    hf = AutoModelForCausalLM.from_pretrained(tiny_checkpoint("llama"), dtype=torch.float32).eval()
+    with torch.inference_mode():
+        p1 = torch.softmax(hf(torch.tensor([prompt])).logits[0, -1] / temperature, -1)
+        vocab = p1.shape[0]
+        both = torch.tensor([prompt + [v] for v in range(vocab)])
+        p2_given = torch.softmax(hf(both).logits[:, -1] / temperature, -1)
+    p2 = (p1[:, None] * p2_given).sum(0)
+    draft = int(p2.argmax())
+    runs = {}
+    for mode in ("off", "ngram"):
+        core = make_core(tiny_loaded, speculative=mode, num_kv_blocks=2048, max_num_seqs=64)
+        if mode == "ngram":
+            core.scheduler.drafter = _FixedDrafter(draft)
+        params = [SamplingParams(max_tokens=3, temperature=temperature, seed=s, ignore_eos=True) for s in range(seeds)]
+        runs[mode] = [tuple(r["tokens"][0]) for r in run_all(core, [prompt] * seeds, params)]
+        if mode == "ngram":
+            drafted, accepted = _speculated(core)
+            assert drafted >= seeds and 0 < accepted < drafted
+    assert runs["ngram"] == runs["off"]
+    seconds = Counter(t[1] for t in runs["ngram"])
+    for token in set(seconds) | set(torch.topk(p2, 8).indices.tolist()):
+        p = float(p2[token])
+        bound = 4.5 * math.sqrt(p * (1 - p) / seeds) + 2 / seeds
+        assert abs(seconds[token] / seeds - p) <= bound, (token, seconds[token] / seeds, p)
