@@ -64,7 +64,7 @@ def make_core(loaded: LoadedModel, overlap: str, max_seqs: int, max_len: int, bl
     config = EngineConfig(
         device="cuda", dtype="bfloat16", block_size=16, num_kv_blocks=blocks, max_num_seqs=max_seqs,
         max_num_batched_tokens=4096, max_model_len=max_len, overlap=overlap, cuda_graph_max_batch=max_seqs,
-        enable_prefix_caching=False,
+        enable_prefix_caching=False, speculative="off",  # the cost of a decode step (bench/speculative.py: drafts)
     )  # fmt: skip
     core = EngineCore(loaded, config)
     core.warm_up()

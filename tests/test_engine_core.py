@@ -202,7 +202,7 @@ def test_an_engine_that_can_schedule_nothing_reports_a_stall_without_spinning(ti
     try:
         calls = 0
 
-        def schedule_nothing() -> StepPlan:
+        def schedule_nothing(speculate: bool = False) -> StepPlan:
             nonlocal calls
             calls += 1
             return StepPlan()

@@ -1,0 +1,219 @@
+"""Speculative decoding (n-gram drafts from the context): end to end on the CPU, step costs on the GPU.
+
+CPU (the default model, real text): each agent-style prompt is generated at batch 1 with
+`speculative="off"` and `"ngram"` (greedy, the same tokens by construction; checked), one after
+another in this run. Reported per prompt: generated tok/s both ways and their ratio, the drafts'
+acceptance rate, and the steps that verified drafts vs plain steps. Then a batch of 32 requests with
+`auto` vs `off` (auto turns speculation off above `speculative_max_batch`). The step counts are
+written to speculative_cpu.json for the GPU projection.
+
+GPU (`--gpu`, Llama-3-8B shape, random bf16 weights, so drafts are never right and only costs are
+measured): per batch B, the wall ms of a decode step with speculation off (overlap loop, CUDA graphs),
+of a synchronous step with no drafts, and of a step verifying k drafts per sequence. With
+`--profile speculative_cpu.json`, the projected speedup of each CPU prompt at batch 1:
+tokens x (overlapped step) / (verifying steps x their cost + plain steps x a synchronous step's).
+
+    python bench/speculative.py                   # CPU
+    python bench/speculative.py --gpu --profile speculative_cpu.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import random
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from cbd.config import EngineConfig
+from cbd.engine.core import EngineCore
+from cbd.engine.sampling_params import SamplingParams
+from cbd.engine.sequence import Sequence
+
+log = logging.getLogger("bench")
+OUT = os.environ.get("OUT", ".")
+
+CODE = (Path(__file__).resolve().parents[1] / "daemon" / "cbd" / "engine" / "drafter.py").read_text()[:2400]
+TOOL = json.dumps(
+    {"status": "ok", "path": "/srv/data/2024/q3/sales.csv", "rows": 1842, "columns": ["region", "month", "units",
+     "revenue"], "sample": [["north", "2024-07", 312, 18250.5], ["south", "2024-07", 288, 16011.0],
+     ["east", "2024-08", 301, 17420.25], ["west", "2024-08", 275, 15903.75]], "warnings": []},
+    indent=1,
+)  # fmt: skip
+PROMPTS = {
+    "rewrite a file with one change": "Rewrite this Python file exactly as it is, except rename the class "
+    "NgramIndex to NgramTable everywhere. Output only the file.\n\n" + CODE,
+    "quote a tool result": "The tool returned this JSON:\n" + TOOL + "\nQuote the JSON back verbatim, then "
+    "summarise it in one sentence.",
+    "no copying (control)": "Write a short story about a lighthouse keeper who finds a message in a bottle.",
+}
+
+
+def _chat(tokenizer, text: str) -> list[int]:  # type: ignore[no-untyped-def]
+    rendered = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
+                                             tokenize=False)  # fmt: skip
+    return tokenizer.encode(rendered)
+
+
+def _generate(core: EngineCore, prompts: list[list[int]], new_tokens: int) -> tuple[list[list[int]], float, int]:
+    params = SamplingParams(max_tokens=new_tokens, temperature=0.0)
+    requests = [core.add_request(p, params) for p in prompts]
+    steps = 0
+    start = time.perf_counter()
+    while core.has_work():
+        core.step()
+        steps += 1
+    elapsed = time.perf_counter() - start
+    return [r.sequences[0].token_ids[len(p) :] for r, p in zip(requests, prompts)], elapsed, steps
+
+
+def cpu(args: argparse.Namespace) -> None:
+    from cbd.model.loader import load_model
+
+    loaded = load_model(None, pack_cpu_gemm=True)
+    rows = {}
+    for name, text in PROMPTS.items():
+        prompt = _chat(loaded.tokenizer, text)
+        result = {}
+        for mode in ("off", "ngram"):
+            core = EngineCore(loaded, EngineConfig(speculative=mode, max_model_len=4096, num_kv_blocks=1024))
+            tokens, elapsed, steps = _generate(core, [prompt], args.new_tokens)
+            spec = core.stats().speculation
+            assert spec is not None
+            result[mode] = dict(tokens=tokens[0], seconds=elapsed, steps=steps, verify_steps=spec.num_steps,
+                                drafted=spec.num_draft_tokens, accepted=spec.num_accepted_tokens)  # fmt: skip
+        off, on = result["off"], result["ngram"]
+        rows[name] = dict(
+            prompt_tokens=len(prompt), generated=len(on["tokens"]), same=on["tokens"] == off["tokens"],
+            tok_s_off=len(off["tokens"]) / off["seconds"], tok_s_on=len(on["tokens"]) / on["seconds"],
+            steps=on["steps"], verify_steps=on["verify_steps"], plain_steps=on["steps"] - on["verify_steps"],
+            drafted=on["drafted"], accepted=on["accepted"],
+        )  # fmt: skip
+        log.info("%s: %s", name, rows[name])
+    # A wide batch: auto must not cost anything (it turns itself off above speculative_max_batch).
+    prompts = [_chat(loaded.tokenizer, text) for text in PROMPTS.values()] * 11
+    prompts = prompts[: args.batch]
+    wide = {}
+    for mode in ("off", "auto"):
+        core = EngineCore(loaded, EngineConfig(speculative=mode, max_model_len=4096, num_kv_blocks=4096,
+                                               max_num_seqs=args.batch))  # fmt: skip
+        tokens, elapsed, _ = _generate(core, prompts, args.batch_tokens)
+        wide[mode] = dict(tokens=tokens, tok_s=sum(map(len, tokens)) / elapsed)
+    with open(os.path.join(OUT, "speculative_cpu.json"), "w") as f:
+        json.dump(rows, f, indent=1)
+    print(f"\nCPU, default model, greedy, {args.new_tokens} new tokens at most, batch 1, k = 4 drafts at most")
+    print(f"{'prompt':32s} {'tokens':>6s} {'off tok/s':>9s} {'ngram tok/s':>11s} {'ratio':>6s} {'accept':>7s} "
+          f"{'verify/plain steps':>19s} same")  # fmt: skip
+    for name, r in rows.items():
+        print(f"{name:32s} {r['generated']:6d} {r['tok_s_off']:9.2f} {r['tok_s_on']:11.2f} "
+              f"{r['tok_s_on'] / r['tok_s_off']:5.2f}x {r['accepted'] / max(1, r['drafted']):7.0%} "
+              f"{r['verify_steps']:9d}/{r['plain_steps']:<9d} {r['same']}")  # fmt: skip
+    same = wide["auto"]["tokens"] == wide["off"]["tokens"]
+    print(
+        f"batch {args.batch} x {args.batch_tokens} tokens: auto {wide['auto']['tok_s']:.1f} tok/s vs off "
+        f"{wide['off']['tok_s']:.1f} = {wide['auto']['tok_s'] / wide['off']['tok_s']:.2f}x (floor 0.97); same: {same}"
+    )
+
+
+class _FixedDrafter:
+    """k arbitrary drafts for every sequence at every step: the cost of verifying k, whatever is kept."""
+
+    def __init__(self, k: int) -> None:
+        self.k = k
+
+    def propose(self, seq: Sequence, k: int) -> list[int]:
+        return [seq.token_ids[-1]] * min(k, self.k)
+
+
+def gpu(args: argparse.Namespace) -> None:
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from overlap_gpu import build_hf
+
+    from cbd.model.loader import model_from_hf
+
+    hf = build_hf(32)
+    loaded = model_from_hf(hf, "cuda", torch.bfloat16, max_positions=4096)
+    del hf
+    torch.cuda.empty_cache()
+    rng = random.Random(0)
+    costs: dict[int, dict[str, float]] = {}
+    for batch in args.batches:
+        config = EngineConfig(device="cuda", dtype="bfloat16", block_size=16, num_kv_blocks=batch * 80 + 64,
+                              max_num_seqs=max(batch, 4), max_model_len=1200, speculative="ngram",
+                              num_speculative_tokens=max(args.ks), speculative_max_batch=1024,
+                              enable_prefix_caching=False)  # fmt: skip
+        core = EngineCore(loaded, config)
+        core.warm_up()
+        core.scheduler.draft_backoff = False
+        row = {}
+        for label, drafter, k in [("overlap", None, 0), ("sync", _FixedDrafter(0), 0)] + [
+            (f"k={k}", _FixedDrafter(k), k) for k in args.ks
+        ]:
+            core.scheduler.drafter = drafter
+            core.scheduler.num_speculative_tokens = k if drafter is not None else 0
+            prompts = [[rng.randrange(100, 120000) for _ in range(args.prompt_len)] for _ in range(batch)]
+            params = SamplingParams(max_tokens=1000, temperature=0.0, ignore_eos=True)
+            requests = [core.add_request(p, params) for p in prompts]
+            while any(r.sequences[0].num_output_tokens < 2 for r in requests):
+                core.step()
+            for _ in range(5):
+                core.step()
+            torch.cuda.synchronize()
+            start = time.perf_counter()
+            for _ in range(args.steps):
+                core.step()
+            torch.cuda.synchronize()
+            row[label] = 1000 * (time.perf_counter() - start) / args.steps
+            for r in requests:
+                core.abort_request(r.request_id)
+            while core.has_work():
+                core.step()
+        costs[batch] = row
+        log.info("batch %d: %s", batch, row)
+        del core
+        torch.cuda.empty_cache()
+    with open(os.path.join(OUT, "speculative_gpu.json"), "w") as f:
+        json.dump(costs, f, indent=1)
+    labels = list(next(iter(costs.values())))
+    print(f"\n{torch.cuda.get_device_name()}, 8B shape, {args.prompt_len}-token contexts: ms per decode step")
+    print(f"{'batch':>5s} " + " ".join(f"{label:>8s}" for label in labels))
+    for batch, row in costs.items():
+        print(f"{batch:5d} " + " ".join(f"{row[label]:8.2f}" for label in labels))
+    if args.profile:
+        with open(args.profile) as f:
+            profile = json.load(f)
+        one = costs.get(1)
+        if one is None:
+            return
+        k = max(args.ks)
+        print(f"projected at batch 1 (k = {k}; step counts from the CPU run, costs from this one):")
+        for name, r in profile.items():
+            spec_ms = r["verify_steps"] * one[f"k={k}"] + r["plain_steps"] * one["sync"]
+            base_ms = r["generated"] * one["overlap"]
+            print(f"  {name:32s} {base_ms / spec_ms:5.2f}x  ({r['generated']} tokens: {r['verify_steps']} verifying + "
+                  f"{r['plain_steps']} plain steps vs {r['generated']} overlapped)")  # fmt: skip
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--gpu", action="store_true")
+    parser.add_argument("--new-tokens", type=int, default=200)
+    parser.add_argument("--batch", type=int, default=32)
+    parser.add_argument("--batch-tokens", type=int, default=48)
+    parser.add_argument("--batches", type=int, nargs="+", default=[1, 4, 32])
+    parser.add_argument("--ks", type=int, nargs="+", default=[2, 4])
+    parser.add_argument("--prompt-len", type=int, default=512)
+    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--profile", help="speculative_cpu.json of a CPU run, for the projection")
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    gpu(args) if args.gpu else cpu(args)
+
+
+if __name__ == "__main__":
+    main()
