@@ -3,7 +3,11 @@
 Routes (gRPC over HTTP/2, on one listener):
 - a call with the `x-cbd-affinity` header (every call about a session, see proto/cbd/v1/cbd.proto,
   "Affinity") goes to cluster `cbd_sessions`: RING_HASH on that header, so all calls of a session, and its
-  forks, reach the replica that holds its KV; a replica leaving the ring moves only its own keys;
+  forks, reach the replica that holds its KV. Envoy's ring gives each replica a share of a fixed-size
+  ring, so when one leaves the others get more points and some keys move between them too: therefore
+  Envoy also names the replica it chose in the response header `x-cbd-replica` (its stateful-session
+  filter), clients send it back with the key's later calls, and those go to that replica while it is
+  healthy whatever the ring does; if it is gone, the ring decides again and the header names the new one;
 - any other call goes to cluster `cbd_any`: LEAST_REQUEST (where there is room).
 Both clusters hold the same replicas, health-checked with grpc.health.v1 (a draining or loading replica
 answers NOT_SERVING and is taken out), with outlier detection on consecutive errors. Routes and streams
@@ -20,6 +24,7 @@ import json
 from typing import Any
 
 AFFINITY_HEADER = "x-cbd-affinity"
+REPLICA_HEADER = "x-cbd-replica"
 
 
 def _address(address: str) -> dict[str, Any]:
@@ -111,9 +116,22 @@ def bootstrap(listen: str, replicas: list[str], admin_port: int = 0, health_inte
         },  # fmt: skip
         "http_filters": [
             {
+                "name": "envoy.filters.http.stateful_session",
+                "typed_config": {
+                    "@type": "type.googleapis.com/envoy.extensions.filters.http.stateful_session.v3.StatefulSession",
+                    "session_state": {
+                        "name": "envoy.http.stateful_session.header",
+                        "typed_config": {
+                            "@type": "type.googleapis.com/envoy.extensions.http.stateful_session.header.v3.HeaderBasedSessionState",
+                            "name": REPLICA_HEADER,
+                        },
+                    },
+                },
+            },
+            {
                 "name": "envoy.filters.http.router",
                 "typed_config": {"@type": "type.googleapis.com/envoy.extensions.filters.http.router.v3.Router"},
-            }
+            },
         ],  # fmt: skip
     }
     listener = {

@@ -89,6 +89,47 @@ def test_plain_calls_go_to_any_replica(cluster) -> None:  # type: ignore[no-unty
             assert len(client.generate(PROMPT, max_tokens=3, ignore_eos=True).candidates[0].token_ids) == 3
 
 
+def test_the_proxy_names_the_replica_and_a_call_naming_one_goes_there(cluster) -> None:  # type: ignore[no-untyped-def]
+    """Envoy answers a session call with x-cbd-replica (the replica it chose); a later call that sends it
+    back reaches that replica whatever its affinity key hashes to (so a ring that moves keys between the
+    remaining replicas when one leaves cannot strand a live session); the client does this itself."""
+    import base64
+
+    import grpc
+
+    from cbd_client.v1 import cbd_pb2 as pb
+    from cbd_client.v1.cbd_pb2_grpc import CbdStub
+
+    def header(path: str) -> str:
+        return base64.b64encode(path.encode()).decode()
+
+    with grpc.insecure_channel(cluster.listen) as channel:
+        stub = CbdStub(channel)
+        sid = "replicatest1"
+        _, call = stub.OpenSession.with_call(
+            pb.OpenSessionRequest(session_id=sid), metadata=(("x-cbd-affinity", sid),), timeout=30
+        )
+        named = dict(call.initial_metadata()).get("x-cbd-replica")
+        holder = _holder(cluster, sid)
+        assert named == header(cluster.addresses[holder].removeprefix("unix:")), named
+        other = cluster.addresses[(holder + 1) % len(cluster.addresses)].removeprefix("unix:")
+        with pytest.raises(grpc.RpcError) as lost:  # sent to the replica the header names: it has no such session
+            stub.GetSession(pb.GetSessionRequest(session_id=sid), timeout=30,
+                            metadata=(("x-cbd-affinity", sid), ("x-cbd-replica", header(other))))  # fmt: skip
+        assert lost.value.code() == grpc.StatusCode.NOT_FOUND
+        stub.GetSession(pb.GetSessionRequest(session_id=sid), timeout=30,
+                        metadata=(("x-cbd-affinity", sid), ("x-cbd-replica", named)))  # fmt: skip
+        stub.CloseSession(pb.CloseSessionRequest(session_id=sid), timeout=30, metadata=(("x-cbd-affinity", sid),))
+    with Client(cluster.listen, timeout=30) as client:
+        session = client.session(PROMPT[:4])
+        key = session.session_id.split(".")[0]
+        assert client._routes.header(key) == (  # the client kept what the proxy named
+            "x-cbd-replica",
+            header(cluster.addresses[_holder(cluster, session.session_id)].removeprefix("unix:")),
+        )
+        session.close()
+
+
 @pytest.fixture()
 def fresh_cluster(tiny_checkpoint, tmp_path):  # type: ignore[no-untyped-def]
     flags = ["--model", str(tiny_checkpoint("llama")), "--num-threads", "1"]

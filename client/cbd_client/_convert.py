@@ -241,10 +241,14 @@ def fork_session_id(source: str) -> str:
     return f"{affinity_key(source)}.{uuid.uuid4().hex[:16]}"
 
 
-def with_affinity(metadata: tuple[tuple[str, str], ...] | None, session_id: str | None) -> Any:
+def with_affinity(metadata: tuple[tuple[str, str], ...] | None, session_id: str | None, routes: Any = None) -> Any:
+    """metadata plus the affinity header of session_id (a session id or a plain call's key) and, when a
+    proxy named one for that key earlier, the replica header (routing.Routes)."""
     if not session_id:
         return metadata
-    return (*(metadata or ()), (AFFINITY_HEADER, affinity_key(session_id)))
+    key = affinity_key(session_id)
+    replica = routes.header(key) if routes is not None else None
+    return (*(metadata or ()), (AFFINITY_HEADER, key), *((replica,) if replica else ()))
 
 
 def open_session_request(

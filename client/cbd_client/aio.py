@@ -17,6 +17,7 @@ from cbd_client import _convert, readiness
 from cbd_client._convert import Prompt
 from cbd_client.address import default_address, tls_credentials
 from cbd_client.errors import CbdError
+from cbd_client.routing import Routes
 from cbd_client.session import AsyncSession
 from cbd_client.types import Completion, Delta, ModelInfo, SessionInfo, Stats
 from cbd_client.v1 import cbd_pb2 as pb
@@ -37,6 +38,7 @@ class AsyncClient:
         daemon's certificate (TCP with TLS); tls_cert / tls_key: this client's certificate (mutual TLS)."""
         self.address = address or default_address()
         self._metadata = (("authorization", f"Bearer {token}"),) if token else None
+        self._routes = Routes()  # the replica a proxy chose per affinity key (routing.py)
         self.timeout = timeout
         if tls_ca:
             self._channel = grpc.aio.secure_channel(self.address, tls_credentials(tls_ca, tls_cert, tls_key))
@@ -54,15 +56,17 @@ class AsyncClient:
     ) -> Completion:
         builder = _convert.CompletionBuilder(n)
         request = _convert.generate_request(prompt, n, options)
+        key = request.session_id or options.get("affinity")
+        call = self._stub.Generate(
+            request, timeout=timeout or self.timeout, metadata=_convert.with_affinity(self._metadata, key, self._routes)
+        )
         try:
-            async for response in self._stub.Generate(
-                request,
-                timeout=timeout or self.timeout,
-                metadata=_convert.with_affinity(self._metadata, request.session_id or options.get("affinity")),
-            ):
+            async for response in call:
                 builder.add(response)
         except grpc.RpcError as e:
             raise CbdError.from_rpc(e) from None
+        finally:
+            await self._learn(key, call)
         return builder.result()
 
     async def stream(
@@ -75,10 +79,9 @@ class AsyncClient:
     ) -> AsyncIterator[Delta]:
         """Yield deltas as they arrive; closing the iterator early cancels the request on the daemon."""
         request = _convert.generate_request(prompt, n, options)
+        key = request.session_id or options.get("affinity")
         call = self._stub.Generate(
-            request,
-            timeout=timeout or self.timeout,
-            metadata=_convert.with_affinity(self._metadata, request.session_id or options.get("affinity")),
+            request, timeout=timeout or self.timeout, metadata=_convert.with_affinity(self._metadata, key, self._routes)
         )
         try:
             async for response in call:
@@ -88,6 +91,7 @@ class AsyncClient:
             raise CbdError.from_rpc(e) from None
         finally:
             call.cancel()
+            await self._learn(key, call)
 
     async def tokenize(self, prompt: str | list[dict[str, str]]) -> list[int]:
         request = pb.TokenizeRequest()
@@ -151,9 +155,21 @@ class AsyncClient:
         await self.close()
 
     async def _call(self, method, request, session_id: str | None = None):
+        call = method(
+            request, timeout=self.timeout, metadata=_convert.with_affinity(self._metadata, session_id, self._routes)
+        )
         try:
-            return await method(
-                request, timeout=self.timeout, metadata=_convert.with_affinity(self._metadata, session_id)
-            )
+            return await call
         except grpc.RpcError as e:
             raise CbdError.from_rpc(e) from None
+        finally:
+            await self._learn(session_id, call)
+
+    async def _learn(self, key: str | None, call: Any) -> None:
+        """Remember the replica a proxy named in the call's response headers for its affinity key."""
+        if key:
+            try:
+                metadata = await call.initial_metadata()
+            except (grpc.RpcError, asyncio.CancelledError):
+                return
+            self._routes.learn(_convert.affinity_key(key), metadata)

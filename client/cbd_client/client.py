@@ -28,6 +28,7 @@ from cbd_client import _convert, readiness
 from cbd_client._convert import Prompt
 from cbd_client.address import default_address, tls_credentials
 from cbd_client.errors import CbdError
+from cbd_client.routing import Routes
 from cbd_client.session import Session
 from cbd_client.types import Completion, Delta, ModelInfo, SessionInfo, Stats
 from cbd_client.v1 import cbd_pb2 as pb
@@ -48,6 +49,7 @@ class Client:
         daemon's certificate (TCP with TLS); tls_cert / tls_key: this client's certificate (mutual TLS)."""
         self.address = address or default_address()
         self._metadata = (("authorization", f"Bearer {token}"),) if token else None
+        self._routes = Routes()  # the replica a proxy chose per affinity key (routing.py)
         self.timeout = timeout  # default deadline per call, in seconds
         if tls_ca:
             self._channel = grpc.secure_channel(self.address, tls_credentials(tls_ca, tls_cert, tls_key))
@@ -67,15 +69,17 @@ class Client:
         tools, tool_choice, response_format and the sampling keywords (see the module docstring)."""
         builder = _convert.CompletionBuilder(n)
         request = _convert.generate_request(prompt, n, options)
+        key = request.session_id or options.get("affinity")
+        call = self._stub.Generate(
+            request, timeout=timeout or self.timeout, metadata=_convert.with_affinity(self._metadata, key, self._routes)
+        )
         try:
-            for response in self._stub.Generate(
-                request,
-                timeout=timeout or self.timeout,
-                metadata=_convert.with_affinity(self._metadata, request.session_id or options.get("affinity")),
-            ):
+            for response in call:
                 builder.add(response)
         except grpc.RpcError as e:
             raise CbdError.from_rpc(e) from None
+        finally:
+            self._learn(key, call)
         return builder.result()
 
     def stream(
@@ -88,10 +92,9 @@ class Client:
     ) -> Iterator[Delta]:
         """Yield deltas as they arrive; leaving the loop early cancels the request on the daemon."""
         request = _convert.generate_request(prompt, n, options)
+        key = request.session_id or options.get("affinity")
         call = self._stub.Generate(
-            request,
-            timeout=timeout or self.timeout,
-            metadata=_convert.with_affinity(self._metadata, request.session_id or options.get("affinity")),
+            request, timeout=timeout or self.timeout, metadata=_convert.with_affinity(self._metadata, key, self._routes)
         )
         try:
             for response in call:
@@ -100,6 +103,7 @@ class Client:
             raise CbdError.from_rpc(e) from None
         finally:
             call.cancel()  # a no-op once the stream has ended
+            self._learn(key, call)
 
     def tokenize(self, prompt: str | list[dict[str, str]]) -> list[int]:
         request = pb.TokenizeRequest()
@@ -171,7 +175,16 @@ class Client:
         self.close()
 
     def _call(self, method, request, session_id: str | None = None):
+        metadata = _convert.with_affinity(self._metadata, session_id, self._routes)
         try:
-            return method(request, timeout=self.timeout, metadata=_convert.with_affinity(self._metadata, session_id))
+            response, call = method.with_call(request, timeout=self.timeout, metadata=metadata)
         except grpc.RpcError as e:
+            self._learn(session_id, e)
             raise CbdError.from_rpc(e) from None
+        self._learn(session_id, call)
+        return response
+
+    def _learn(self, key: str | None, call: Any) -> None:
+        """Remember the replica a proxy named in the call's response headers for its affinity key."""
+        if key and hasattr(call, "initial_metadata"):
+            self._routes.learn(_convert.affinity_key(key), call.initial_metadata())
