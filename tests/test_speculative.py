@@ -143,6 +143,9 @@ def test_session_turns_equal_without_speculation(default_model) -> None:  # type
             request = core.add_session_turn(
                 sid, _chat(default_model, text), SamplingParams(max_tokens=40, temperature=0.0)
             )
+            if mode == "ngram" and got:  # the history's n-gram index came with the session: not built again
+                index = request.sequences[0].draft_index
+                assert index is not None and index.indexed >= len(got[-1][0])
             tokens: list[int] = []
             cached = None
             while core.has_work():
@@ -244,3 +247,21 @@ def test_sampled_tokens_at_verified_positions_follow_the_model(tiny_checkpoint, 
         p = float(p2[token])
         bound = 4.5 * math.sqrt(p * (1 - p) / seeds) + 2 / seeds
         assert abs(seconds[token] / seeds - p) <= bound, (token, seconds[token] / seeds, p)
+
+
+def test_drafts_use_only_what_the_step_leaves_over(tiny_loaded) -> None:  # type: ignore[no-untyped-def]
+    """A pool that just fits two sequences' own tokens: drafts that would need more blocks are not made,
+    so nothing is preempted for them, and the outputs are those without speculation."""
+    prompts = [[5, 6, 7, 8, 9, 10], [11, 12, 13, 14, 15, 16]]
+    params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+    runs = {}
+    for mode in ("off", "ngram"):
+        core = make_core(tiny_loaded, speculative=mode, block_size=4, num_kv_blocks=8, enable_prefix_caching=False)
+        if mode == "ngram":
+            core.scheduler.drafter = _FixedDrafter(7)
+        runs[mode] = [r["tokens"] for r in run_all(core, prompts, params)]
+        assert core.scheduler.num_preemptions == 0, mode
+        assert core.block_manager.num_used_blocks == 0
+        if mode == "ngram":
+            assert _speculated(core)[0] > 0  # it did speculate where blocks were free
+    assert runs["ngram"] == runs["off"]

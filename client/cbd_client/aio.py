@@ -168,8 +168,8 @@ class AsyncClient:
     async def _learn(self, key: str | None, call: Any) -> None:
         """Remember the replica a proxy named in the call's response headers for its affinity key."""
         if key:
-            try:
-                metadata = await call.initial_metadata()
+            try:  # an error answer has no headers of its own: the proxy's header comes with the trailers then
+                metadata = [*((await call.initial_metadata()) or ()), *((await call.trailing_metadata()) or ())]
             except (grpc.RpcError, asyncio.CancelledError):
                 return
             self._routes.learn(_convert.affinity_key(key), metadata)

@@ -79,6 +79,7 @@ class Client:
         except grpc.RpcError as e:
             raise CbdError.from_rpc(e) from None
         finally:
+            call.cancel()  # a no-op once the stream has ended; otherwise (interrupted) learning must not wait
             self._learn(key, call)
         return builder.result()
 
@@ -187,4 +188,6 @@ class Client:
     def _learn(self, key: str | None, call: Any) -> None:
         """Remember the replica a proxy named in the call's response headers for its affinity key."""
         if key and hasattr(call, "initial_metadata"):
-            self._routes.learn(_convert.affinity_key(key), call.initial_metadata())
+            # An error answer has no headers of its own: the proxy's header comes with the trailers then.
+            self._routes.learn(_convert.affinity_key(key), [*(call.initial_metadata() or ()),
+                                                            *(call.trailing_metadata() or ())])  # fmt: skip

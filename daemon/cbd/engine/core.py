@@ -222,7 +222,9 @@ class EngineCore:
         session = self.sessions.get(session_id)
         start = self.sessions.begin_turn(session, turn, lambda prompt: self.validate(prompt, params))
         host_prefix = (start.host_table, start.host_tokens) if start.host_table else None
-        return self._start(live, start.prompt, params, start.block_table, start.num_computed, session, host_prefix)
+        request = self._start(live, start.prompt, params, start.block_table, start.num_computed, session, host_prefix)
+        request.sequences[0].draft_index = start.draft_index
+        return request
 
     def abort_request(self, request_id: str) -> RequestOutput:
         live = self.live.get(request_id)

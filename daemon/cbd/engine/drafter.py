@@ -6,10 +6,12 @@ session history, or its own output), the tokens that followed that earlier occur
 occurrence first, are proposed as the next tokens. The target model then checks them all in one step
 (`Scheduler`, speculative chunks) and keeps the longest run that it would have produced itself.
 
-Cost: each sequence keeps an index {n-gram: position after its latest occurrence}, extended
-incrementally as tokens are appended (O(1) per token and n), so a proposal is a few dict lookups
-whatever the context length. A session turn's sequence indexes its history once, on its first
-proposal. No device work, no model.
+Cost: each sequence keeps an index {n-gram: position after its latest occurrence} of its last
+`WINDOW` tokens at most, extended incrementally as tokens are appended, by at most `STEP_BUDGET`
+positions per proposal (a long prompt is indexed over a few steps, newest part last, so no step
+stalls for it); a proposal is then a few dict lookups whatever the context length. A session hands
+its history's index to its next turn (sessions.py), and drops it when its KV leaves the GPU. No
+device work, no model.
 """
 
 from __future__ import annotations
@@ -19,6 +21,8 @@ from dataclasses import dataclass, field
 from cbd.engine.sequence import Sequence
 
 NGRAM_SIZES = (4, 3, 2)  # the longest match first: fewer false starts
+WINDOW = 16384  # tokens a fresh index starts from, counted back from the sequence's end
+STEP_BUDGET = 2048  # positions indexed per proposal at most (~1 ms of host time)
 
 
 @dataclass(slots=True)
@@ -28,14 +32,16 @@ class NgramIndex:
     positions: dict[tuple[int, ...], int] = field(default_factory=dict)
     indexed: int = 0  # n-grams ending before this position are in the index
 
-    def extend(self, tokens: list[int], end: int) -> None:
-        """Index the n-grams ending at positions [indexed, end - 1) (each has a known follower)."""
+    def extend(self, tokens: list[int], end: int, budget: int | None = None) -> None:
+        """Index the n-grams ending at positions [indexed, end - 1) (each has a known follower), at most
+        `budget` of them."""
         positions = self.positions
-        for i in range(max(self.indexed, 0), end - 1):
+        stop = end - 1 if budget is None else min(end - 1, self.indexed + budget)
+        for i in range(self.indexed, stop):
             for n in NGRAM_SIZES:
                 if i + 1 >= n:
                     positions[tuple(tokens[i + 1 - n : i + 1])] = i + 1
-        self.indexed = max(self.indexed, end - 1)
+        self.indexed = max(self.indexed, stop)
 
 
 class NgramDrafter:
@@ -48,8 +54,8 @@ class NgramDrafter:
         end = len(tokens)
         index = seq.draft_index
         if index is None or index.indexed > end - 1:  # new, or the sequence was cut back (rare)
-            index = seq.draft_index = NgramIndex()
-        index.extend(tokens, end)
+            index = seq.draft_index = NgramIndex(indexed=max(0, end - WINDOW))
+        index.extend(tokens, end, STEP_BUDGET)
         positions = index.positions
         for n in NGRAM_SIZES:
             if end < n + 1:

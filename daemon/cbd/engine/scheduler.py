@@ -18,8 +18,10 @@ Policy per step, under `max_num_batched_tokens` and `max_num_seqs`:
      tenant with the fewest running seats first (fair share), oldest request first; each first
      reviving any cached prefix blocks; one whose prefix another admission computes this step waits
      a step to share it instead.
-Speculation (`schedule(speculate=True)`): a decoding sequence whose tokens are all known gets up
-to `num_speculative_tokens` draft tokens from the drafter (engine/drafter.py); its chunk is its last
+Speculation (`schedule(speculate=True)`): once every running chunk and admission is planned, a
+decoding sequence whose tokens are all known gets up to `num_speculative_tokens` draft tokens from
+the drafter (engine/drafter.py), within the token budget and free blocks left over (so drafts never
+preempt, evict or delay anything: `_add_drafts`); its chunk is its last
 token plus the drafts, and the step samples a token after each of them (one `SampleRow` per
 position, the same position-keyed randomness as without drafts). `update_from_output` keeps the
 drafts up to the first one that differs from the token sampled before it, then that sampled token:
@@ -221,31 +223,41 @@ class Scheduler:
             and seq.draft_retry_step <= self.step_index
         )
 
-    def _drafts(self, seq: Sequence, budget: int) -> list[int]:
-        """Drafts for a decoding seq this step, within the budget, its length limits and the pool."""
-        if seq.num_uncomputed != 1 or seq.num_placeholders or not self.can_speculate(seq):
-            return []
-        params = seq.request.params
-        room = min(
-            self.num_speculative_tokens,
-            budget - 1,
-            params.max_tokens - seq.num_output_tokens - 1,  # all kept + the token after them: the last one at most
-            self.max_model_len - seq.num_tokens - 1,
-        )  # fmt: skip
-        drafts = self.drafter.propose(seq, room) if room > 0 and self.drafter is not None else []
-        if drafts and not self.block_manager.can_append(seq, 1 + len(drafts)):
-            return []
-        if not drafts:
-            self._missed(seq, verified=False)
-        return drafts
+    def _add_drafts(self, plan: StepPlan) -> None:
+        """Give the plan's decode chunks drafts, with what the step leaves over: the token budget and free
+        blocks that no chunk and no admission took (drafts never preempt or delay anything)."""
+        bm = self.block_manager
+        budget = self.max_num_batched_tokens - plan.num_tokens
+        for chunk in plan.chunks:
+            seq = chunk.seq
+            if chunk.num_new_tokens != 1 or seq.num_uncomputed != 1 or seq.num_placeholders:
+                continue
+            if not self.can_speculate(seq):
+                continue
+            params = seq.request.params
+            room = min(
+                self.num_speculative_tokens,
+                budget,
+                params.max_tokens - seq.num_output_tokens - 1,  # all kept + the token after them: the last one at most
+                self.max_model_len - seq.num_tokens - 1,
+            )  # fmt: skip
+            drafts = self.drafter.propose(seq, room) if room > 0 and self.drafter is not None else []
+            if not drafts or not bm.can_append(seq, 1 + len(drafts)):
+                self._missed(seq, verified=False)
+                continue
+            seq.token_ids += drafts
+            seq.num_draft = chunk.num_draft = len(drafts)
+            plan.block_copies += bm.append(seq, 1 + len(drafts))
+            chunk.num_new_tokens += len(drafts)
+            budget -= len(drafts)
 
     def _missed(self, seq: Sequence, verified: bool) -> None:
         """After drafts none of which was kept (verified), or in overlap mode after finding no draft,
         seq waits 2, 4, ... 32 steps before drafting again (a kept draft resets it): verifying costs
         compute, and in overlap mode a step that speculates is synchronous."""
-        seq.draft_misses += 1
         if verified or self.draft_backoff:
-            seq.draft_retry_step = self.step_index + min(32, 2**seq.draft_misses)
+            seq.draft_misses += 1
+            seq.draft_retry_step = self.step_index + (1 << min(seq.draft_misses, 5))
 
     def schedule(self, speculate: bool = False) -> StepPlan:
         """The next step's plan; with speculate, decoding sequences whose tokens are all known may
@@ -266,8 +278,7 @@ class Scheduler:
             if seq.final_in_flight:
                 index += 1  # its last token is being sampled: nothing left to compute
                 continue
-            drafts = self._drafts(seq, budget) if speculate else []
-            num_new = min(seq.num_uncomputed, budget) + len(drafts)
+            num_new = min(seq.num_uncomputed, budget)
             while not self._make_room(seq, num_new):
                 short = True
                 victim = self._memory_victim(index, now)
@@ -276,15 +287,14 @@ class Scheduler:
                 if victim is seq:
                     break
             else:
-                if drafts:
-                    seq.token_ids += drafts
-                    seq.num_draft = len(drafts)
                 plan.block_copies += bm.append(seq, num_new)
-                plan.chunks.append(ScheduledChunk(seq, num_new, num_draft=len(drafts)))
+                plan.chunks.append(ScheduledChunk(seq, num_new))
                 budget -= num_new
                 index += 1
         if not short:  # the pool is short: admitting now would only thrash
             self._admit(plan, budget, now)
+        if speculate and not short:
+            self._add_drafts(plan)
         self._book(plan)
         plan.fences = bm.take_fences()
         return plan

@@ -29,6 +29,7 @@ import secrets
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from cbd.engine.block_manager import BlockManager
 from cbd.engine.host_pool import HostPool
@@ -51,6 +52,9 @@ class Branch:
     num_computed: int = 0
     host_table: list[int] = field(default_factory=list)  # host-tier KV for token_ids[:num_host]
     num_host: int = 0
+    # The speculative drafter's n-gram index of token_ids (engine/drafter.py), handed to the next turn's
+    # sequence so that a long history is not indexed again each turn; None: that turn builds it.
+    draft_index: Any = None
 
 
 @dataclass(slots=True, kw_only=True)
@@ -127,6 +131,7 @@ class TurnStart:
     # Or the KV is on the host: references on the host blocks covering prompt[:host_tokens].
     host_table: list[int] = field(default_factory=list)
     host_tokens: int = 0
+    draft_index: Any = None  # the history's drafter index, if it is still valid for prompt (see Branch)
 
 
 class SessionManager:
@@ -280,19 +285,24 @@ class SessionManager:
             session.retention = turn.retention
         common = _common_prefix(session.token_ids, prompt) if turn.replace else len(session.token_ids)
         session.turn_replaces = turn.replace
+        # The index moves to the turn (it grows there, and comes back with the turn's branch); valid only
+        # if the prompt keeps every token it indexed.
+        index, session.draft_index = session.draft_index, None
+        if index is not None and index.indexed >= common:
+            index = None
         bs = self.bm.block_size
         if session.host_table:  # the KV is on the host: the turn restores the common prefix's blocks
             assert self.host is not None
             self.hits["host"] += 1
             computed = min(session.num_host, common, len(prompt) - 1)
             host_table = self.host.share(session.host_table[: -(-computed // bs)])
-            return TurnStart(prompt, [], 0, host_table, computed)
+            return TurnStart(prompt, [], 0, host_table, computed, index)
         if session.token_ids:
             self.hits["gpu" if session.num_computed else "recompute"] += 1
         # Reuse the resident KV of the common prefix; at least one token is computed (for logits).
         computed = min(session.num_computed, common, len(prompt) - 1)
         table = self.bm.share(session.block_table[: -(-computed // bs)])
-        return TurnStart(prompt, table, computed)
+        return TurnStart(prompt, table, computed, draft_index=index)
 
     def turn_started(self, session: Session, request: Request) -> None:
         session.busy = request
@@ -305,7 +315,7 @@ class SessionManager:
             return  # the session was closed meanwhile
         computed = min(seq.num_computed_tokens, seq.num_known_tokens)
         table = self.bm.share(seq.block_table[: -(-computed // self.bm.block_size)])
-        branch = Branch(seq.token_ids[: seq.num_known_tokens], table, computed)
+        branch = Branch(seq.token_ids[: seq.num_known_tokens], table, computed, draft_index=seq.draft_index)
         while len(session.branches) <= seq.candidate_index:
             session.branches.append(Branch())
         session.branches[seq.candidate_index] = branch
@@ -348,6 +358,7 @@ class SessionManager:
                 continue
             before = self.bm.num_free_blocks
             for b in session.branches_and_self():
+                b.draft_index = None  # idle long enough to leave the GPU: its drafter index goes too
                 if b.block_table and not (session.busy is None and self._offload(b, order[:rank])):
                     self.bm.release(b.block_table)
                     b.block_table, b.num_computed = [], 0
@@ -375,6 +386,7 @@ class SessionManager:
             if needed > self.host.num_free_blocks:
                 break  # proactively, only into free host blocks
             for b in branches:
+                b.draft_index = None
                 self._offload(b, [])
             self.num_evictions += 1
 
@@ -438,6 +450,7 @@ class SessionManager:
             branch.num_computed,
         )
         session.host_table, session.num_host = branch.host_table, branch.num_host
+        session.draft_index = branch.draft_index
 
     def _release_branches(self, session: Session) -> None:
         for b in session.branches:
