@@ -265,3 +265,31 @@ def test_drafts_use_only_what_the_step_leaves_over(tiny_loaded) -> None:  # type
         if mode == "ngram":
             assert _speculated(core)[0] > 0  # it did speculate where blocks were free
     assert runs["ngram"] == runs["off"]
+
+
+def test_the_overlap_loop_speculates_synchronously_with_the_same_outputs(default_model, prompts) -> None:  # type: ignore[no-untyped-def]
+    """With overlap on (the GPU's loop, forced here), a speculating step first completes the step in flight;
+    outputs equal those without speculation, also beside a grammar-constrained request (its masks are made
+    synchronously in a speculating step) and a fan-out; and speculation does happen."""
+    import json
+
+    from cbd.engine.grammar import GrammarCompiler, GrammarKind, GrammarSpec
+
+    compiler = GrammarCompiler(default_model.tokenizer, default_model.spec.vocab_size, default_model.eos_token_ids)
+    schema = {"type": "object", "properties": {"path": {"type": "string"}}, "required": ["path"]}
+    grammar = compiler.compile(GrammarSpec(GrammarKind.JSON_SCHEMA, json.dumps(schema)))
+    cases = [
+        SamplingParams(max_tokens=40, temperature=0.0),
+        SamplingParams(max_tokens=40, temperature=0.8, seed=3),
+        SamplingParams(max_tokens=24, temperature=0.0, grammar=grammar),
+        SamplingParams(max_tokens=20, temperature=0.0, n=2),
+    ]
+    batch = [prompts["copy"], prompts["quote"], prompts["quote"], prompts["plain"]]
+    results = {}
+    for mode in ("off", "ngram"):
+        core = make_core(default_model, overlap="on", speculative=mode, num_kv_blocks=1024)
+        results[mode] = [(r["tokens"], r["finish"]) for r in run_all(core, batch, cases)]
+        assert core.block_manager.num_used_blocks == 0
+        if mode == "ngram":
+            assert _speculated(core)[1] > 0
+    assert results["ngram"] == results["off"]
