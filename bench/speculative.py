@@ -24,6 +24,7 @@ import json
 import logging
 import os
 import random
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -77,17 +78,26 @@ def cpu(args: argparse.Namespace) -> None:
 
     loaded = load_model(None, pack_cpu_gemm=True)
     rows = {}
-    for name, text in PROMPTS.items():
+    for name, text in PROMPTS.items() if "prompts" in args.parts else ():
         prompt = _chat(loaded.tokenizer, text)
-        result = {}
-        for mode in ("off", "ngram"):
-            core = EngineCore(loaded, EngineConfig(speculative=mode, max_model_len=4096, num_kv_blocks=1024))
-            tokens, elapsed, steps = _generate(core, [prompt], args.new_tokens)
-            spec = core.stats().speculation
-            assert spec is not None
-            result[mode] = dict(tokens=tokens[0], seconds=elapsed, steps=steps, verify_steps=spec.num_steps,
-                                drafted=spec.num_draft_tokens, accepted=spec.num_accepted_tokens)  # fmt: skip
+        result: dict[str, dict] = {}
+        seconds: dict[str, list[float]] = {"off": [], "ngram": []}
+        for _ in range(args.repeat):  # interleaved, so that the machine's drift hits both modes alike
+            for mode in ("off", "ngram"):
+                core = EngineCore(
+                    loaded,
+                    EngineConfig(
+                        speculative=mode, max_model_len=4096, num_kv_blocks=1024, num_speculative_tokens=args.k
+                    ),
+                )
+                tokens, elapsed, steps = _generate(core, [prompt], args.new_tokens)
+                spec = core.stats().speculation
+                assert spec is not None
+                seconds[mode].append(elapsed)
+                result[mode] = dict(tokens=tokens[0], steps=steps, verify_steps=spec.num_steps,
+                                    drafted=spec.num_draft_tokens, accepted=spec.num_accepted_tokens)  # fmt: skip
         off, on = result["off"], result["ngram"]
+        off["seconds"], on["seconds"] = statistics.median(seconds["off"]), statistics.median(seconds["ngram"])
         rows[name] = dict(
             prompt_tokens=len(prompt), generated=len(on["tokens"]), same=on["tokens"] == off["tokens"],
             tok_s_off=len(off["tokens"]) / off["seconds"], tok_s_on=len(on["tokens"]) / on["seconds"],
@@ -98,26 +108,33 @@ def cpu(args: argparse.Namespace) -> None:
     # A wide batch: auto must not cost anything (it turns itself off above speculative_max_batch).
     prompts = [_chat(loaded.tokenizer, text) for text in PROMPTS.values()] * 11
     prompts = prompts[: args.batch]
-    wide = {}
-    for mode in ("off", "auto"):
-        core = EngineCore(loaded, EngineConfig(speculative=mode, max_model_len=4096, num_kv_blocks=4096,
-                                               max_num_seqs=args.batch))  # fmt: skip
-        tokens, elapsed, _ = _generate(core, prompts, args.batch_tokens)
-        wide[mode] = dict(tokens=tokens, tok_s=sum(map(len, tokens)) / elapsed)
-    with open(os.path.join(OUT, "speculative_cpu.json"), "w") as f:
-        json.dump(rows, f, indent=1)
-    print(f"\nCPU, default model, greedy, {args.new_tokens} new tokens at most, batch 1, k = 4 drafts at most")
+    wide: dict[str, dict] = {"off": {"tok_s": []}, "auto": {"tok_s": []}}
+    for _ in range(args.repeat if "batch" in args.parts else 0):
+        for mode in ("off", "auto"):
+            core = EngineCore(loaded, EngineConfig(speculative=mode, max_model_len=4096, num_kv_blocks=4096,
+                                                   max_num_seqs=args.batch))  # fmt: skip
+            tokens, elapsed, _ = _generate(core, prompts, args.batch_tokens)
+            wide[mode]["tokens"] = tokens
+            wide[mode]["tok_s"].append(sum(map(len, tokens)) / elapsed)
+    runs = {mode: [round(v, 1) for v in w["tok_s"]] for mode, w in wide.items()}
+    for mode in wide:
+        wide[mode]["tok_s"] = statistics.median(wide[mode]["tok_s"]) if wide[mode]["tok_s"] else 0.0
+    if rows:
+        with open(os.path.join(OUT, "speculative_cpu.json"), "w") as f:
+            json.dump(rows, f, indent=1)
+    print(f"\nCPU, default model, greedy, {args.new_tokens} new tokens at most, batch 1, k = {args.k} drafts at most; "
+          f"tok/s: median of {args.repeat} interleaved runs")  # fmt: skip
     print(f"{'prompt':32s} {'tokens':>6s} {'off tok/s':>9s} {'ngram tok/s':>11s} {'ratio':>6s} {'accept':>7s} "
           f"{'verify/plain steps':>19s} same")  # fmt: skip
     for name, r in rows.items():
         print(f"{name:32s} {r['generated']:6d} {r['tok_s_off']:9.2f} {r['tok_s_on']:11.2f} "
               f"{r['tok_s_on'] / r['tok_s_off']:5.2f}x {r['accepted'] / max(1, r['drafted']):7.0%} "
               f"{r['verify_steps']:9d}/{r['plain_steps']:<9d} {r['same']}")  # fmt: skip
-    same = wide["auto"]["tokens"] == wide["off"]["tokens"]
-    print(
-        f"batch {args.batch} x {args.batch_tokens} tokens: auto {wide['auto']['tok_s']:.1f} tok/s vs off "
-        f"{wide['off']['tok_s']:.1f} = {wide['auto']['tok_s'] / wide['off']['tok_s']:.2f}x (floor 0.97); same: {same}"
-    )
+    if "batch" in args.parts:
+        same = wide["auto"]["tokens"] == wide["off"]["tokens"]
+        print(f"batch {args.batch} x {args.batch_tokens} tokens: auto {wide['auto']['tok_s']:.1f} tok/s vs off "
+              f"{wide['off']['tok_s']:.1f} = {wide['auto']['tok_s'] / wide['off']['tok_s']:.2f}x (floor 0.97); "
+              f"same: {same}; runs {runs}")  # fmt: skip
 
 
 class _FixedDrafter:
@@ -205,6 +222,9 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=200)
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--batch-tokens", type=int, default=48)
+    parser.add_argument("--repeat", type=int, default=3, help="CPU: runs per mode (interleaved); the median counts")
+    parser.add_argument("--parts", default="prompts,batch", help="CPU: which parts to run")
+    parser.add_argument("--k", type=int, default=8, help="CPU: --num-speculative-tokens")
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 4, 32])
     parser.add_argument("--ks", type=int, nargs="+", default=[2, 4])
     parser.add_argument("--prompt-len", type=int, default=512)

@@ -62,8 +62,9 @@ class EngineConfig:
     # Speculative decoding with drafts looked up in the sequence's own context (n-grams): "auto" (while at most
     # speculative_max_batch sequences run) | "ngram" (always) | "off". Outputs are the same either way.
     speculative: str = "auto"
-    # Draft tokens a sequence verifies per step, at most.
-    num_speculative_tokens: int = 4
+    # Draft tokens a sequence verifies per step, at most (it starts at 4, doubles after a run kept whole, and
+    # drops to just past what was kept otherwise).
+    num_speculative_tokens: int = 8
     # "auto" speculates while at most this many sequences run (beyond, a step costs more per token verified).
     speculative_max_batch: int = 4
     # "auto" (flash-attn if installed and usable, else Triton on CUDA, else torch) | "torch" | "triton" | "flash".

@@ -236,7 +236,7 @@ class Scheduler:
                 continue
             params = seq.request.params
             room = min(
-                self.num_speculative_tokens,
+                seq.draft_len or min(4, self.num_speculative_tokens),
                 budget,
                 params.max_tokens - seq.num_output_tokens - 1,  # all kept + the token after them: the last one at most
                 self.max_model_len - seq.num_tokens - 1,
@@ -464,6 +464,9 @@ class Scheduler:
             bm.release(seq.block_table[keep_blocks:])
             del seq.block_table[keep_blocks:]
         self.num_accepted_tokens += kept
+        # The draft length follows the copying: doubled after a run kept whole (up to the limit), else
+        # just past what was kept.
+        seq.draft_len = min(2 * k, self.num_speculative_tokens) if kept == k else max(2, kept + 1)
         if kept:
             seq.draft_misses = 0
         else:

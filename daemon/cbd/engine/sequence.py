@@ -69,6 +69,7 @@ class Sequence:
     draft_index: Any = None  # the drafter's index of this sequence's n-grams (engine/drafter.py)
     draft_retry_step: int = 0  # overlap mode: the step from which drafting is tried again after misses
     draft_misses: int = 0  # consecutive speculative steps with no draft or none accepted
+    draft_len: int = 0  # drafts to ask for next (0: the scheduler's starting length)
     grammar: Any = None  # GrammarState: where the reply stands in its request's grammar (None: unconstrained)
     # Output-side state owned by the engine's output processor (detokenizer, stop matcher).
     output_state: Any = None
