@@ -77,26 +77,21 @@ def test_extend_kernel_matches_reference(dtype, block_size, heads, window, head_
     rng = random.Random(block_size + heads[0] * 3 + head_dim)
     torch.manual_seed(rng.randrange(1000))
     num_heads, num_kv_heads = heads
-    query_lens = [70, 1, 13, 1, 33, 5, 2, 4]  # long runs, decodes and short runs (drafts) in one batch
-    context_lens = [70, 90, 13, 200, 140, 5, 77, 4]
-    kv, layout = _paged_case(rng, block_size, num_kv_heads, head_dim, dtype, query_lens, context_lens)
-    q = torch.randn(sum(query_lens), num_heads, head_dim, device=DEVICE).to(dtype)
     scale = head_dim**-0.5
-    ours = triton_attention.extend(
-        q, kv, layout.block_tables, layout.query_start, layout.context_lens, layout.max_query_len, block_size,
-        scale, window,
-    )  # fmt: skip
-    ref = reference_metadata(layout, block_size, window).attend(q.float(), kv.float(), scale)
-    torch.testing.assert_close(ours.float(), ref, atol=TOL[dtype], rtol=TOL[dtype])
-    short = [1, 3, 1, 2]  # only short runs: one launch of short tiles
-    kv, layout = _paged_case(rng, block_size, num_kv_heads, head_dim, dtype, short, [50, 9, 1, 130])
-    q = torch.randn(sum(short), num_heads, head_dim, device=DEVICE).to(dtype)
-    ours = triton_attention.extend(
-        q, kv, layout.block_tables, layout.query_start, layout.context_lens, layout.max_query_len, block_size,
-        scale, window,
-    )  # fmt: skip
-    ref = reference_metadata(layout, block_size, window).attend(q.float(), kv.float(), scale)
-    torch.testing.assert_close(ours.float(), ref, atol=TOL[dtype], rtol=TOL[dtype])
+    cases = [
+        # long runs, decodes and short runs (drafts) in one batch: two launches
+        ([70, 1, 13, 1, 33, 5, 2, 4], [70, 90, 13, 200, 140, 5, 77, 4]),
+        ([1, 3, 1, 2], [50, 9, 1, 130]),  # only short runs: one launch of short tiles
+    ]
+    for query_lens, context_lens in cases:
+        kv, layout = _paged_case(rng, block_size, num_kv_heads, head_dim, dtype, query_lens, context_lens)
+        q = torch.randn(sum(query_lens), num_heads, head_dim, device=DEVICE).to(dtype)
+        ours = triton_attention.extend(
+            q, kv, layout.block_tables, layout.query_start, layout.context_lens, layout.max_query_len, block_size,
+            scale, window,
+        )  # fmt: skip
+        ref = reference_metadata(layout, block_size, window).attend(q.float(), kv.float(), scale)
+        torch.testing.assert_close(ours.float(), ref, atol=TOL[dtype], rtol=TOL[dtype])
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
