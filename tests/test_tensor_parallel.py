@@ -57,11 +57,11 @@ def test_shards_cover_every_weight_once(tiny_checkpoint) -> None:
         assert torch.equal(torch.cat(parts)[: spec.vocab_size], embed)
 
 
-@pytest.mark.parametrize("kind", ["llama", "qwen2"])
-def test_two_gloo_ranks_equal_one_process_on_tiny_models(tiny_checkpoint, kind: str) -> None:
+@pytest.mark.parametrize("kind,kv_cache_dtype", [("llama", "auto"), ("qwen2", "auto"), ("llama", "fp8")])
+def test_two_gloo_ranks_equal_one_process_on_tiny_models(tiny_checkpoint, kind: str, kv_cache_dtype: str) -> None:
     directory = str(tiny_checkpoint(kind))
     prompts = _prompts(6, 256)
-    base = dict(model=directory, device="cpu", num_kv_blocks=128, cpu_packed_gemm=False)
+    base = dict(model=directory, device="cpu", num_kv_blocks=128, cpu_packed_gemm=False, kv_cache_dtype=kv_cache_dtype)
     single = _greedy(EngineConfig(**base), prompts)
     sharded = _greedy(EngineConfig(**base, tensor_parallel_size=2), prompts)
     assert sharded == single

@@ -30,7 +30,7 @@ elif os.environ.get("TRITON_INTERPRET") == "1":
 else:
     pytest.skip("needs CUDA or TRITON_INTERPRET=1", allow_module_level=True)
 
-from cbd.model import ops, triton_attention, triton_ops  # noqa: E402
+from cbd.model import kv_format, ops, triton_attention, triton_ops  # noqa: E402
 from cbd.model.attention import layout_from_lists, reference_metadata  # noqa: E402
 
 DTYPES = [torch.float32, torch.bfloat16] if DEVICE == "cuda" else [torch.float32]
@@ -142,3 +142,129 @@ def test_fused_rope_and_kv_write_match_torch(dtype) -> None:
     tol = {"atol": 1e-5, "rtol": 1e-5} if dtype == torch.float32 else {"atol": 1.6e-2, "rtol": 8e-3}
     torch.testing.assert_close(ours_q, ref_q, **tol)  # bf16: the same roundings, up to one ulp
     torch.testing.assert_close(ours_kv, ref_kv, **tol)
+
+
+def _fp8(kv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A float pool [S, 2, Hkv, D] -> (the FP8 pool, what it holds as fp32: the reference's input)."""
+    pool = kv_format.quantize(kv)
+    return pool, kv_format.dequantize(pool, kv.shape[-1], torch.float32)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("heads", [(8, 2), (32, 8)])
+@pytest.mark.parametrize("splits", [1, 5])
+def test_fp8_decode_kernel_matches_reference(dtype, heads, splits) -> None:
+    rng = random.Random(heads[0] + splits)
+    torch.manual_seed(rng.randrange(1000))
+    num_heads, num_kv_heads = heads
+    head_dim, block_size = 128, 16
+    context_lens = [rng.randrange(1, 2000) for _ in range(5)] + [1, 256, 257]
+    kv, layout = _paged_case(rng, block_size, num_kv_heads, head_dim, dtype, [1] * len(context_lens), context_lens)
+    pool, held = _fp8(kv.float() * 4)
+    q = torch.randn(len(context_lens), num_heads, head_dim, device=DEVICE).to(dtype)
+    scale = head_dim**-0.5
+    ours = triton_attention.decode(q, pool, layout.block_tables, layout.context_lens, block_size, scale, splits)
+    ref = reference_metadata(layout, block_size).attend(q.float(), held, scale)
+    torch.testing.assert_close(ours.float(), ref, atol=TOL[dtype], rtol=TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("window", [None, 24])
+def test_fp8_extend_kernel_matches_reference(dtype, window) -> None:
+    rng = random.Random(3)
+    torch.manual_seed(3)
+    num_heads, num_kv_heads, head_dim, block_size = 32, 8, 128, 16
+    query_lens, context_lens = [70, 1, 13, 1, 2], [70, 900, 13, 200, 77]
+    kv, layout = _paged_case(rng, block_size, num_kv_heads, head_dim, dtype, query_lens, context_lens)
+    pool, held = _fp8(kv.float())
+    q = torch.randn(sum(query_lens), num_heads, head_dim, device=DEVICE).to(dtype)
+    scale = head_dim**-0.5
+    ours = triton_attention.extend(
+        q, pool, layout.block_tables, layout.query_start, layout.context_lens, layout.max_query_len, block_size,
+        scale, window,
+    )  # fmt: skip
+    ref = reference_metadata(layout, block_size, window).attend(q.float(), held, scale)
+    torch.testing.assert_close(ours.float(), ref, atol=TOL[dtype], rtol=TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_fp8_rope_and_kv_write_match_torch(dtype) -> None:
+    """Same scales; values within one e4m3 step (x / s and x * (1 / s) may round apart at a tie)."""
+    if DEVICE != "cuda":
+        pytest.skip("the interpreter's float8 conversion halves values that round up to a power of two")
+    torch.manual_seed(2)
+    tokens, heads, kv_heads, dim = 9, 6, 2, 32
+    qkv = (torch.randn(tokens, (heads + 2 * kv_heads) * dim, device=DEVICE) * 3).to(dtype)
+    q = qkv[:, : heads * dim].view(tokens, heads, dim)
+    k = qkv[:, heads * dim : (heads + kv_heads) * dim].view(tokens, kv_heads, dim)
+    v = qkv[:, (heads + kv_heads) * dim :].view(tokens, kv_heads, dim)
+    v[3] = 0.0  # an all-zero row: scale 0, values 0
+    positions = torch.tensor([0, 5, 6, 7, 100, 3, 2, 1, 50], device=DEVICE)
+    inv = 1.0 / (10000 ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
+    freqs = torch.outer(torch.arange(128, dtype=torch.float32), inv)
+    cos = torch.cat((freqs, freqs), -1).cos().to(DEVICE)
+    sin = torch.cat((freqs, freqs), -1).sin().to(DEVICE)
+    slots = torch.tensor([3, 9, 1, 0, 12, 15, 4, 7, 8], device=DEVICE)
+    ref_pool = torch.zeros(16, kv_format.fp8_slot_bytes(kv_heads, dim), device=DEVICE, dtype=torch.uint8)
+    ours_pool = ref_pool.clone()
+    ops.set_fused(False)
+    try:
+        ops.rope_and_write_kv(q, k, v, positions, cos, sin, ref_pool, slots)
+    finally:
+        ops.set_fused(True)
+    triton_ops.rope_and_write_kv(q, k, v, positions, cos, sin, ours_pool, slots)
+    ref_values, ref_scales = kv_format.fp8_views(ref_pool, dim)
+    ours_values, ours_scales = kv_format.fp8_views(ours_pool, dim)
+    # bf16: the rotated k may differ by one bf16 ulp (as in the test above), and so its row maximum
+    torch.testing.assert_close(ours_scales, ref_scales, atol=0, rtol=1e-6 if dtype == torch.float32 else 8e-3)
+    assert float((ref_scales[slots[3], 1] == 0).float().min()) == 1.0
+    a, b = ours_values.float(), ref_values.float()
+    assert float((a == b).float().mean()) > (0.99 if dtype == torch.float32 else 0.9)
+    a, b = a * ours_scales[..., None], b * ref_scales[..., None]  # the values held
+    # one e4m3 step (1/8 of the value at most) plus what the bf16 RoPE inputs may differ by: the rounding of
+    # its products, 2^-8 of the row's largest value (= 448 / 256 scales)
+    slack = torch.maximum(a.abs(), b.abs()) * 0.14 + torch.maximum(ours_scales, ref_scales)[..., None] * 2
+    assert float(((a - b).abs() - slack).max()) <= 0
+
+
+@pytest.mark.parametrize("context", [300, 8192, 32768, 65536])
+def test_decode_splits_over_long_contexts(context) -> None:
+    """The split count a graph captures for batch 1 (the most), over contexts to 64K, bf16 and fp8."""
+    if DEVICE != "cuda":
+        pytest.skip("long contexts: CUDA only")
+    rng = random.Random(context)
+    torch.manual_seed(context)
+    num_heads, num_kv_heads, head_dim, block_size = 32, 8, 128, 16
+    splits = triton_attention.decode_splits(1, num_kv_heads)
+    context_lens = [context, max(1, context // 3)]
+    kv, layout = _paged_case(
+        rng, block_size, num_kv_heads, head_dim, torch.bfloat16, [1, 1], context_lens
+    )  # fmt: skip
+    q = torch.randn(2, num_heads, head_dim, device=DEVICE).to(torch.bfloat16)
+    scale = head_dim**-0.5
+    ours = triton_attention.decode(q, kv, layout.block_tables, layout.context_lens, block_size, scale, splits)
+    ref = reference_metadata(layout, block_size).attend(q.float(), kv.float(), scale)
+    torch.testing.assert_close(ours.float(), ref, atol=2e-2, rtol=2e-2)
+    pool, held = _fp8(kv.float())
+    ours = triton_attention.decode(q, pool, layout.block_tables, layout.context_lens, block_size, scale, splits)
+    ref = reference_metadata(layout, block_size).attend(q.float(), held, scale)
+    torch.testing.assert_close(ours.float(), ref, atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize("context", [8192, 65536])
+def test_extend_over_long_contexts(context) -> None:
+    """A 512-token chunk at the end of a long context (the last chunk of a long prefill)."""
+    if DEVICE != "cuda":
+        pytest.skip("long contexts: CUDA only")
+    rng = random.Random(context + 1)
+    torch.manual_seed(context + 1)
+    num_heads, num_kv_heads, head_dim, block_size = 32, 8, 128, 16
+    query_lens, context_lens = [512, 1], [context, context // 2]
+    kv, layout = _paged_case(rng, block_size, num_kv_heads, head_dim, torch.bfloat16, query_lens, context_lens)
+    q = torch.randn(sum(query_lens), num_heads, head_dim, device=DEVICE).to(torch.bfloat16)
+    scale = head_dim**-0.5
+    ours = triton_attention.extend(
+        q, kv, layout.block_tables, layout.query_start, layout.context_lens, layout.max_query_len, block_size, scale
+    )  # fmt: skip
+    ref = reference_metadata(layout, block_size).attend(q.float(), kv.float(), scale)
+    torch.testing.assert_close(ours.float(), ref, atol=2e-2, rtol=2e-2)

@@ -25,6 +25,9 @@ class EngineConfig:
     num_kv_blocks: int | None = None
     # KV pool size in GiB, used when num_kv_blocks is not set.
     kv_cache_gib: float = 0.5
+    # How the KV pool stores keys and values: "auto" (the model's dtype) | "fp8" (float8 e4m3 with one fp32 scale
+    # per token, head and K/V; 1.94x the tokens per GiB at head_dim 128; not with the flash attention backend).
+    kv_cache_dtype: str = "auto"
     # Host KV tier in GiB (pinned host memory on CUDA): idle sessions' KV is copied there instead of being
     # dropped when the KV pool runs short. None: a quarter of the host's RAM, at most 64 GiB and at most four
     # times the GPU KV pool; 0: no host tier. Not with tensor_parallel_size > 1 (there it is always 0).
@@ -85,6 +88,8 @@ class EngineConfig:
             raise ValueError(f"num_kv_blocks must be >= 2, got {self.num_kv_blocks}")
         if self.kv_cache_gib <= 0:
             raise ValueError(f"kv_cache_gib must be > 0, got {self.kv_cache_gib}")
+        if self.kv_cache_dtype not in ("auto", "fp8"):
+            raise ValueError(f"kv_cache_dtype must be 'auto' or 'fp8', got {self.kv_cache_dtype!r}")
         if self.host_kv_gib is not None and not self.host_kv_gib >= 0:
             raise ValueError(f"host_kv_gib must be >= 0, got {self.host_kv_gib}")
         if self.num_host_kv_blocks is not None and self.num_host_kv_blocks < 0:

@@ -84,18 +84,19 @@ class EngineCore:
         spec = loaded.spec
         bs = config.block_size
         num_blocks = config.num_kv_blocks or max(
-            2, int(config.kv_cache_gib * 2**30) // ModelRunner.kv_bytes_per_block(loaded.model, bs)
+            2,
+            int(config.kv_cache_gib * 2**30) // ModelRunner.kv_bytes_per_block(loaded.model, bs, config.kv_cache_dtype),
         )
         self.max_model_len = min(config.max_model_len or spec.max_position_embeddings, num_blocks * bs)
         self.block_manager = BlockManager(num_blocks, bs, config.enable_prefix_caching)
         self.runner = ModelRunner(
             loaded.model, num_blocks, bs, self.max_model_len, config.attention_backend,
-            min(config.cuda_graph_max_batch, config.max_num_seqs) if config.cuda_graphs else 0,
+            min(config.cuda_graph_max_batch, config.max_num_seqs) if config.cuda_graphs else 0, config.kv_cache_dtype,
         )  # fmt: skip
         # The host tier (not with tensor parallelism: each rank would have to move its own shard).
         num_host = 0
         if tp_group is None:
-            block_bytes = ModelRunner.kv_bytes_per_block(loaded.model, bs)
+            block_bytes = ModelRunner.kv_bytes_per_block(loaded.model, bs, config.kv_cache_dtype)
             num_host = config.num_host_kv_blocks or 0
             if config.num_host_kv_blocks is None:
                 num_host = config.host_kv_bytes(num_blocks * block_bytes) // block_bytes

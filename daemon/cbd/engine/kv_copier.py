@@ -37,12 +37,12 @@ class KvCopier:
         self, kv_caches: torch.Tensor, block_size: int, num_host_blocks: int, streams: DeviceStreams,
         chunk_bytes: int = 256 * 2**20,
     ) -> None:  # fmt: skip
-        layers, slots, two, kv_heads, head_dim = kv_caches.shape
+        layers, slots, *slot_shape = kv_caches.shape  # a slot: [2, kv_heads, head_dim], or FP8 bytes
         self.block_size = block_size
         self.streams = streams
-        # [layers, gpu_blocks, block_size, 2, kv_heads, head_dim]: a view of the GPU pool by block.
-        self.gpu = kv_caches.view(layers, slots // block_size, block_size, two, kv_heads, head_dim)
-        shape = (num_host_blocks, layers, block_size, two, kv_heads, head_dim)
+        # [layers, gpu_blocks, block_size, *slot]: a view of the GPU pool by block.
+        self.gpu = kv_caches.view(layers, slots // block_size, block_size, *slot_shape)
+        shape = (num_host_blocks, layers, block_size, *slot_shape)
         try:
             self.host = torch.empty(shape, dtype=kv_caches.dtype, pin_memory=streams.cuda)
         except (RuntimeError, MemoryError) as exc:  # memory the system will not give or lock

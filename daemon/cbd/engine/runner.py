@@ -2,7 +2,8 @@
 
 It knows no requests: the step arrives packed (step_inputs.pack_step) with typed metadata, and
 what comes back is one token per sample row. Owns the KV pool
-`[layers, (num_blocks + 1) * block_size, 2, kv_heads, head_dim]` (the last block is a scratch block
+`[layers, (num_blocks + 1) * block_size, 2, kv_heads, head_dim]` (FP8: `[layers, slots, slot bytes]`,
+see kv_format.py; the last block is a scratch block
 that padded graph rows write to), the attention backend, the decode CUDA graphs and the three
 streams. `launch` stages the step (double-buffered) and enqueues on the compute stream:
 copy-on-write block copies, carry-over, forward, sampling; then the d2h copy of the sampled tokens.
@@ -30,6 +31,7 @@ from cbd.engine.step_inputs import InputStager, StagedStep, StepBatch, StepMeta,
 from cbd.engine.streams import DeviceStreams
 from cbd.engine.token_masks import TokenMasks
 from cbd.engine.tp_messages import RunStep, SampleStep, WarmUp, WorkerMessage
+from cbd.model import kv_format
 from cbd.model.attention import BatchLayout, slot_mapping
 from cbd.model.attention_backends import AttentionBackend, select_backend
 from cbd.model.llama import CausalLM
@@ -76,19 +78,21 @@ class ModelRunner:
         max_model_len: int,
         attention_backend: str = "auto",
         cuda_graph_max_batch: int = 0,
+        kv_cache_dtype: str = "auto",
     ) -> None:
         spec = model.spec
         self.model = model
         self.block_size = block_size
         self.device = model.embed_tokens.weight.device
         self.scratch_block = num_blocks
-        self.kv_caches = torch.zeros(
-            spec.num_layers, (num_blocks + 1) * block_size, 2, spec.num_kv_heads, spec.head_dim,
-            dtype=model.embed_tokens.weight.dtype, device=self.device,
-        )  # fmt: skip
+        fp8 = kv_cache_dtype == "fp8"
+        shape = kv_format.pool_shape((num_blocks + 1) * block_size, spec.num_kv_heads, spec.head_dim, fp8)
+        dtype = torch.uint8 if fp8 else model.embed_tokens.weight.dtype
+        self.kv_caches = torch.zeros(spec.num_layers, *shape, dtype=dtype, device=self.device)
         self.backend: AttentionBackend = select_backend(
-            attention_backend, self.device, self.kv_caches.dtype, block_size, spec.sliding_window, spec.num_kv_heads
-        )
+            attention_backend, self.device, model.embed_tokens.weight.dtype, block_size, spec.sliding_window,
+            spec.num_kv_heads, fp8,
+        )  # fmt: skip
         self.streams = DeviceStreams(self.device)
         self.stager = InputStager(self.streams)
         self.max_blocks_per_seq = -(-max_model_len // block_size)
@@ -117,10 +121,11 @@ class ModelRunner:
         return min(1.0, sum(a.elapsed_time(b) for a, b in events) / span) if span > 0 else None
 
     @staticmethod
-    def kv_bytes_per_block(model: CausalLM, block_size: int) -> int:
+    def kv_bytes_per_block(model: CausalLM, block_size: int, kv_cache_dtype: str = "auto") -> int:
         spec = model.spec
         itemsize = model.embed_tokens.weight.element_size()
-        return spec.num_layers * 2 * block_size * spec.num_kv_heads * spec.head_dim * itemsize
+        per_token = kv_format.bytes_per_token(spec.num_kv_heads, spec.head_dim, itemsize, kv_cache_dtype == "fp8")
+        return spec.num_layers * block_size * per_token
 
     def warm_up(self) -> None:
         """Compile every kernel variant a step can need and capture the decode graphs, so that the

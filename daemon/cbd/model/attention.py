@@ -1,7 +1,7 @@
 """Reference paged attention in plain torch: the CPU path and the oracle for faster kernels.
 
 The KV pool of one layer is a flat tensor of slots `[num_blocks * block_size, 2, num_kv_heads, head_dim]`
-(K and V side by side, so one gather fetches both);
+(K and V side by side, so one gather fetches both; FP8 slots are bytes, see kv_format.py);
 slot `block * block_size + offset` holds position `block_index * block_size + offset` of the sequence
 whose block table maps `block_index` to `block`. One step packs the new tokens of every scheduled
 sequence into `T` rows; a sequence contributes `query_len` new tokens at the end of its
@@ -14,6 +14,8 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+
+from cbd.model import kv_format
 
 
 @dataclass(slots=True)
@@ -210,22 +212,21 @@ def build_metadata(
 
 
 def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-    """kv_cache: [S, 2, Hkv, D]; k, v: [T, Hkv, D] -> their slots in the layer's pool."""
-    kv_cache.index_copy_(0, slot_mapping, torch.stack((k, v), dim=1))
+    """kv_cache: one layer's pool (either format of kv_format.py); k, v: [T, Hkv, D] -> their slots."""
+    kv_format.store(kv_cache, slot_mapping, torch.stack((k, v), dim=1))
 
 
 def paged_attention(
     q: torch.Tensor,  # [T, H, D]
-    kv_cache: torch.Tensor,  # [S, 2, Hkv, D]
+    kv_cache: torch.Tensor,  # one layer's pool, either format of kv_format.py
     meta: AttentionMetadata,
     scale: float,
 ) -> torch.Tensor:  # [T, H, D]
     num_seqs, q_max = meta.query_index.shape
     num_heads, head_dim = q.shape[1], q.shape[2]
     k_max = meta.key_slots.shape[1]
-    # index_select on a 2-D view is several times faster than advanced indexing on CPU.
-    kv = kv_cache.view(kv_cache.shape[0], -1).index_select(0, meta.key_slots.view(-1))
-    kv = kv.view(num_seqs, k_max, *kv_cache.shape[1:])  # [B, Kmax, 2, Hkv, D]: one gather for K and V
+    kv = kv_format.gather(kv_cache, meta.key_slots.view(-1), head_dim, q.dtype)
+    kv = kv.view(num_seqs, k_max, *kv.shape[1:])  # [B, Kmax, 2, Hkv, D]: one gather for K and V
     k, v = kv[:, :, 0].transpose(1, 2), kv[:, :, 1].transpose(1, 2)  # [B, Hkv, Kmax, D]
     if q_max == 1:
         qp = q[:, :, None, :]  # [B, H, 1, D]

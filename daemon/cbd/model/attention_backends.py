@@ -174,18 +174,21 @@ def select_backend(
     block_size: int,
     sliding_window: int | None,
     num_kv_heads: int,
+    fp8_kv: bool = False,
 ) -> AttentionBackend:
-    """Resolve "auto" (flash > triton > torch where each applies) or check an explicit choice."""
+    """Resolve "auto" (flash > triton > torch where each applies) or check an explicit choice.
+    dtype: the model's; fp8_kv: the pool is in kv_format's FP8 layout (not for flash-attn)."""
     if name not in BACKENDS:
         raise ValueError(f"attention_backend must be one of {BACKENDS}, got {name!r}")
     cuda = device.type == "cuda"
-    flash_ok = cuda and flash_attn_available() and block_size % 256 == 0 and dtype != torch.float32
+    flash_ok = cuda and flash_attn_available() and block_size % 256 == 0 and dtype != torch.float32 and not fp8_kv
     if name == "auto":
         name = "flash" if flash_ok else "triton" if cuda and triton_available() else "torch"
     if name == "flash" and not flash_ok:
         raise UnsupportedModel(
-            "the flash backend needs CUDA, the flash_attn package, fp16/bf16 and a block size that is a "
-            f"multiple of 256 (block size {block_size}, dtype {dtype}, device {device})"
+            "the flash backend needs CUDA, the flash_attn package, fp16/bf16, a block size that is a "
+            f"multiple of 256 and kv_cache_dtype auto (block size {block_size}, dtype {dtype}, device {device}, "
+            f"fp8 KV {fp8_kv})"
         )
     if name == "triton" and not (cuda and triton_available()):
         raise UnsupportedModel(f"the triton backend needs CUDA and the triton package (device {device})")

@@ -11,6 +11,8 @@ import importlib.util
 import torch
 import torch.nn.functional as F
 
+from cbd.model import kv_format
+
 _fused_enabled = True
 _triton_available = importlib.util.find_spec("triton") is not None
 
@@ -56,10 +58,11 @@ def rope_and_write_kv(
     positions: torch.Tensor,  # [T]
     cos_table: torch.Tensor,  # [P, D] fp32
     sin_table: torch.Tensor,
-    kv_cache: torch.Tensor,  # [S, 2, Hkv, D]
+    kv_cache: torch.Tensor,  # one layer's pool, either format of kv_format.py
     slot_mapping: torch.Tensor,  # [T]
 ) -> torch.Tensor:
-    """Rotate q and k by their positions, store k and v in their KV slots; returns the rotated q."""
+    """Rotate q and k by their positions, store k and v in their KV slots (quantized in an FP8 pool);
+    returns the rotated q."""
     if use_fused(q):
         from cbd.model import triton_ops
 
@@ -77,7 +80,7 @@ def rope_and_write_kv(
     else:
         qk = torch.cat((q, k), dim=1)
     qk = apply_rope(qk, cos, sin)  # q and k rotated together: half the launches
-    kv_cache.index_copy_(0, slot_mapping, torch.stack((qk[:, num_heads:], v), dim=1))
+    kv_format.store(kv_cache, slot_mapping, torch.stack((qk[:, num_heads:], v), dim=1))
     return qk[:, :num_heads]
 
 

@@ -1,12 +1,16 @@
 """Paged attention kernels for CUDA in Triton.
 
-KV layout is the engine's: per layer a slot pool `[S, 2, Hkv, D]`; key position p of sequence b
-lives in slot `block_tables[b, p // PAGE] * PAGE + p % PAGE`. Queries are packed rows `[T, H, D]`.
+KV layout is the engine's: per layer a slot pool `[S, 2, Hkv, D]`, or FP8 values with a scale per
+(slot, K/V, head) (kv_format.py: the kernels dequantize per key tile, scales applied to scores and
+probabilities); key position p of sequence b lives in slot `block_tables[b, p // PAGE] * PAGE + p % PAGE`.
+Queries are packed rows `[T, H, D]`.
 
-- `decode`: one query per sequence. Split-KV (flash-decoding): the context is cut into SPLITS
-  ranges, one program per (sequence, KV head, range) handles all query heads of its GQA group
-  (so K/V are read once per group); a second kernel merges the ranges by log-sum-exp. The grid
-  depends only on the batch size, so it can be captured in a CUDA graph.
+- `decode`: one query per sequence. Split-KV (flash-decoding): each sequence's context is cut into
+  up to SPLITS ranges of at least MIN_SPLIT keys (the count follows its length, on the device), one
+  program per (sequence, KV head, range) handles all query heads of its GQA group (so K/V are read
+  once per group); a second kernel merges the ranges by log-sum-exp. SPLITS comes from the batch
+  size (fill the GPU whatever the batch: a single 32K context gets 64 ranges), so the grid depends
+  only on the batch size and a CUDA graph captures it.
 - `extend`: several queries per sequence at the end of its context (prefill, a prefill chunk over
   a cached prefix, mixed with decodes): flash-attention style tiles with the causal mask; a tile
   packs queries x the query heads of one GQA group, so K/V are read once per group here too.
@@ -15,25 +19,50 @@ Both honour a sliding window. The plain-torch `attention.paged_attention` is the
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
 
+from cbd.model import kv_format
+
 
 @triton.jit
-def _online_softmax_block(q, ptr, kv_mask, allowed, skv_kv, qk_scale, m_i, l_i, acc, IEEE: tl.constexpr):
-    """One tile of keys for flash attention: scores, running max / sum, and the weighted values."""
+def _online_softmax_block(
+    q, ptr, kv_mask, allowed, skv_kv, qk_scale, m_i, l_i, acc, sptr, s_mask, ss_kv,
+    FP8: tl.constexpr, F16: tl.constexpr, IEEE: tl.constexpr,
+):  # fmt: skip
+    """One tile of keys for flash attention: scores, running max / sum, and the weighted values.
+    FP8: K/V are float8 with a scale per key (at sptr, V's at sptr + ss_kv); the K scale multiplies
+    the scores. F16 (FP8 only): the tiles are widened to fp16 (one conversion instruction per pair,
+    where bf16 takes several) and the V scale multiplies V; else to q's dtype, the V scale
+    multiplying the probabilities. Both exact: the scales are per key."""
     k = tl.load(ptr, mask=kv_mask, other=0.0)
+    if FP8:
+        if F16:
+            k = k.to(tl.float16)
+        else:
+            k = k.to(q.dtype)
     if IEEE:
         s = tl.dot(q, tl.trans(k), input_precision="ieee")
     else:
         s = tl.dot(q, tl.trans(k))
+    if FP8:
+        s = s * tl.load(sptr, mask=s_mask, other=0.0)[None, :]
     s = tl.where(allowed, s * qk_scale, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1))
     alpha = tl.exp2(m_i - m_new)
     p = tl.exp2(s - m_new[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
     v = tl.load(ptr + skv_kv, mask=kv_mask, other=0.0)
+    if FP8:
+        v_scale = tl.load(sptr + ss_kv, mask=s_mask, other=0.0)
+        if F16:
+            v = v.to(tl.float16) * v_scale.to(tl.float16)[:, None]
+        else:
+            v = v.to(q.dtype)
+            p = p * v_scale[None, :]
     if IEEE:
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
     else:
@@ -43,11 +72,11 @@ def _online_softmax_block(q, ptr, kv_mask, allowed, skv_kv, qk_scale, m_i, l_i, 
 
 @triton.jit(do_not_specialize=["sbt_b"])  # the table width changes from step to step
 def _decode_kernel(
-    Q, KV, BT, CTX, O_PART, LSE_PART, OUT, scale,
-    sq_t, sq_h, skv_s, skv_kv, skv_h, sbt_b, sop_b, sop_h, sop_s, sl_b, sl_h, so_t, so_h,
+    Q, KV, KVS, BT, CTX, O_PART, LSE_PART, OUT, scale,
+    sq_t, sq_h, skv_s, skv_kv, skv_h, ss_s, ss_kv, sbt_b, sop_b, sop_h, sop_s, sl_b, sl_h, so_t, so_h,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-    PAGE: tl.constexpr, BLOCK_N: tl.constexpr, SPLITS: tl.constexpr, WINDOW: tl.constexpr,
-    IEEE: tl.constexpr,
+    PAGE: tl.constexpr, BLOCK_N: tl.constexpr, SPLITS: tl.constexpr, MIN_SPLIT: tl.constexpr,
+    WINDOW: tl.constexpr, FP8: tl.constexpr, F16: tl.constexpr, IEEE: tl.constexpr,
 ):  # fmt: skip
     b = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1)
@@ -56,7 +85,10 @@ def _decode_kernel(
     lo = 0
     if WINDOW > 0:
         lo = tl.maximum(ctx - WINDOW, 0)
-    per_split = tl.cdiv(tl.cdiv(ctx - lo, SPLITS), BLOCK_N) * BLOCK_N
+    active = _active_splits(ctx - lo, SPLITS, MIN_SPLIT)
+    if split >= active:  # this sequence's context needs fewer ranges; the merge skips this one
+        return
+    per_split = tl.cdiv(tl.cdiv(ctx - lo, active), BLOCK_N) * BLOCK_N
     start = lo + split * per_split
     end = tl.minimum(start + per_split, ctx)
 
@@ -67,6 +99,9 @@ def _decode_kernel(
     d_mask = d < HEAD_DIM
     q = tl.load(Q + b * sq_t + heads[:, None] * sq_h + d[None, :], mask=g_mask[:, None] & d_mask[None, :], other=0.0)
     qk_scale = scale * 1.4426950408889634  # exp2 domain
+    if FP8 and F16:  # the softmax scale folded into q before the fp16 cast (well inside fp16's range)
+        q = (q.to(tl.float32) * qk_scale).to(tl.float16)
+        qk_scale = 1.0
     m_i = tl.full([GROUP_PAD], -1.0e30, tl.float32)
     l_i = tl.zeros([GROUP_PAD], tl.float32)
     acc = tl.zeros([GROUP_PAD, BLOCK_D], tl.float32)
@@ -78,7 +113,10 @@ def _decode_kernel(
         slot = page.to(tl.int64) * PAGE + n % PAGE
         ptr = kv_base + slot[:, None] * skv_s + d[None, :]
         kv_mask = n_mask[:, None] & d_mask[None, :]
-        m_i, l_i, acc = _online_softmax_block(q, ptr, kv_mask, n_mask[None, :], skv_kv, qk_scale, m_i, l_i, acc, IEEE)
+        m_i, l_i, acc = _online_softmax_block(
+            q, ptr, kv_mask, n_mask[None, :], skv_kv, qk_scale, m_i, l_i, acc, KVS + slot * ss_s + kv_head, n_mask,
+            ss_kv, FP8, F16, IEEE,
+        )  # fmt: skip
     empty = l_i == 0.0
     out = acc / tl.where(empty, 1.0, l_i)[:, None]
     mask = g_mask[:, None] & d_mask[None, :]
@@ -91,15 +129,26 @@ def _decode_kernel(
 
 
 @triton.jit
+def _active_splits(length, SPLITS: tl.constexpr, MIN_SPLIT: tl.constexpr):
+    """The ranges a context of `length` keys is cut into: up to SPLITS, each at least MIN_SPLIT keys."""
+    return tl.maximum(tl.minimum(SPLITS, tl.cdiv(length, MIN_SPLIT)), 1)
+
+
+@triton.jit
 def _merge_kernel(
-    O_PART, LSE_PART, OUT, sop_b, sop_h, sop_s, sl_b, sl_h, so_t, so_h,
-    SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    O_PART, LSE_PART, OUT, CTX, sop_b, sop_h, sop_s, sl_b, sl_h, so_t, so_h,
+    SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr, MIN_SPLIT: tl.constexpr, WINDOW: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
 ):  # fmt: skip
     b = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
+    ctx = tl.load(CTX + b).to(tl.int32)
+    length = ctx
+    if WINDOW > 0:
+        length = ctx - tl.maximum(ctx - WINDOW, 0)
     s = tl.arange(0, SPLITS_PAD)
     d = tl.arange(0, BLOCK_D)
-    s_mask = s < SPLITS
+    s_mask = s < _active_splits(length, SPLITS, MIN_SPLIT)
     d_mask = d < HEAD_DIM
     lse = tl.load(LSE_PART + b * sl_b + head * sl_h + s, mask=s_mask, other=float("-inf"))
     w = tl.exp2(lse - tl.max(lse, 0))
@@ -112,18 +161,43 @@ def _merge_kernel(
     tl.store(OUT + b * so_t + head * so_h + d, out.to(OUT.dtype.element_ty), mask=d_mask)
 
 
+# A decode split reads at least this many keys (fewer: the merge costs more than the parallelism gains).
+MIN_SPLIT = 128
+MAX_SPLITS = 64
+PROGRAMS_PER_SM = 3
+DECODE_FP8_KEYS_FACTOR = 2
+DECODE_FP8_WARPS, DECODE_FP8_STAGES = 4, 2
+FP8_F16 = True  # FP8 tiles computed in fp16 (see _online_softmax_block)
+
+
 def decode_splits(num_seqs: int, num_kv_heads: int, max_context: int | None = None) -> int:
-    """How many KV ranges per (sequence, KV head): enough programs to fill the GPU a few times over."""
+    """The most KV ranges per (sequence, KV head): enough programs to fill the GPU a few times over.
+    The kernel cuts each sequence's context into at most this many ranges of at least MIN_SPLIT keys,
+    on the device, so one count serves every context (a CUDA graph captures it once per batch size)."""
     sms = torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
-    splits = triton.cdiv(3 * sms, max(1, num_seqs * num_kv_heads))
+    splits = triton.cdiv(PROGRAMS_PER_SM * sms, max(1, num_seqs * num_kv_heads))
     if max_context is not None:
-        splits = min(splits, triton.cdiv(max_context, 128))
-    return max(1, min(16, splits))
+        splits = min(splits, triton.cdiv(max_context, MIN_SPLIT))
+    return max(1, min(MAX_SPLITS, splits))
+
+
+def _decode_block_n(block_d: int, fp8: bool) -> int:
+    """Keys per loop step: FP8 rows are half the bytes, so twice the keys move as much per step."""
+    block_n = 64 if block_d <= 128 else 32
+    return block_n * DECODE_FP8_KEYS_FACTOR if fp8 else block_n
+
+
+def _kv_views(kv_cache: torch.Tensor, head_dim: int) -> tuple[torch.Tensor, torch.Tensor, bool]:
+    """(values [S, 2, Hkv, D], scales [S, 2, Hkv] or a stand-in, fp8) of a layer's pool."""
+    if kv_format.is_fp8(kv_cache):
+        values, scales = kv_format.fp8_views(kv_cache, head_dim)
+        return values, scales, True
+    return kv_cache, kv_cache, False
 
 
 def decode(
     q: torch.Tensor,  # [B, H, D]
-    kv_cache: torch.Tensor,  # [S, 2, Hkv, D]
+    kv_cache: torch.Tensor,  # one layer's pool (kv_format.py)
     block_tables: torch.Tensor,  # [B, W]
     context_lens: torch.Tensor,  # [B]
     page_size: int,
@@ -132,7 +206,8 @@ def decode(
     sliding_window: int | None = None,
 ) -> torch.Tensor:
     num_seqs, num_heads, head_dim = q.shape
-    num_kv_heads = kv_cache.shape[2]
+    kv, kvs, fp8 = _kv_views(kv_cache, head_dim)
+    num_kv_heads = kv.shape[2]
     group = num_heads // num_kv_heads
     out = torch.empty_like(q)
     if splits > 1:
@@ -141,32 +216,34 @@ def decode(
     else:
         o_part = lse = out  # unused
     block_d = triton.next_power_of_2(head_dim)
+    window = sliding_window or 0
     _decode_kernel[(num_seqs, num_kv_heads, splits)](
-        q, kv_cache, block_tables, context_lens, o_part, lse, out, scale,
-        q.stride(0), q.stride(1), kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2),
+        q, kv, kvs, block_tables, context_lens, o_part, lse, out, scale,
+        q.stride(0), q.stride(1), kv.stride(0), kv.stride(1), kv.stride(2), kvs.stride(0), kvs.stride(1),
         block_tables.stride(0), o_part.stride(0), o_part.stride(1), o_part.stride(2) if splits > 1 else 0,
         lse.stride(0), lse.stride(1), out.stride(0), out.stride(1),
         GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim, BLOCK_D=block_d,
-        PAGE=page_size, BLOCK_N=64 if block_d <= 128 else 32, SPLITS=splits, WINDOW=sliding_window or 0,
-        IEEE=q.dtype == torch.float32, num_warps=4, num_stages=2,
+        PAGE=page_size, BLOCK_N=_decode_block_n(block_d, fp8), SPLITS=splits, MIN_SPLIT=MIN_SPLIT, WINDOW=window,
+        FP8=fp8, F16=fp8 and FP8_F16 and q.dtype != torch.float32, IEEE=q.dtype == torch.float32,
+        num_warps=DECODE_FP8_WARPS if fp8 else 4, num_stages=DECODE_FP8_STAGES if fp8 else 2,
     )  # fmt: skip
     if splits > 1:
         _merge_kernel[(num_seqs, num_heads)](
-            o_part, lse, out, o_part.stride(0), o_part.stride(1), o_part.stride(2),
+            o_part, lse, out, context_lens, o_part.stride(0), o_part.stride(1), o_part.stride(2),
             lse.stride(0), lse.stride(1), out.stride(0), out.stride(1),
-            SPLITS=splits, SPLITS_PAD=triton.next_power_of_2(splits), HEAD_DIM=head_dim, BLOCK_D=block_d,
-            num_warps=2,
+            SPLITS=splits, SPLITS_PAD=triton.next_power_of_2(splits), MIN_SPLIT=MIN_SPLIT, WINDOW=window,
+            HEAD_DIM=head_dim, BLOCK_D=block_d, num_warps=2,
         )  # fmt: skip
     return out
 
 
 @triton.jit(do_not_specialize=["sbt_b"])
 def _extend_kernel(
-    Q, KV, BT, QSTART, CTX, OUT, scale,
-    sq_t, sq_h, skv_s, skv_kv, skv_h, sbt_b, so_t, so_h,
+    Q, KV, KVS, BT, QSTART, CTX, OUT, scale,
+    sq_t, sq_h, skv_s, skv_kv, skv_h, ss_s, ss_kv, sbt_b, so_t, so_h,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     PAGE: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, WINDOW: tl.constexpr,
-    SELECT: tl.constexpr, SHORT: tl.constexpr, IEEE: tl.constexpr,
+    SELECT: tl.constexpr, SHORT: tl.constexpr, FP8: tl.constexpr, F16: tl.constexpr, IEEE: tl.constexpr,
 ):  # fmt: skip
     # One program: BLOCK_Q queries of one sequence x the GROUP query heads of one KV head, packed as
     # BLOCK_Q * GROUP_PAD rows (row r: query r // GROUP_PAD, head r % GROUP_PAD), so that each K/V
@@ -198,6 +275,9 @@ def _extend_kernel(
     q = tl.load(Q + rows[:, None] * sq_t + heads[:, None] * sq_h + d[None, :], mask=io_mask, other=0.0)
     kv_base = KV + kv_head * skv_h
     qk_scale = scale * 1.4426950408889634
+    if FP8 and F16:
+        q = (q.to(tl.float32) * qk_scale).to(tl.float16)
+        qk_scale = 1.0
     m_i = tl.full([BLOCK_Q * GROUP_PAD], -1.0e30, tl.float32)
     l_i = tl.zeros([BLOCK_Q * GROUP_PAD], tl.float32)
     acc = tl.zeros([BLOCK_Q * GROUP_PAD, BLOCK_D], tl.float32)
@@ -215,10 +295,28 @@ def _extend_kernel(
         allowed = n_mask[None, :] & (n[None, :] <= q_pos[:, None])
         if WINDOW > 0:
             allowed = allowed & (n[None, :] > q_pos[:, None] - WINDOW)
-        m_i, l_i, acc = _online_softmax_block(q, ptr, kv_mask, allowed, skv_kv, qk_scale, m_i, l_i, acc, IEEE)
+        m_i, l_i, acc = _online_softmax_block(
+            q, ptr, kv_mask, allowed, skv_kv, qk_scale, m_i, l_i, acc, KVS + slot * ss_s + kv_head, n_mask, ss_kv,
+            FP8, F16, IEEE,
+        )  # fmt: skip
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
     tl.store(OUT + rows[:, None] * so_t + heads[:, None] * so_h + d[None, :], out.to(OUT.dtype.element_ty),
              mask=io_mask)  # fmt: skip
+
+
+@dataclass(frozen=True, slots=True)
+class Tile:
+    """An extend launch's tile: rows (queries x the GQA group's heads), keys per step, warps, pipeline stages."""
+
+    rows: int
+    block_n: int
+    warps: int
+    stages: int
+
+
+SHORT_TILE = Tile(16, 64, 4, 2)  # decodes and drafts beside a prefill
+LONG_TILE = Tile(128, 64, 4, 3)  # prefills and prefill chunks
+LONG_TILE_FP8 = Tile(64, 128, 4, 2)
 
 
 def _queries_per_tile(rows: int, group_pad: int) -> int:
@@ -241,26 +339,30 @@ def extend(
     for those, so a decode's K/V is read once per group and its tile is not mostly padding."""
     num_tokens, num_heads, head_dim = q.shape
     num_seqs = context_lens.shape[0]
-    num_kv_heads = kv_cache.shape[2]
+    kv, kvs, fp8 = _kv_views(kv_cache, head_dim)
+    num_kv_heads = kv.shape[2]
     group = num_heads // num_kv_heads
     group_pad = triton.next_power_of_2(group)
     out = torch.empty_like(q)
     block_d = triton.next_power_of_2(head_dim)
-    block_n = 64 if block_d <= 128 else 32
-    short_q = _queries_per_tile(16, group_pad)
-    long_q = _queries_per_tile(64, group_pad)
+    short_q = _queries_per_tile(SHORT_TILE.rows, group_pad)
     if max_query_len <= short_q:
-        launches = [(0, short_q)]
+        launches = [(0, short_q, SHORT_TILE)]
     else:
-        launches = [(1, short_q), (2, long_q)]
-    for select, block_q in launches:
+        long_tile = LONG_TILE_FP8 if fp8 else LONG_TILE
+        if block_d > 128:  # the accumulator of a 128-row tile would not fit in registers
+            long_tile = Tile(min(long_tile.rows, 64), long_tile.block_n, long_tile.warps, long_tile.stages)
+        launches = [(1, short_q, SHORT_TILE), (2, _queries_per_tile(long_tile.rows, group_pad), long_tile)]
+    for select, block_q, tile in launches:
         tiles = 1 if select == 1 else triton.cdiv(max_query_len, block_q)  # a short run fits one tile
+        block_n = tile.block_n if block_d <= 128 else tile.block_n // 2
         _extend_kernel[(tiles, num_seqs, num_kv_heads)](
-            q, kv_cache, block_tables, query_start, context_lens, out, scale,
-            q.stride(0), q.stride(1), kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2),
+            q, kv, kvs, block_tables, query_start, context_lens, out, scale,
+            q.stride(0), q.stride(1), kv.stride(0), kv.stride(1), kv.stride(2), kvs.stride(0), kvs.stride(1),
             block_tables.stride(0), out.stride(0), out.stride(1),
             GROUP=group, GROUP_PAD=group_pad, HEAD_DIM=head_dim, BLOCK_D=block_d, PAGE=page_size,
             BLOCK_Q=block_q, BLOCK_N=block_n, WINDOW=sliding_window or 0, SELECT=select, SHORT=short_q,
-            IEEE=q.dtype == torch.float32, num_warps=4, num_stages=2,
+            FP8=fp8, F16=fp8 and FP8_F16 and q.dtype != torch.float32, IEEE=q.dtype == torch.float32,
+            num_warps=tile.warps, num_stages=tile.stages,
         )  # fmt: skip
     return out

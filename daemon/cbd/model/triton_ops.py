@@ -11,6 +11,8 @@ import torch
 import triton
 import triton.language as tl
 
+from cbd.model import kv_format
+
 
 @triton.jit
 def _rms_norm_kernel(
@@ -58,10 +60,26 @@ def _round(x, DTYPE: tl.constexpr, ROUND: tl.constexpr):
 
 
 @triton.jit
+def _store_kv_row(dst, scale_ptr, x1, x2, offs, mask, HALF: tl.constexpr, FP8: tl.constexpr):
+    """One head's row of K or V (two halves, fp32) into its slot: as is, or FP8 with its scale."""
+    if FP8:
+        amax = tl.maximum(tl.max(tl.where(mask, tl.abs(x1), 0.0), 0), tl.max(tl.where(mask, tl.abs(x2), 0.0), 0))
+        row_scale = amax / 448.0
+        inv = tl.where(row_scale > 0.0, 1.0 / tl.where(row_scale > 0.0, row_scale, 1.0), 1.0)
+        tl.store(dst + offs, tl.clamp(x1 * inv, -448.0, 448.0).to(dst.dtype.element_ty), mask=mask)
+        tl.store(dst + HALF + offs, tl.clamp(x2 * inv, -448.0, 448.0).to(dst.dtype.element_ty), mask=mask)
+        tl.store(scale_ptr, row_scale)
+    else:
+        tl.store(dst + offs, x1.to(dst.dtype.element_ty), mask=mask)
+        tl.store(dst + HALF + offs, x2.to(dst.dtype.element_ty), mask=mask)
+
+
+@triton.jit
 def _rope_kv_kernel(
-    Q, K, V, Q_OUT, KV, POS, SLOT, COS, SIN,
-    sq_t, sq_h, sk_t, sk_h, sv_t, sv_h, sqo_t, sqo_h, skv_s, skv_kv, skv_h, s_cos,
+    Q, K, V, Q_OUT, KV, KVS, POS, SLOT, COS, SIN,
+    sq_t, sq_h, sk_t, sk_h, sv_t, sv_h, sqo_t, sqo_h, skv_s, skv_kv, skv_h, ss_s, ss_kv, s_cos,
     NUM_HEADS: tl.constexpr, HALF: tl.constexpr, BLOCK_HALF: tl.constexpr, ROUND: tl.constexpr,
+    FP8: tl.constexpr,
 ):  # fmt: skip
     t = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
@@ -88,14 +106,13 @@ def _rope_kv_kernel(
     else:
         kv_head = head - NUM_HEADS
         slot = tl.load(SLOT + t).to(tl.int64)
-        dst = KV + slot * skv_s + kv_head * skv_h
-        tl.store(dst + offs, o1.to(dtype), mask=mask)
-        tl.store(dst + HALF + offs, o2.to(dtype), mask=mask)
+        kv_dst = KV + slot * skv_s + kv_head * skv_h
+        scale_ptr = KVS + slot * ss_s + kv_head
+        _store_kv_row(kv_dst, scale_ptr, o1, o2, offs, mask, HALF, FP8)
         vsrc = V + t * sv_t + kv_head * sv_h
-        v1 = tl.load(vsrc + offs, mask=mask, other=0.0)
-        v2 = tl.load(vsrc + HALF + offs, mask=mask, other=0.0)
-        tl.store(dst + skv_kv + offs, v1, mask=mask)
-        tl.store(dst + skv_kv + HALF + offs, v2, mask=mask)
+        v1 = tl.load(vsrc + offs, mask=mask, other=0.0).to(tl.float32)
+        v2 = tl.load(vsrc + HALF + offs, mask=mask, other=0.0).to(tl.float32)
+        _store_kv_row(kv_dst + skv_kv, scale_ptr + ss_kv, v1, v2, offs, mask, HALF, FP8)
 
 
 def rope_and_write_kv(
@@ -105,22 +122,25 @@ def rope_and_write_kv(
     positions: torch.Tensor,  # [T]
     cos_table: torch.Tensor,  # [P, D] fp32
     sin_table: torch.Tensor,
-    kv_cache: torch.Tensor,  # [S, 2, Hkv, D]
+    kv_cache: torch.Tensor,  # one layer's pool (kv_format.py)
     slot_mapping: torch.Tensor,  # [T]
 ) -> torch.Tensor:
-    """Rotate q and k, write k and v into their KV slots; returns the rotated q (new tensor)."""
+    """Rotate q and k, write k and v into their KV slots (quantized, with their scales, in an FP8
+    pool); returns the rotated q (new tensor)."""
     num_tokens, num_heads, head_dim = q.shape
     q_out = torch.empty_like(q, memory_format=torch.contiguous_format)
     if num_tokens == 0:
         return q_out
     half = head_dim // 2
+    fp8 = kv_format.is_fp8(kv_cache)
+    kv, kvs = kv_format.fp8_views(kv_cache, head_dim) if fp8 else (kv_cache, kv_cache)
     _rope_kv_kernel[(num_tokens, num_heads + k.shape[1])](
-        q, k, v, q_out, kv_cache, positions, slot_mapping, cos_table, sin_table,
+        q, k, v, q_out, kv, kvs, positions, slot_mapping, cos_table, sin_table,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-        q_out.stride(0), q_out.stride(1), kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2),
+        q_out.stride(0), q_out.stride(1), kv.stride(0), kv.stride(1), kv.stride(2), kvs.stride(0), kvs.stride(1),
         cos_table.stride(0),
         NUM_HEADS=num_heads, HALF=half, BLOCK_HALF=triton.next_power_of_2(half),
-        ROUND=q.dtype != torch.float32, num_warps=1,
+        ROUND=q.dtype != torch.float32, FP8=fp8, num_warps=1,
     )  # fmt: skip
     return q_out
 
