@@ -197,8 +197,10 @@ def test_a_lost_replica_fails_its_sessions_and_recover_reopens_them_elsewhere(fr
                 plain.send([1, 2], max_tokens=2)
         assert gone.value.code in (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.UNAVAILABLE)
         assert time.monotonic() - started < 30
-        for t in TURNS_IN[2:]:
-            answers.append(agent.send(t, max_tokens=6, ignore_eos=True, temperature=0).candidates[0].token_ids)
+        # The turn that finds the session lost is streamed: it is re-opened and streamed from a live replica.
+        streamed = list(agent.stream(TURNS_IN[2], max_tokens=6, ignore_eos=True, temperature=0))
+        answers.append([token for d in streamed for token in d.token_ids])
+        answers.append(agent.send(TURNS_IN[3], max_tokens=6, ignore_eos=True, temperature=0).candidates[0].token_ids)
         assert answers == expected and agent.recoveries == 1
         async_agent, later = asyncio.run(async_turns(async_agent, TURNS_IN[2:]))
         assert async_answers + later == expected and async_agent.recoveries == 1

@@ -20,6 +20,7 @@ import grpc
 
 from cbd_client._convert import Prompt
 from cbd_client.errors import CbdError
+from cbd_client.replay import Replay
 from cbd_client.transcript import Transcript
 from cbd_client.types import Completion, Delta, SessionInfo
 
@@ -46,7 +47,7 @@ class _ChosenCandidate:
 
     recover=True: the session keeps a Transcript, and a turn that finds the session lost (its daemon gone
     behind a proxy: NOT_FOUND or UNAVAILABLE) re-opens it from the transcript under a new id (so on a live
-    daemon) and runs the turn there; without it such a turn raises the CbdError."""
+    daemon) and runs the turn there (send and stream alike); without it such a turn raises the CbdError."""
 
     def __init__(self, prefix: Prompt | None = None, ttl: float | None = None, recover: bool = False) -> None:
         self._parent: int | None = None
@@ -116,19 +117,32 @@ class Session(_ChosenCandidate):
                 raise
 
     def stream(self, prompt: Prompt, *, n: int = 1, parent_candidate: int | None = None, **sampling) -> Iterator[Delta]:
-        if self.transcript is not None:
-            raise TypeError("a session opened with recover=True takes its turns with send()")
+        """One turn, streamed. With recover=True a lost session is re-opened from the transcript and the
+        turn run again there; the caller still sees one stream (see replay.py: what was already streamed
+        must come out the same, as greedy or seeded sampling does, else the turn fails with ABORTED)."""
         parent = self._take_parent(parent_candidate)
-        streamed = False
-        try:
-            for delta in self.client.stream(
-                prompt, n=n, session_id=self.session_id, parent_candidate=parent, **sampling
-            ):
-                streamed = True
-                yield delta
-        except CbdError as e:
-            self._refused(parent, parent_candidate, e, streamed)
-            raise
+        replay = Replay(n)
+        attempt = 0
+        while True:
+            replay.restart()
+            try:
+                for delta in self.client.stream(
+                    prompt, n=n, session_id=self.session_id, parent_candidate=parent, **sampling
+                ):
+                    fresh = replay.feed(delta)
+                    if fresh is not None:
+                        yield fresh
+                break
+            except CbdError as e:
+                if not self._lost(e, attempt):
+                    self._refused(parent, parent_candidate, e, replay.started)
+                    raise
+                attempt += 1
+                self._reopen(parent)
+                parent = None  # the chosen candidate is in the re-opened session's history now
+        if self.transcript is not None:
+            self.transcript.continue_from(parent)
+            self.transcript.turn(prompt, replay.completion())
 
     def fork(self, candidate: int | None = None, ttl: float | None = None) -> Session:
         """A new session continuing from this one (or from a pending candidate), sharing its KV copy-on-write."""
@@ -196,18 +210,29 @@ class AsyncSession(_ChosenCandidate):
     async def stream(
         self, prompt: Prompt, *, n: int = 1, parent_candidate: int | None = None, **sampling
     ) -> AsyncIterator[Delta]:
-        if self.transcript is not None:
-            raise TypeError("a session opened with recover=True takes its turns with send()")
+        """As Session.stream (with recover=True, a lost session is re-opened and the turn replayed)."""
         parent = self._take_parent(parent_candidate)
-        streamed = False
-        try:
-            async for delta in self.client.stream(prompt, n=n, session_id=self.session_id, parent_candidate=parent,
-                                                  **sampling):  # fmt: skip
-                streamed = True
-                yield delta
-        except CbdError as e:
-            self._refused(parent, parent_candidate, e, streamed)
-            raise
+        replay = Replay(n)
+        attempt = 0
+        while True:
+            replay.restart()
+            try:
+                async for delta in self.client.stream(prompt, n=n, session_id=self.session_id,
+                                                      parent_candidate=parent, **sampling):  # fmt: skip
+                    fresh = replay.feed(delta)
+                    if fresh is not None:
+                        yield fresh
+                break
+            except CbdError as e:
+                if not self._lost(e, attempt):
+                    self._refused(parent, parent_candidate, e, replay.started)
+                    raise
+                attempt += 1
+                await self._reopen(parent)
+                parent = None
+        if self.transcript is not None:
+            self.transcript.continue_from(parent)
+            self.transcript.turn(prompt, replay.completion())
 
     async def fork(self, candidate: int | None = None, ttl: float | None = None) -> AsyncSession:
         fork = AsyncSession(self.client, await self.client.fork_session(self.session_id, candidate, ttl))
