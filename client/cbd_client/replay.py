@@ -9,12 +9,16 @@ that turn).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
+from typing import TypeVar
 
 import grpc
 
 from cbd_client.errors import CbdError
 from cbd_client.types import Candidate, Completion, Delta, ToolCall, ToolCallDelta
+
+_Piece = TypeVar("_Piece", str, tuple[int, ...])
 
 
 @dataclass(slots=True)
@@ -82,7 +86,7 @@ class Replay:
         return Completion(self.request_id, self.candidates, None)
 
 
-def _fresh(new, given, seen: int, index: int, what: str):  # type: ignore[no-untyped-def]
+def _fresh(new: _Piece, given: Sequence[object], seen: int, index: int, what: str) -> _Piece:
     """new: a run's next piece (tokens or text); given: what the caller has; seen: how much of `given` the
     run has reproduced before this piece. Returns the part of `new` past `given`."""
     overlap = max(0, min(len(new), len(given) - seen))
