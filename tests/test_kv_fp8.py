@@ -95,3 +95,42 @@ def test_sessions_and_the_host_tier_on_fp8_keep_every_answer(tiny_loaded) -> Non
     got, computed = _play(tiered, scripts)
     assert got == want and computed == ideal
     assert tiered.scheduler.num_restored_blocks > 0
+
+
+def test_a_session_and_its_fork_on_fp8_equal_stateless_fp8_runs(tiny_loaded) -> None:  # type: ignore[no-untyped-def]
+    """Each token's FP8 bytes depend on that token alone: KV kept across turns and shared by a fork gives what a
+    fresh prefill of the whole history gives."""
+    from test_sessions import _turn
+
+    def stateless(history: list[int]) -> list[int]:
+        core = make_core(tiny_loaded, block_size=4, enable_prefix_caching=False, kv_cache_dtype="fp8")
+        return run_all(core, [history], GREEDY)[0]["tokens"][0]
+
+    core = make_core(tiny_loaded, block_size=4, kv_cache_dtype="fp8")
+    trunk = core.sessions.open()
+    base = [3, 4, 5, 6, 7, 8, 9, 10, 11, 12]
+    reply = _turn(core, trunk.session_id, base, GREEDY)["tokens"][0]
+    branch = core.sessions.fork(trunk.session_id)
+    a = _turn(core, trunk.session_id, [40, 41, 42], GREEDY)["tokens"][0]
+    b = _turn(core, branch.session_id, [50, 51], GREEDY)["tokens"][0]
+    assert a == stateless(base + reply + [40, 41, 42])
+    assert b == stateless(base + reply + [50, 51])
+    for s in (trunk, branch):
+        core.sessions.close(s.session_id)
+    assert core.block_manager.num_used_blocks == 0
+
+
+def test_through_the_daemon_the_flag_is_reported_and_serves(tiny_daemon, tiny_loaded) -> None:  # type: ignore[no-untyped-def]
+    from cbd_client import Client
+
+    d = tiny_daemon("--kv-cache-dtype", "fp8", "--kv-cache-gib", "0.01")
+    prompt = [5, 6, 7, 8, 9]
+    want = run_all(make_core(tiny_loaded, kv_cache_dtype="fp8", block_size=8), [prompt], GREEDY)[0]["tokens"][0]
+    with Client(d.address, timeout=60) as client:
+        info = client.model_info()
+        assert info.kv_cache_dtype == "fp8" and info.dtype == "float32"
+        reply = client.generate(prompt, max_tokens=12, temperature=0, ignore_eos=True)
+    assert reply.candidates[0].token_ids == want
+    spec = tiny_loaded.spec  # 0.01 GiB of 8-token blocks: fp8 slots are 2 * D + 8 bytes per KV head
+    per_block = spec.num_layers * 8 * kv_format.fp8_slot_bytes(spec.num_kv_heads, spec.head_dim)
+    assert info.num_kv_blocks == int(0.01 * 2**30) // per_block

@@ -189,6 +189,7 @@ def test_session_fan_out_choose_fork_and_busy(client) -> None:  # type: ignore[n
 def test_model_info_tokenize_and_reflection(client, daemon) -> None:  # type: ignore[no-untyped-def]
     info = client.model_info()
     assert (info.architecture, info.vocab_size, info.dtype, info.device) == ("llama", 49152, "float32", "cpu")
+    assert info.kv_cache_dtype == "float32"  # --kv-cache-dtype auto: the model's dtype
     assert info.model == "SmolLM2-135M-Instruct.Q4_1" and info.has_chat_template and info.eos_token_ids
     ids = client.tokenize("Hello world")
     assert ids and all(0 <= t < info.vocab_size for t in ids)

@@ -99,6 +99,7 @@ class ModelInfo:
     max_tools: int = 0
     max_grammar_bytes: int = 0
     tool_call_format: str = ""  # "hermes", "mistral", "llama3_json" or "generic"
+    kv_cache_dtype: str = ""  # the model's dtype, or "fp8" (--kv-cache-dtype)
 
 
 @dataclass(frozen=True, slots=True)

@@ -281,7 +281,7 @@ class GetModelInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("model", "architecture", "context_length", "vocab_size", "dtype", "device", "block_size", "num_kv_blocks", "max_num_seqs", "max_num_batched_tokens", "max_n", "max_logprobs", "max_stop_strings", "max_queued_requests", "eos_token_ids", "has_chat_template", "max_tools", "max_grammar_bytes", "tool_call_format")
+    __slots__ = ("model", "architecture", "context_length", "vocab_size", "dtype", "device", "block_size", "num_kv_blocks", "max_num_seqs", "max_num_batched_tokens", "max_n", "max_logprobs", "max_stop_strings", "max_queued_requests", "eos_token_ids", "has_chat_template", "max_tools", "max_grammar_bytes", "tool_call_format", "kv_cache_dtype")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     ARCHITECTURE_FIELD_NUMBER: _ClassVar[int]
     CONTEXT_LENGTH_FIELD_NUMBER: _ClassVar[int]
@@ -301,6 +301,7 @@ class ModelInfo(_message.Message):
     MAX_TOOLS_FIELD_NUMBER: _ClassVar[int]
     MAX_GRAMMAR_BYTES_FIELD_NUMBER: _ClassVar[int]
     TOOL_CALL_FORMAT_FIELD_NUMBER: _ClassVar[int]
+    KV_CACHE_DTYPE_FIELD_NUMBER: _ClassVar[int]
     model: str
     architecture: str
     context_length: int
@@ -320,7 +321,8 @@ class ModelInfo(_message.Message):
     max_tools: int
     max_grammar_bytes: int
     tool_call_format: str
-    def __init__(self, model: _Optional[str] = ..., architecture: _Optional[str] = ..., context_length: _Optional[int] = ..., vocab_size: _Optional[int] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., block_size: _Optional[int] = ..., num_kv_blocks: _Optional[int] = ..., max_num_seqs: _Optional[int] = ..., max_num_batched_tokens: _Optional[int] = ..., max_n: _Optional[int] = ..., max_logprobs: _Optional[int] = ..., max_stop_strings: _Optional[int] = ..., max_queued_requests: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., has_chat_template: _Optional[bool] = ..., max_tools: _Optional[int] = ..., max_grammar_bytes: _Optional[int] = ..., tool_call_format: _Optional[str] = ...) -> None: ...
+    kv_cache_dtype: str
+    def __init__(self, model: _Optional[str] = ..., architecture: _Optional[str] = ..., context_length: _Optional[int] = ..., vocab_size: _Optional[int] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., block_size: _Optional[int] = ..., num_kv_blocks: _Optional[int] = ..., max_num_seqs: _Optional[int] = ..., max_num_batched_tokens: _Optional[int] = ..., max_n: _Optional[int] = ..., max_logprobs: _Optional[int] = ..., max_stop_strings: _Optional[int] = ..., max_queued_requests: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., has_chat_template: _Optional[bool] = ..., max_tools: _Optional[int] = ..., max_grammar_bytes: _Optional[int] = ..., tool_call_format: _Optional[str] = ..., kv_cache_dtype: _Optional[str] = ...) -> None: ...
 
 class GetStatsRequest(_message.Message):
     __slots__ = ()

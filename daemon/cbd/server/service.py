@@ -279,6 +279,7 @@ class CbdService(_Base):
             max_tools=MAX_TOOLS,
             max_grammar_bytes=MAX_GRAMMAR_BYTES,
             tool_call_format=self.prompts.call_format.name,
+            kv_cache_dtype="fp8" if config.kv_cache_dtype == "fp8" else facts.dtype,
         )
 
     @status.unary
