@@ -138,3 +138,22 @@ def test_the_async_session_streams_through_a_loss_too(monkeypatch) -> None:  # t
         return [d async for d in session.stream([3])]
 
     assert _join(asyncio.run(run()))[0] == [11, 12, 13] and session.recoveries == 1
+
+
+class _LostAtTheEnd(_FlakyClient):
+    """Streams the whole reply, then the connection drops (before the call's trailers)."""
+
+    def stream(self, prompt, *, n, session_id, parent_candidate, **sampling) -> Iterator[Delta]:  # type: ignore[no-untyped-def]
+        self.runs.append((session_id, prompt))
+        for i, token in enumerate(self.reply):
+            yield _d(0, (token,), f"<{token}>", "stop" if i == len(self.reply) - 1 else None)
+        raise CbdError(grpc.StatusCode.UNAVAILABLE, "connection reset")
+
+
+def test_a_loss_after_the_last_delta_keeps_the_whole_answer(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    monkeypatch.setattr("cbd_client.session.RECOVERY_PAUSE", 0)
+    client = _LostAtTheEnd([11, 12], cut=-1)
+    session = Session(client, SessionInfo("s0", 0, 0, 0, 0.0, False, 600.0, False), prefix=[1], recover=True)  # type: ignore[arg-type]
+    assert _join(list(session.stream([3])))[0] == [11, 12]
+    assert len(client.runs) == 1 and session.recoveries == 0  # not run again (an unseeded re-run could differ)
+    assert session.transcript is not None and session.transcript.as_prefix() == [1, 3, 11, 12]

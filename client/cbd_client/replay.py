@@ -40,6 +40,11 @@ class Replay:
     def started(self) -> bool:
         return any(c.token_ids or c.text or c.tool_calls or c.finish_reason for c in self.candidates)
 
+    @property
+    def finished(self) -> bool:
+        """Every candidate has had its last delta: nothing is left to run again."""
+        return all(c.finish_reason is not None for c in self.candidates)
+
     def restart(self) -> None:
         """A new run of the turn begins: it must first reproduce everything given so far."""
         self._seen = [_Seen() for _ in self.candidates]

@@ -134,6 +134,9 @@ class Session(_ChosenCandidate):
                         yield fresh
                 break
             except CbdError as e:
+                if replay.finished and self._lost(e, attempt):
+                    break  # lost after the turn's last delta: the answer is whole (the daemon's side
+                    # of the turn is gone with it; the transcript has it for the next turn)
                 if not self._lost(e, attempt):
                     self._refused(parent, parent_candidate, e, replay.started)
                     raise
@@ -224,6 +227,8 @@ class AsyncSession(_ChosenCandidate):
                         yield fresh
                 break
             except CbdError as e:
+                if replay.finished and self._lost(e, attempt):
+                    break  # lost after the turn's last delta: the answer is whole
                 if not self._lost(e, attempt):
                     self._refused(parent, parent_candidate, e, replay.started)
                     raise

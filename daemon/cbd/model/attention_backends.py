@@ -192,6 +192,12 @@ def select_backend(
         )
     if name == "triton" and not (cuda and triton_available()):
         raise UnsupportedModel(f"the triton backend needs CUDA and the triton package (device {device})")
+    if name == "triton" and fp8_kv and torch.cuda.get_device_capability(device) < (8, 9):
+        major, minor = torch.cuda.get_device_capability(device)
+        raise UnsupportedModel(
+            f"kv_cache_dtype fp8 needs a GPU of compute capability 8.9 or newer for its float8 kernels (this one "
+            f"is {major}.{minor}); use kv_cache_dtype auto"
+        )
     if name == "flash":
         return FlashBackend(block_size, sliding_window)
     if name == "triton":

@@ -19,6 +19,7 @@ Both honour a sliding window. The plain-torch `attention.paged_attention` is the
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -36,8 +37,10 @@ def _online_softmax_block(
     """One tile of keys for flash attention: scores, running max / sum, and the weighted values.
     FP8: K/V are float8 with a scale per key (at sptr, V's at sptr + ss_kv); the K scale multiplies
     the scores. F16 (FP8 only): the tiles are widened to fp16 (one conversion instruction per pair,
-    where bf16 takes several) and the V scale multiplies V; else to q's dtype, the V scale
-    multiplying the probabilities. Both exact: the scales are per key."""
+    where bf16 takes several) and V is multiplied by its scales relative to the tile's largest (in
+    fp16's range), that largest multiplying the tile's P.V in fp32; else to q's dtype, the V scale
+    multiplying the probabilities. The scales are per key, so either way is the reference's math
+    up to rounding."""
     k = tl.load(ptr, mask=kv_mask, other=0.0)
     if FP8:
         if F16:
@@ -56,17 +59,22 @@ def _online_softmax_block(
     p = tl.exp2(s - m_new[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
     v = tl.load(ptr + skv_kv, mask=kv_mask, other=0.0)
+    tile_scale = 1.0
     if FP8:
         v_scale = tl.load(sptr + ss_kv, mask=s_mask, other=0.0)
         if F16:
-            v = v.to(tl.float16) * v_scale.to(tl.float16)[:, None]
+            # fp16 cannot hold every scale (amax / 448 of a small V row is subnormal or 0 there): V is
+            # scaled relative to the tile's largest scale, which multiplies the tile's product in fp32.
+            tile_scale = tl.max(v_scale, 0)
+            tile_scale = tl.where(tile_scale > 0.0, tile_scale, 1.0)
+            v = v.to(tl.float16) * (v_scale / tile_scale).to(tl.float16)[:, None]
         else:
             v = v.to(q.dtype)
             p = p * v_scale[None, :]
     if IEEE:
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
     else:
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v) * tile_scale
     return m_new, l_i, acc
 
 
@@ -315,8 +323,19 @@ class Tile:
 
 
 SHORT_TILE = Tile(16, 64, 4, 2)  # decodes and drafts beside a prefill
-LONG_TILE = Tile(128, 64, 4, 3)  # prefills and prefill chunks
+LONG_TILE = Tile(128, 64, 4, 3)  # prefills and prefill chunks (~130 KB of shared memory at head_dim 128)
 LONG_TILE_FP8 = Tile(64, 128, 4, 2)
+SMALL_TILE = Tile(64, 64, 4, 2)  # both, on GPUs with less shared memory per block (sm_86 / sm_89: ~100 KB)
+LARGE_SHARED_MEMORY = 160 * 1024
+
+
+@functools.cache
+def _large_shared_memory(device_index: int) -> bool:
+    props = torch.cuda.get_device_properties(device_index)
+    optin = getattr(props, "shared_memory_per_block_optin", None)
+    if optin is None:  # older torch: A100 (8.0) and Hopper have it, the 8.6 / 8.9 parts do not
+        return (props.major, props.minor) == (8, 0) or props.major >= 9
+    return int(optin) >= LARGE_SHARED_MEMORY
 
 
 def _queries_per_tile(rows: int, group_pad: int) -> int:
@@ -350,6 +369,8 @@ def extend(
         launches = [(0, short_q, SHORT_TILE)]
     else:
         long_tile = LONG_TILE_FP8 if fp8 else LONG_TILE
+        if q.is_cuda and not _large_shared_memory(q.device.index if q.device.index is not None else 0):
+            long_tile = SMALL_TILE
         if block_d > 128:  # the accumulator of a 128-row tile would not fit in registers
             long_tile = Tile(min(long_tile.rows, 64), long_tile.block_n, long_tile.warps, long_tile.stages)
         launches = [(1, short_q, SHORT_TILE), (2, _queries_per_tile(long_tile.rows, group_pad), long_tile)]
