@@ -59,7 +59,6 @@ def _online_softmax_block(
     p = tl.exp2(s - m_new[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
     v = tl.load(ptr + skv_kv, mask=kv_mask, other=0.0)
-    tile_scale = 1.0
     if FP8:
         v_scale = tl.load(sptr + ss_kv, mask=s_mask, other=0.0)
         if F16:
@@ -73,8 +72,10 @@ def _online_softmax_block(
             p = p * v_scale[None, :]
     if IEEE:
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
-    else:
+    elif FP8 and F16:
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v) * tile_scale
+    else:
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
     return m_new, l_i, acc
 
 
