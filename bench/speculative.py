@@ -52,7 +52,18 @@ PROMPTS = {
     "quote a tool result": "The tool returned this JSON:\n" + TOOL + "\nQuote the JSON back verbatim, then "
     "summarise it in one sentence.",
     "no copying (control)": "Write a short story about a lighthouse keeper who finds a message in a bottle.",
+    "tool call copying a result (JSON schema)": "The tool returned this JSON:\n" + TOOL + "\nCall save_report "
+    "with the result's path, its columns and its sample rows, exactly as returned.",
 }
+# Prompts whose reply is held to a JSON schema (constrained decoding): drafts must pass the grammar too.
+SCHEMAS = {
+    "tool call copying a result (JSON schema)": {
+        "type": "object",
+        "properties": {"path": {"type": "string"}, "columns": {"type": "array", "items": {"type": "string"}},
+                       "sample": {"type": "array", "items": {"type": "array"}}},
+        "required": ["path", "columns", "sample"],
+    },
+}  # fmt: skip
 
 
 def _chat(tokenizer, text: str) -> list[int]:  # type: ignore[no-untyped-def]
@@ -61,8 +72,10 @@ def _chat(tokenizer, text: str) -> list[int]:  # type: ignore[no-untyped-def]
     return tokenizer.encode(rendered)
 
 
-def _generate(core: EngineCore, prompts: list[list[int]], new_tokens: int) -> tuple[list[list[int]], float, int]:
-    params = SamplingParams(max_tokens=new_tokens, temperature=0.0)
+def _generate(
+    core: EngineCore, prompts: list[list[int]], new_tokens: int, grammar=None
+) -> tuple[list[list[int]], float, int]:  # type: ignore[no-untyped-def]
+    params = SamplingParams(max_tokens=new_tokens, temperature=0.0, grammar=grammar)
     requests = [core.add_request(p, params) for p in prompts]
     steps = 0
     start = time.perf_counter()
@@ -74,11 +87,17 @@ def _generate(core: EngineCore, prompts: list[list[int]], new_tokens: int) -> tu
 
 
 def cpu(args: argparse.Namespace) -> None:
+    from cbd.engine.grammar import GrammarCompiler, GrammarKind, GrammarSpec
     from cbd.model.loader import load_model
 
     loaded = load_model(None, pack_cpu_gemm=True)
+    compiler = GrammarCompiler(loaded.tokenizer, loaded.spec.vocab_size, tuple(loaded.eos_token_ids))
     rows = {}
     for name, text in PROMPTS.items() if "prompts" in args.parts else ():
+        if args.only and args.only not in name:
+            continue
+        schema = SCHEMAS.get(name)
+        grammar = compiler.compile(GrammarSpec(GrammarKind.JSON_SCHEMA, json.dumps(schema))) if schema else None
         prompt = _chat(loaded.tokenizer, text)
         result: dict[str, dict] = {}
         seconds: dict[str, list[float]] = {"off": [], "ngram": []}
@@ -90,7 +109,7 @@ def cpu(args: argparse.Namespace) -> None:
                         speculative=mode, max_model_len=4096, num_kv_blocks=1024, num_speculative_tokens=args.k
                     ),
                 )
-                tokens, elapsed, steps = _generate(core, [prompt], args.new_tokens)
+                tokens, elapsed, steps = _generate(core, [prompt], args.new_tokens, grammar)
                 spec = core.stats().speculation
                 assert spec is not None
                 seconds[mode].append(elapsed)
@@ -106,7 +125,7 @@ def cpu(args: argparse.Namespace) -> None:
         )  # fmt: skip
         log.info("%s: %s", name, rows[name])
     # A wide batch: auto must not cost anything (it turns itself off above speculative_max_batch).
-    prompts = [_chat(loaded.tokenizer, text) for text in PROMPTS.values()] * 11
+    prompts = [_chat(loaded.tokenizer, text) for name, text in PROMPTS.items() if name not in SCHEMAS] * 11
     prompts = prompts[: args.batch]
     wide: dict[str, dict] = {"off": {"tok_s": []}, "auto": {"tok_s": []}}
     for _ in range(args.repeat if "batch" in args.parts else 0):
@@ -225,6 +244,7 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=3, help="CPU: runs per mode (interleaved); the median counts")
     parser.add_argument("--parts", default="prompts,batch", help="CPU: which parts to run")
     parser.add_argument("--k", type=int, default=8, help="CPU: --num-speculative-tokens")
+    parser.add_argument("--only", default="", help="CPU: only the prompts whose name contains this")
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 4, 32])
     parser.add_argument("--ks", type=int, nargs="+", default=[2, 4])
     parser.add_argument("--prompt-len", type=int, default=512)

@@ -293,3 +293,34 @@ def test_the_overlap_loop_speculates_synchronously_with_the_same_outputs(default
         if mode == "ngram":
             assert _speculated(core)[1] > 0
     assert results["ngram"] == results["off"]
+
+
+@pytest.mark.parametrize("overlap", ["off", "on"])
+def test_grammar_constrained_drafts_are_checked_and_equal_without_speculation(default_model, overlap: str) -> None:  # type: ignore[no-untyped-def]
+    """A tool-call-like JSON object that copies the context: drafts pass the grammar's matcher first, each
+    verifying row gets the mask of the grammar after the drafts before it; outputs equal speculation off,
+    parse, and drafts were kept."""
+    import json
+
+    from cbd.engine.grammar import GrammarCompiler, GrammarKind, GrammarSpec
+
+    compiler = GrammarCompiler(default_model.tokenizer, default_model.spec.vocab_size, default_model.eos_token_ids)
+    schema = {"type": "object", "properties": {"status": {"type": "string"}, "path": {"type": "string"},
+                                               "rows": {"type": "integer"}},
+              "required": ["status", "path", "rows"]}  # fmt: skip
+    grammar = compiler.compile(GrammarSpec(GrammarKind.JSON_SCHEMA, json.dumps(schema)))
+    prompt = _chat(default_model, 'The tool returned {"status": "ok", "path": "/srv/data/2024/q3.csv", "rows": 1842} '
+                                  'and {"status": "ok", "path": "/srv/data/2024/q3.csv", "rows": 1842}. Give it as JSON.')  # fmt: skip
+    params = SamplingParams(max_tokens=48, temperature=0.0, grammar=grammar)
+    results = {}
+    for mode in ("off", "ngram"):
+        core = make_core(default_model, overlap=overlap, speculative=mode, num_kv_blocks=1024)
+        result = run_all(core, [prompt], params)[0]
+        results[mode] = (result["tokens"], result["finish"])
+        assert core.block_manager.num_used_blocks == 0
+        if mode == "ngram":
+            drafted, kept = _speculated(core)
+            assert kept > 0, (drafted, kept)
+    assert results["ngram"] == results["off"]
+    text = default_model.tokenizer.decode(results["off"][0][0], skip_special_tokens=True)
+    assert set(json.loads(text)) == {"status", "path", "rows"}, text

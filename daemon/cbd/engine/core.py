@@ -371,9 +371,19 @@ class EngineCore:
         """[rows, ceil(vocab / 32)] int32 bitmask of each sample row's allowed tokens (all for rows
         without a grammar, and for rows whose sequence ended while this step was being prepared)."""
         masks = self.runner.mask_buffer(len(plan.samples))
+        skip = 0
         for i, row in enumerate(plan.samples):
-            state = row.target.grammar
-            if state is not None and not state.finished and not row.target.is_finished:
+            if skip:  # a verifying row, filled with the first of its group
+                skip -= 1
+                continue
+            state, seq = row.target.grammar, row.target
+            if row.num_draft:
+                skip = row.num_draft
+            if state is None or state.finished or seq.is_finished:
+                continue
+            if row.num_draft:  # rows after the last known token and after each draft
+                state.fill_drafted(masks, i, seq.token_ids[row.position : row.position + row.num_draft])
+            else:
                 state.fill(masks, i)
         return masks
 

@@ -135,7 +135,8 @@ class CompiledGrammar:
 
 
 class GrammarState:
-    """One sequence's position in its grammar: advanced by every sampled token, read for the next mask."""
+    """One sequence's position in its grammar: advanced by every sampled token, read for the next mask.
+    Drafts (speculative decoding) are checked against it and get masks from it without moving it."""
 
     __slots__ = ("grammar", "_matcher", "num_accepted")
 
@@ -169,6 +170,32 @@ class GrammarState:
     def rollback(self, num_tokens: int) -> None:
         self._matcher.rollback(num_tokens)
         self.num_accepted -= num_tokens
+
+    def valid_prefix(self, tokens: list[int]) -> int:
+        """How many of `tokens` (drafts) the grammar accepts in a row without reaching its end (the
+        token that ends it is left to be sampled); the state is unchanged afterwards."""
+        count = 0
+        for token in tokens:
+            if not self._matcher.accept_token(token):
+                break
+            count += 1
+            if self._matcher.is_terminated():
+                self._matcher.rollback(count)
+                return count - 1
+        if count:
+            self._matcher.rollback(count)
+        return count
+
+    def fill_drafted(self, bitmask: torch.Tensor, row: int, drafts: list[int]) -> None:
+        """Masks for a verifying step's rows: `row` as now, `row + 1 + i` after drafts[: i + 1] (drafts that
+        valid_prefix accepted); the state is unchanged afterwards."""
+        self._matcher.fill_next_token_bitmask(bitmask, row)
+        for i, token in enumerate(drafts):
+            if not self._matcher.accept_token(token):
+                raise AssertionError(f"a draft the grammar refuses: {token}")  # valid_prefix let it through
+            self._matcher.fill_next_token_bitmask(bitmask, row + 1 + i)
+        if drafts:
+            self._matcher.rollback(len(drafts))
 
 
 def _first_line(exc: Exception) -> str:

@@ -215,8 +215,7 @@ class Scheduler:
     def can_speculate(self, seq: Sequence) -> bool:
         """Whether seq may get drafts when its tokens are known: a plain decode, not due to stop by length."""
         return (
-            seq.grammar is None
-            and not seq.pending_forks
+            not seq.pending_forks
             and not seq.final_in_flight
             and seq.num_computed_tokens > 0
             and seq.num_tokens > seq.num_prompt_tokens
@@ -242,6 +241,8 @@ class Scheduler:
                 self.max_model_len - seq.num_tokens - 1,
             )  # fmt: skip
             drafts = self.drafter.propose(seq, room) if room > 0 and self.drafter is not None else []
+            if drafts and seq.grammar is not None:  # only what the grammar allows next (checked, then undone)
+                drafts = drafts[: seq.grammar.valid_prefix(drafts)]
             if not drafts or not bm.can_append(seq, 1 + len(drafts)):
                 self._missed(seq, verified=False)
                 continue
@@ -456,6 +457,9 @@ class Scheduler:
         end = first + kept  # the token sampled after the kept drafts goes here; its KV is not computed yet
         seq.token_ids[end] = token_ids[i + kept]
         del seq.token_ids[end + 1 :]
+        if seq.grammar is not None:  # each sampled under its row's mask: the grammar after the drafts before it
+            for token in seq.token_ids[first : end + 1]:
+                seq.grammar.accept(token)
         seq.num_draft = seq.num_placeholders = 0
         seq.num_computed_tokens = end
         bm = self.block_manager
