@@ -312,15 +312,21 @@ def test_grammar_constrained_drafts_are_checked_and_equal_without_speculation(de
     prompt = _chat(default_model, 'The tool returned {"status": "ok", "path": "/srv/data/2024/q3.csv", "rows": 1842} '
                                   'and {"status": "ok", "path": "/srv/data/2024/q3.csv", "rows": 1842}. Give it as JSON.')  # fmt: skip
     params = SamplingParams(max_tokens=48, temperature=0.0, grammar=grammar)
+    # A reply whose whole object is drafted: the token that ends the grammar follows a kept run.
+    short = _chat(default_model, 'Answer with the JSON object {"capital": "Paris"} and nothing else.')
+    short_params = SamplingParams(max_tokens=30, temperature=0.0,
+                                  grammar=compiler.compile(GrammarSpec(GrammarKind.JSON_OBJECT)))  # fmt: skip
     results = {}
     for mode in ("off", "ngram"):
         core = make_core(default_model, overlap=overlap, speculative=mode, num_kv_blocks=1024)
-        result = run_all(core, [prompt], params)[0]
-        results[mode] = (result["tokens"], result["finish"])
+        results[mode] = [(r["tokens"], r["finish"]) for r in run_all(core, [prompt], params)]
+        results[mode] += [(r["tokens"], r["finish"]) for r in run_all(core, [short], short_params)]
         assert core.block_manager.num_used_blocks == 0
         if mode == "ngram":
             drafted, kept = _speculated(core)
             assert kept > 0, (drafted, kept)
     assert results["ngram"] == results["off"]
-    text = default_model.tokenizer.decode(results["off"][0][0], skip_special_tokens=True)
+    text = default_model.tokenizer.decode(results["off"][0][0][0], skip_special_tokens=True)
     assert set(json.loads(text)) == {"status", "path", "rows"}, text
+    text = default_model.tokenizer.decode(results["off"][1][0][0], skip_special_tokens=True)
+    assert json.loads(text) == {"capital": "Paris"}, text

@@ -43,7 +43,9 @@ class OutputProcessor:
         reason: FinishReason | None = None
         if token_id in params.stop_token_ids or (not params.ignore_eos and token_id in self.eos_token_ids):
             reason = FinishReason.STOP
-        elif seq.grammar is not None and seq.grammar.finished:  # the grammar's end (its stop token)
+        elif seq.grammar is not None and seq.grammar.finished and position == seq.num_known_tokens - 1:
+            # the grammar's end (its stop token): only the newest token can be it (a verifying step's kept
+            # drafts never end the grammar, and the matcher has already taken the whole kept run)
             reason = FinishReason.STOP
         elif state.detokenizer is not None:
             text, hit = state.matcher.feed(state.detokenizer.push(token_id))
