@@ -6,7 +6,7 @@ probabilities); key position p of sequence b lives in slot `block_tables[b, p //
 Queries are packed rows `[T, H, D]`.
 
 - `decode`: one query per sequence. Split-KV (flash-decoding): each sequence's context is cut into
-  up to SPLITS ranges of at least MIN_SPLIT keys (the count follows its length, on the device), one
+  up to SPLITS ranges, one per MIN_SPLIT keys (the count follows its length, on the device), one
   program per (sequence, KV head, range) handles all query heads of its GQA group (so K/V are read
   once per group); a second kernel merges the ranges by log-sum-exp. SPLITS comes from the batch
   size (fill the GPU whatever the batch: a single 32K context gets 64 ranges), so the grid depends
@@ -139,7 +139,8 @@ def _decode_kernel(
 
 @triton.jit
 def _active_splits(length, SPLITS: tl.constexpr, MIN_SPLIT: tl.constexpr):
-    """The ranges a context of `length` keys is cut into: up to SPLITS, each at least MIN_SPLIT keys."""
+    """How many ranges a context of `length` keys is cut into: one per MIN_SPLIT keys, 1 to SPLITS. (Each
+    range is then rounded up to whole key steps, so the last ones can be short or empty.)"""
     return tl.maximum(tl.minimum(SPLITS, tl.cdiv(length, MIN_SPLIT)), 1)
 
 
@@ -181,7 +182,7 @@ FP8_F16 = True  # FP8 tiles computed in fp16 (see _online_softmax_block)
 
 def decode_splits(num_seqs: int, num_kv_heads: int, max_context: int | None = None) -> int:
     """The most KV ranges per (sequence, KV head): enough programs to fill the GPU a few times over.
-    The kernel cuts each sequence's context into at most this many ranges of at least MIN_SPLIT keys,
+    The kernel cuts each sequence's context into at most this many ranges, one per MIN_SPLIT keys,
     on the device, so one count serves every context (a CUDA graph captures it once per batch size)."""
     sms = torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
     splits = triton.cdiv(PROGRAMS_PER_SM * sms, max(1, num_seqs * num_kv_heads))
