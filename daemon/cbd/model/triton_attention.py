@@ -171,7 +171,7 @@ def _merge_kernel(
     tl.store(OUT + b * so_t + head * so_h + d, out.to(OUT.dtype.element_ty), mask=d_mask)
 
 
-# A decode split reads at least this many keys (fewer: the merge costs more than the parallelism gains).
+# Keys per decode range when the batch leaves room for more ranges (shorter ones: the merge costs more than they gain).
 MIN_SPLIT = 128
 MAX_SPLITS = 64
 PROGRAMS_PER_SM = 3
