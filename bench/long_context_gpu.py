@@ -32,6 +32,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(__file__))
+from attention_kernels_gpu import graph_ms  # noqa: E402
 from overlap_gpu import build_hf  # noqa: E402
 
 from cbd.config import EngineConfig  # noqa: E402
@@ -151,25 +152,7 @@ def torch_floor(model: CausalLM, batch: int, context: int, reps: int = 20) -> fl
         x = F.rms_norm(x, (x.shape[-1],), model.norm.weight, spec.rms_norm_eps)
         return F.linear(x, model.lm_head.weight)
 
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        step()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        step()
-    graph.replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(reps):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    ms = start.elapsed_time(end) / reps
-    free(graph, caches)
-    return ms
+    return graph_ms(step, inner=1, reps=reps)
 
 
 def main() -> None:

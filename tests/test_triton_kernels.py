@@ -117,11 +117,12 @@ def test_fused_elementwise_ops_match_torch(dtype) -> None:
     torch.testing.assert_close(act, ref_act, **tol)
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-def test_fused_rope_and_kv_write_match_torch(dtype) -> None:
-    torch.manual_seed(1)
+def _rope_inputs(dtype: torch.dtype, seed: int, magnitude: float) -> tuple[torch.Tensor, ...]:
+    """q, k, v as views of one fused projection's output (9 tokens, 6 / 2 heads of 32), positions, the
+    cos / sin tables and the slots the new K/V go to (16 slots)."""
+    torch.manual_seed(seed)
     tokens, heads, kv_heads, dim = 9, 6, 2, 32
-    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * dim, device=DEVICE).to(dtype)
+    qkv = (torch.randn(tokens, (heads + 2 * kv_heads) * dim, device=DEVICE) * magnitude).to(dtype)
     q = qkv[:, : heads * dim].view(tokens, heads, dim)
     k = qkv[:, heads * dim : (heads + kv_heads) * dim].view(tokens, kv_heads, dim)
     v = qkv[:, (heads + kv_heads) * dim :].view(tokens, kv_heads, dim)
@@ -131,6 +132,13 @@ def test_fused_rope_and_kv_write_match_torch(dtype) -> None:
     cos = torch.cat((freqs, freqs), -1).cos().to(DEVICE)
     sin = torch.cat((freqs, freqs), -1).sin().to(DEVICE)
     slots = torch.tensor([3, 9, 1, 0, 12, 15, 4, 7, 8], device=DEVICE)
+    return q, k, v, positions, cos, sin, slots
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_fused_rope_and_kv_write_match_torch(dtype) -> None:
+    q, k, v, positions, cos, sin, slots = _rope_inputs(dtype, seed=1, magnitude=1.0)
+    kv_heads, dim = k.shape[1], k.shape[2]
     ref_kv = torch.zeros(16, 2, kv_heads, dim, device=DEVICE, dtype=dtype)
     ours_kv = ref_kv.clone()
     ops.set_fused(False)
@@ -203,19 +211,9 @@ def test_fp8_rope_and_kv_write_match_torch(dtype) -> None:
     """Same scales; values within one e4m3 step (x / s and x * (1 / s) may round apart at a tie)."""
     if DEVICE != "cuda":
         pytest.skip("the interpreter's float8 conversion halves values that round up to a power of two")
-    torch.manual_seed(2)
-    tokens, heads, kv_heads, dim = 9, 6, 2, 32
-    qkv = (torch.randn(tokens, (heads + 2 * kv_heads) * dim, device=DEVICE) * 3).to(dtype)
-    q = qkv[:, : heads * dim].view(tokens, heads, dim)
-    k = qkv[:, heads * dim : (heads + kv_heads) * dim].view(tokens, kv_heads, dim)
-    v = qkv[:, (heads + kv_heads) * dim :].view(tokens, kv_heads, dim)
+    q, k, v, positions, cos, sin, slots = _rope_inputs(dtype, seed=2, magnitude=3.0)
+    kv_heads, dim = k.shape[1], k.shape[2]
     v[3] = 0.0  # an all-zero row: scale 0, values 0
-    positions = torch.tensor([0, 5, 6, 7, 100, 3, 2, 1, 50], device=DEVICE)
-    inv = 1.0 / (10000 ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
-    freqs = torch.outer(torch.arange(128, dtype=torch.float32), inv)
-    cos = torch.cat((freqs, freqs), -1).cos().to(DEVICE)
-    sin = torch.cat((freqs, freqs), -1).sin().to(DEVICE)
-    slots = torch.tensor([3, 9, 1, 0, 12, 15, 4, 7, 8], device=DEVICE)
     ref_pool = torch.zeros(16, kv_format.fp8_slot_bytes(kv_heads, dim), device=DEVICE, dtype=torch.uint8)
     ours_pool = ref_pool.clone()
     ops.set_fused(False)

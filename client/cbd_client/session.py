@@ -67,6 +67,17 @@ class _ChosenCandidate:
         self._parent = None
         return parent
 
+    def _stream_broke(
+        self, error: CbdError, attempt: int, replay: Replay, parent: int | None, explicit: int | None
+    ) -> bool:
+        """A streamed turn's call failed: True if the answer is whole anyway (lost after every candidate's
+        last delta: nothing to run again; the transcript has it for the next turn), False if the session
+        is lost and is to be re-opened; otherwise the error is raised."""
+        if not self._lost(error, attempt):
+            self._refused(parent, explicit, error, replay.started)
+            raise error
+        return replay.finished
+
     def _refused(self, parent: int | None, explicit: int | None, error: CbdError, streamed: bool) -> None:
         if explicit is None and not streamed and error.code in _REFUSALS and self._parent is None:
             self._parent = parent  # a refused turn (e.g. retried after RESOURCE_EXHAUSTED) keeps the choice
@@ -134,12 +145,8 @@ class Session(_ChosenCandidate):
                         yield fresh
                 break
             except CbdError as e:
-                if replay.finished and self._lost(e, attempt):
-                    break  # lost after the turn's last delta: the answer is whole (the daemon's side
-                    # of the turn is gone with it; the transcript has it for the next turn)
-                if not self._lost(e, attempt):
-                    self._refused(parent, parent_candidate, e, replay.started)
-                    raise
+                if self._stream_broke(e, attempt, replay, parent, parent_candidate):
+                    break
                 attempt += 1
                 self._reopen(parent)
                 parent = None  # the chosen candidate is in the re-opened session's history now
@@ -227,11 +234,8 @@ class AsyncSession(_ChosenCandidate):
                         yield fresh
                 break
             except CbdError as e:
-                if replay.finished and self._lost(e, attempt):
-                    break  # lost after the turn's last delta: the answer is whole
-                if not self._lost(e, attempt):
-                    self._refused(parent, parent_candidate, e, replay.started)
-                    raise
+                if self._stream_broke(e, attempt, replay, parent, parent_candidate):
+                    break
                 attempt += 1
                 await self._reopen(parent)
                 parent = None

@@ -11,7 +11,7 @@ A layer's pool holds one *slot* per token position (see attention.py for slots a
   copies, forks and the host tier move it exactly as they move a bf16 block. 2 * D + 8 bytes per
   head and token against 4 * D in bf16: 1.94x the tokens in the same memory at D = 128.
 
-Kernels read the two parts through `fp8_views` (values as float8, scales as fp32); the torch
+Kernels read the two parts through `kernel_views` (values as float8, scales as fp32); the torch
 forms here (`store`, `gather`) are the reference and the CPU path.
 """
 
@@ -53,6 +53,15 @@ def fp8_views(kv_cache: torch.Tensor, head_dim: int) -> tuple[torch.Tensor, torc
     values = kv_cache[:, :value_bytes].view(FP8_DTYPE).view(num_slots, 2, num_kv_heads, head_dim)
     scales = kv_cache.view(torch.float32)[:, value_bytes // 4 :].view(num_slots, 2, num_kv_heads)
     return values, scales
+
+
+def kernel_views(kv_cache: torch.Tensor, head_dim: int) -> tuple[torch.Tensor, torch.Tensor, bool]:
+    """What a kernel takes of a layer's pool, either format: (values [S, 2, Hkv, D], scales [S, 2, Hkv]
+    or the pool again as a stand-in the kernel does not read, fp8)."""
+    if is_fp8(kv_cache):
+        values, scales = fp8_views(kv_cache, head_dim)
+        return values, scales, True
+    return kv_cache, kv_cache, False
 
 
 def quantize(kv: torch.Tensor) -> torch.Tensor:

@@ -197,14 +197,6 @@ def _decode_block_n(block_d: int, fp8: bool) -> int:
     return block_n * DECODE_FP8_KEYS_FACTOR if fp8 else block_n
 
 
-def _kv_views(kv_cache: torch.Tensor, head_dim: int) -> tuple[torch.Tensor, torch.Tensor, bool]:
-    """(values [S, 2, Hkv, D], scales [S, 2, Hkv] or a stand-in, fp8) of a layer's pool."""
-    if kv_format.is_fp8(kv_cache):
-        values, scales = kv_format.fp8_views(kv_cache, head_dim)
-        return values, scales, True
-    return kv_cache, kv_cache, False
-
-
 def decode(
     q: torch.Tensor,  # [B, H, D]
     kv_cache: torch.Tensor,  # one layer's pool (kv_format.py)
@@ -216,7 +208,7 @@ def decode(
     sliding_window: int | None = None,
 ) -> torch.Tensor:
     num_seqs, num_heads, head_dim = q.shape
-    kv, kvs, fp8 = _kv_views(kv_cache, head_dim)
+    kv, kvs, fp8 = kv_format.kernel_views(kv_cache, head_dim)
     num_kv_heads = kv.shape[2]
     group = num_heads // num_kv_heads
     out = torch.empty_like(q)
@@ -360,7 +352,7 @@ def extend(
     for those, so a decode's K/V is read once per group and its tile is not mostly padding."""
     num_tokens, num_heads, head_dim = q.shape
     num_seqs = context_lens.shape[0]
-    kv, kvs, fp8 = _kv_views(kv_cache, head_dim)
+    kv, kvs, fp8 = kv_format.kernel_views(kv_cache, head_dim)
     num_kv_heads = kv.shape[2]
     group = num_heads // num_kv_heads
     group_pad = triton.next_power_of_2(group)

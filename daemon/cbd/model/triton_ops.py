@@ -132,8 +132,7 @@ def rope_and_write_kv(
     if num_tokens == 0:
         return q_out
     half = head_dim // 2
-    fp8 = kv_format.is_fp8(kv_cache)
-    kv, kvs = kv_format.fp8_views(kv_cache, head_dim) if fp8 else (kv_cache, kv_cache)
+    kv, kvs, fp8 = kv_format.kernel_views(kv_cache, head_dim)
     _rope_kv_kernel[(num_tokens, num_heads + k.shape[1])](
         q, k, v, q_out, kv, kvs, positions, slot_mapping, cos_table, sin_table,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
