@@ -4,17 +4,19 @@ CPU (the default model, real text): each agent-style prompt is generated at batc
 `speculative="off"` and `"ngram"` (greedy, the same tokens by construction; checked), one after
 another in this run. Reported per prompt: generated tok/s both ways and their ratio, the drafts'
 acceptance rate, and the steps that verified drafts vs plain steps. Then a batch of 32 requests with
-`auto` vs `off` (auto turns speculation off above `speculative_max_batch`). The step counts are
-written to speculative_cpu.json for the GPU projection.
+`auto` vs `off` (auto turns speculation off above `speculative_max_batch`). The step counts (the
+verifying ones by their drafts) are written to $OUT/speculative_cpu.json for the GPU projection
+(the last run's copy: bench/speculative_cpu.json).
 
 GPU (`--gpu`, Llama-3-8B shape, random bf16 weights, so drafts are never right and only costs are
 measured): per batch B, the wall ms of a decode step with speculation off (overlap loop, CUDA graphs),
-of a synchronous step with no drafts, and of a step verifying k drafts per sequence. With
-`--profile speculative_cpu.json`, the projected speedup of each CPU prompt at batch 1:
-tokens x (overlapped step) / (verifying steps x their cost + plain steps x a synchronous step's).
+of a synchronous step with no drafts, and of a step verifying k drafts per sequence (through the
+verifying CUDA graph of 1 + k queries; "eager": the largest k without it). With `--profile`, the
+projected speedup of each CPU prompt at batch 1: tokens x (overlapped step) / (its verifying steps,
+each at the cost of the graph that serves its drafts, + plain steps x a synchronous step's).
 
     python bench/speculative.py                   # CPU
-    python bench/speculative.py --gpu --profile speculative_cpu.json
+    python bench/speculative.py --gpu --profile bench/speculative_cpu.json
 """
 
 from __future__ import annotations
@@ -72,6 +74,21 @@ def _chat(tokenizer, text: str) -> list[int]:  # type: ignore[no-untyped-def]
     return tokenizer.encode(rendered)
 
 
+def _record_drafts(core: EngineCore) -> dict[int, int]:
+    """Count the verifying steps by their most drafts per sequence (the GPU projection prices each)."""
+    counts: dict[int, int] = {}
+    launch = core._launch
+
+    def recorded(plan):  # type: ignore[no-untyped-def]
+        if plan.speculative:
+            k = max(c.num_draft for c in plan.chunks)
+            counts[k] = counts.get(k, 0) + 1
+        return launch(plan)
+
+    core._launch = recorded  # type: ignore[method-assign]
+    return counts
+
+
 def _generate(
     core: EngineCore, prompts: list[list[int]], new_tokens: int, grammar=None
 ) -> tuple[list[list[int]], float, int]:  # type: ignore[no-untyped-def]
@@ -109,19 +126,21 @@ def cpu(args: argparse.Namespace) -> None:
                         speculative=mode, max_model_len=4096, num_kv_blocks=1024, num_speculative_tokens=args.k
                     ),
                 )
+                drafts = _record_drafts(core)
                 tokens, elapsed, steps = _generate(core, [prompt], args.new_tokens, grammar)
                 spec = core.stats().speculation
                 assert spec is not None
                 seconds[mode].append(elapsed)
                 result[mode] = dict(tokens=tokens[0], steps=steps, verify_steps=spec.num_steps,
-                                    drafted=spec.num_draft_tokens, accepted=spec.num_accepted_tokens)  # fmt: skip
+                                    drafted=spec.num_draft_tokens, accepted=spec.num_accepted_tokens,
+                                    drafts_per_step=drafts)  # fmt: skip
         off, on = result["off"], result["ngram"]
         off["seconds"], on["seconds"] = statistics.median(seconds["off"]), statistics.median(seconds["ngram"])
         rows[name] = dict(
             prompt_tokens=len(prompt), generated=len(on["tokens"]), same=on["tokens"] == off["tokens"],
             tok_s_off=len(off["tokens"]) / off["seconds"], tok_s_on=len(on["tokens"]) / on["seconds"],
             steps=on["steps"], verify_steps=on["verify_steps"], plain_steps=on["steps"] - on["verify_steps"],
-            drafted=on["drafted"], accepted=on["accepted"],
+            drafted=on["drafted"], accepted=on["accepted"], drafts_per_step=on["drafts_per_step"],
         )  # fmt: skip
         log.info("%s: %s", name, rows[name])
     # A wide batch: auto must not cost anything (it turns itself off above speculative_max_batch).
@@ -187,9 +206,14 @@ def gpu(args: argparse.Namespace) -> None:
         core.warm_up()
         core.scheduler.draft_backoff = False
         row = {}
+        graphs = core.runner.graphs
+        assert graphs is not None and graphs.queries, "no verifying graphs were captured"
+        queries = graphs.queries
+        k_eager = max(args.ks)
         for label, drafter, k in [("overlap", None, 0), ("sync", _FixedDrafter(0), 0)] + [
             (f"k={k}", _FixedDrafter(k), k) for k in args.ks
-        ]:
+        ] + [(f"k={k_eager} eager", _FixedDrafter(k_eager), k_eager)]:
+            graphs.queries = [] if label.endswith("eager") else queries  # no verifying graph: eager steps
             core.scheduler.drafter = drafter
             core.scheduler.num_speculative_tokens = k if drafter is not None else 0
             prompts = [[rng.randrange(100, 120000) for _ in range(args.prompt_len)] for _ in range(batch)]
@@ -226,13 +250,21 @@ def gpu(args: argparse.Namespace) -> None:
         one = costs.get(1)
         if one is None:
             return
-        k = max(args.ks)
-        print(f"projected at batch 1 (k = {k}; step counts from the CPU run, costs from this one):")
+        ks = sorted(args.ks)
+
+        def verify_ms(k: int) -> float:  # a step verifying k drafts runs the graph of the next measured k
+            return one[f"k={next((m for m in ks if m >= k), ks[-1])}"]
+
+        print(f"projected at batch 1 (step counts from the CPU run, costs from this one; eager: every verifying "
+              f"step at the cost of k = {k_eager} without a graph):")  # fmt: skip
         for name, r in profile.items():
-            spec_ms = r["verify_steps"] * one[f"k={k}"] + r["plain_steps"] * one["sync"]
+            counts = {int(k): n for k, n in r["drafts_per_step"].items()}
+            spec_ms = sum(n * verify_ms(k) for k, n in counts.items()) + r["plain_steps"] * one["sync"]
+            eager_ms = r["verify_steps"] * one[f"k={k_eager} eager"] + r["plain_steps"] * one["sync"]
             base_ms = r["generated"] * one["overlap"]
-            print(f"  {name:32s} {base_ms / spec_ms:5.2f}x  ({r['generated']} tokens: {r['verify_steps']} verifying + "
-                  f"{r['plain_steps']} plain steps vs {r['generated']} overlapped)")  # fmt: skip
+            print(f"  {name:42s} {base_ms / spec_ms:5.2f}x (eager {base_ms / eager_ms:4.2f}x)  ({r['generated']} "
+                  f"tokens: {r['verify_steps']} verifying steps {dict(sorted(counts.items()))} + {r['plain_steps']} "
+                  f"plain vs {r['generated']} overlapped)")  # fmt: skip
 
 
 def main() -> None:
@@ -246,7 +278,7 @@ def main() -> None:
     parser.add_argument("--k", type=int, default=8, help="CPU: --num-speculative-tokens")
     parser.add_argument("--only", default="", help="CPU: only the prompts whose name contains this")
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 4, 32])
-    parser.add_argument("--ks", type=int, nargs="+", default=[2, 4])
+    parser.add_argument("--ks", type=int, nargs="+", default=[2, 4, 8])
     parser.add_argument("--prompt-len", type=int, default=512)
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--profile", help="speculative_cpu.json of a CPU run, for the projection")

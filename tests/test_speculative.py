@@ -330,3 +330,33 @@ def test_grammar_constrained_drafts_are_checked_and_equal_without_speculation(de
     assert set(json.loads(text)) == {"status", "path", "rows"}, text
     text = default_model.tokenizer.decode(results["off"][1][0][0], skip_special_tokens=True)
     assert json.loads(text) == {"capital": "Paris"}, text
+
+
+def test_verifying_graph_layout_gives_the_same_outputs(default_model, prompts) -> None:  # type: ignore[no-untyped-def]
+    """The packing and forward of the verifying CUDA graphs (every sequence padded to 1 + k tokens, the
+    batch to a bucket, padding's K/V sent to the scratch block), run eagerly on the CPU: the same
+    greedy tokens, logprobs included, as without speculation, with a block size that puts padding
+    past the end of a block; the graphs' forward served every verifying step."""
+    from cbd.engine.cuda_graphs import DecodeGraphs, verify_queries
+
+    params = SamplingParams(max_tokens=40, temperature=0.0, logprobs=2)
+    for batch in ([prompts["copy"], prompts["quote"], prompts["plain"]], [prompts["copy"]]):
+        off = run_all(make_core(default_model, speculative="off", num_kv_blocks=512, block_size=4), batch, params)
+        core = make_core(default_model, speculative="ngram", num_kv_blocks=512, block_size=4)
+        runner = core.runner
+        runner.graphs = graphs = DecodeGraphs(
+            runner.model, runner.kv_caches, runner.backend, runner.block_size, 4, runner.max_blocks_per_seq,
+            runner.scratch_block, None, 4, verify_queries(core.config.num_speculative_tokens),
+        )  # fmt: skip
+        on = run_all(core, batch, params)
+        assert core.block_manager.num_used_blocks == 0
+        for a, b in zip(off, on):
+            assert a["tokens"] == b["tokens"] and a["text"] == b["text"] and a["finish"] == b["finish"]
+            lp_a = [(lp.token_id, lp.logprob) for o in a["outputs"] for d in o.candidates for lp in d.logprobs]
+            lp_b = [(lp.token_id, lp.logprob) for o in b["outputs"] for d in o.candidates for lp in d.logprobs]
+            assert [t for t, _ in lp_a] == [t for t, _ in lp_b]
+            assert max(abs(x - y) for (_, x), (_, y) in zip(lp_a, lp_b)) < 1e-3  # fp32, other GEMM shapes
+        steps = core.stats().speculation
+        assert steps is not None and 0 < graphs.replays[1] <= steps.num_steps and graphs.replays[0] > 0
+    # Alone, every verifying step after the prompt's is a graph's (beside others, some share a prefill step).
+    assert graphs.replays[1] == steps.num_steps

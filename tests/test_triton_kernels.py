@@ -68,6 +68,29 @@ def test_decode_kernel_matches_reference(dtype, block_size, heads, window, split
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("queries", [3, 9])
+@pytest.mark.parametrize("heads", [(8, 2), (32, 8), (12, 3)])
+@pytest.mark.parametrize("window", [None, 24])
+@pytest.mark.parametrize("splits", [1, 4])
+def test_decode_kernel_with_drafts_matches_reference(dtype, queries, heads, window, splits) -> None:
+    """The decode kernel over the 1 + k last positions of each sequence (a step verifying k drafts):
+    causal among them, ranges that end before a query's position merged away."""
+    rng = random.Random(queries * 5 + heads[0] + splits)
+    torch.manual_seed(rng.randrange(1000))
+    num_heads, num_kv_heads = heads
+    head_dim, block_size = 64, 16
+    context_lens = [rng.randrange(queries, 400) for _ in range(4)] + [queries, 129, 130]
+    kv, layout = _paged_case(rng, block_size, num_kv_heads, head_dim, dtype, [queries] * len(context_lens),
+                             context_lens)  # fmt: skip
+    q = torch.randn(len(context_lens) * queries, num_heads, head_dim, device=DEVICE).to(dtype)
+    scale = head_dim**-0.5
+    ours = triton_attention.decode(q, kv, layout.block_tables, layout.context_lens, block_size, scale, splits, window,
+                                   queries)  # fmt: skip
+    ref = reference_metadata(layout, block_size, window).attend(q.float(), kv.float(), scale)
+    torch.testing.assert_close(ours.float(), ref, atol=TOL[dtype], rtol=TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("block_size", [4, 16])
 @pytest.mark.parametrize("heads", [(4, 4), (8, 2), (32, 8), (14, 2)])
 @pytest.mark.parametrize("window", [None, 24])

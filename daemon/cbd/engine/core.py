@@ -35,6 +35,7 @@ import torch
 from cbd.config import EngineConfig
 from cbd.engine.admission import Admission
 from cbd.engine.block_manager import BlockManager
+from cbd.engine.cuda_graphs import verify_queries
 from cbd.engine.drafter import NgramDrafter
 from cbd.engine.host_pool import HostPool
 from cbd.engine.kv_copier import HostTierMoves, KvCopier
@@ -89,9 +90,13 @@ class EngineCore:
         )
         self.max_model_len = min(config.max_model_len or spec.max_position_embeddings, num_blocks * bs)
         self.block_manager = BlockManager(num_blocks, bs, config.enable_prefix_caching)
+        graph_batch = min(config.cuda_graph_max_batch, config.max_num_seqs) if config.cuda_graphs else 0
+        # Verifying steps get graphs up to the batch where speculation typically runs (auto: its cap).
+        verify_batch = min(graph_batch, max(config.speculative_max_batch, 8)) if config.speculative != "off" else 0
+        queries = verify_queries(config.num_speculative_tokens) if verify_batch else ()
         self.runner = ModelRunner(
-            loaded.model, num_blocks, bs, self.max_model_len, config.attention_backend,
-            min(config.cuda_graph_max_batch, config.max_num_seqs) if config.cuda_graphs else 0, config.kv_cache_dtype,
+            loaded.model, num_blocks, bs, self.max_model_len, config.attention_backend, graph_batch,
+            config.kv_cache_dtype, verify_batch, queries,
         )  # fmt: skip
         # The host tier (not with tensor parallelism: each rank would have to move its own shard).
         num_host = 0
@@ -129,8 +134,7 @@ class EngineCore:
             num_speculative_tokens=config.num_speculative_tokens,
         )  # fmt: skip
         if tp_group is not None:
-            graph_batch = min(config.cuda_graph_max_batch, config.max_num_seqs) if config.cuda_graphs else 0
-            tp_group.broadcast(Setup(num_blocks, self.max_model_len, graph_batch))
+            tp_group.broadcast(Setup(num_blocks, self.max_model_len, graph_batch, verify_batch, queries))
             self.runner.broadcast = tp_group.broadcast
         self.overlap = config.overlap_enabled(self.runner.device)
         self.scheduler.draft_backoff = self.overlap  # there, a step that finds no draft cost a synchronous step

@@ -79,6 +79,8 @@ class ModelRunner:
         attention_backend: str = "auto",
         cuda_graph_max_batch: int = 0,
         kv_cache_dtype: str = "auto",
+        verify_graph_batch: int = 0,
+        verify_queries: tuple[int, ...] = (),
     ) -> None:
         spec = model.spec
         self.model = model
@@ -101,7 +103,7 @@ class ModelRunner:
             assert self.streams.compute is not None
             self.graphs = DecodeGraphs(
                 model, self.kv_caches, self.backend, block_size, cuda_graph_max_batch, self.max_blocks_per_seq,
-                self.scratch_block, self.streams.compute,
+                self.scratch_block, self.streams.compute, verify_graph_batch, verify_queries,
             )  # fmt: skip
         self._last_sampled: torch.Tensor | None = None
         # The logits rows are the whole vocabulary, also on a tensor-parallel rank whose spec is its shard's.
@@ -164,9 +166,10 @@ class ModelRunner:
         torch.cuda.synchronize(self.device)
 
     # ---- launch -----------------------------------------------------------------------------
-    def graph_bucket(self, num_seqs: int) -> int | None:
-        """The captured decode graph's batch for num_seqs sequences, or None (run eagerly)."""
-        return self.graphs.bucket(num_seqs) if self.graphs is not None else None
+    def graph_bucket(self, num_seqs: int, max_queries: int = 1) -> tuple[int, int] | None:
+        """The captured graph (batch, queries per sequence) for num_seqs sequences of at most max_queries
+        new tokens each (1: decode; 1 + drafts: verifying), or None (run eagerly)."""
+        return self.graphs.bucket(num_seqs, max_queries) if self.graphs is not None else None
 
     def mask_buffer(self, num_rows: int) -> torch.Tensor:
         """A host bitmask of num_rows rows, every token allowed, for the caller to restrict (see TokenMasks)."""
@@ -283,7 +286,9 @@ class ModelRunner:
         tables = t.tables.view(batch, width)
         if meta.graph:
             assert self.graphs is not None
-            return self.graphs.run(batch, ids, ctx, tables)
+            logits = self.graphs.run(batch, meta.queries, ids, ctx, tables, t.query_lens)
+            # A verifying graph's logits are every padded row's: keep the sampled ones, in packed order.
+            return logits if meta.queries == 1 else logits.index_select(0, t.logits_rows)
         qstart = t.qstart
         num_tokens = ids.shape[0]
         splits = 0

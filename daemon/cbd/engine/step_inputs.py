@@ -55,7 +55,7 @@ class StepMeta:
     num_seqs: int  # scheduled sequences (chunks)
     batch: int  # rows of the forward: num_seqs, or the CUDA-graph bucket it is padded to
     width: int  # block-table columns
-    graph: bool  # run the captured decode graph of `batch`
+    graph: bool  # run the captured graph of (`batch`, `queries`)
     decode_only: bool  # one new token per sequence, one sample row per sequence
     max_query_len: int
     max_context_len: int
@@ -64,6 +64,7 @@ class StepMeta:
     any_top_k_or_p: bool
     any_min_p: bool
     max_logprobs: int | None  # None: no row wants logprobs
+    queries: int = 1  # > 1: a verifying graph's step, every sequence padded to this many tokens
 
 
 @dataclass(slots=True)
@@ -89,6 +90,7 @@ class StepTensors:
     logits_rows: torch.Tensor  # [S] int64 packed rows whose logits are sampled (one per sampled chunk)
     tables: torch.Tensor  # [batch * width] int64 block tables, padded with the scratch block
     row_logits: torch.Tensor | None = None  # [R] index into logits_rows per sample row (forks repeat one)
+    query_lens: torch.Tensor | None = None  # [batch] a verifying graph's step: the real tokens of each sequence
     carry_dst: torch.Tensor | None = None  # [C] positions in ids filled from the previous step's tokens
     carry_src: torch.Tensor | None = None  # [C] rows of the previous step's sampled tokens
     seed: torch.Tensor | None = None  # the rest: per row, only when a row samples at random
@@ -168,18 +170,32 @@ class InputStager:
         self.streams.record(staged.slot.consumed, self.streams.compute)
 
 
-def pack_step(plan: StepPlan, graph_bucket: Callable[[int], int | None], scratch_block: int) -> StepBatch:
+def pack_step(
+    plan: StepPlan, graph_bucket: Callable[[int, int], tuple[int, int] | None], scratch_block: int
+) -> StepBatch:
     """Pack a planned step. Reads only what the plan recorded when it was made (chunk starts, carry
     rows, sample rows): the scheduler has already advanced the sequences past it.
-    graph_bucket(num_seqs): the captured decode graph's batch for a decode-only step, or None."""
+    graph_bucket(num_seqs, max_queries): the captured graph (batch, queries) for a step whose every
+    sequence samples after each of its new tokens (a decode step, or one verifying drafts), or None.
+    A verifying graph's step is packed padded: every sequence's tokens fill `queries` rows."""
+    rows = plan.samples
+    num_seqs = len(plan.chunks)
+    max_query_len = max(c.num_new_tokens for c in plan.chunks)
+    # Every token sampled from (its own logits row, no forks): a decode step, or drafts being verified.
+    uniform = len(rows) == plan.num_tokens and all(
+        c.samples and c.num_new_tokens == c.num_draft + 1 for c in plan.chunks
+    )
+    decode_only = uniform and max_query_len == 1
+    graph = graph_bucket(num_seqs, max_query_len) if uniform else None
+    batch, queries = graph if graph is not None else (num_seqs, 1)
     ids: list[int] = []
     qstart: list[int] = [0]
     ctx: list[int] = []
+    query_lens: list[int] = []
     logits_rows: list[int] = []
     carry_dst: list[int] = []
     carry_src: list[int] = []
     tables: list[list[int]] = []
-    max_query_len = 0
     for chunk in plan.chunks:
         seq, start, n = chunk.seq, chunk.start, chunk.num_new_tokens
         ids += seq.token_ids[start : start + n]
@@ -187,23 +203,19 @@ def pack_step(plan: StepPlan, graph_bucket: Callable[[int], int | None], scratch
             carry_dst.append(len(ids) - 1)
             carry_src.append(chunk.carry_row)
             ids[-1] = 0
-        qstart.append(len(ids))
-        ctx.append(start + n)
-        tables.append(seq.block_table)
-        max_query_len = max(max_query_len, n)
         if chunk.samples:  # its last token's logits; with drafts, those of the tokens before each draft too
             logits_rows += range(len(ids) - 1 - chunk.num_draft, len(ids))
-    rows = plan.samples
-    num_seqs = len(plan.chunks)
-    decode_only = len(ids) == num_seqs and len(rows) == num_seqs
-    graph_batch = graph_bucket(num_seqs) if decode_only else None
-    batch = num_seqs
+        ids += [0] * (queries - n) if queries > 1 else []  # a verifying graph's padding
+        qstart.append(len(ids))
+        ctx.append(start + n)
+        query_lens.append(n)
+        tables.append(seq.block_table)
     max_context_len = max(ctx)
-    if graph_batch is not None:
-        batch = graph_batch  # pad to the bucket: rows that touch only the scratch block
+    if graph is not None:  # pad to the bucket: sequences that touch only the scratch block
         pad = batch - num_seqs
-        ids += [0] * pad
+        ids += [0] * (pad * queries)
         ctx += [1] * pad
+        query_lens += [1] * pad
         tables += [[scratch_block]] * pad
     width = max(len(t) for t in tables)
     flat_tables: list[int] = []
@@ -215,6 +227,8 @@ def pack_step(plan: StepPlan, graph_bucket: Callable[[int], int | None], scratch
     packed.add("qstart", qstart)
     packed.add("ctx", ctx)
     packed.add("logits_rows", logits_rows)
+    if queries > 1:
+        packed.add("query_lens", query_lens)
     if len(rows) != len(logits_rows):  # forks: several rows read one logits row (rows come grouped by source)
         row_logits, k, source, position = [], -1, None, -1
         for r in rows:
@@ -238,10 +252,10 @@ def pack_step(plan: StepPlan, graph_bucket: Callable[[int], int | None], scratch
         packed.add_float("min_p", [p.min_p for p in params])
     wanted = [p.logprobs for p in params if p.logprobs is not None]
     meta = StepMeta(
-        num_seqs=num_seqs, batch=batch, width=width, graph=graph_batch is not None, decode_only=decode_only,
+        num_seqs=num_seqs, batch=batch, width=width, graph=graph is not None, decode_only=decode_only,
         max_query_len=max_query_len, max_context_len=max_context_len, num_rows=len(rows), any_random=any_random,
         any_top_k_or_p=any(not p.greedy and (p.top_k > 0 or p.top_p < 1.0) for p in params),
         any_min_p=any(not p.greedy and p.min_p > 0.0 for p in params),
-        max_logprobs=max(wanted) if wanted else None,
+        max_logprobs=max(wanted) if wanted else None, queries=queries,
     )  # fmt: skip
     return StepBatch(packed, meta, plan.block_copies)

@@ -104,7 +104,7 @@ def _worker_main(rank: int, world: int, port: int, values: dict[str, Any]) -> No
     assert isinstance(setup, Setup), setup
     runner = ModelRunner(
         loaded.model, setup.num_blocks, config.block_size, setup.max_model_len, config.attention_backend,
-        setup.graph_batch, config.kv_cache_dtype,
+        setup.graph_batch, config.kv_cache_dtype, setup.verify_batch, setup.verify_queries,
     )  # fmt: skip
     previous = None
     while True:

@@ -17,6 +17,8 @@ class Setup:
     num_blocks: int
     max_model_len: int
     graph_batch: int  # CUDA graphs up to this batch (0: none)
+    verify_batch: int = 0  # verifying graphs up to this batch
+    verify_queries: tuple[int, ...] = ()  # ... for these query counts
 
 
 @dataclass(slots=True)

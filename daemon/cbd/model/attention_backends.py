@@ -41,7 +41,8 @@ class AttentionBackend(Protocol):
         ...
 
     def prepare(self, layout: BatchLayout, decode_splits: int = 0) -> PreparedAttention:
-        """decode_splits > 0 asserts every query length is 1 (the caller knows; no device read)."""
+        """decode_splits > 0 asserts every sequence has exactly max_query_len queries: 1 (a decode step), or
+        1 + k (a step verifying k drafts per sequence, padded to k; the caller knows; no device read)."""
         ...
 
 
@@ -67,7 +68,7 @@ class TritonMetadata:
     layout: BatchLayout
     block_size: int
     sliding_window: int | None
-    decode_splits: int  # > 0: every sequence has one query, use the split-KV decode kernel
+    decode_splits: int  # > 0: every sequence has max_query_len queries, use the split-KV decode kernel
 
     @property
     def slot_mapping(self) -> torch.Tensor:
@@ -80,7 +81,7 @@ class TritonMetadata:
         if self.decode_splits:
             return triton_attention.decode(
                 q, kv_cache, lay.block_tables, lay.context_lens, self.block_size, scale, self.decode_splits,
-                self.sliding_window,
+                self.sliding_window, lay.max_query_len,
             )  # fmt: skip
         return triton_attention.extend(
             q, kv_cache, lay.block_tables, lay.query_start, lay.context_lens, lay.max_query_len,
@@ -103,7 +104,7 @@ class TritonBackend:
         return triton_attention.decode_splits(num_seqs, self.num_kv_heads, max_context)
 
     def prepare(self, layout: BatchLayout, decode_splits: int = 0) -> TritonMetadata:
-        """decode_splits > 0 asserts every query length is 1 (the caller knows; no device read)."""
+        """decode_splits > 0 asserts every sequence has exactly max_query_len queries (no device read)."""
         return TritonMetadata(layout, self.block_size, self.sliding_window, decode_splits)
 
 
@@ -126,12 +127,13 @@ class FlashMetadata:
 
         pages = kv_cache.view(-1, self.block_size, *kv_cache.shape[1:])  # [blocks, page, 2, Hkv, D]
         k_cache, v_cache = pages[:, :, 0], pages[:, :, 1]
-        if self.decode:
+        if self.decode:  # every sequence has max_query_len queries (1, or 1 + its drafts)
+            queries = self.layout.max_query_len
             out = flash_attn.flash_attn_with_kvcache(
-                q[:, None], k_cache, v_cache, cache_seqlens=self.seqused_k, block_table=self.block_table,
-                softmax_scale=scale, causal=True, window_size=self.window,
+                q.view(-1, queries, *q.shape[1:]), k_cache, v_cache, cache_seqlens=self.seqused_k,
+                block_table=self.block_table, softmax_scale=scale, causal=True, window_size=self.window,
             )  # fmt: skip
-            return out[:, 0]
+            return out.view(q.shape)
         cu_k = torch.zeros_like(self.cu_seqlens_q)
         cu_k[1:] = torch.cumsum(self.seqused_k, 0)
         return flash_attn.flash_attn_varlen_func(

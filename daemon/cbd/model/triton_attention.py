@@ -5,10 +5,11 @@ KV layout is the engine's: per layer a slot pool `[S, 2, Hkv, D]`, or FP8 values
 probabilities); key position p of sequence b lives in slot `block_tables[b, p // PAGE] * PAGE + p % PAGE`.
 Queries are packed rows `[T, H, D]`.
 
-- `decode`: one query per sequence. Split-KV (flash-decoding): each sequence's context is cut into
+- `decode`: the same few queries per sequence: one (a decode step), or 1 + k (a step verifying k
+  drafts; causal among them, all read each K/V tile once). Split-KV (flash-decoding): each sequence's context is cut into
   up to SPLITS ranges, one per MIN_SPLIT keys (the count follows its length, on the device), one
-  program per (sequence, KV head, range) handles all query heads of its GQA group (so K/V are read
-  once per group); a second kernel merges the ranges by log-sum-exp. SPLITS comes from the batch
+  program per (sequence, KV head, range) handles all its queries x the query heads of its GQA group
+  (so K/V are read once per group); a second kernel merges the ranges by log-sum-exp. SPLITS comes from the batch
   size (fill the GPU whatever the batch: a single 32K context gets 64 ranges), so the grid depends
   only on the batch size and a CUDA graph captures it.
 - `extend`: several queries per sequence at the end of its context (prefill, a prefill chunk over
@@ -82,18 +83,21 @@ def _online_softmax_block(
 @triton.jit(do_not_specialize=["sbt_b"])  # the table width changes from step to step
 def _decode_kernel(
     Q, KV, KVS, BT, CTX, O_PART, LSE_PART, OUT, scale,
-    sq_t, sq_h, skv_s, skv_kv, skv_h, ss_s, ss_kv, sbt_b, sop_b, sop_h, sop_s, sl_b, sl_h, so_t, so_h,
-    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-    PAGE: tl.constexpr, BLOCK_N: tl.constexpr, SPLITS: tl.constexpr, MIN_SPLIT: tl.constexpr,
-    WINDOW: tl.constexpr, FP8: tl.constexpr, F16: tl.constexpr, IEEE: tl.constexpr,
+    sq_t, sq_h, skv_s, skv_kv, skv_h, ss_s, ss_kv, sbt_b, sop_t, sop_h, sop_s, sl_t, sl_h, so_t, so_h,
+    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, ROWS: tl.constexpr, QUERIES: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr,
+    SPLITS: tl.constexpr, MIN_SPLIT: tl.constexpr, WINDOW: tl.constexpr, FP8: tl.constexpr, F16: tl.constexpr,
+    IEEE: tl.constexpr,
 ):  # fmt: skip
+    # One program: the QUERIES last positions of sequence b x the GROUP query heads of one KV head, packed
+    # as ROWS rows (row r: query r // GROUP_PAD, head r % GROUP_PAD), over one range of its keys.
     b = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     ctx = tl.load(CTX + b).to(tl.int32)
     lo = 0
     if WINDOW > 0:
-        lo = tl.maximum(ctx - WINDOW, 0)
+        lo = tl.maximum(ctx - QUERIES + 1 - WINDOW, 0)
     active = _active_splits(ctx - lo, SPLITS, MIN_SPLIT)
     if split >= active:  # this sequence's context needs fewer ranges; the merge skips this one
         return
@@ -101,19 +105,24 @@ def _decode_kernel(
     start = lo + split * per_split
     end = tl.minimum(start + per_split, ctx)
 
-    g = tl.arange(0, GROUP_PAD)
+    r = tl.arange(0, ROWS)
+    m = r // GROUP_PAD
+    g = r % GROUP_PAD
     heads = kv_head * GROUP + g
+    row_mask = (g < GROUP) & (m < QUERIES)
+    tokens = b * QUERIES + m
+    q_pos = ctx - QUERIES + m
     d = tl.arange(0, BLOCK_D)
-    g_mask = g < GROUP
     d_mask = d < HEAD_DIM
-    q = tl.load(Q + b * sq_t + heads[:, None] * sq_h + d[None, :], mask=g_mask[:, None] & d_mask[None, :], other=0.0)
+    mask = row_mask[:, None] & d_mask[None, :]
+    q = tl.load(Q + tokens[:, None] * sq_t + heads[:, None] * sq_h + d[None, :], mask=mask, other=0.0)
     qk_scale = scale * 1.4426950408889634  # exp2 domain
     if FP8 and F16:  # the softmax scale folded into q before the fp16 cast (well inside fp16's range)
         q = (q.to(tl.float32) * qk_scale).to(tl.float16)
         qk_scale = 1.0
-    m_i = tl.full([GROUP_PAD], -1.0e30, tl.float32)
-    l_i = tl.zeros([GROUP_PAD], tl.float32)
-    acc = tl.zeros([GROUP_PAD, BLOCK_D], tl.float32)
+    m_i = tl.full([ROWS], -1.0e30, tl.float32)
+    l_i = tl.zeros([ROWS], tl.float32)
+    acc = tl.zeros([ROWS, BLOCK_D], tl.float32)
     kv_base = KV + kv_head * skv_h
     for n0 in range(start, end, BLOCK_N):
         n = n0 + tl.arange(0, BLOCK_N)
@@ -122,19 +131,25 @@ def _decode_kernel(
         slot = page.to(tl.int64) * PAGE + n % PAGE
         ptr = kv_base + slot[:, None] * skv_s + d[None, :]
         kv_mask = n_mask[:, None] & d_mask[None, :]
+        allowed = n_mask[None, :]
+        if QUERIES > 1:  # the causal mask among the sequence's own new tokens (its drafts)
+            allowed = allowed & (n[None, :] <= q_pos[:, None])
+            if WINDOW > 0:
+                allowed = allowed & (n[None, :] > q_pos[:, None] - WINDOW)
         m_i, l_i, acc = _online_softmax_block(
-            q, ptr, kv_mask, n_mask[None, :], skv_kv, qk_scale, m_i, l_i, acc, KVS + slot * ss_s + kv_head, n_mask,
+            q, ptr, kv_mask, allowed, skv_kv, qk_scale, m_i, l_i, acc, KVS + slot * ss_s + kv_head, n_mask,
             ss_kv, FP8, F16, IEEE,
         )  # fmt: skip
     empty = l_i == 0.0
     out = acc / tl.where(empty, 1.0, l_i)[:, None]
-    mask = g_mask[:, None] & d_mask[None, :]
     if SPLITS == 1:
-        tl.store(OUT + b * so_t + heads[:, None] * so_h + d[None, :], out.to(OUT.dtype.element_ty), mask=mask)
+        tl.store(OUT + tokens[:, None] * so_t + heads[:, None] * so_h + d[None, :], out.to(OUT.dtype.element_ty),
+                 mask=mask)  # fmt: skip
     else:
         lse = tl.where(empty, float("-inf"), m_i + tl.log2(tl.where(empty, 1.0, l_i)))  # log2 domain
-        tl.store(O_PART + b * sop_b + heads[:, None] * sop_h + split * sop_s + d[None, :], out, mask=mask)
-        tl.store(LSE_PART + b * sl_b + heads * sl_h + split, lse, mask=g_mask)
+        tl.store(O_PART + tokens[:, None] * sop_t + heads[:, None] * sop_h + split * sop_s + d[None, :], out,
+                 mask=mask)  # fmt: skip
+        tl.store(LSE_PART + tokens * sl_t + heads * sl_h + split, lse, mask=row_mask)
 
 
 @triton.jit
@@ -146,29 +161,29 @@ def _active_splits(length, SPLITS: tl.constexpr, MIN_SPLIT: tl.constexpr):
 
 @triton.jit
 def _merge_kernel(
-    O_PART, LSE_PART, OUT, CTX, sop_b, sop_h, sop_s, sl_b, sl_h, so_t, so_h,
+    O_PART, LSE_PART, OUT, CTX, sop_t, sop_h, sop_s, sl_t, sl_h, so_t, so_h,
     SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr, MIN_SPLIT: tl.constexpr, WINDOW: tl.constexpr,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    QUERIES: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
 ):  # fmt: skip
-    b = tl.program_id(0).to(tl.int64)
+    t = tl.program_id(0).to(tl.int64)  # a query row: token t of sequence t // QUERIES
     head = tl.program_id(1)
-    ctx = tl.load(CTX + b).to(tl.int32)
+    ctx = tl.load(CTX + t // QUERIES).to(tl.int32)
     length = ctx
     if WINDOW > 0:
-        length = ctx - tl.maximum(ctx - WINDOW, 0)
+        length = ctx - tl.maximum(ctx - QUERIES + 1 - WINDOW, 0)
     s = tl.arange(0, SPLITS_PAD)
     d = tl.arange(0, BLOCK_D)
     s_mask = s < _active_splits(length, SPLITS, MIN_SPLIT)
     d_mask = d < HEAD_DIM
-    lse = tl.load(LSE_PART + b * sl_b + head * sl_h + s, mask=s_mask, other=float("-inf"))
-    w = tl.exp2(lse - tl.max(lse, 0))
+    lse = tl.load(LSE_PART + t * sl_t + head * sl_h + s, mask=s_mask, other=float("-inf"))
+    w = tl.exp2(lse - tl.max(lse, 0))  # a query's range past its own position is empty: -inf, weight 0
     w = tl.where(s_mask, w, 0.0)
     part = tl.load(
-        O_PART + b * sop_b + head * sop_h + s[:, None] * sop_s + d[None, :],
+        O_PART + t * sop_t + head * sop_h + s[:, None] * sop_s + d[None, :],
         mask=s_mask[:, None] & d_mask[None, :], other=0.0,
     )  # fmt: skip
     out = tl.sum(part * w[:, None], 0) / tl.sum(w, 0)
-    tl.store(OUT + b * so_t + head * so_h + d, out.to(OUT.dtype.element_ty), mask=d_mask)
+    tl.store(OUT + t * so_t + head * so_h + d, out.to(OUT.dtype.element_ty), mask=d_mask)
 
 
 # Keys per decode range when the batch leaves room for more ranges (shorter ones: the merge costs more than they gain).
@@ -198,7 +213,7 @@ def _decode_block_n(block_d: int, fp8: bool) -> int:
 
 
 def decode(
-    q: torch.Tensor,  # [B, H, D]
+    q: torch.Tensor,  # [B * queries, H, D]
     kv_cache: torch.Tensor,  # one layer's pool (kv_format.py)
     block_tables: torch.Tensor,  # [B, W]
     context_lens: torch.Tensor,  # [B]
@@ -206,15 +221,21 @@ def decode(
     scale: float,
     splits: int,
     sliding_window: int | None = None,
+    queries: int = 1,
 ) -> torch.Tensor:
-    num_seqs, num_heads, head_dim = q.shape
+    """Attention of the last `queries` positions of each sequence (rows b * queries ... in order):
+    one per sequence for a decode step; 1 + k for a step verifying k drafts (causal among them)."""
+    num_tokens, num_heads, head_dim = q.shape
+    num_seqs = context_lens.shape[0]
+    assert num_tokens == num_seqs * queries, (num_tokens, num_seqs, queries)
     kv, kvs, fp8 = kv_format.kernel_views(kv_cache, head_dim)
     num_kv_heads = kv.shape[2]
     group = num_heads // num_kv_heads
+    group_pad = triton.next_power_of_2(group)
     out = torch.empty_like(q)
     if splits > 1:
-        o_part = torch.empty(num_seqs, num_heads, splits, head_dim, dtype=torch.float32, device=q.device)
-        lse = torch.empty(num_seqs, num_heads, splits, dtype=torch.float32, device=q.device)
+        o_part = torch.empty(num_tokens, num_heads, splits, head_dim, dtype=torch.float32, device=q.device)
+        lse = torch.empty(num_tokens, num_heads, splits, dtype=torch.float32, device=q.device)
     else:
         o_part = lse = out  # unused
     block_d = triton.next_power_of_2(head_dim)
@@ -224,17 +245,18 @@ def decode(
         q.stride(0), q.stride(1), kv.stride(0), kv.stride(1), kv.stride(2), kvs.stride(0), kvs.stride(1),
         block_tables.stride(0), o_part.stride(0), o_part.stride(1), o_part.stride(2) if splits > 1 else 0,
         lse.stride(0), lse.stride(1), out.stride(0), out.stride(1),
-        GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim, BLOCK_D=block_d,
-        PAGE=page_size, BLOCK_N=_decode_block_n(block_d, fp8), SPLITS=splits, MIN_SPLIT=MIN_SPLIT, WINDOW=window,
-        FP8=fp8, F16=fp8 and FP8_F16 and q.dtype != torch.float32, IEEE=q.dtype == torch.float32,
-        num_warps=DECODE_FP8_WARPS if fp8 else 4, num_stages=DECODE_FP8_STAGES if fp8 else 2,
+        GROUP=group, GROUP_PAD=group_pad, ROWS=max(16, triton.next_power_of_2(queries * group_pad)),
+        QUERIES=queries, HEAD_DIM=head_dim, BLOCK_D=block_d, PAGE=page_size, BLOCK_N=_decode_block_n(block_d, fp8),
+        SPLITS=splits, MIN_SPLIT=MIN_SPLIT, WINDOW=window, FP8=fp8, F16=fp8 and FP8_F16 and q.dtype != torch.float32,
+        IEEE=q.dtype == torch.float32, num_warps=DECODE_FP8_WARPS if fp8 else 4,
+        num_stages=DECODE_FP8_STAGES if fp8 else 2,
     )  # fmt: skip
     if splits > 1:
-        _merge_kernel[(num_seqs, num_heads)](
+        _merge_kernel[(num_tokens, num_heads)](
             o_part, lse, out, context_lens, o_part.stride(0), o_part.stride(1), o_part.stride(2),
             lse.stride(0), lse.stride(1), out.stride(0), out.stride(1),
             SPLITS=splits, SPLITS_PAD=triton.next_power_of_2(splits), MIN_SPLIT=MIN_SPLIT, WINDOW=window,
-            HEAD_DIM=head_dim, BLOCK_D=block_d, num_warps=2,
+            QUERIES=queries, HEAD_DIM=head_dim, BLOCK_D=block_d, num_warps=2,
         )  # fmt: skip
     return out
 
