@@ -4,12 +4,12 @@ Decode: `triton_attention.decode` (kernel + merge) for one layer of the 8B shape
 heads, head_dim 128, block size 16, shuffled block tables), ten calls captured in a CUDA graph and
 replayed; µs per call and the KV bytes read per second. Policies: programs per SM / least keys per
 range / most ranges ("old": the cap of 16 ranges, every range active, before ranges followed each
-context). FP8 rows also vary the widening (f16: to fp16, else to bf16) and the keys per loop step
-(kf: x 64). Extend: a whole prefill of L tokens in chunks, the extend kernel's ms per layer summed over
+context). FP8 rows also vary the widening (w: `FP8_WIDEN`, see `_online_softmax_block`) and the keys
+per loop step (kf: x 64). Extend: a whole prefill of L tokens in chunks, the extend kernel's ms per layer summed over
 the chunks, and its causal attention FLOP rate, for several `Tile`s (rows, keys per step, warps, stages).
 The module's knobs are set per row and restored at the end.
 
-    python bench/attention_kernels_gpu.py [decode|extend|both]
+    python bench/attention_kernels_gpu.py [decode|extend|both|fp8]   (fp8: decode, the engine's policy only)
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ from cbd.model import triton_attention as ta
 from cbd.model.attention import BatchLayout, layout_from_lists
 
 H, HKV, D, BS = 32, 8, 128, 16
+WIDEN_MODES = (3, 2, 1, 0)  # ta.FP8_WIDEN: how e4m3 tiles are widened (see _online_softmax_block)
 POLICIES = [("old", 3, 1, 16), ("4/256/64", 4, 256, 64), ("8/256/64", 8, 256, 64), ("3/128/64", 3, 128, 64)]
 T = ta.Tile
 BF16_TILES = [T(64, 64, 4, 2), T(128, 64, 4, 3), T(128, 32, 4, 3), T(128, 64, 4, 4), T(64, 64, 4, 3), T(128, 64, 8, 3)]
@@ -86,18 +87,21 @@ def eager_ms(fn: Callable[[], object], reps: int = 3) -> float:
     return start.elapsed_time(end) / reps
 
 
-def sweep_decode() -> None:
+DECODE_CASES = [(1, 8192), (1, 32768), (1, 65536), (8, 16384), (32, 8192), (32, 512)]
+
+
+def sweep_decode(cases: list[tuple[int, int]] = DECODE_CASES, policies: list = POLICIES) -> None:
     print("== decode (CUDA graph): us per layer; policy = programs per SM / least keys per range / most ranges")
-    for batch, context in [(1, 8192), (1, 32768), (1, 65536), (8, 16384), (32, 8192), (32, 512)]:
+    for batch, context in cases:
         for fp8 in (False, True):
             kv, lay = case([1] * batch, [context] * batch, fp8)
             q = torch.randn(batch, H, D, device="cuda", dtype=torch.bfloat16)
             kv_bytes = batch * context * (kv.shape[1] if fp8 else 2 * HKV * D * 2)
-            variants = [(f16, kf) for f16 in (True, False) for kf in (2, 1)] if fp8 else [(True, 1)]
-            for f16, kf in variants:
-                ta.FP8_F16, ta.DECODE_FP8_KEYS_FACTOR = f16, kf
-                line = f"{batch:>3}x{context:<6} " + (f"fp8 f16={int(f16)} kf={kf}" if fp8 else "bf16")
-                for name, per_sm, least, most in POLICIES:
+            variants = [(w, kf) for w in WIDEN_MODES for kf in (2, 1)] if fp8 else [(0, 1)]
+            for widen, kf in variants:
+                ta.FP8_WIDEN, ta.DECODE_FP8_KEYS_FACTOR = widen, kf
+                line = f"{batch:>3}x{context:<6} " + (f"fp8 w={widen} kf={kf}" if fp8 else "bf16")
+                for name, per_sm, least, most in policies:
                     ta.PROGRAMS_PER_SM, ta.MIN_SPLIT, ta.MAX_SPLITS = per_sm, least, most
                     splits = ta.decode_splits(batch, HKV)
 
@@ -120,9 +124,9 @@ def sweep_extend() -> None:
             lays = [layout_from_lists([min(chunk, length - s)], [min(s + chunk, length)], [table], BS, "cuda")
                     for s in starts]  # fmt: skip
             qs = [torch.randn(lay.max_query_len, H, D, device="cuda", dtype=torch.bfloat16) for lay in lays]
-            for f16 in (True, False) if fp8 else (True,):
-                ta.FP8_F16 = f16
-                line = f"{length:>6}/{chunk:<5} " + (f"fp8 f16={int(f16)}" if fp8 else "bf16")
+            for widen in WIDEN_MODES if fp8 else (0,):
+                ta.FP8_WIDEN = widen
+                line = f"{length:>6}/{chunk:<5} " + (f"fp8 w={widen}" if fp8 else "bf16")
                 for tile in FP8_TILES if fp8 else BF16_TILES:
                     ta.LONG_TILE = ta.LONG_TILE_FP8 = tile
 
@@ -140,15 +144,17 @@ def sweep_extend() -> None:
 
 def main() -> None:
     which = sys.argv[1] if len(sys.argv) > 1 else "both"
-    knobs = (ta.PROGRAMS_PER_SM, ta.MIN_SPLIT, ta.MAX_SPLITS, ta.FP8_F16, ta.DECODE_FP8_KEYS_FACTOR, ta.LONG_TILE,
+    knobs = (ta.PROGRAMS_PER_SM, ta.MIN_SPLIT, ta.MAX_SPLITS, ta.FP8_WIDEN, ta.DECODE_FP8_KEYS_FACTOR, ta.LONG_TILE,
              ta.LONG_TILE_FP8)  # fmt: skip
     try:
         if which in ("both", "decode"):
             sweep_decode()
+        if which == "fp8":  # the widening modes at the engine's split policy
+            sweep_decode([(1, 32768), (8, 16384), (32, 8192)], [p for p in POLICIES if p[0] == "3/128/64"])
         if which in ("both", "extend"):
             sweep_extend()
     finally:
-        (ta.PROGRAMS_PER_SM, ta.MIN_SPLIT, ta.MAX_SPLITS, ta.FP8_F16, ta.DECODE_FP8_KEYS_FACTOR, ta.LONG_TILE,
+        (ta.PROGRAMS_PER_SM, ta.MIN_SPLIT, ta.MAX_SPLITS, ta.FP8_WIDEN, ta.DECODE_FP8_KEYS_FACTOR, ta.LONG_TILE,
          ta.LONG_TILE_FP8) = knobs  # fmt: skip
 
 

@@ -210,9 +210,11 @@ def gpu(args: argparse.Namespace) -> None:
         assert graphs is not None and graphs.queries, "no verifying graphs were captured"
         queries = graphs.queries
         k_eager = max(args.ks)
-        for label, drafter, k in [("overlap", None, 0), ("sync", _FixedDrafter(0), 0)] + [
-            (f"k={k}", _FixedDrafter(k), k) for k in args.ks
-        ] + [(f"k={k_eager} eager", _FixedDrafter(k_eager), k_eager)]:
+        for label, drafter, k in (
+            [("overlap", None, 0), ("sync", _FixedDrafter(0), 0)]
+            + [(f"k={k}", _FixedDrafter(k), k) for k in args.ks]
+            + [(f"k={k_eager} eager", _FixedDrafter(k_eager), k_eager)]
+        ):
             graphs.queries = [] if label.endswith("eager") else queries  # no verifying graph: eager steps
             core.scheduler.drafter = drafter
             core.scheduler.num_speculative_tokens = k if drafter is not None else 0

@@ -106,30 +106,44 @@ def test_decode_graph_replay_equals_eager_forward(tiny_checkpoint, kv_cache_dtyp
         assert torch.equal(replayed, eager), (bucket, queries)
 
 
+class _OracleDrafter:
+    """Drafts the reference run's next tokens, with every third proposal wrong from its third token on:
+    runs kept whole, runs cut short, at every draft length the scheduler asks for."""
+
+    def __init__(self, reference: dict[tuple[int, ...], list[int]]) -> None:
+        self.reference = reference
+        self.calls = 0
+
+    def propose(self, seq, k: int) -> list[int]:  # type: ignore[no-untyped-def]
+        future = self.reference[tuple(seq.token_ids[: seq.num_prompt_tokens])][seq.num_output_tokens :][:k]
+        self.calls += 1
+        if self.calls % 3 == 0 and len(future) > 2:
+            future[2] = (future[2] + 1) % 256
+        return future
+
+
 @pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8"])
 def test_speculation_with_verifying_graphs_equals_no_speculation(tiny_checkpoint, kv_cache_dtype: str) -> None:
-    """fp32 on CUDA, prompts that repeat themselves (so the drafter finds n-grams): drafts verified
-    through the captured graphs (the split-KV decode kernel with 1 + k queries) give the tokens of the
-    engine without speculation; the verifying graphs ran and kept some drafts."""
+    """fp32 on CUDA: drafts verified through the captured graphs (the split-KV decode kernel with 1 + k
+    queries, sequences padded to the graph's 1 + k, the batch to its bucket) give the tokens of the
+    engine without speculation, with drafts kept and drafts rejected; the verifying graphs ran."""
     torch.backends.cuda.matmul.allow_tf32 = False
     loaded = load_model(str(tiny_checkpoint("llama")), device="cuda", dtype=torch.float32)
-    rng = random.Random(3)
-    prompts = []
-    for length in (5, 9, 13, 40):
-        motif = [rng.randrange(2, 256) for _ in range(length)]
-        prompts.append(motif * (120 // length))
+    prompts = _prompts(5)
     params = SamplingParams(max_tokens=48, temperature=0.0, ignore_eos=True)
-    runs = {}
-    for mode in ("off", "ngram"):
-        core = make_core(loaded, block_size=16, speculative=mode, kv_cache_dtype=kv_cache_dtype)
-        core.warm_up()
-        runs[mode] = run_all(core, prompts, params)
-        assert core.block_manager.num_used_blocks == 0
-        if mode == "ngram":
-            stats = core.stats().speculation
-            assert stats is not None and stats.num_accepted_tokens > 0
-            assert core.runner.graphs is not None and core.runner.graphs.replays[1] > 0
-    same = sum(a["tokens"] == b["tokens"] for a, b in zip(runs["ngram"], runs["off"]))
+    off_core = make_core(loaded, block_size=16, speculative="off", kv_cache_dtype=kv_cache_dtype)
+    off_core.warm_up()
+    off = [r["tokens"][0] for r in run_all(off_core, prompts, params)]
+    core = make_core(loaded, block_size=16, speculative="ngram", kv_cache_dtype=kv_cache_dtype)
+    core.warm_up()
+    core.scheduler.drafter = _OracleDrafter({tuple(p): t for p, t in zip(prompts, off)})
+    core.scheduler.draft_backoff = False
+    on = [r["tokens"][0] for r in run_all(core, prompts, params)]
+    assert core.block_manager.num_used_blocks == 0
+    stats = core.stats().speculation
+    assert stats is not None and 0 < stats.num_accepted_tokens < stats.num_draft_tokens
+    assert core.runner.graphs is not None and core.runner.graphs.replays[1] > 0
+    same = sum(a == b for a, b in zip(on, off))
     # fp8: the K/V bytes are the same, the sums run in another order (a near-tie may flip a late token)
     assert same == len(prompts) if kv_cache_dtype == "auto" else same >= len(prompts) - 1
 

@@ -181,13 +181,19 @@ def _fp8(kv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return pool, kv_format.dequantize(pool, kv.shape[-1], torch.float32)
 
 
+# Every way the FP8 tiles can be widened (triton_attention.FP8_WIDEN; on CPU the float32 rows take 0).
+WIDEN_MODES = [1, 2, 3] if DEVICE == "cuda" else [triton_attention.FP8_WIDEN]
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("heads", [(8, 2), (32, 8)])
 @pytest.mark.parametrize("splits", [1, 5])
 @pytest.mark.parametrize("window", [None, 700])
-def test_fp8_decode_kernel_matches_reference(dtype, heads, splits, window) -> None:
+@pytest.mark.parametrize("widen", WIDEN_MODES)
+def test_fp8_decode_kernel_matches_reference(dtype, heads, splits, window, widen, monkeypatch) -> None:
     """Several ranges per sequence (with a window: over its last keys only); one KV head's V is tiny (its
     scales are far below fp16's normal range) and another's large."""
+    monkeypatch.setattr(triton_attention, "FP8_WIDEN", widen)
     rng = random.Random(heads[0] + splits)
     torch.manual_seed(rng.randrange(1000))
     num_heads, num_kv_heads = heads
@@ -212,7 +218,9 @@ def test_fp8_decode_kernel_matches_reference(dtype, heads, splits, window) -> No
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("window", [None, 24])
-def test_fp8_extend_kernel_matches_reference(dtype, window) -> None:
+@pytest.mark.parametrize("widen", WIDEN_MODES)
+def test_fp8_extend_kernel_matches_reference(dtype, window, widen, monkeypatch) -> None:
+    monkeypatch.setattr(triton_attention, "FP8_WIDEN", widen)
     rng = random.Random(3)
     torch.manual_seed(3)
     num_heads, num_kv_heads, head_dim, block_size = 32, 8, 128, 16

@@ -33,18 +33,24 @@ from cbd.model import kv_format
 @triton.jit
 def _online_softmax_block(
     q, ptr, kv_mask, allowed, skv_kv, qk_scale, m_i, l_i, acc, sptr, s_mask, ss_kv,
-    FP8: tl.constexpr, F16: tl.constexpr, IEEE: tl.constexpr,
+    FP8: tl.constexpr, WIDEN: tl.constexpr, IEEE: tl.constexpr,
 ):  # fmt: skip
     """One tile of keys for flash attention: scores, running max / sum, and the weighted values.
     FP8: K/V are float8 with a scale per key (at sptr, V's at sptr + ss_kv); the K scale multiplies
-    the scores. F16 (FP8 only): the tiles are widened to fp16 (one conversion instruction per pair,
-    where bf16 takes several) and V is multiplied by its scales relative to the tile's largest (in
-    fp16's range), that largest multiplying the tile's P.V in fp32; else to q's dtype, the V scale
-    multiplying the probabilities. The scales are per key, so either way is the reference's math
-    up to rounding."""
+    the scores. WIDEN (FP8 only) says how the e4m3 tiles reach the tensor cores:
+    0: both to q's dtype, the V scale multiplying the probabilities;
+    1 / 2: K and V to fp16 (one conversion instruction per pair, where bf16 takes several; q arrives in
+    fp16 with the softmax scale folded in). fp16 cannot hold every V scale (amax / 448 of a small V row
+    is subnormal or 0 there), so scales are taken relative to the tile's largest, which multiplies the
+    tile's product in fp32; 1 multiplies V by them, 2 the probabilities (BLOCK_N products per row
+    instead of HEAD_DIM x BLOCK_N);
+    3: K to fp16; V to bf16 by moving its bits (e4m3's exponent and mantissa into bf16's fields: the
+    value x 2^-120, two integer operations, no reduction), the V scale x 2^120 on the probabilities
+    (bf16 has fp32's range).
+    The scales are per key, so every mode is the reference's math up to rounding."""
     k = tl.load(ptr, mask=kv_mask, other=0.0)
     if FP8:
-        if F16:
+        if WIDEN > 0:
             k = k.to(tl.float16)
         else:
             k = k.to(q.dtype)
@@ -62,19 +68,29 @@ def _online_softmax_block(
     v = tl.load(ptr + skv_kv, mask=kv_mask, other=0.0)
     if FP8:
         v_scale = tl.load(sptr + ss_kv, mask=s_mask, other=0.0)
-        if F16:
-            # fp16 cannot hold every scale (amax / 448 of a small V row is subnormal or 0 there): V is
-            # scaled relative to the tile's largest scale, which multiplies the tile's product in fp32.
+        if WIDEN == 1 or WIDEN == 2:
             tile_scale = tl.max(v_scale, 0)
             tile_scale = tl.where(tile_scale > 0.0, tile_scale, 1.0)
-            v = v.to(tl.float16) * (v_scale / tile_scale).to(tl.float16)[:, None]
+            if WIDEN == 1:
+                v = v.to(tl.float16) * (v_scale / tile_scale).to(tl.float16)[:, None]
+                acc = acc * alpha[:, None] + tl.dot(p.to(tl.float16), v) * tile_scale
+            else:
+                pv = (p * (v_scale / tile_scale)[None, :]).to(tl.float16)
+                acc = acc * alpha[:, None] + tl.dot(pv, v.to(tl.float16)) * tile_scale
+        elif WIDEN == 3:
+            bits = v.to(tl.uint8, bitcast=True).to(tl.uint16)
+            v = (((bits & 0x80) << 8) | ((bits & 0x7F) << 4)).to(tl.bfloat16, bitcast=True)
+            pv = (p * (v_scale * 1.329227995784916e36)[None, :]).to(tl.bfloat16)  # 2^120
+            acc = acc * alpha[:, None] + tl.dot(pv, v)
         else:
             v = v.to(q.dtype)
             p = p * v_scale[None, :]
-    if IEEE:
+            if IEEE:
+                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+            else:
+                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+    elif IEEE:
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
-    elif FP8 and F16:
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v) * tile_scale
     else:
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
     return m_new, l_i, acc
@@ -86,7 +102,7 @@ def _decode_kernel(
     sq_t, sq_h, skv_s, skv_kv, skv_h, ss_s, ss_kv, sbt_b, sop_t, sop_h, sop_s, sl_t, sl_h, so_t, so_h,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, ROWS: tl.constexpr, QUERIES: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr,
-    SPLITS: tl.constexpr, MIN_SPLIT: tl.constexpr, WINDOW: tl.constexpr, FP8: tl.constexpr, F16: tl.constexpr,
+    SPLITS: tl.constexpr, MIN_SPLIT: tl.constexpr, WINDOW: tl.constexpr, FP8: tl.constexpr, WIDEN: tl.constexpr,
     IEEE: tl.constexpr,
 ):  # fmt: skip
     # One program: the QUERIES last positions of sequence b x the GROUP query heads of one KV head, packed
@@ -117,7 +133,7 @@ def _decode_kernel(
     mask = row_mask[:, None] & d_mask[None, :]
     q = tl.load(Q + tokens[:, None] * sq_t + heads[:, None] * sq_h + d[None, :], mask=mask, other=0.0)
     qk_scale = scale * 1.4426950408889634  # exp2 domain
-    if FP8 and F16:  # the softmax scale folded into q before the fp16 cast (well inside fp16's range)
+    if FP8 and WIDEN > 0:  # the softmax scale folded into q before the fp16 cast (well inside fp16's range)
         q = (q.to(tl.float32) * qk_scale).to(tl.float16)
         qk_scale = 1.0
     m_i = tl.full([ROWS], -1.0e30, tl.float32)
@@ -138,7 +154,7 @@ def _decode_kernel(
                 allowed = allowed & (n[None, :] > q_pos[:, None] - WINDOW)
         m_i, l_i, acc = _online_softmax_block(
             q, ptr, kv_mask, allowed, skv_kv, qk_scale, m_i, l_i, acc, KVS + slot * ss_s + kv_head, n_mask,
-            ss_kv, FP8, F16, IEEE,
+            ss_kv, FP8, WIDEN, IEEE,
         )  # fmt: skip
     empty = l_i == 0.0
     out = acc / tl.where(empty, 1.0, l_i)[:, None]
@@ -192,7 +208,11 @@ MAX_SPLITS = 64
 PROGRAMS_PER_SM = 3
 DECODE_FP8_KEYS_FACTOR = 2
 DECODE_FP8_WARPS, DECODE_FP8_STAGES = 4, 2
-FP8_F16 = True  # FP8 tiles computed in fp16 (see _online_softmax_block)
+FP8_WIDEN = 2  # how FP8 tiles reach the tensor cores (see _online_softmax_block)
+
+
+def _widen(fp8: bool, dtype: torch.dtype) -> int:
+    return FP8_WIDEN if fp8 and dtype != torch.float32 else 0
 
 
 def decode_splits(num_seqs: int, num_kv_heads: int, max_context: int | None = None) -> int:
@@ -247,7 +267,7 @@ def decode(
         lse.stride(0), lse.stride(1), out.stride(0), out.stride(1),
         GROUP=group, GROUP_PAD=group_pad, ROWS=max(16, triton.next_power_of_2(queries * group_pad)),
         QUERIES=queries, HEAD_DIM=head_dim, BLOCK_D=block_d, PAGE=page_size, BLOCK_N=_decode_block_n(block_d, fp8),
-        SPLITS=splits, MIN_SPLIT=MIN_SPLIT, WINDOW=window, FP8=fp8, F16=fp8 and FP8_F16 and q.dtype != torch.float32,
+        SPLITS=splits, MIN_SPLIT=MIN_SPLIT, WINDOW=window, FP8=fp8, WIDEN=_widen(fp8, q.dtype),
         IEEE=q.dtype == torch.float32, num_warps=DECODE_FP8_WARPS if fp8 else 4,
         num_stages=DECODE_FP8_STAGES if fp8 else 2,
     )  # fmt: skip
@@ -267,7 +287,7 @@ def _extend_kernel(
     sq_t, sq_h, skv_s, skv_kv, skv_h, ss_s, ss_kv, sbt_b, so_t, so_h,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     PAGE: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, WINDOW: tl.constexpr,
-    SELECT: tl.constexpr, SHORT: tl.constexpr, FP8: tl.constexpr, F16: tl.constexpr, IEEE: tl.constexpr,
+    SELECT: tl.constexpr, SHORT: tl.constexpr, FP8: tl.constexpr, WIDEN: tl.constexpr, IEEE: tl.constexpr,
 ):  # fmt: skip
     # One program: BLOCK_Q queries of one sequence x the GROUP query heads of one KV head, packed as
     # BLOCK_Q * GROUP_PAD rows (row r: query r // GROUP_PAD, head r % GROUP_PAD), so that each K/V
@@ -299,7 +319,7 @@ def _extend_kernel(
     q = tl.load(Q + rows[:, None] * sq_t + heads[:, None] * sq_h + d[None, :], mask=io_mask, other=0.0)
     kv_base = KV + kv_head * skv_h
     qk_scale = scale * 1.4426950408889634
-    if FP8 and F16:
+    if FP8 and WIDEN > 0:
         q = (q.to(tl.float32) * qk_scale).to(tl.float16)
         qk_scale = 1.0
     m_i = tl.full([BLOCK_Q * GROUP_PAD], -1.0e30, tl.float32)
@@ -321,7 +341,7 @@ def _extend_kernel(
             allowed = allowed & (n[None, :] > q_pos[:, None] - WINDOW)
         m_i, l_i, acc = _online_softmax_block(
             q, ptr, kv_mask, allowed, skv_kv, qk_scale, m_i, l_i, acc, KVS + slot * ss_s + kv_head, n_mask, ss_kv,
-            FP8, F16, IEEE,
+            FP8, WIDEN, IEEE,
         )  # fmt: skip
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
     tl.store(OUT + rows[:, None] * so_t + heads[:, None] * so_h + d[None, :], out.to(OUT.dtype.element_ty),
@@ -399,7 +419,7 @@ def extend(
             block_tables.stride(0), out.stride(0), out.stride(1),
             GROUP=group, GROUP_PAD=group_pad, HEAD_DIM=head_dim, BLOCK_D=block_d, PAGE=page_size,
             BLOCK_Q=block_q, BLOCK_N=block_n, WINDOW=sliding_window or 0, SELECT=select, SHORT=short_q,
-            FP8=fp8, F16=fp8 and FP8_F16 and q.dtype != torch.float32, IEEE=q.dtype == torch.float32,
+            FP8=fp8, WIDEN=_widen(fp8, q.dtype), IEEE=q.dtype == torch.float32,
             num_warps=tile.warps, num_stages=tile.stages,
         )  # fmt: skip
     return out
