@@ -80,9 +80,12 @@ def test_greedy_outputs_equal_without_speculation(default_model, prompts, kind) 
     off, on = results["off"], results["ngram"]
     assert on["tokens"] == off["tokens"] and on["text"] == off["text"] and on["finish"] == off["finish"]
     assert on["usage"] == off["usage"]
-    lp_off = [(lp.token_id, round(lp.logprob, 3)) for o in off["outputs"] for d in o.candidates for lp in d.logprobs]
-    lp_on = [(lp.token_id, round(lp.logprob, 3)) for o in on["outputs"] for d in o.candidates for lp in d.logprobs]
-    assert lp_on == lp_off
+    lp_off = [(lp.token_id, lp.logprob) for o in off["outputs"] for d in o.candidates for lp in d.logprobs]
+    lp_on = [(lp.token_id, lp.logprob) for o in on["outputs"] for d in o.candidates for lp in d.logprobs]
+    # The same tokens; a verifying step's (1 + k)-row matmuls round differently from one-row decode, so
+    # the logprobs agree to 1e-3 (not to a rounded third decimal, which flips at a rounding boundary).
+    assert [t for t, _ in lp_on] == [t for t, _ in lp_off]
+    assert max(abs(a - b) for (_, a), (_, b) in zip(lp_on, lp_off, strict=True)) <= 1e-3
     # A step that keeps drafts moves a candidate by several tokens in one output.
     if kind == "copy":
         assert max(len(d.token_ids) for o in on["outputs"] for d in o.candidates) > 1

@@ -116,3 +116,24 @@ def test_two_gloo_ranks_sample_constrained_rows_like_one_process(tiny_checkpoint
     assert outputs[0] == outputs[1]
     for tokens in outputs[0][1::2]:
         assert re.fullmatch("[a-z]{12}", bytes(t for t in tokens if t != 1).decode())
+
+
+def test_two_gloo_ranks_verify_drafts_like_one_process(tiny_checkpoint) -> None:
+    """Speculative decoding over two ranks: every verifying step (1 + k rows per sequence) is run by both
+    shards; the tokens equal one process's without speculation, and drafts were verified."""
+    rng = random.Random(4)
+    prompts = []
+    for length in (3, 5, 7, 11):  # repeated motifs: the drafter finds n-grams
+        motif = [rng.randrange(2, 256) for _ in range(length)]
+        prompts.append(motif * (44 // length))
+    base = dict(model=str(tiny_checkpoint("llama")), device="cpu", num_kv_blocks=128, cpu_packed_gemm=False)
+    single = _greedy(EngineConfig(**base, speculative="off"), prompts)
+    engine = Engine(EngineConfig(**base, speculative="ngram", tensor_parallel_size=2))
+    try:
+        params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+        sharded = [c.candidates[0].token_ids for c in engine.generate(prompts, params)]
+        speculation = engine.stats().speculation
+    finally:
+        engine.shutdown()
+    assert sharded == single
+    assert speculation is not None and speculation.num_draft_tokens > 0

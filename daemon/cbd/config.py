@@ -69,6 +69,7 @@ class EngineConfig:
     # drops to just past what was kept otherwise).
     num_speculative_tokens: int = 8
     # "auto" speculates while at most this many sequences run (beyond, a step costs more per token verified).
+    # Verifying steps get CUDA graphs up to max(this, 8) sequences (with speculation on and cuda_graphs).
     speculative_max_batch: int = 4
     # "auto" (flash-attn if installed and usable, else Triton on CUDA, else torch) | "torch" | "triton" | "flash".
     attention_backend: str = "auto"
