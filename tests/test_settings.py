@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from cbd.server.settings import load_settings
 
@@ -34,6 +35,7 @@ def test_default_listen_address_follows_the_client_default(monkeypatch) -> None:
         ("[servr]\n", "unknown tables"),
         ("[engine]\nblock_size = 12\n", "power of two"),
         ("[server]\nlog_level = 'LOUD'\n", "log_level"),
+        ("[engine]\nblas_library = 'mkl'\n", "blas_library must be 'auto', 'cublas' or 'cublaslt'"),
     ],
 )
 def test_bad_settings_are_errors(tmp_path, toml, match) -> None:  # type: ignore[no-untyped-def]
@@ -46,3 +48,22 @@ def test_bad_settings_are_errors(tmp_path, toml, match) -> None:  # type: ignore
 def test_bad_flag_value_is_an_error() -> None:
     with pytest.raises(ValueError):
         load_settings(["serve", "--warmup", "maybe"])
+
+
+def test_blas_library_flag(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """--blas-library picks torch's BLAS front end on CUDA; "auto" is cuBLASLt; on the CPU nothing is set."""
+    from cbd.model import blas
+
+    monkeypatch.delenv("CBD_BLAS_LIBRARY", raising=False)
+    assert load_settings(["serve"])[0].blas_library == "auto"
+    assert load_settings(["serve", "--blas-library", "cublas"])[0].blas_library == "cublas"
+    assert blas.resolve("auto") == "cublaslt" and blas.resolve("cublas") == "cublas"
+    with pytest.raises(ValueError, match="blas_library"):
+        blas.resolve("rocblas")
+    chosen: list[str] = []
+    monkeypatch.setattr("torch.backends.cuda.preferred_blas_library", chosen.append)
+    blas.select("auto", torch.device("cpu"))
+    assert chosen == []
+    blas.select("auto", torch.device("cuda", 0))
+    blas.select("cublas", torch.device("cuda", 0))
+    assert chosen == ["cublaslt", "cublas"]

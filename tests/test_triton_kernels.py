@@ -69,7 +69,7 @@ def test_decode_kernel_matches_reference(dtype, block_size, heads, window, split
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("queries", [3, 9])
-@pytest.mark.parametrize("heads", [(8, 2), (32, 8), (12, 3)])
+@pytest.mark.parametrize("heads", [(8, 2), (32, 8), (12, 3), (16, 2)])  # GQA 4, 4, 4, 8 (128 rows at 9 queries)
 @pytest.mark.parametrize("window", [None, 24])
 @pytest.mark.parametrize("splits", [1, 4])
 def test_decode_kernel_with_drafts_matches_reference(dtype, queries, heads, window, splits) -> None:
@@ -190,24 +190,26 @@ WIDEN_MODES = [1, 2, 3] if DEVICE == "cuda" else [triton_attention.FP8_WIDEN]
 @pytest.mark.parametrize("splits", [1, 5])
 @pytest.mark.parametrize("window", [None, 700])
 @pytest.mark.parametrize("widen", WIDEN_MODES)
-def test_fp8_decode_kernel_matches_reference(dtype, heads, splits, window, widen, monkeypatch) -> None:
+@pytest.mark.parametrize("queries", [1, 5])
+def test_fp8_decode_kernel_matches_reference(dtype, heads, splits, window, widen, queries, monkeypatch) -> None:
     """Several ranges per sequence (with a window: over its last keys only); one KV head's V is tiny (its
-    scales are far below fp16's normal range) and another's large."""
+    scales are far below fp16's normal range) and another's large. 5 queries: a step verifying 4 drafts."""
     monkeypatch.setattr(triton_attention, "FP8_WIDEN", widen)
     rng = random.Random(heads[0] + splits)
     torch.manual_seed(rng.randrange(1000))
     num_heads, num_kv_heads = heads
     head_dim, block_size = 128, 16
-    context_lens = [rng.randrange(1, 2000) for _ in range(5)] + [1, 256, 257, 1900]
-    kv, layout = _paged_case(rng, block_size, num_kv_heads, head_dim, dtype, [1] * len(context_lens), context_lens)
+    context_lens = [rng.randrange(queries, 2000) for _ in range(5)] + [queries, 256, 257, 1900]
+    kv, layout = _paged_case(rng, block_size, num_kv_heads, head_dim, dtype, [queries] * len(context_lens),
+                             context_lens)  # fmt: skip
     kv = kv.float() * 4
     kv[:, 1, 0] *= 1e-7
     kv[:, 1, 1] *= 1e3
     pool, held = _fp8(kv)
-    q = torch.randn(len(context_lens), num_heads, head_dim, device=DEVICE).to(dtype)
+    q = torch.randn(len(context_lens) * queries, num_heads, head_dim, device=DEVICE).to(dtype)
     scale = head_dim**-0.5
     ours = triton_attention.decode(q, pool, layout.block_tables, layout.context_lens, block_size, scale, splits,
-                                   window)  # fmt: skip
+                                   window, queries)  # fmt: skip
     ref = reference_metadata(layout, block_size, window).attend(q.float(), held, scale)
     group = num_heads // num_kv_heads
     for kv_head in range(num_kv_heads):  # each head against its own magnitude

@@ -69,11 +69,14 @@ class EngineConfig:
     # drops to just past what was kept otherwise).
     num_speculative_tokens: int = 8
     # "auto" speculates while at most this many sequences run (beyond, a step costs more per token verified).
-    # Verifying steps get CUDA graphs up to max(this, 8) sequences (with speculation on and cuda_graphs).
+    # Verifying steps get CUDA graphs up to this many sequences with "auto", max(this, 8) with "ngram"
+    # (never beyond 32 or cuda_graph_max_batch).
     speculative_max_batch: int = 4
     # "auto" (flash-attn if installed and usable, else Triton on CUDA, else torch) | "torch" | "triton" | "flash".
     attention_backend: str = "auto"
-    # Capture CUDA graphs for decode steps before reporting ready.
+    # GEMMs on CUDA: "auto" (cuBLASLt) | "cublas" | "cublaslt" (torch's BLAS front end, process-wide).
+    blas_library: str = "auto"
+    # Capture CUDA graphs for decode steps (and speculative decoding's verifying steps) before reporting ready.
     cuda_graphs: bool = True
     # Largest decode batch with a CUDA graph (capped by max_num_seqs).
     cuda_graph_max_batch: int = 256
@@ -119,6 +122,8 @@ class EngineConfig:
             raise ValueError(
                 f"attention_backend must be 'auto', 'torch', 'triton' or 'flash', got {self.attention_backend!r}"
             )
+        if self.blas_library not in ("auto", "cublas", "cublaslt"):
+            raise ValueError(f"blas_library must be 'auto', 'cublas' or 'cublaslt', got {self.blas_library!r}")
         if self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
         if not self.priority_aging_seconds > 0:

@@ -59,6 +59,7 @@ from cbd.engine.sessions import SessionManager, TurnInput
 from cbd.engine.step_inputs import pack_step
 from cbd.engine.tp_messages import Setup
 from cbd.errors import SettingError, UnknownRequest
+from cbd.model import blas
 from cbd.model.loader import LoadedModel
 
 log = logging.getLogger(__name__)
@@ -91,9 +92,14 @@ class EngineCore:
         self.max_model_len = min(config.max_model_len or spec.max_position_embeddings, num_blocks * bs)
         self.block_manager = BlockManager(num_blocks, bs, config.enable_prefix_caching)
         graph_batch = min(config.cuda_graph_max_batch, config.max_num_seqs) if config.cuda_graphs else 0
-        # Verifying steps get graphs up to the batch where speculation typically runs (auto: its cap).
-        verify_batch = min(graph_batch, max(config.speculative_max_batch, 8)) if config.speculative != "off" else 0
+        # Verifying steps get graphs up to the batch where speculation runs: auto's cap; with "ngram" at least
+        # 8; never beyond 32 (each (batch, queries) graph keeps its own logits rows).
+        verify_batch = {"off": 0, "auto": config.speculative_max_batch}.get(
+            config.speculative, max(config.speculative_max_batch, 8)
+        )
+        verify_batch = min(graph_batch, verify_batch, 32)
         queries = verify_queries(config.num_speculative_tokens) if verify_batch else ()
+        blas.select(config.blas_library, loaded.model.embed_tokens.weight.device)
         self.runner = ModelRunner(
             loaded.model, num_blocks, bs, self.max_model_len, config.attention_backend, graph_batch,
             config.kv_cache_dtype, verify_batch, queries,

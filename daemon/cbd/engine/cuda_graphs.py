@@ -42,6 +42,11 @@ def batch_buckets(max_batch: int) -> list[int]:
     return buckets + [max_batch]
 
 
+# The most query rows (queries x GQA group) of one verifying graph's attention program: beyond, the
+# fp32 accumulator alone would take more registers than a thread has.
+MAX_ROWS = 128
+
+
 def verify_queries(num_speculative_tokens: int) -> tuple[int, ...]:
     """The query counts of the verifying graphs when sequences verify at most that many drafts."""
     most = num_speculative_tokens + 1
@@ -68,7 +73,11 @@ class DecodeGraphs:
         self.block_size = block_size
         self.buckets = batch_buckets(max_batch)
         self.verify_buckets = batch_buckets(min(verify_batch, max_batch)) if verify_batch and verify_queries else []
-        self.queries = sorted(verify_queries) if self.verify_buckets else []
+        # A decode-kernel program holds queries x (the GQA group, to a power of two) rows: at most MAX_ROWS.
+        group = model.spec.num_heads // model.spec.num_kv_heads
+        group_pad = 1 << (group - 1).bit_length()
+        fits = [q for q in verify_queries if q * group_pad <= MAX_ROWS]
+        self.queries = sorted(fits) if self.verify_buckets else []
         most = max(self.queries, default=1)
         # Room past the longest context for the keys that padding queries read (see the module docstring).
         self.width = max_blocks_per_seq + -(-most // block_size)

@@ -130,7 +130,7 @@ class ModelRunner:
         return spec.num_layers * block_size * per_token
 
     def warm_up(self) -> None:
-        """Compile every kernel variant a step can need and capture the decode graphs, so that the
+        """Compile every kernel variant a step can need and capture the decode and verifying graphs, so that the
         first requests after the daemon reports SERVING pay no JIT compilation."""
         if self.broadcast is not None:
             self.broadcast(WarmUp())

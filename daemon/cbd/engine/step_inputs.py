@@ -87,7 +87,8 @@ class StepTensors:
     ids: torch.Tensor  # [T] int64 input ids (0 where carried over)
     qstart: torch.Tensor  # [B + 1] int64 packed row where each sequence's tokens start
     ctx: torch.Tensor  # [batch] int64 context length after this step
-    logits_rows: torch.Tensor  # [S] int64 packed rows whose logits are sampled (one per sampled chunk)
+    logits_rows: torch.Tensor  # [S] int64 rows whose logits are sampled: one per sampled token (a
+    # verifying chunk samples each of its 1 + k), numbered as the forward lays rows out (a verifying graph's padded rows)
     tables: torch.Tensor  # [batch * width] int64 block tables, padded with the scratch block
     row_logits: torch.Tensor | None = None  # [R] index into logits_rows per sample row (forks repeat one)
     query_lens: torch.Tensor | None = None  # [batch] a verifying graph's step: the real tokens of each sequence

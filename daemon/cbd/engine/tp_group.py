@@ -83,6 +83,7 @@ class TensorParallelGroup:
 
 def _worker_main(rank: int, world: int, port: int, values: dict[str, Any]) -> None:
     from cbd.engine.runner import ModelRunner
+    from cbd.model import blas
     from cbd.model.loader import load_model
 
     die_with_parent()  # a rank never outlives the engine that started it (killed, or crashed)
@@ -101,6 +102,7 @@ def _worker_main(rank: int, world: int, port: int, values: dict[str, Any]) -> No
         tensor_parallel=(rank, world),
     )  # fmt: skip
     setup = receive()  # from rank 0's EngineCore
+    blas.select(config.blas_library, device)
     assert isinstance(setup, Setup), setup
     runner = ModelRunner(
         loaded.model, setup.num_blocks, config.block_size, setup.max_model_len, config.attention_backend,

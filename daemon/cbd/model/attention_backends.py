@@ -42,7 +42,8 @@ class AttentionBackend(Protocol):
 
     def prepare(self, layout: BatchLayout, decode_splits: int = 0) -> PreparedAttention:
         """decode_splits > 0 asserts every sequence has exactly max_query_len queries: 1 (a decode step), or
-        1 + k (a step verifying k drafts per sequence, padded to k; the caller knows; no device read)."""
+        1 + k (a step verifying k drafts per sequence; in a verifying graph every sequence is padded to the
+        graph's query count); the caller knows, no device read."""
         ...
 
 

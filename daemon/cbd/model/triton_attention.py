@@ -260,16 +260,17 @@ def decode(
         o_part = lse = out  # unused
     block_d = triton.next_power_of_2(head_dim)
     window = sliding_window or 0
+    rows = max(16, triton.next_power_of_2(queries * group_pad))
+    warps = 8 if rows >= 128 else DECODE_FP8_WARPS if fp8 else 4  # 128 rows: spread the accumulator
     _decode_kernel[(num_seqs, num_kv_heads, splits)](
         q, kv, kvs, block_tables, context_lens, o_part, lse, out, scale,
         q.stride(0), q.stride(1), kv.stride(0), kv.stride(1), kv.stride(2), kvs.stride(0), kvs.stride(1),
         block_tables.stride(0), o_part.stride(0), o_part.stride(1), o_part.stride(2) if splits > 1 else 0,
         lse.stride(0), lse.stride(1), out.stride(0), out.stride(1),
-        GROUP=group, GROUP_PAD=group_pad, ROWS=max(16, triton.next_power_of_2(queries * group_pad)),
+        GROUP=group, GROUP_PAD=group_pad, ROWS=rows,
         QUERIES=queries, HEAD_DIM=head_dim, BLOCK_D=block_d, PAGE=page_size, BLOCK_N=_decode_block_n(block_d, fp8),
         SPLITS=splits, MIN_SPLIT=MIN_SPLIT, WINDOW=window, FP8=fp8, WIDEN=_widen(fp8, q.dtype),
-        IEEE=q.dtype == torch.float32, num_warps=DECODE_FP8_WARPS if fp8 else 4,
-        num_stages=DECODE_FP8_STAGES if fp8 else 2,
+        IEEE=q.dtype == torch.float32, num_warps=warps, num_stages=DECODE_FP8_STAGES if fp8 else 2,
     )  # fmt: skip
     if splits > 1:
         _merge_kernel[(num_tokens, num_heads)](
