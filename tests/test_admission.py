@@ -43,6 +43,10 @@ def test_token_cap_counts_prompt_tokens_and_duplicate_ids_are_invalid() -> None:
     with pytest.raises(CapacityExceeded, match="30 prompt tokens are queued or running, the limit is 50"):
         a.reserve("b", 21)
     a.reserve("b", 20)
+    # A prompt over the cap by itself never fits: refused without a retry hint, naming its own size.
+    with pytest.raises(CapacityExceeded, match="the prompt's 51 tokens are more than the limit of 50") as info:
+        a.reserve("c", 51)
+    assert info.value.retry_after is None
     with pytest.raises(InvalidRequest, match="already in use"):
         a.reserve("a", 1)
     for rid in ("a", "b"):

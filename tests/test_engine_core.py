@@ -247,3 +247,23 @@ def test_a_finished_request_is_out_of_the_stats_its_callback_reads(tiny_loaded) 
     finally:
         engine.shutdown()
     assert seen == [(0, 0, 0)]
+
+
+def test_stats_count_candidates_running_and_waiting(tiny_loaded) -> None:  # type: ignore[no-untyped-def]
+    """A fan-out of n counts n (proto: Stats.running / waiting are sequences, i.e. candidates) before and
+    after its prompt is computed and it forks."""
+    core = make_core(tiny_loaded, max_num_seqs=8)
+    params = SamplingParams(max_tokens=6, temperature=1.0, seed=1, n=4, ignore_eos=True)
+    for _ in range(3):
+        core.add_request(list(range(2, 20)), params)
+    stats = core.stats()
+    assert (stats.num_running, stats.num_waiting) == (0, 12)
+    seen_full = False
+    while core.has_work():
+        checked_step(core)
+        stats = core.stats()
+        assert stats.num_running <= 8 and stats.num_running + stats.num_waiting <= 12
+        if stats.num_running == 8:
+            assert stats.num_waiting == 4  # two fan-outs running (forked or not), the third waiting whole
+            seen_full = True
+    assert seen_full and (stats.num_running, stats.num_waiting) == (0, 0)

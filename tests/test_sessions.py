@@ -166,10 +166,21 @@ def test_session_cap(tiny_loaded) -> None:
     from cbd.errors import CapacityExceeded
 
     core = make_core(tiny_loaded, max_sessions=2)
-    core.sessions.open()
-    core.sessions.open()
-    with pytest.raises(CapacityExceeded):
+    first = core.sessions.open(ttl=30.0)
+    core.sessions.open(ttl=float("inf"))
+    with pytest.raises(CapacityExceeded, match="2 sessions are open, the limit is 2; retry in") as info:
         core.sessions.open()
+    # The hint: when the first idle session with a TTL expires (its seat frees then).
+    assert info.value.retry_after is not None and 29.0 < info.value.retry_after <= 30.0
+    first.last_used -= 29.5
+    with pytest.raises(CapacityExceeded) as info:
+        core.sessions.open()
+    assert info.value.retry_after is not None and info.value.retry_after <= 0.6
+    core.sessions.close(first.session_id)
+    core.sessions.open(ttl=float("inf"))
+    with pytest.raises(CapacityExceeded) as info:  # none can expire: only a close frees a seat
+        core.sessions.open()
+    assert info.value.retry_after == 1.0
 
 
 @pytest.mark.parametrize("num_blocks", [24, 32, 40])
@@ -226,5 +237,22 @@ def test_a_session_whose_turns_are_refused_for_now_does_not_expire(tiny_loaded) 
         time.sleep(2.5)  # left alone, it expires
         with pytest.raises(UnknownSession):
             engine.get_session(session.session_id).result(timeout=10)
+    finally:
+        engine.shutdown()
+
+
+def test_a_session_prefix_must_leave_room_for_a_turn(tiny_loaded) -> None:  # type: ignore[no-untyped-def]
+    """The prefix, a turn's input and one new token must fit: a prefix of at most max_model_len - 2 tokens,
+    and the refusal names the prefix's own length."""
+    from cbd.config import EngineConfig
+    from cbd.engine.engine import Engine
+
+    engine = Engine(EngineConfig(block_size=4, num_kv_blocks=64, max_model_len=40), loaded=tiny_loaded)
+    try:
+        engine.close_session(engine.open_session(token_ids=list(range(2, 40))).result(timeout=10).session_id)
+        with pytest.raises(InvalidRequest, match="the session prefix has 39 tokens; .* at most 40 .* at most 38"):
+            engine.open_session(token_ids=list(range(2, 41)))
+        with pytest.raises(InvalidRequest, match=r"prefix token ids must be in \[0, "):
+            engine.open_session(token_ids=[2, 10**6])
     finally:
         engine.shutdown()

@@ -70,6 +70,25 @@ def test_text_that_only_looks_like_a_call_start_is_released_at_the_end() -> None
     assert text == "a <tool_ca" and calls == {} and parser.calls == []
 
 
+def test_a_call_cut_before_its_name_is_not_text() -> None:
+    """The trigger was written, so the grammar had begun a call: the cut part of it is neither text nor a call."""
+    for cut in range(len(HERMES.trigger), len(HERMES.begin) + 3):
+        parser = ToolCallParser(HERMES)
+        text, calls = fold(parser, ["Sure. " + HERMES.call_text("get_weather", "{}")[:cut]])
+        assert text == "Sure. " and calls == {} and parser.calls == [], cut
+
+
+@pytest.mark.parametrize("fmt", [HERMES, MISTRAL, LLAMA3_JSON], ids=lambda f: f.name)
+def test_calls_only_replies_have_no_text_wherever_they_are_cut(fmt) -> None:  # type: ignore[no-untyped-def]
+    """tool_choice required or named: separators between calls and a call's cut start are not text."""
+    reply = fmt.call_text("get_weather", '{"city": "Paris"}') + "\n" + fmt.call_text("search", '{"q": "x"}')
+    for cut in range(1, len(reply) + 1):
+        parser = ToolCallParser(fmt, calls_only=True)
+        text, calls = fold(parser, list(reply[:cut]))
+        assert text == "", (cut, text)
+        assert [c.name for c in parser.calls] == ["get_weather", "search"][: len(parser.calls)]
+
+
 def test_a_call_cut_short_is_reported_incomplete() -> None:
     parser = ToolCallParser(HERMES)
     _, calls = fold(parser, [HERMES.call_text("get_weather", '{"city": "Pa')[: -len(HERMES.end)]])
@@ -121,8 +140,8 @@ def test_constrained_replies_parse_into_calls_whose_arguments_validate(compiler,
         tokens = walk(state, compiler, seed, max_tokens=600)
         assert state.finished
         reply = b"".join(vocab[t] for t in tokens[:-1]).decode()
-        parser = ToolCallParser(fmt)
-        fold(parser, [reply])
+        parser = ToolCallParser(fmt, calls_only=True)
+        assert fold(parser, [reply])[0] == ""  # the separators between calls are not text
         calls = parser.complete_calls
         assert calls, reply
         if mode is ToolChoiceMode.NAMED:

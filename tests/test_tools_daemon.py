@@ -66,6 +66,23 @@ def test_required_calls_a_given_tool_and_none_never_calls(client) -> None:  # ty
     assert none.candidates[0].tool_calls == [] and none.candidates[0].finish_reason in ("stop", "length")
 
 
+def test_a_reply_of_calls_only_has_no_text_wherever_max_tokens_cuts_it(client) -> None:  # type: ignore[no-untyped-def]
+    """tool_choice required: the separators between calls and a call cut before its name is complete are
+    not text either."""
+    kwargs = dict(tools=TOOLS, tool_choice="required", temperature=0.0, max_tokens=160)
+    full = client.generate(ASK, **kwargs).candidates[0]
+    check_calls(full, set(SCHEMAS))
+    # Where each further call's name is announced: the tokens before it hold the separator and its begin marker.
+    tokens, announced = 0, []
+    for delta in client.stream(ASK, **kwargs):
+        tokens += len(delta.token_ids)
+        announced += [tokens for call in delta.tool_calls if call.name and call.index > 0]
+    cuts = [1, 2, 3] + [at - k for at in announced for k in range(1, 7)]
+    for max_tokens in cuts:
+        cut = client.generate(ASK, **{**kwargs, "max_tokens": max_tokens}).candidates[0]
+        assert cut.text == "" and cut.finish_reason == "length", (max_tokens, cut.text)
+
+
 def test_streamed_call_deltas_add_up_to_the_final_calls(client) -> None:  # type: ignore[no-untyped-def]
     kwargs = dict(tools=TOOLS, tool_choice="get_weather", temperature=0.0, max_tokens=80)
     final = client.generate(ASK, **kwargs).candidates[0].tool_calls

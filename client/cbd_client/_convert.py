@@ -144,7 +144,9 @@ def _set(message: Message, name: str, value: object) -> None:
         else:
             setattr(message, name, value)
     except ValueError:
-        raise invalid(f"{name} must be {'a non-negative integer' if unsigned else 'in range'}, got {value!r}") from None
+        bits = 32 if field.cpp_type == FieldDescriptor.CPPTYPE_UINT32 else 64
+        wanted = f"a non-negative integer below 2^{bits}" if unsigned else "in range"
+        raise invalid(f"{name} must be {wanted}, got {value!r}") from None
     except TypeError:
         raise invalid(f"{name} has the wrong type: got {type(value).__name__} {value!r}") from None
 

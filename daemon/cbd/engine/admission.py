@@ -85,6 +85,11 @@ class Admission:
                     f"{len(self._live)} requests are live, the limit is {max_requests}{kind}; "
                     f"retry in {wait:.2f} s", retry_after=wait,
                 )  # fmt: skip
+            if num_tokens > max_tokens:  # never fits, however many finish: no retry hint
+                raise CapacityExceeded(
+                    f"the prompt's {num_tokens} tokens are more than the limit of {max_tokens} queued prompt "
+                    f"tokens{kind}: it cannot be admitted"
+                )
             if self._tokens + num_tokens > max_tokens:
                 wait = self._retry_after(self._requests_to_free(self._tokens + num_tokens - max_tokens))
                 raise CapacityExceeded(

@@ -298,8 +298,9 @@ class EngineCore:
     def stats(self) -> EngineStats:
         bm = self.block_manager
         return EngineStats(
-            num_running=len(self.scheduler.running),
-            num_waiting=len(self.scheduler.waiting),
+            # Candidates: a fan-out's parent counts for the n it becomes once its prompt is computed.
+            num_running=sum(seq.seats for seq in self.scheduler.running),
+            num_waiting=sum(seq.seats for seq in self.scheduler.waiting),
             num_blocks=bm.num_blocks,
             num_blocks_used=bm.num_used_blocks,
             num_blocks_free=bm.num_free_blocks,

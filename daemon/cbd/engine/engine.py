@@ -27,7 +27,7 @@ from cbd.engine.grammar import CompiledGrammar, GrammarSpec, LazyGrammarCompiler
 from cbd.engine.live import LiveRequest, OutputCallback
 from cbd.engine.outputs import EngineStats, ModelFacts
 from cbd.engine.request_stream import Completion, RequestStream
-from cbd.engine.sampling_params import PRIORITY_BATCH, SamplingParams
+from cbd.engine.sampling_params import PRIORITY_BATCH, SamplingParams, validate_session_prefix
 from cbd.engine.sessions import RETENTION_NORMAL, SessionInfo, TurnInput
 from cbd.errors import CapacityExceeded, EngineStopped
 from cbd.model.loader import LoadedModel
@@ -189,7 +189,7 @@ class Engine:
         self._check_running()
         tokens = list(token_ids or [])
         if tokens:
-            self.core.validate(tokens + [0], SamplingParams())  # room for at least one more token
+            validate_session_prefix(tokens, self.core.loaded.spec.vocab_size, self.core.max_model_len)
         return self._ask(
             lambda f: cmd.OpenSession(ttl, tokens, chat, f, session_id, expected_idle, retention, priority)
         )

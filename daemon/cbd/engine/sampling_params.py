@@ -98,3 +98,15 @@ def validate_request(
         )
     if params.stop and not has_tokenizer:
         raise InvalidRequest("stop strings need a tokenizer, and this checkpoint has none")
+
+
+def validate_session_prefix(prefix: list[int], vocab_size: int, max_model_len: int) -> None:
+    """Raise InvalidRequest for a session prefix that leaves no room for a turn: the context must hold the
+    prefix, a turn's input (at least one token) and at least one new token."""
+    if any(not 0 <= t < vocab_size for t in prefix):
+        raise InvalidRequest(f"prefix token ids must be in [0, {vocab_size})")
+    if len(prefix) + 2 > max_model_len:
+        raise InvalidRequest(
+            f"the session prefix has {len(prefix)} tokens; this engine's context holds at most {max_model_len} "
+            f"(the prefix, a turn's input and at least one new token: a prefix of at most {max_model_len - 2})"
+        )

@@ -174,7 +174,11 @@ class SessionManager:
             if session_id in self.sessions:
                 raise SessionExists(f"a session with id {session_id!r} is open already")
         if len(self.sessions) >= self.max_sessions:
-            raise CapacityExceeded(f"{len(self.sessions)} sessions are open, the limit is {self.max_sessions}")
+            wait = self._next_expiry()
+            raise CapacityExceeded(
+                f"{len(self.sessions)} sessions are open, the limit is {self.max_sessions}; retry in {wait:.2f} s",
+                retry_after=wait,
+            )
         session_id = session_id or f"s-{next(self._ids)}-{secrets.token_hex(6)}"
         session = Session(
             list(token_ids or []), session_id=session_id, ttl=ttl if ttl is not None else self.default_ttl,
@@ -439,6 +443,16 @@ class SessionManager:
             self.close(session_id)
         self.num_expired += len(gone)
         return gone
+
+    def _next_expiry(self, now: float | None = None) -> float:
+        """Seconds until the first idle session's TTL runs out (a seat frees then unless it is used again);
+        1 s when none can expire (every one busy or without a TTL: only a close frees a seat)."""
+        now = now if now is not None else time.monotonic()
+        left = [
+            s.ttl - s.idle_seconds(now) for s in self.sessions.values()
+            if s.busy is None and s.ttl is not None and math.isfinite(s.ttl)
+        ]  # fmt: skip
+        return max(0.1, min(left)) if left else 1.0
 
     # ---- internals ------------------------------------------------------------------------------
     def _adopt(self, session: Session, branch: Branch) -> None:

@@ -40,7 +40,7 @@ from cbd.engine.admission import Admission
 from cbd.engine.grammar import CompiledGrammar, GrammarSpec, LazyGrammarCompiler
 from cbd.engine.live import OutputCallback
 from cbd.engine.outputs import CandidateDelta, EngineStats, ModelFacts, RequestOutput
-from cbd.engine.sampling_params import PRIORITY_BATCH, SamplingParams, validate_request
+from cbd.engine.sampling_params import PRIORITY_BATCH, SamplingParams, validate_request, validate_session_prefix
 from cbd.engine.sequence import FinishReason
 from cbd.engine.sessions import RETENTION_NORMAL, SessionInfo, TurnInput
 from cbd.errors import CapacityExceeded, EngineFailure, EngineStopped
@@ -305,7 +305,7 @@ class RemoteEngine:
         self._check_running()
         tokens = list(token_ids or [])
         if tokens:
-            self.validate(tokens + [0], SamplingParams())  # room for at least one more token
+            validate_session_prefix(tokens, self.facts.vocab_size, self.facts.max_model_len)
         return self._ask(
             lambda call_id: wire.OpenSession(call_id, ttl, tokens, chat, session_id, expected_idle, retention, priority)
         )

@@ -36,7 +36,7 @@ def detach(log_file: str) -> Report:
         if int(status) == 0:
             print(pid)
             print(f"cbd: serving in the background (pid {pid}) on {message}; logs: {log_file}; "
-                  f"stop it with `cbd stop`", file=sys.stderr)  # fmt: skip
+                  f"stop it with {_stop_command(message.split(', '), pid)}", file=sys.stderr)  # fmt: skip
         else:
             print(f"cbd: {message}", file=sys.stderr)
         raise SystemExit(int(status))
@@ -60,6 +60,17 @@ def detach(log_file: str) -> Report:
         os.close(write_fd)
 
     return report
+
+
+def _stop_command(addresses: list[str], pid: int) -> str:
+    """How to stop the daemon that listens on `addresses`: `cbd stop` names its unix socket unless it is
+    the default one; a daemon on TCP alone is stopped by its pid."""
+    from cbd.server.settings import default_listen
+
+    unix = [a for a in addresses if a.startswith("unix:")]
+    if not unix:
+        return f"`kill {pid}` (or start it with --pid-file and use `cbd stop --pid-file FILE`)"
+    return "`cbd stop`" if unix[0] == default_listen() else f"`cbd stop {unix[0]}`"
 
 
 def stop(address: str, pid_file: str | None, timeout: float) -> int:

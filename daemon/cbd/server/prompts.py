@@ -30,7 +30,8 @@ class PromptEncoder:
     def encode(self, message: pb.GenerateRequest | pb.TokenizeRequest, tools: list[Tool] | None = None) -> list[int]:
         kind = message.WhichOneof("input")
         if kind is None:
-            raise InvalidRequest("a prompt is required: set one of text, chat or tokens")
+            inputs = "text, chat or tokens" if isinstance(message, pb.GenerateRequest) else "text or chat"
+            raise InvalidRequest(f"a prompt is required: set one of {inputs}")
         if kind == "tokens":
             return list(message.tokens.ids)
         if kind == "text":

@@ -74,7 +74,9 @@ class CbdService(_Base):
         structured = structure(request, self.prompts.call_format)
         if structured.spec is not None:  # compiled off the event loop and the engine thread; cached by text
             params = replace(params, grammar=await asyncio.to_thread(engine.compile_grammar, structured.spec))
-        replies = convert.ToolCallReplies(self.prompts.call_format) if structured.parse_calls else None
+        replies = (
+            convert.ToolCallReplies(self.prompts.call_format, structured.calls_only) if structured.parse_calls else None
+        )
         # Unbounded: the engine never waits for a stream; one that fell behind gets what piled up merged.
         outputs: asyncio.Queue[RequestOutput] = asyncio.Queue()
         arrived = time.monotonic()

@@ -138,7 +138,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     serve.add_argument("--detach", action="store_true",
                        help="run in the background: return once the daemon listens, print its pid on stdout; "
-                            "logs go to --log-file (default <cache_dir>/cbd.log); stop it with `cbd stop`")  # fmt: skip
+                            "logs go to --log-file (default <cache_dir>/cbd.log); stop it with `cbd stop ADDRESS`")  # fmt: skip
     shown = _shown_defaults()
     for section, cls in _SECTIONS.items():
         group = serve.add_argument_group(section)

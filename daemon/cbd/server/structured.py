@@ -22,6 +22,7 @@ class Structure:
     tools: list[Tool] = field(default_factory=list)  # rendered into the prompt
     spec: GrammarSpec | None = None  # the reply's grammar
     parse_calls: bool = False  # split the reply into text and tool calls
+    calls_only: bool = False  # tool_choice required or named: the reply is calls and nothing else
 
 
 def structure(request: pb.GenerateRequest, fmt: CallFormat) -> Structure:
@@ -39,7 +40,8 @@ def structure(request: pb.GenerateRequest, fmt: CallFormat) -> Structure:
     spec = grammar_for(fmt, tools, choice)
     if spec is not None and len(spec.source.encode()) > MAX_GRAMMAR_BYTES:  # pragma: no cover - GrammarSpec checks
         raise InvalidRequest(f"the tools' schemas are over {MAX_GRAMMAR_BYTES} bytes")
-    return Structure(tools, spec, spec is not None)
+    calls_only = choice.mode in (ToolChoiceMode.REQUIRED, ToolChoiceMode.NAMED)
+    return Structure(tools, spec, spec is not None, spec is not None and calls_only)
 
 
 def _choice(request: pb.GenerateRequest) -> ToolChoice:

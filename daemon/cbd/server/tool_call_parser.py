@@ -5,7 +5,9 @@ announced (id and name) once its name is complete, and its arguments follow as f
 generated. The arguments object ends where its braces balance (strings and escapes respected): the end
 marker of some formats is a bare `}`, which a nested object also contains. The reply was constrained by
 the format's grammar, so what follows the begin marker is well formed; a reply cut by max_tokens may end
-inside a call, whose arguments are then incomplete.
+inside a call, whose arguments are then incomplete, or before its name is complete, when nothing of it
+is announced and nothing of it is text. With calls_only (tool_choice required or named) the grammar lets
+nothing but calls and the separators between them through, so nothing is text.
 """
 
 from __future__ import annotations
@@ -32,8 +34,9 @@ class ToolCall:
 
 
 class ToolCallParser:
-    def __init__(self, fmt: CallFormat) -> None:
+    def __init__(self, fmt: CallFormat, calls_only: bool = False) -> None:
         self.fmt = fmt
+        self.calls_only = calls_only
         self.calls: list[ToolCall] = []
         self._buffer = ""
         self._state = "text"  # text -> name -> arguments -> end -> text
@@ -52,14 +55,15 @@ class ToolCallParser:
         return "".join(out), deltas
 
     def finish(self) -> str:
-        """The reply has ended: text still held back is text after all."""
+        """The reply has ended: text still held back is text after all, unless it is a call's start (the
+        trigger was written, so the grammar had begun a call that the end cut short)."""
         if self._state == "end":  # the arguments balanced; only (part of) the end marker was left
             self.calls[-1].complete = True
             self._state, self._buffer = "text", ""
         if self._state != "text":
             return ""
         rest, self._buffer = self._buffer, ""
-        return rest
+        return "" if self.calls_only or rest.startswith(self.fmt.trigger) else rest
 
     @property
     def complete_calls(self) -> list[ToolCall]:
@@ -70,10 +74,12 @@ class ToolCallParser:
         at = self._buffer.find(begin)
         if at < 0:
             keep = _partial_suffix(self._buffer, begin)
-            out.append(self._buffer[: len(self._buffer) - keep])
+            if not self.calls_only:
+                out.append(self._buffer[: len(self._buffer) - keep])
             self._buffer = self._buffer[len(self._buffer) - keep :]
             return False
-        out.append(self._buffer[:at])
+        if not self.calls_only:
+            out.append(self._buffer[:at])
         self._buffer = self._buffer[at + len(begin) :]
         self._state = "name"
         return True
