@@ -99,6 +99,26 @@ def test_fork_isolation(tiny_loaded) -> None:
     assert core.block_manager.num_used_blocks == 0
 
 
+def test_after_a_one_candidate_turn_candidate_zero_names_the_history(tiny_loaded) -> None:  # type: ignore[no-untyped-def]
+    """Fork and turn alike: 0 is the last turn's one candidate (the history); any other is INVALID_ARGUMENT."""
+    core = make_core(tiny_loaded, block_size=4)
+    trunk = core.sessions.open()
+    _turn(core, trunk.session_id, [3, 4, 5, 6])
+    branch = core.sessions.fork(trunk.session_id, candidate=0)
+    assert branch.token_ids == trunk.token_ids
+    for bad in (lambda: core.sessions.fork(trunk.session_id, candidate=1),
+                lambda: core.add_session_turn(trunk.session_id, [7], GREEDY, parent_candidate=1)):  # fmt: skip
+        with pytest.raises(InvalidRequest, match="names a candidate of the last turn, and it had only one"):
+            bad()
+    assert (
+        _turn(core, branch.session_id, [7], parent_candidate=0)["tokens"]
+        == _turn(core, trunk.session_id, [7])["tokens"]
+    )
+    for s in (trunk, branch):
+        core.sessions.close(s.session_id)
+    assert core.block_manager.num_used_blocks == 0
+
+
 def test_eviction_under_a_small_pool_keeps_every_answer(tiny_loaded) -> None:
     rng = random.Random(7)
     scripts = [_turns(rng, 4) for _ in range(6)]

@@ -5,6 +5,7 @@ final calls, a three-turn tool loop in a session reuses its KV, and bad input is
 from __future__ import annotations
 
 import json
+import math
 
 import grpc
 import jsonschema
@@ -103,8 +104,11 @@ def test_json_schema_and_regex_response_formats(client) -> None:  # type: ignore
             assert c.finish_reason == "stop"
             jsonschema.validate(json.loads(c.text), WEATHER)
     answer = client.generate("Is the sky blue? Answer:", response_format={"type": "regex", "regex": " (yes|no)"},
-                             temperature=0.0, max_tokens=10).candidates[0]  # fmt: skip
+                             temperature=0.0, max_tokens=10, logprobs=5).candidates[0]  # fmt: skip
     assert answer.text in (" yes", " no") and answer.finish_reason == "stop"
+    # Alternatives are tokens the grammar allows: fewer than asked where it allows fewer, never one at -inf.
+    assert all(math.isfinite(v) for lp in answer.logprobs for _, v in lp.top)
+    assert min(len(lp.top) for lp in answer.logprobs) < 5
 
 
 def test_a_three_turn_tool_loop_in_a_session_reuses_its_kv(client) -> None:  # type: ignore[no-untyped-def]

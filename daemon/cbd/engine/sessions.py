@@ -215,8 +215,6 @@ class SessionManager:
         source = self.get(session_id)
         if source.busy is not None:
             raise SessionBusy(f"session {session_id!r} has a turn in flight; fork it when the turn ends")
-        if candidate is not None and not source.branches:
-            raise InvalidRequest(f"candidate {candidate} does not exist: session {session_id!r} has none pending")
         base = self.pending_base(source, candidate, "candidate")
         child = self.open(
             ttl if ttl is not None else source.ttl, base.token_ids, source.is_chat, new_session_id,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 
 from cbd.engine.outputs import RequestOutput, Usage
@@ -93,7 +94,8 @@ def response(
             c.tool_calls.add(index=call.index, id=call.id, name=call.name, arguments=call.arguments)
         text_of = token_text or _no_text
         for lp in delta.logprobs or ():
-            top = [pb.TopLogprob(token_id=t, logprob=v, token=text_of(t)) for t, v in lp.top]
+            # Tokens a grammar forbids (logprob -inf) are no alternatives.
+            top = [pb.TopLogprob(token_id=t, logprob=v, token=text_of(t)) for t, v in lp.top if v != -math.inf]
             c.logprobs.add(token_id=lp.token_id, logprob=lp.logprob, top=top, token=text_of(lp.token_id))
         if delta.usage is not None:
             c.usage.CopyFrom(_usage(delta.usage))
