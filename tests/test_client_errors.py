@@ -113,6 +113,7 @@ def test_cli_prints_one_line_for_daemon_refusals_and_answers_on_stdout(tiny_chec
             (["--max-tokens", "-1", "hi"], "max_tokens must be a non-negative integer"),
             (["--stop", "", "--raw", "hi"], "stop strings must not be empty"),
             (["--raw", "-n", "100", "hi"], "INVALID_ARGUMENT"),
+            (["-n", "0", "hi"], "n must be at least 1, got 0"),
         ):
             proc = run_client("--address", d.address, *args)
             assert proc.returncode == 1 and proc.stdout == "", (args, proc.stdout, proc.stderr)

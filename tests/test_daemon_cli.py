@@ -206,6 +206,12 @@ def test_help_says_what_each_flag_means_with_its_real_default(monkeypatch) -> No
     assert config.returncode == 0 and "--print-defaults" in config.stdout
     top = subprocess.run([*CBD, "--help"], capture_output=True, text=True, timeout=60).stdout
     assert all(command in top for command in ("serve", "stop", "config"))
+    # `cbd config --print-defaults | head`: a reader that goes away ends it quietly (141, as a shell's SIGPIPE).
+    cut = subprocess.Popen([sys.executable, "-m", "cbd.cli", "config", "--print-defaults"], stdout=subprocess.PIPE,
+                           stderr=subprocess.PIPE, text=True)  # fmt: skip
+    assert cut.stdout is not None and cut.stderr is not None
+    cut.stdout.close()
+    assert cut.stderr.read() == "" and cut.wait(60) == 141
 
 
 @pytest.mark.slow

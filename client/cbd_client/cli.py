@@ -89,6 +89,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="seconds to wait for a daemon that is still loading its model (default 120); with no "
                              "daemon at the address (no socket file, connection refused) the client fails at once")  # fmt: skip
     args = parser.parse_args(argv)
+    if args.n < 1:  # one line, status 1, as every other bad value
+        print(f"cbd-client: INVALID_ARGUMENT: n must be at least 1, got {args.n}", file=sys.stderr)
+        return 1
     try:
         with Client(args.address) as client:
             client.wait_ready(args.wait, on_wait=lambda message: print(f"cbd-client: {message}", file=sys.stderr))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 
 
@@ -13,7 +14,11 @@ def main(argv: list[str] | None = None) -> int:
         return gateway(argv[1:])
     from cbd.server.app import main as daemon
 
-    return daemon(argv)
+    try:
+        return daemon(argv)
+    except BrokenPipeError:  # the reader went away (`cbd config --print-defaults | head`)
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error at exit's flush
+        return 141
 
 
 if __name__ == "__main__":

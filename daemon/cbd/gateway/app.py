@@ -21,6 +21,7 @@ from typing import Any
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
@@ -338,6 +339,13 @@ def create_app(daemon: str, timeout: float = 600.0) -> Starlette:
         assert isinstance(exc, ApiError)
         return exc.response()
 
+    async def on_http_error(request: Request, exc: Exception) -> Response:
+        """Unknown routes and wrong methods in the API's error shape too."""
+        assert isinstance(exc, HTTPException)
+        kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+        message = f"{request.method} {request.url.path}: {exc.detail}"
+        return ApiError(exc.status_code, message, kind, headers=dict(exc.headers or {})).response()
+
     app = Starlette(
         routes=[
             Route("/v1/chat/completions", gateway.chat, methods=["POST"]),
@@ -346,7 +354,7 @@ def create_app(daemon: str, timeout: float = 600.0) -> Starlette:
             Route("/v1/models/{model:path}", gateway.model_card, methods=["GET"]),
             Route("/health", gateway.health, methods=["GET"]),
         ],
-        exception_handlers={ApiError: on_error},
+        exception_handlers={ApiError: on_error, HTTPException: on_http_error},
         lifespan=lifespan,
     )
     app.state.gateway = gateway

@@ -22,6 +22,7 @@ from cbd_client.structured import set_response_format, set_tools
 from cbd_client.v1 import cbd_pb2 as pb
 
 _ROLES = {"developer": "system"}
+_KNOWN_ROLES = ("system", "developer", "user", "assistant", "tool")
 MAX_TOP_LOGPROBS = 20
 
 
@@ -58,6 +59,14 @@ def chat_call(body: dict[str, Any], session_header: str | None) -> Call:
     elif tool_choice not in (None, "none", "auto"):
         raise bad_request("tool_choice needs tools", "tool_choice")
     response_format = body.get("response_format")
+    if response_format is not None:
+        kind = response_format.get("type") if isinstance(response_format, dict) else None
+        if kind not in ("text", "json_object", "json_schema"):
+            raise bad_request(
+                f"response_format.type must be 'text', 'json_object' or 'json_schema', got {kind!r}", "response_format"
+            )
+        if kind == "json_schema" and not isinstance(response_format.get("json_schema"), dict):
+            raise bad_request("response_format.json_schema must be an object holding the schema", "response_format")
     if isinstance(response_format, dict) and response_format.get("type") == "text":
         response_format = None
     if response_format is not None:
@@ -82,8 +91,8 @@ def completion_call(body: dict[str, Any]) -> Call:
         raise bad_request("echo is not supported", "echo")
     if body.get("suffix"):
         raise bad_request("suffix is not supported", "suffix")
-    n = _int(body, "n", 1, 1, 1 << 16)
-    if _int(body, "best_of", n, 1, 1 << 16) != n:
+    n = _int(body, "n", 1, 1, (1 << 16) - 1)
+    if _int(body, "best_of", n, 1, (1 << 16) - 1) != n:
         raise bad_request("best_of other than n is not supported", "best_of")
     logprobs = None if body.get("logprobs") is None else _int(body, "logprobs", 0, 0, MAX_TOP_LOGPROBS)
     requests = []
@@ -98,6 +107,10 @@ def chat_message(m: Any, i: int) -> dict[str, Any]:
     """A message as the daemon takes it: text content, the role's canonical name, tool fields kept."""
     if not isinstance(m, dict) or not isinstance(m.get("role"), str):
         raise bad_request(f"messages[{i}] must be an object with a string 'role'", f"messages[{i}]")
+    if m["role"] not in _KNOWN_ROLES:
+        raise bad_request(
+            f"messages[{i}].role must be one of {', '.join(_KNOWN_ROLES)}, got {m['role']!r}", f"messages[{i}].role"
+        )
     content = m.get("content")
     if isinstance(content, list):
         texts = []
@@ -123,18 +136,18 @@ def chat_message(m: Any, i: int) -> dict[str, Any]:
 
 
 def _request(body: dict[str, Any], logprobs: int | None) -> pb.GenerateRequest:
-    request = pb.GenerateRequest(n=_int(body, "n", 1, 1, 1 << 16))
+    request = pb.GenerateRequest(n=_int(body, "n", 1, 1, (1 << 16) - 1))
     s = request.sampling
-    max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
-    if max_tokens is not None:
-        s.max_tokens = _int({"max_tokens": max_tokens}, "max_tokens", 1, 1, 1 << 31)
+    name = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
+    if body.get(name) is not None:
+        s.max_tokens = _int(body, name, 1, 1, (1 << 31) - 1)
     for name in ("temperature", "top_p", "min_p"):
         if body.get(name) is not None:
             setattr(s, name, _float(body, name))
     if body.get("top_k") is not None:
-        s.top_k = max(0, _int(body, "top_k", 0, -1, 1 << 31))  # -1 disables, as 0 does here
+        s.top_k = max(0, _int(body, "top_k", 0, -1, (1 << 31) - 1))  # -1 disables, as 0 does here
     if body.get("seed") is not None:
-        s.seed = _int(body, "seed", 0, -(1 << 63), 1 << 64) % (1 << 63)
+        s.seed = _int(body, "seed", 0, -(1 << 63), (1 << 64) - 1) % (1 << 63)
     stop = body.get("stop")
     if isinstance(stop, str):
         s.stop.append(stop)
@@ -181,11 +194,12 @@ def _include_usage(body: dict[str, Any]) -> bool:
 
 
 def _int(body: dict[str, Any], name: str, default: int, low: int, high: int) -> int:
+    """body[name] (default when absent), an integer from low to high, both included."""
     value = body.get(name)
     if value is None:
         return default
-    if isinstance(value, bool) or not isinstance(value, int) or not low <= value < high:
-        raise bad_request(f"{name} must be an integer in [{low}, {high}), got {value!r}", name)
+    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+        raise bad_request(f"{name} must be an integer from {low} to {high}, got {value!r}", name)
     return value
 
 
