@@ -121,7 +121,9 @@ def test_tool_calls_are_parsed_and_their_arguments_validate(stack) -> None:  # t
                                             max_tokens=80, temperature=0, stream=True)  # fmt: skip
     arguments: dict[int, str] = {}
     for chunk in stream:
-        for d in chunk.choices[0].delta.tool_calls or ():
+        pieces = chunk.choices[0].delta.tool_calls or []
+        assert len({d.index for d in pieces}) == len(pieces)  # one entry per call in a chunk
+        for d in pieces:
             arguments[d.index] = arguments.get(d.index, "") + (d.function.arguments or "")
     assert arguments[0] == calls[0].function.arguments
     # The tool's result goes back, and the model answers in text.

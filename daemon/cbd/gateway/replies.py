@@ -120,14 +120,14 @@ class Reply:
         if c.text or "role" in delta:
             delta["content"] = c.text
         if c.tool_calls:
-            calls = []
+            calls: dict[int, dict[str, Any]] = {}  # one entry per call in a chunk, as the API streams them
             for t in c.tool_calls:
-                call: dict[str, Any] = {"index": t.index, "function": {"arguments": t.arguments}}
+                call = calls.setdefault(t.index, {"index": t.index, "function": {"arguments": ""}})
+                call["function"]["arguments"] += t.arguments
                 if t.id:
                     call.update(id=t.id, type="function")
                     call["function"]["name"] = t.name
-                calls.append(call)
-            delta["tool_calls"] = calls
+            delta["tool_calls"] = list(calls.values())
         logprobs = {"content": chat_logprobs(c)} if self.logprobs is not None and c.logprobs else None
         finish = FINISH.get(c.finish_reason) if c.finish_reason else None
         choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
