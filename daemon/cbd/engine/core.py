@@ -94,10 +94,11 @@ class EngineCore:
         graph_batch = min(config.cuda_graph_max_batch, config.max_num_seqs) if config.cuda_graphs else 0
         # Verifying steps get graphs up to the batch where speculation runs: auto's cap; with "ngram" at least
         # 8; never beyond 32 (each (batch, queries) graph keeps its own logits rows).
-        verify_batch = {"off": 0, "auto": config.speculative_max_batch}.get(
-            config.speculative, max(config.speculative_max_batch, 8)
-        )
-        verify_batch = min(graph_batch, verify_batch, 32)
+        verify_batch = 0
+        if config.speculative == "auto":
+            verify_batch = min(graph_batch, config.speculative_max_batch, 32)
+        elif config.speculative == "ngram":
+            verify_batch = min(graph_batch, max(config.speculative_max_batch, 8), 32)
         queries = verify_queries(config.num_speculative_tokens) if verify_batch else ()
         blas.select(config.blas_library, loaded.model.embed_tokens.weight.device)
         self.runner = ModelRunner(

@@ -91,6 +91,14 @@ class Session(Branch):
 RETENTION_LOW, RETENTION_NORMAL, RETENTION_HIGH = -1, 0, 1
 
 
+def _expires_in(session: Session, now: float) -> float | None:
+    """Seconds until an idle session's TTL runs out (negative: past it); None while a turn is in flight or
+    without a finite TTL."""
+    if session.busy is not None or session.ttl is None or not math.isfinite(session.ttl):
+        return None
+    return session.ttl - session.idle_seconds(now)
+
+
 @dataclass(slots=True)
 class SessionInfo:
     session_id: str
@@ -433,10 +441,7 @@ class SessionManager:
 
     def expire(self, now: float | None = None) -> list[str]:
         now = now if now is not None else time.monotonic()
-        gone = [
-            s.session_id for s in self.sessions.values()
-            if s.busy is None and s.ttl is not None and s.idle_seconds(now) > s.ttl
-        ]  # fmt: skip
+        gone = [s.session_id for s in self.sessions.values() if (_expires_in(s, now) or 0.0) < 0]
         for session_id in gone:
             self.close(session_id)
         self.num_expired += len(gone)
@@ -446,10 +451,7 @@ class SessionManager:
         """Seconds until the first idle session's TTL runs out (a seat frees then unless it is used again);
         1 s when none can expire (every one busy or without a TTL: only a close frees a seat)."""
         now = now if now is not None else time.monotonic()
-        left = [
-            s.ttl - s.idle_seconds(now) for s in self.sessions.values()
-            if s.busy is None and s.ttl is not None and math.isfinite(s.ttl)
-        ]  # fmt: skip
+        left = [t for s in self.sessions.values() if (t := _expires_in(s, now)) is not None]
         return max(0.1, min(left)) if left else 1.0
 
     # ---- internals ------------------------------------------------------------------------------

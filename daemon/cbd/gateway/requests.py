@@ -67,10 +67,8 @@ def chat_call(body: dict[str, Any], session_header: str | None) -> Call:
             )
         if kind == "json_schema" and not isinstance(response_format.get("json_schema"), dict):
             raise bad_request("response_format.json_schema must be an object holding the schema", "response_format")
-    if isinstance(response_format, dict) and response_format.get("type") == "text":
-        response_format = None
-    if response_format is not None:
-        _convert(lambda: set_response_format(request, response_format))
+        if kind != "text":  # text: no grammar
+            _convert(lambda: set_response_format(request, response_format))
     key = body.get("cbd_session") or session_header
     if key is not None and not isinstance(key, str):
         raise bad_request("cbd_session must be a string", "cbd_session")
