@@ -196,17 +196,18 @@ def test_errors_have_the_apis_statuses(stack) -> None:  # type: ignore[no-untype
         client.models.retrieve("no-such-model")
     for fmt, match in (({"type": "xml"}, "response_format.type must be"),
                        ({"type": "json_schema"}, "response_format.json_schema must be an object")):  # fmt: skip
-        with pytest.raises(openai.BadRequestError) as bad:
+        with pytest.raises(openai.BadRequestError) as bad:  # the ignore below: a type the SDK does not know, on purpose
             client.chat.completions.create(model="m", messages=ASK, max_tokens=2, response_format=fmt)  # type: ignore[arg-type]
         assert match in bad.value.message
     with pytest.raises(openai.BadRequestError) as bad:
         client.chat.completions.create(model="m", messages=ASK, max_completion_tokens=0)
     assert "max_completion_tokens must be an integer from 1" in bad.value.message
-    with pytest.raises(openai.BadRequestError) as bad:
+    with pytest.raises(openai.BadRequestError) as bad:  # the ignore below: a role the SDK does not know, on purpose
         client.chat.completions.create(model="m", messages=[{"role": "wizard", "content": "hi"}], max_tokens=2)  # type: ignore[list-item,misc]
     assert "messages[0].role must be one of" in bad.value.message
     with pytest.raises(openai.NotFoundError) as missing:  # unknown routes answer in the API's error shape too
         client.get("/no/such/route", cast_to=object)
+    # The SDK types the error body as object; it is the API's error dict.
     assert missing.value.body["message"] == "GET /v1/no/such/route: Not Found"  # type: ignore[index]
     # The API's bounds are inclusive: 20 alternatives is the most, and allowed.
     most = client.chat.completions.create(model="m", messages=ASK, max_tokens=1, logprobs=True, top_logprobs=20)
