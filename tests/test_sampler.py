@@ -96,3 +96,31 @@ def test_noise_never_reaches_one_so_a_token_without_probability_is_never_drawn()
     allowed = torch.arange(rows) % vocab
     logits[torch.arange(rows), allowed] = 0.0  # one possible token per row
     assert sample(logits, b).token_ids.tolist() == allowed.tolist()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("tiny", [1e-45, 1e-300])
+def test_a_temperature_below_the_floor_is_greedy_with_finite_logprobs(dtype, tiny) -> None:  # type: ignore[no-untyped-def]
+    from cbd.engine.sampling_params import MIN_TEMPERATURE, SamplingParams
+
+    assert SamplingParams(temperature=tiny).greedy and not SamplingParams(temperature=MIN_TEMPERATURE).greedy
+    torch.manual_seed(3)
+    logits = (torch.randn(64, 300) * 8).to(dtype)
+    # Every other row samples at temperature 1, so the sampling path runs beside the tiny-temperature rows.
+    temperatures = [tiny if i % 2 == 0 else 1.0 for i in range(64)]
+    result = sample(logits, batch(64, temperature=temperatures, seed=list(range(64)), max_logprobs=3))
+    greedy = logits.argmax(-1)
+    assert result.token_ids[0::2].tolist() == greedy[0::2].tolist()
+    assert result.token_ids[1::2].tolist() != greedy[1::2].tolist()  # the others did sample
+    assert result.logprobs is not None and result.top_logprobs is not None
+    assert bool(result.logprobs.isfinite().all() and result.top_logprobs.isfinite().all())
+
+
+def test_a_row_whose_scaled_logits_overflow_is_greedy_not_drawn_from_infinities() -> None:
+    # Legal temperature, huge logits: both leaders overflow to +inf (and the softmax of top_p to NaN), where
+    # an argmax over the noisy scores would take the first inf (token 0), not the most likely token (1).
+    logits = torch.tensor([[1e35, 2e35, 0.0, 1.0], [0.0, 1.0, 0.5, 0.2]])
+    for seed in range(20):
+        for kw in ({}, {"top_p": 0.9}):
+            result = sample(logits, batch(2, temperature=[1e-4, 0.0], seed=seed, **kw))
+            assert result.token_ids.tolist() == [1, 1]

@@ -35,6 +35,8 @@ def test_default_listen_address_follows_the_client_default(monkeypatch) -> None:
         ("[servr]\n", "unknown tables"),
         ("[engine]\nblock_size = 12\n", "power of two"),
         ("[server]\nlog_level = 'LOUD'\n", "log_level"),
+        ("[server]\nmetrics_max_connections = 0\n", "metrics_max_connections must be >= 1"),
+        ("[server]\nmetrics_auth_token_file = '/x'\n", "metrics_auth_token_file needs metrics_port"),
         ("[engine]\nblas_library = 'mkl'\n", "blas_library must be 'auto', 'cublas' or 'cublaslt'"),
     ],
 )

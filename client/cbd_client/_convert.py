@@ -67,7 +67,7 @@ def set_prompt(message: pb.GenerateRequest | pb.TokenizeRequest | pb.OpenSession
 
 _REQUEST_OPTIONS = frozenset(
     {"request_id", "session_id", "parent_candidate", "tools", "tool_choice", "response_format", "expected_idle_ms",
-     "retention", "priority", "tenant", "affinity"}
+     "retention", "priority", "tenant", "affinity", "allow_special_tokens"}
 )  # fmt: skip
 
 _RETENTION = {"low": pb.RETENTION_LOW, "normal": pb.RETENTION_NORMAL, "high": pb.RETENTION_HIGH}
@@ -122,6 +122,8 @@ def generate_request(prompt: Prompt, n: int, options: dict[str, Any]) -> pb.Gene
     set_priority(request, options.get("priority"))
     if options.get("tenant") is not None:
         _set(request, "tenant", options["tenant"])
+    if options.get("allow_special_tokens"):  # raw mode: special-token strings in a text prompt are tokens
+        _set(request, "allow_special_tokens", True)
     set_prompt(request, prompt)
     set_tools(request, options.get("tools"), options.get("tool_choice"))
     set_response_format(request, options.get("response_format"))

@@ -93,8 +93,8 @@ class AsyncClient:
             call.cancel()
             await self._learn(key, call)
 
-    async def tokenize(self, prompt: str | list[dict[str, str]]) -> list[int]:
-        request = pb.TokenizeRequest()
+    async def tokenize(self, prompt: str | list[dict[str, str]], allow_special_tokens: bool = False) -> list[int]:
+        request = pb.TokenizeRequest(allow_special_tokens=allow_special_tokens)
         _convert.set_prompt(request, prompt)
         return list((await self._call(self._stub.Tokenize, request)).token_ids)
 
@@ -115,9 +115,15 @@ class AsyncClient:
         info = _convert.session_info(await self._call(self._stub.OpenSession, request, sid))
         return AsyncSession(self, info, prefix, ttl, recover)
 
-    async def get_session(self, session_id: str) -> SessionInfo:
-        request = pb.GetSessionRequest(session_id=session_id)
+    async def get_session(self, session_id: str, tenant: str = "") -> SessionInfo:
+        """As Client.get_session."""
+        request = pb.GetSessionRequest(session_id=session_id, tenant=tenant)
         return _convert.session_info(await self._call(self._stub.GetSession, request, session_id))
+
+    async def list_sessions(self, all_tenants: bool = False) -> list[SessionInfo]:
+        """As Client.list_sessions."""
+        reply = await self._call(self._stub.ListSessions, pb.ListSessionsRequest(all_tenants=all_tenants))
+        return [_convert.session_info(s) for s in reply.sessions]
 
     async def fork_session(
         self, session_id: str, candidate: int | None = None, ttl: float | None = None, new_session_id: str | None = None
@@ -129,8 +135,10 @@ class AsyncClient:
             request.candidate = candidate
         return _convert.session_info(await self._call(self._stub.ForkSession, request, session_id))
 
-    async def close_session(self, session_id: str) -> None:
-        await self._call(self._stub.CloseSession, pb.CloseSessionRequest(session_id=session_id), session_id)
+    async def close_session(self, session_id: str, tenant: str = "") -> None:
+        """As Client.close_session."""
+        request = pb.CloseSessionRequest(session_id=session_id, tenant=tenant)
+        await self._call(self._stub.CloseSession, request, session_id)
 
     async def wait_ready(self, timeout: float = 120.0, on_wait: Callable[[str], None] | None = None) -> ModelInfo:
         """As Client.wait_ready: fail at once where no daemon listens, wait while one is loading."""

@@ -106,8 +106,9 @@ class Client:
             call.cancel()  # a no-op once the stream has ended
             self._learn(key, call)
 
-    def tokenize(self, prompt: str | list[dict[str, str]]) -> list[int]:
-        request = pb.TokenizeRequest()
+    def tokenize(self, prompt: str | list[dict[str, str]], allow_special_tokens: bool = False) -> list[int]:
+        """allow_special_tokens: special-token strings in a text prompt become their tokens (raw mode)."""
+        request = pb.TokenizeRequest(allow_special_tokens=allow_special_tokens)
         _convert.set_prompt(request, prompt)
         return list(self._call(self._stub.Tokenize, request).token_ids)
 
@@ -133,9 +134,15 @@ class Client:
         info = _convert.session_info(self._call(self._stub.OpenSession, request, sid))
         return Session(self, info, prefix, ttl, recover)
 
-    def get_session(self, session_id: str) -> SessionInfo:
-        request = pb.GetSessionRequest(session_id=session_id)
+    def get_session(self, session_id: str, tenant: str = "") -> SessionInfo:
+        """tenant: the admin token only, another tenant's session (see the proto's Tenants)."""
+        request = pb.GetSessionRequest(session_id=session_id, tenant=tenant)
         return _convert.session_info(self._call(self._stub.GetSession, request, session_id))
+
+    def list_sessions(self, all_tenants: bool = False) -> list[SessionInfo]:
+        """The caller's open sessions (every tenant's: the admin token with all_tenants)."""
+        reply = self._call(self._stub.ListSessions, pb.ListSessionsRequest(all_tenants=all_tenants))
+        return [_convert.session_info(s) for s in reply.sessions]
 
     def fork_session(
         self, session_id: str, candidate: int | None = None, ttl: float | None = None, new_session_id: str | None = None
@@ -148,8 +155,10 @@ class Client:
             request.candidate = candidate
         return _convert.session_info(self._call(self._stub.ForkSession, request, session_id))
 
-    def close_session(self, session_id: str) -> None:
-        self._call(self._stub.CloseSession, pb.CloseSessionRequest(session_id=session_id), session_id)
+    def close_session(self, session_id: str, tenant: str = "") -> None:
+        """tenant: as get_session's."""
+        request = pb.CloseSessionRequest(session_id=session_id, tenant=tenant)
+        self._call(self._stub.CloseSession, request, session_id)
 
     def wait_ready(self, timeout: float = 120.0, on_wait: Callable[[str], None] | None = None) -> ModelInfo:
         """Block until the daemon is up and warm. No daemon at the address (no socket file, connection

@@ -143,3 +143,4 @@ class SessionInfo:
     expected_idle_ms: int | None = None  # the retention hints in force
     retention: str = "normal"  # "low" | "normal" | "high"
     priority: str = "interactive"  # its turns' class: "interactive" | "batch"
+    tenant: str = ""  # the tenant that owns it ("" on a daemon without auth)

@@ -84,6 +84,20 @@ class EngineConfig:
     # affinity mask). On a shared host, set it to the cores cbd may use alone: oversubscribed threads slow
     # every step many times over.
     num_threads: int = 0
+    # Structured output: grammars (JSON schemas, regexes, EBNF, tool sets) compile in this many worker
+    # processes at most at once; further compiles wait their turn (requests without a grammar never do).
+    grammar_compile_workers: int = 2
+    # Seconds one grammar may take to compile; past it its worker is killed and the request is refused
+    # (INVALID_ARGUMENT naming this limit). Time waiting for a free worker is not counted.
+    grammar_compile_timeout: float = 10.0
+    # MiB of memory (address space) one grammar's compile may take; past it the request is refused.
+    grammar_compile_memory_mib: int = 1024
+    # Milliseconds the host may spend filling one constrained candidate's token mask for one step; a
+    # request whose masks take longer in grammar_mask_budget_steps consecutive steps ends with an error
+    # ("grammar too expensive"), so one pathological grammar cannot slow the batch.
+    grammar_mask_budget_ms: float = 20.0
+    # Consecutive steps over grammar_mask_budget_ms after which the request is ended.
+    grammar_mask_budget_steps: int = 3
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
@@ -138,6 +152,16 @@ class EngineConfig:
             raise ValueError(f"cuda_graph_max_batch must be >= 1, got {self.cuda_graph_max_batch}")
         if self.num_threads < 0:
             raise ValueError(f"num_threads must be >= 0, got {self.num_threads}")
+        if self.grammar_compile_workers < 1:
+            raise ValueError(f"grammar_compile_workers must be >= 1, got {self.grammar_compile_workers}")
+        if not self.grammar_compile_timeout > 0:
+            raise ValueError(f"grammar_compile_timeout must be > 0, got {self.grammar_compile_timeout}")
+        if self.grammar_compile_memory_mib < 64:
+            raise ValueError(f"grammar_compile_memory_mib must be >= 64, got {self.grammar_compile_memory_mib}")
+        if not self.grammar_mask_budget_ms > 0:
+            raise ValueError(f"grammar_mask_budget_ms must be > 0, got {self.grammar_mask_budget_ms}")
+        if self.grammar_mask_budget_steps < 1:
+            raise ValueError(f"grammar_mask_budget_steps must be >= 1, got {self.grammar_mask_budget_steps}")
         if not (self.device == "auto" or self.device == "cpu" or self.device.startswith("cuda")):
             raise ValueError(f"device must be 'auto', 'cpu' or 'cuda[:N]', got {self.device!r}")
 

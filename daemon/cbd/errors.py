@@ -46,6 +46,11 @@ class SessionExists(CbdError):
     """A session with the proposed id is open already (ALREADY_EXISTS)."""
 
 
+class PermissionDenied(CbdError):
+    """The caller may not ask this, whatever the object it names (PERMISSION_DENIED): e.g. another
+    tenant's namespace without the admin token. Never raised for an id that is merely someone else's."""
+
+
 class SessionBusy(CbdError):
     """The session cannot take this call in its current state (a turn in flight, candidates pending)."""
 

@@ -74,6 +74,11 @@ class CbdStub:
                 request_serializer=cbd_dot_v1_dot_cbd__pb2.ForkSessionRequest.SerializeToString,
                 response_deserializer=cbd_dot_v1_dot_cbd__pb2.SessionInfo.FromString,
                 _registered_method=True)
+        self.ListSessions = channel.unary_unary(
+                '/cbd.v1.Cbd/ListSessions',
+                request_serializer=cbd_dot_v1_dot_cbd__pb2.ListSessionsRequest.SerializeToString,
+                response_deserializer=cbd_dot_v1_dot_cbd__pb2.ListSessionsResponse.FromString,
+                _registered_method=True)
 
 
 class CbdServicer:
@@ -140,6 +145,13 @@ class CbdServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ListSessions(self, request, context):
+        """The caller's open sessions (all tenants': the admin token with all_tenants).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_CbdServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -182,6 +194,11 @@ def add_CbdServicer_to_server(servicer, server):
                     servicer.ForkSession,
                     request_deserializer=cbd_dot_v1_dot_cbd__pb2.ForkSessionRequest.FromString,
                     response_serializer=cbd_dot_v1_dot_cbd__pb2.SessionInfo.SerializeToString,
+            ),
+            'ListSessions': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListSessions,
+                    request_deserializer=cbd_dot_v1_dot_cbd__pb2.ListSessionsRequest.FromString,
+                    response_serializer=cbd_dot_v1_dot_cbd__pb2.ListSessionsResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -400,6 +417,33 @@ class Cbd:
             '/cbd.v1.Cbd/ForkSession',
             cbd_dot_v1_dot_cbd__pb2.ForkSessionRequest.SerializeToString,
             cbd_dot_v1_dot_cbd__pb2.SessionInfo.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListSessions(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/cbd.v1.Cbd/ListSessions',
+            cbd_dot_v1_dot_cbd__pb2.ListSessionsRequest.SerializeToString,
+            cbd_dot_v1_dot_cbd__pb2.ListSessionsResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -242,8 +242,12 @@ class BlockManager:
         return tuple(seq.token_ids[index * self.block_size : (index + 1) * self.block_size])
 
     def _block_hash(self, seq: Sequence, index: int) -> int:
+        """The chained hash of seq's block `index`; the chain starts from the request's cache scope, so
+        blocks are shared only within one scope (a tenant). str hashes are salted per process: no caller
+        can aim for a collision with another scope's chain."""
         while len(seq.block_hashes) <= index:
             i = len(seq.block_hashes)
-            parent = seq.block_hashes[i - 1] if i else 0
+            scope = seq.request.params.cache_scope
+            parent = seq.block_hashes[i - 1] if i else (hash(scope) if scope else 0)
             seq.block_hashes.append(hash((parent, self._block_tokens(seq, i))))
         return seq.block_hashes[index]

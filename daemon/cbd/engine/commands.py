@@ -65,6 +65,11 @@ class GetSession:
 
 
 @dataclass(slots=True)
+class ListSessions:
+    future: Future[list[SessionInfo]]
+
+
+@dataclass(slots=True)
 class ForkSession:
     session_id: str
     candidate: int | None
@@ -99,6 +104,6 @@ class Stop:
 
 
 Command = Union[
-    AddRequest, AddTurn, Abort, OpenSession, CloseSession, GetSession, ForkSession, TouchSession,
-    ResetPrefixCache, RunInEngine, Stop,
+    AddRequest, AddTurn, Abort, OpenSession, CloseSession, GetSession, ListSessions, ForkSession,
+    TouchSession, ResetPrefixCache, RunInEngine, Stop,
 ]  # fmt: skip

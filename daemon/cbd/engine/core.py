@@ -146,6 +146,7 @@ class EngineCore:
         self.overlap = config.overlap_enabled(self.runner.device)
         self.scheduler.draft_backoff = self.overlap  # there, a step that finds no draft cost a synchronous step
         self._inflight: _Launched | None = None
+        self._slow_grammars: list[Sequence] = []  # over their mask budget: ended before the next step
         self._gpu_busy_at, self._gpu_busy_value = 0.0, cast(float | None, None)
         self.outputs = OutputProcessor(loaded.tokenizer, loaded.eos_token_ids, self.max_model_len, detokenize)
         self.live = live if live is not None else Admission.unbounded()
@@ -253,11 +254,11 @@ class EngineCore:
         self.runner.warm_up()
 
     def step(self) -> list[RequestOutput]:
-        outputs: list[RequestOutput] = []
+        outputs = self._end_slow_grammars()
         speculate = self._speculate()
         if speculate and self._inflight is not None:  # drafts follow known tokens: complete the step in flight
             drained, self._inflight = self._inflight, None
-            outputs = self._complete(drained)
+            outputs += self._complete(drained)
         launched = None
         if self.scheduler.has_work():
             plan = self.scheduler.schedule(speculate)
@@ -393,11 +394,34 @@ class EngineCore:
                 skip = row.num_draft
             if state is None or state.finished or seq.is_finished:
                 continue
+            started = time.perf_counter()
             if row.num_draft:  # rows after the last known token and after each draft
                 state.fill_drafted(masks, i, seq.token_ids[row.position : row.position + row.num_draft])
             else:
                 state.fill(masks, i)
+            budget = self.config.grammar_mask_budget_ms / 1000 * (1 + row.num_draft)
+            if state.over_budget(time.perf_counter() - started, budget) == self.config.grammar_mask_budget_steps:
+                self._slow_grammars.append(seq)
         return masks
+
+    def _end_slow_grammars(self) -> list[RequestOutput]:
+        """End with ERROR (between steps, as an abort) the requests whose masks took longer than
+        grammar_mask_budget_ms in grammar_mask_budget_steps consecutive steps: a grammar whose mask costs
+        grow with its length (an ambiguous EBNF) would otherwise slow every sequence of the batch."""
+        outputs = []
+        for seq in self._slow_grammars:
+            if seq.request.is_finished:
+                continue
+            cfg = self.config
+            out = self._fail(seq.request, FinishReason.ERROR)
+            out.error = (
+                f"grammar too expensive: filling its token mask took over {cfg.grammar_mask_budget_ms:g} ms "
+                f"in {cfg.grammar_mask_budget_steps} steps in a row (grammar_mask_budget_ms)"
+            )  # fmt: skip
+            log.warning("request %s: %s", seq.request.request_id, out.error)
+            outputs.append(out)
+        self._slow_grammars.clear()
+        return outputs
 
     def _complete(self, launched: _Launched) -> list[RequestOutput]:
         sampled = self.runner.wait(launched.step)

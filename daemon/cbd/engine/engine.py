@@ -132,6 +132,14 @@ class Engine:
         InvalidRequest for a spec the grammar library rejects, or a model without a tokenizer."""
         return self._grammars.compile(spec)
 
+    def load_grammar(self, spec: GrammarSpec, serialized: str) -> CompiledGrammar:
+        """A grammar compiled elsewhere (the frontend's compile pool), from its serialized form; cached
+        by spec like compile_grammar. Thread-safe; takes a while for a large grammar (off the command thread)."""
+        return self._grammars.load(spec, serialized)
+
+    def grammar_cached(self, spec: GrammarSpec) -> bool:
+        return self._grammars.cached(spec)
+
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
         """Raise InvalidRequest for a request that can never run (reads only configuration)."""
         self.core.validate(prompt_token_ids, params)
@@ -199,6 +207,9 @@ class Engine:
 
     def get_session(self, session_id: str) -> Future[SessionInfo]:
         return self._ask(lambda f: cmd.GetSession(session_id, f))
+
+    def list_sessions(self) -> Future[list[SessionInfo]]:
+        return self._ask(lambda f: cmd.ListSessions(f))
 
     def fork_session(
         self, session_id: str, candidate: int | None = None, ttl: float | None = None,

@@ -60,7 +60,8 @@ class EngineLoop:
         self._handlers: dict[type, Callable] = {
             cmd.AddRequest: self._add_request, cmd.AddTurn: self._add_turn, cmd.Abort: self._abort,
             cmd.OpenSession: self._open_session, cmd.CloseSession: self._close_session,
-            cmd.GetSession: self._get_session, cmd.ForkSession: self._fork_session,
+            cmd.GetSession: self._get_session, cmd.ListSessions: self._list_sessions,
+            cmd.ForkSession: self._fork_session,
             cmd.TouchSession: self._touch_session, cmd.ResetPrefixCache: self._reset_prefix_cache,
             cmd.RunInEngine: self._run_in_engine,
         }  # fmt: skip
@@ -206,6 +207,10 @@ class EngineLoop:
     def _get_session(self, c: cmd.GetSession) -> None:
         sessions = self.core.sessions
         _answer(c.future, lambda: sessions.info(sessions.get(c.session_id)))
+
+    def _list_sessions(self, c: cmd.ListSessions) -> None:
+        sessions = self.core.sessions
+        _answer(c.future, lambda: [sessions.info(s) for s in sessions.sessions.values()])
 
     def _fork_session(self, c: cmd.ForkSession) -> None:
         sessions = self.core.sessions

@@ -12,7 +12,6 @@ A `GrammarState` belongs to one sequence and is used only by the engine thread.
 
 from __future__ import annotations
 
-import json
 import re
 import threading
 from collections import OrderedDict
@@ -22,6 +21,7 @@ from typing import Any
 
 import torch
 
+from cbd.engine.schema_check import load_schema
 from cbd.errors import InvalidRequest
 
 MAX_GRAMMAR_BYTES = 64 * 1024  # a schema, regex, grammar or tool set larger than this is refused
@@ -51,20 +51,23 @@ class GrammarCompiler:
 
     def __init__(
         self, tokenizer: Any, vocab_size: int, stop_token_ids: tuple[int, ...], cache_size: int = 256,
-        encoded_vocab: list[bytes] | None = None,
+        encoded_vocab: list[bytes] | None = None, info: Any = None, max_threads: int = 2,
     ) -> None:  # fmt: skip
-        """tokenizer: a transformers tokenizer; or None with encoded_vocab, each token's bytes (tests)."""
+        """tokenizer: a transformers tokenizer; or None with encoded_vocab, each token's bytes (tests), or
+        with info, an xgrammar TokenizerInfo made already (compile workers)."""
         import xgrammar as xgr
 
         self._xgr = xgr
         stops = list(stop_token_ids)
-        if tokenizer is None:
+        if info is not None:
+            self.info = info
+        elif tokenizer is None:
             if encoded_vocab is None:
                 raise ValueError("a grammar compiler needs a tokenizer or an encoded vocabulary")
             self.info = xgr.TokenizerInfo(encoded_vocab, vocab_size=vocab_size, stop_token_ids=stops)
         else:
             self.info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size, stop_token_ids=stops)
-        self._compiler = xgr.GrammarCompiler(self.info, max_threads=2, cache_enabled=False)
+        self._compiler = xgr.GrammarCompiler(self.info, max_threads=max_threads, cache_enabled=False)
         self._cache: OrderedDict[GrammarSpec, Any] = OrderedDict()
         self._lock = threading.Lock()
         self._cache_size = cache_size
@@ -83,21 +86,49 @@ class GrammarCompiler:
                 self._cache.popitem(last=False)
         return CompiledGrammar(spec, compiled)
 
+    def load(self, spec: GrammarSpec, serialized: str) -> CompiledGrammar:
+        """A grammar compiled elsewhere (a compile worker, see ipc/grammar_pool.py) from its serialized
+        form, cached by spec like a compile. Deserializing releases the interpreter lock."""
+        with self._lock:
+            hit = self._cache.get(spec)
+            if hit is not None:
+                self._cache.move_to_end(spec)
+                return CompiledGrammar(spec, hit)
+        compiled = self._xgr.CompiledGrammar.deserialize_json(serialized, self.info)
+        with self._lock:
+            self._cache[spec] = compiled
+            while len(self._cache) > self._cache_size:
+                self._cache.popitem(last=False)
+        return CompiledGrammar(spec, compiled)
+
+    def cached(self, spec: GrammarSpec) -> bool:
+        with self._lock:
+            return spec in self._cache
+
     def _compile(self, spec: GrammarSpec) -> Any:
+        compiled = self._compile_spec(spec)
+        matcher = self._xgr.GrammarMatcher(compiled)
+        mask = self.new_bitmask(1)
+        matcher.fill_next_token_bitmask(mask)
+        if not bool(mask.any()):  # no first token is allowed, not even the stop token: nothing can match
+            raise InvalidRequest(f"the {spec.kind.value} matches nothing (its language is empty)")
+        return compiled
+
+    def _compile_spec(self, spec: GrammarSpec) -> Any:
         c = self._compiler
         try:
             if spec.kind is GrammarKind.JSON_OBJECT:
                 return c.compile_json_schema('{"type": "object"}', any_whitespace=False, separators=_JSON_SEPARATORS)
             if spec.kind is GrammarKind.JSON_SCHEMA:
-                json.loads(spec.source)  # a clear message for text that is not JSON at all
+                load_schema(spec.source, "json_schema")  # refuses keywords the grammar would not enforce
                 return c.compile_json_schema(spec.source, any_whitespace=False, separators=_JSON_SEPARATORS)
             if spec.kind is GrammarKind.REGEX:
                 return c.compile_regex(spec.source)
             if spec.kind is GrammarKind.GRAMMAR:
                 return c.compile_grammar(spec.source)
             return c.compile_structural_tag(spec.source)
-        except json.JSONDecodeError as exc:
-            raise InvalidRequest(f"{spec.kind.value} is not valid JSON: {exc}") from None
+        except InvalidRequest:
+            raise
         except (RuntimeError, ValueError, TypeError) as exc:
             raise InvalidRequest(f"invalid {spec.kind.value}: {_first_line(exc)}") from None
 
@@ -115,22 +146,38 @@ class LazyGrammarCompiler:
         self._compiler: GrammarCompiler | None = None
         self._lock = threading.Lock()
 
-    def compile(self, spec: GrammarSpec) -> CompiledGrammar:
-        """Raises InvalidRequest for a spec the grammar library rejects, or a model without a tokenizer."""
+    def get(self) -> GrammarCompiler:
+        """Raises InvalidRequest for a model without a tokenizer."""
         with self._lock:
             if self._compiler is None:
                 if self._args[0] is None:
                     raise InvalidRequest("structured output and tools need a tokenizer, and this checkpoint has none")
                 self._compiler = GrammarCompiler(*self._args)
-        return self._compiler.compile(spec)
+        return self._compiler
+
+    def compile(self, spec: GrammarSpec) -> CompiledGrammar:
+        """Raises InvalidRequest for a spec the grammar library rejects, or a model without a tokenizer."""
+        return self.get().compile(spec)
+
+    def load(self, spec: GrammarSpec, serialized: str) -> CompiledGrammar:
+        return self.get().load(spec, serialized)
+
+    def cached(self, spec: GrammarSpec) -> bool:
+        """Whether `spec` is in the cache (False before the compiler is made; never makes it)."""
+        with self._lock:
+            compiler = self._compiler
+        return compiler is not None and compiler.cached(spec)
 
 
 @dataclass(frozen=True, slots=True)
 class CompiledGrammar:
     spec: GrammarSpec
-    compiled: Any
+    compiled: Any  # xgrammar's CompiledGrammar; None in the frontend, which holds only `serialized`
+    serialized: str | None = None  # xgrammar's JSON form, which crosses to the engine process
 
     def new_state(self) -> GrammarState:
+        if self.compiled is None:
+            raise ValueError("a serialized grammar is loaded by the engine process (GrammarCompiler.load) first")
         return GrammarState(self)
 
 
@@ -138,7 +185,7 @@ class GrammarState:
     """One sequence's position in its grammar: advanced by every sampled token, read for the next mask.
     Drafts (speculative decoding) are checked against it and get masks from it without moving it."""
 
-    __slots__ = ("grammar", "_matcher", "num_accepted")
+    __slots__ = ("grammar", "_matcher", "num_accepted", "slow_steps")
 
     def __init__(self, grammar: CompiledGrammar, matcher: Any = None) -> None:
         import xgrammar as xgr
@@ -146,6 +193,12 @@ class GrammarState:
         self.grammar = grammar
         self._matcher = matcher if matcher is not None else xgr.GrammarMatcher(grammar.compiled)
         self.num_accepted = 0
+        self.slow_steps = 0  # consecutive steps whose mask took longer than its budget
+
+    def over_budget(self, seconds: float, budget: float) -> int:
+        """Record one step's mask fill time; how many consecutive steps have been over `budget` so far."""
+        self.slow_steps = self.slow_steps + 1 if seconds > budget else 0
+        return self.slow_steps
 
     def accept(self, token_id: int) -> bool:
         """Advance by one sampled token; False when the grammar rejects it (never for a masked sample)."""

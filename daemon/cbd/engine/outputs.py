@@ -40,6 +40,7 @@ class RequestOutput:
     usage: Usage | None = None  # set on the last output of a request
     queue_seconds: float | None = None  # on the first output: from submission to first being scheduled
     priority: int | None = None  # on the first output: the class it is scheduled in (sampling_params.PRIORITY_*)
+    error: str | None = None  # with finish reason ERROR: why, when it is the request's doing ("grammar too expensive")
 
 
 @dataclass(frozen=True, slots=True)
@@ -145,6 +146,7 @@ def merge_outputs(outputs: list[RequestOutput]) -> RequestOutput:
     priority = next((o.priority for o in outputs if o.priority is not None), None)
     usage = next((o.usage for o in reversed(outputs) if o.usage is not None), None)
     finished = any(o.finished for o in outputs)
+    error = next((o.error for o in reversed(outputs) if o.error is not None), None)
     return RequestOutput(
-        last.request_id, sorted(merged, key=lambda d: d.index), finished, usage, queue_seconds, priority
+        last.request_id, sorted(merged, key=lambda d: d.index), finished, usage, queue_seconds, priority, error
     )

@@ -4,7 +4,8 @@ Randomness is counter-based: the noise for row r and vocab entry v is a hash of
 (seed_r, candidate_r, position_r, v). A candidate therefore draws the same token whatever else is
 in the batch, after a preemption, or on another run; candidates of one request use separate streams.
 Sampling is the Gumbel-max trick over the filtered, temperature-scaled logits, which draws exactly
-from their softmax.
+from their softmax. A row whose temperature is below MIN_TEMPERATURE is greedy, and so is a sampled row
+whose scaled logits are not finite (inf or NaN after the division): a token is never drawn from them.
 """
 
 from __future__ import annotations
@@ -12,6 +13,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+
+from cbd.engine.sampling_params import MIN_TEMPERATURE
 
 _MASK32 = 0xFFFFFFFF
 _BELOW_ONE = 1.0 - 2.0**-24  # the largest float32 below 1
@@ -21,7 +24,7 @@ _BELOW_ONE = 1.0 - 2.0**-24  # the largest float32 below 1
 class SamplingBatch:
     """Per-row parameters, all [N] tensors on the logits' device."""
 
-    temperature: torch.Tensor  # float32; 0 marks a greedy row
+    temperature: torch.Tensor  # float32; below MIN_TEMPERATURE (e.g. 0) marks a greedy row
     top_k: torch.Tensor  # int64; 0 disables
     top_p: torch.Tensor  # float32; 1 disables
     min_p: torch.Tensor  # float32; 0 disables
@@ -89,11 +92,15 @@ def sample(logits: torch.Tensor, batch: SamplingBatch) -> SampleResult:
     """logits: [N, V] float32."""
     greedy_ids = logits.argmax(dim=-1)
     if batch.any_random:
-        temperature = torch.where(batch.temperature > 0, batch.temperature, 1.0)[:, None]
-        scaled = _filter(logits / temperature, batch)
+        random_rows = batch.temperature >= MIN_TEMPERATURE
+        temperature = torch.where(random_rows, batch.temperature, 1.0)[:, None]
+        scaled = logits / temperature
+        # amax is inf or NaN where any entry is (and -inf where nothing is allowed): such rows stay greedy.
+        random_rows &= scaled.amax(dim=-1).isfinite()
+        scaled = _filter(scaled, batch)
         gumbel = -torch.log(-torch.log(uniform_noise(batch, logits.shape[-1])))
         random_ids = (scaled + gumbel).argmax(dim=-1)
-        token_ids = torch.where(batch.temperature > 0, random_ids, greedy_ids)
+        token_ids = torch.where(random_rows, random_ids, greedy_ids)
     else:
         token_ids = greedy_ids
     if batch.max_logprobs is None:

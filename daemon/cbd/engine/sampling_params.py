@@ -16,6 +16,9 @@ MAX_STOP_STRING_CHARS = 256
 MAX_STOP_TOKEN_IDS = 64
 MAX_CANDIDATES = 64
 MAX_TENANT_CHARS = 128
+# Below this temperature sampling is greedy: logits / T would overflow float32 (or round to inf/NaN) for
+# tiny legal values such as 1e-45, and at 1e-5 the softmax is already one-hot for any logit gap > 1e-3.
+MIN_TEMPERATURE = 1e-5
 # Priority classes (scheduler.py): interactive requests are admitted first and may preempt batch ones.
 PRIORITY_INTERACTIVE, PRIORITY_BATCH = 0, 1
 
@@ -23,7 +26,7 @@ PRIORITY_INTERACTIVE, PRIORITY_BATCH = 0, 1
 @dataclass(frozen=True, slots=True)
 class SamplingParams:
     max_tokens: int = 256
-    temperature: float = 1.0  # 0 means greedy
+    temperature: float = 1.0  # 0 (or anything below MIN_TEMPERATURE) means greedy
     top_p: float = 1.0  # 1 disables
     top_k: int = 0  # 0 disables
     min_p: float = 0.0  # 0 disables
@@ -41,6 +44,10 @@ class SamplingParams:
     # interactive. tenant: whom the request is for (the batch is shared fairly among a class's tenants).
     priority: int | None = None
     tenant: str = ""
+    # The prefix cache's scope: a request reuses cached KV blocks only of requests with the same scope.
+    # The frontend sets it to the caller's authenticated tenant ("" when the daemon has no auth), so no
+    # tenant's prompt can be probed through another's cache hits (usage.cached_prompt_tokens, timing).
+    cache_scope: str = ""
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
@@ -75,10 +82,12 @@ class SamplingParams:
             raise InvalidRequest(f"unknown priority {self.priority}")
         if len(self.tenant) > MAX_TENANT_CHARS:
             raise InvalidRequest(f"tenant has at most {MAX_TENANT_CHARS} characters, got {len(self.tenant)}")
+        if len(self.cache_scope) > MAX_TENANT_CHARS:
+            raise InvalidRequest(f"cache_scope has at most {MAX_TENANT_CHARS} characters")
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < MIN_TEMPERATURE
 
 
 def validate_request(

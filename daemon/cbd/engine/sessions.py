@@ -490,14 +490,23 @@ def _common_prefix(a: list[int], b: list[int]) -> int:
 # A session id a client proposes: 1-128 characters of letters, digits and ._~- (not starting with '.').
 # The part before the first '.' is its affinity key (a proxy routes every call of the session by it).
 _SESSION_ID = re.compile(r"[A-Za-z0-9_~-][A-Za-z0-9._~-]{0,127}")
+# The engine's key of a session: the client's id inside its tenant's namespace, `TENANT/ID` (the
+# frontend's server/tenancy.py makes it; the single tenant of a daemon without auth has no prefix).
+_SESSION_KEY = re.compile(r"(?:[A-Za-z0-9._~-]{1,128}/)?" + _SESSION_ID.pattern)
 
 
-def check_session_id(session_id: str) -> None:
-    if not _SESSION_ID.fullmatch(session_id):
+def check_session_id(session_id: str, pattern: re.Pattern[str] = _SESSION_KEY) -> None:
+    """A session key the engine takes (the frontend checks a client's id with `check_client_session_id`)."""
+    if not pattern.fullmatch(session_id):
         raise InvalidRequest(
             f"session id {session_id[:140]!r} is not 1-128 characters of letters, digits and . _ ~ - "
             "(not starting with '.')"
         )
+
+
+def check_client_session_id(session_id: str) -> None:
+    """A session id as a client proposes it (no namespace)."""
+    check_session_id(session_id, _SESSION_ID)
 
 
 def _check_hints(expected_idle: float | None, retention: int) -> None:

@@ -22,13 +22,18 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from cbd.gateway.agentic.routes import agent_routes
 from cbd.gateway.errors import ApiError, bad_request, from_cbd
+from cbd.gateway.guard import Guard
+from cbd.gateway.limits import Limits, parse_json
 from cbd.gateway.replies import Reply
 from cbd.gateway.requests import Call, chat_call, chat_message, completion_call
+from cbd.gateway.responses.store import StoreSettings
 from cbd.gateway.sessions import SessionMap
 from cbd_client._convert import with_affinity
 from cbd_client.errors import CbdError
@@ -40,9 +45,11 @@ SESSION_HEADER = "x-cbd-session"
 
 
 class Gateway:
-    def __init__(self, daemon: str, timeout: float, sessions: SessionMap | None = None) -> None:
+    def __init__(self, daemon: str, timeout: float, sessions: SessionMap | None = None,
+                 limits: Limits | None = None) -> None:  # fmt: skip
         self.daemon = daemon
         self.timeout = timeout
+        self.limits = limits or Limits()
         self.sessions = sessions or SessionMap()
         self._channel: grpc.aio.Channel | None = None
         self._model: str | None = None
@@ -74,12 +81,12 @@ class Gateway:
     # ---- routes ----------------------------------------------------------------------------------
     async def chat(self, request: Request) -> Response:
         body = await _json(request)
-        call = chat_call(body, request.headers.get(SESSION_HEADER))
+        call = chat_call(body, request.headers.get(SESSION_HEADER), request.headers.get("authorization"))
         return await self._answer("chat", call, request)
 
     async def completions(self, request: Request) -> Response:
         body = await _json(request)
-        return await self._answer("completion", completion_call(body), request)
+        return await self._answer("completion", completion_call(body, self.limits.max_prompts), request)
 
     async def models(self, request: Request) -> Response:
         name = await self.model(_metadata(request), fresh=True)
@@ -278,17 +285,34 @@ class _ClientGone(ApiError):
 
 
 async def _unless_gone(request: Request, work: Any) -> Any:
-    """Await `work` unless the HTTP client disconnects first (then it is cancelled: so are its gRPC calls)."""
+    """Await `work` unless the HTTP client disconnects first (then it is cancelled: so are its gRPC calls).
+
+    The body has been read, so the next ASGI message is http.disconnect, whenever the client goes: one
+    blocking receive waits for it. (Polling request.is_disconnected() instead receives with a cancelled
+    scope every half second: a message that arrives in that window is consumed and lost, and any message
+    but http.disconnect is taken for "still here" only by luck of timing.)"""
     task = asyncio.ensure_future(work)
+    gone = asyncio.ensure_future(_disconnected(request))
     try:
-        while True:
-            done, _ = await asyncio.wait({task}, timeout=0.5)
-            if done:
-                return task.result()
-            if await request.is_disconnected():
-                raise _ClientGone()
+        await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
+        if task.done():
+            return task.result()
+        log.info("client went away before the reply: %s %s", request.method, request.url.path)
+        raise _ClientGone()
     finally:
-        task.cancel()
+        for future in (task, gone):
+            future.cancel()
+            future.add_done_callback(_retrieved)  # its CancelledError is expected: not "never retrieved" noise
+
+
+def _retrieved(future: asyncio.Future[Any]) -> None:
+    if not future.cancelled():
+        future.exception()
+
+
+async def _disconnected(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
 
 
 async def _rest(stream: Any) -> AsyncIterator[pb.GenerateResponse]:
@@ -318,17 +342,16 @@ def _sse(obj: dict[str, Any]) -> bytes:
 
 
 async def _json(request: Request) -> dict[str, Any]:
-    try:
-        body = await request.json()
-    except (ValueError, UnicodeDecodeError):
-        raise bad_request("the request body is not JSON") from None
-    if not isinstance(body, dict):
-        raise bad_request("the request body must be a JSON object")
-    return body
+    """The body as a JSON object within the gateway's limits (limits.py), or a 400/408/413."""
+    gateway: Gateway = request.app.state.gateway
+    return parse_json(await request.body(), gateway.limits.max_json_depth)
 
 
-def create_app(daemon: str, timeout: float = 600.0) -> Starlette:
-    gateway = Gateway(daemon, timeout)
+def create_app(
+    daemon: str, timeout: float = 600.0, limits: Limits | None = None, store: StoreSettings | None = None
+) -> Starlette:
+    limits = limits or Limits()
+    gateway = Gateway(daemon, timeout, limits=limits)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
@@ -353,8 +376,10 @@ def create_app(daemon: str, timeout: float = 600.0) -> Starlette:
             Route("/v1/models", gateway.models, methods=["GET"]),
             Route("/v1/models/{model:path}", gateway.model_card, methods=["GET"]),
             Route("/health", gateway.health, methods=["GET"]),
+            *agent_routes(gateway, store),  # /v1/responses, /v1/messages (agentic/routes.py)
         ],
         exception_handlers={ApiError: on_error, HTTPException: on_http_error},
+        middleware=[Middleware(Guard, limits=limits)],
         lifespan=lifespan,
     )
     app.state.gateway = gateway

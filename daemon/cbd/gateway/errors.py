@@ -18,11 +18,14 @@ _STATUS = {
     grpc.StatusCode.NOT_FOUND: (404, "not_found_error"),
     grpc.StatusCode.FAILED_PRECONDITION: (409, "conflict_error"),
     grpc.StatusCode.RESOURCE_EXHAUSTED: (429, "rate_limit_error"),
-    grpc.StatusCode.CANCELLED: (499, "cancelled"),
+    grpc.StatusCode.CANCELLED: (503, "service_unavailable_error"),  # the daemon's doing: 499 is the client's only
     grpc.StatusCode.UNIMPLEMENTED: (501, "not_implemented_error"),
     grpc.StatusCode.UNAVAILABLE: (503, "service_unavailable_error"),
     grpc.StatusCode.DEADLINE_EXCEEDED: (504, "timeout_error"),
 }
+# gRPC core's words for a message over max_(send|receive)_message_length ("Received message larger than max
+# (N vs. M)", "Sent message larger than max (N vs. M)")
+_MESSAGE_TOO_LARGE = "message larger than max"
 
 
 class ApiError(Exception):
@@ -50,7 +53,12 @@ def bad_request(message: str, param: str | None = None) -> ApiError:
 
 
 def from_cbd(error: CbdError) -> ApiError:
-    """The daemon's refusal as the API's: 429 carries the daemon's retry hint (Retry-After, retry-after-ms)."""
+    """The daemon's refusal as the API's: 429 carries the daemon's retry hint (Retry-After, retry-after-ms).
+
+    gRPC's own refusal of a message over its size limit is RESOURCE_EXHAUSTED too, but no retry can
+    succeed: 413, never 429 (the openai client retries 429s)."""
+    if error.code == grpc.StatusCode.RESOURCE_EXHAUSTED and _MESSAGE_TOO_LARGE in error.details:
+        return ApiError(413, f"the request is too large for the daemon: {error.details}", code="request_too_large")
     status, kind = _STATUS.get(error.code, (500, "server_error"))
     headers = {}
     if error.retry_after is not None:

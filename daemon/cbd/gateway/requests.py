@@ -15,7 +15,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from cbd.gateway import checks
 from cbd.gateway.errors import ApiError, bad_request
+from cbd.gateway.sessions import SessionKey, session_key
 from cbd_client._convert import set_prompt
 from cbd_client.errors import CbdError
 from cbd_client.structured import set_response_format, set_tools
@@ -35,11 +37,11 @@ class Call:
     stream: bool
     include_usage: bool
     logprobs: int | None  # top alternatives wanted per token (0: only the chosen token's), None: no logprobs
-    session_key: str | None = None
+    session_key: SessionKey | None = None  # (the caller's token hash, the session's name)
     messages: list[dict[str, Any]] | None = None  # a chat's messages, normalised (sessions.py)
 
 
-def chat_call(body: dict[str, Any], session_header: str | None) -> Call:
+def chat_call(body: dict[str, Any], session_header: str | None, authorization: str | None = None) -> Call:
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise bad_request("'messages' must be a non-empty list of messages", "messages")
@@ -54,6 +56,9 @@ def chat_call(body: dict[str, Any], session_header: str | None) -> Call:
     _convert(lambda: set_prompt(request, normal))
     tools = body.get("tools")
     tool_choice = body.get("tool_choice")
+    if tools is not None:
+        checks.tools(tools)
+    checks.tool_choice(tool_choice)
     if tools:
         _convert(lambda: set_tools(request, tools, tool_choice))
     elif tool_choice not in (None, "none", "auto"):
@@ -72,10 +77,11 @@ def chat_call(body: dict[str, Any], session_header: str | None) -> Call:
     key = body.get("cbd_session") or session_header
     if key is not None and not isinstance(key, str):
         raise bad_request("cbd_session must be a string", "cbd_session")
-    return Call([request], request.n, _stream(body), _include_usage(body), logprobs, key or None, normal)
+    scoped = session_key(authorization, key) if key else None
+    return Call([request], request.n, _stream(body), _include_usage(body), logprobs, scoped, normal)
 
 
-def completion_call(body: dict[str, Any]) -> Call:
+def completion_call(body: dict[str, Any], max_prompts: int = 256) -> Call:
     prompt = body.get("prompt")
     prompts: list[Any]
     if isinstance(prompt, str) or (isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt)):
@@ -84,6 +90,11 @@ def completion_call(body: dict[str, Any]) -> Call:
         prompts = prompt
     else:
         raise bad_request("'prompt' must be a string, a list of token ids, or a list of either", "prompt")
+    if len(prompts) > max_prompts:  # each is a Generate call: refused before any starts
+        raise bad_request(f"at most {max_prompts} prompts in one call, got {len(prompts)}", "prompt")
+    for i, p in enumerate(prompts):
+        if isinstance(p, list):
+            checks.token_ids(p, f"prompt[{i}]" if len(prompts) > 1 or prompt is not p else "prompt")
     _refuse_unsupported(body)
     if body.get("echo"):
         raise bad_request("echo is not supported", "echo")
@@ -122,14 +133,10 @@ def chat_message(m: Any, i: int) -> dict[str, Any]:
     elif not isinstance(content, str):
         raise bad_request(f"messages[{i}].content must be a string or a list of text parts", f"messages[{i}]")
     out: dict[str, Any] = {"role": _ROLES.get(m["role"], m["role"]), "content": content}
-    if m.get("tool_calls"):
-        out["tool_calls"] = [
-            {"id": c.get("id", ""), "name": c.get("function", c).get("name", ""),
-             "arguments": c.get("function", c).get("arguments", "")}
-            for c in m["tool_calls"] if isinstance(c, dict)
-        ]  # fmt: skip
-    if m.get("tool_call_id"):
-        out["tool_call_id"] = m["tool_call_id"]
+    if m.get("tool_calls") is not None:
+        out["tool_calls"] = checks.tool_calls(m["tool_calls"], i)
+    if m.get("tool_call_id") is not None:
+        out["tool_call_id"] = checks.tool_call_id(m["tool_call_id"], i)
     return out
 
 
@@ -155,9 +162,7 @@ def _request(body: dict[str, Any], logprobs: int | None) -> pb.GenerateRequest:
         raise bad_request("stop must be a string or a list of strings", "stop")
     ids = body.get("stop_token_ids")
     if ids is not None:
-        if not isinstance(ids, list) or not all(isinstance(t, int) and t >= 0 for t in ids):
-            raise bad_request("stop_token_ids must be a list of token ids", "stop_token_ids")
-        s.stop_token_ids.extend(ids)
+        s.stop_token_ids.extend(checks.token_ids(ids, "stop_token_ids"))
     s.ignore_eos = bool(body.get("ignore_eos", False))
     if logprobs is not None:
         s.logprobs = logprobs
@@ -188,6 +193,8 @@ def _stream(body: dict[str, Any]) -> bool:
 
 def _include_usage(body: dict[str, Any]) -> bool:
     options = body.get("stream_options")
+    if options is not None and not isinstance(options, dict):
+        raise bad_request("stream_options must be an object", "stream_options")
     return isinstance(options, dict) and bool(options.get("include_usage"))
 
 
@@ -205,7 +212,10 @@ def _float(body: dict[str, Any], name: str) -> float:
     value = body.get(name)
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise bad_request(f"{name} must be a number, got {value!r}", name)
-    return float(value)
+    try:
+        return float(value)
+    except OverflowError:  # an integer beyond any float
+        raise bad_request(f"{name} must be a number within a float's range", name) from None
 
 
 def _convert(fn: Any) -> None:

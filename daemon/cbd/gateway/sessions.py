@@ -7,13 +7,25 @@ that conversation, only the new messages go to the daemon as the session's next 
 reply the client kept names the candidate that continues). Otherwise (a new name, an edited history, a
 session the daemon closed or expired) the gateway opens a fresh session for the whole conversation: the
 fallback is transparent, it only costs the prefill the session would have saved.
+
+Names are scoped by the caller's Authorization header: the map is keyed by (a SHA-256 of the header,
+"" without one; the name), so a caller reusing another's name gets a session of its own and can
+neither continue nor close the other's. The raw token is never stored.
 """
 
 from __future__ import annotations
 
+import hashlib
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
+
+SessionKey = tuple[str, str]  # (the caller's token hash, the session's name)
+
+
+def session_key(authorization: str | None, name: str) -> SessionKey:
+    owner = hashlib.sha256(authorization.encode("utf-8", "surrogateescape")).hexdigest() if authorization else ""
+    return owner, name
 
 
 def _key(m: dict[str, Any]) -> tuple[Any, ...]:
@@ -40,23 +52,25 @@ class Bound:
 
 
 class SessionMap:
-    """Client names -> bound sessions; the least recently used beyond `capacity` are forgotten."""
+    """(token hash, name) -> bound sessions; the least recently used beyond `capacity` are forgotten."""
 
     def __init__(self, capacity: int = 10_000) -> None:
         self.capacity = capacity
-        self._bound: OrderedDict[str, Bound] = OrderedDict()
+        self._bound: OrderedDict[SessionKey, Bound] = OrderedDict()
 
-    def get(self, name: str) -> Bound | None:
+    def get(self, name: SessionKey) -> Bound | None:
         bound = self._bound.get(name)
         if bound is not None:
             self._bound.move_to_end(name)
         return bound
 
-    def bind(self, name: str, session_id: str, messages: list[dict[str, Any]], replies: list[dict[str, Any]]) -> None:
+    def bind(
+        self, name: SessionKey, session_id: str, messages: list[dict[str, Any]], replies: list[dict[str, Any]]
+    ) -> None:
         self._bound[name] = Bound(session_id, [_key(m) for m in messages], [_key(r) for r in replies])
         self._bound.move_to_end(name)
         while len(self._bound) > self.capacity:
             self._bound.popitem(last=False)
 
-    def drop(self, name: str) -> Bound | None:
+    def drop(self, name: SessionKey) -> Bound | None:
         return self._bound.pop(name, None)

@@ -30,8 +30,9 @@ from cbd.engine.outputs import CandidateDelta, RequestOutput
 from cbd.engine.sampling_params import SamplingParams
 from cbd.engine.sequence import FinishReason
 from cbd.engine.sessions import TurnInput
-from cbd.errors import EngineStopped, SettingError
+from cbd.errors import EngineStopped, InvalidRequest, SettingError, UnknownRequest
 from cbd.ipc import wire
+from cbd.ipc.grammar_loads import GrammarLoads
 
 log = logging.getLogger(__name__)
 _HEARTBEAT_EVERY = 0.25  # seconds: an idle loop's heartbeat is sent at most this often
@@ -89,10 +90,12 @@ class Endpoint:
     def __init__(self, engine: Engine, outbox: Outbox) -> None:
         self.engine = engine
         self.outbox = outbox
+        self.loads = GrammarLoads(engine)
         self._handlers: dict[type, Callable[[Any], None]] = {
             wire.AddRequest: self._add_request, wire.AddTurn: self._add_turn, wire.Abort: self._abort,
             wire.OpenSession: self._open_session, wire.CloseSession: self._close_session,
-            wire.GetSession: self._get_session, wire.ForkSession: self._fork_session,
+            wire.GetSession: self._get_session, wire.ListSessions: self._list_sessions,
+            wire.ForkSession: self._fork_session,
             wire.TouchSession: self._touch_session, wire.ResetPrefixCache: self._reset_prefix_cache,
         }  # fmt: skip
 
@@ -103,28 +106,52 @@ class Endpoint:
         self._handlers[type(command)](command)
         return True
 
-    def _params(self, values: dict[str, Any], spec: GrammarSpec | None) -> SamplingParams:
+    def _params(self, values: dict[str, Any], spec: GrammarSpec | None, compiled: str | None) -> SamplingParams:
         params = wire.params_from_wire(values)
-        if spec is not None:  # validated by the frontend's compile of the same spec; here a cache hit after the first
-            params = replace(params, grammar=self.engine.compile_grammar(spec))
+        if spec is not None:  # compiled by the frontend's pool; loaded (see GrammarLoads), here a cache hit
+            if compiled is None:
+                raise InvalidRequest("a grammar reached the engine process without its compiled form")
+            params = replace(params, grammar=self.engine.load_grammar(spec, compiled))
         return params
 
     def _add_request(self, c: wire.AddRequest) -> None:
+        if c.grammar is not None and self.loads.must_load(c.grammar):
+            self.loads.defer(c.request_id, c.grammar, c.compiled_grammar, lambda: self._start_request(c),
+                             lambda: self._end_request(c, FinishReason.ABORT))  # fmt: skip
+        else:
+            self._start_request(c)
+
+    def _start_request(self, c: wire.AddRequest) -> None:
         try:
-            params = self._params(c.params, c.grammar)
+            params = self._params(c.params, c.grammar, c.compiled_grammar)
             self.engine.submit(c.prompt, params, c.request_id, self.outbox.output)
         except Exception as exc:  # validated by the frontend; an answer is still owed: the request ends
             reason = FinishReason.ABORT if isinstance(exc, EngineStopped) else FinishReason.ERROR
             if reason is FinishReason.ERROR:
                 log.error("request %s could not be added: %s", c.request_id, exc)
-            n = int(c.params.get("n", 1))
-            deltas = [CandidateDelta(i, [], "", None, reason) for i in range(n)]
-            self.outbox.output(RequestOutput(c.request_id, deltas, True, None))
-            self.engine.nudge()
+            self._end_request(c, reason)
+
+    def _end_request(self, c: wire.AddRequest, reason: FinishReason) -> None:
+        n = int(c.params.get("n", 1))
+        deltas = [CandidateDelta(i, [], "", None, reason) for i in range(n)]
+        self.outbox.output(RequestOutput(c.request_id, deltas, True, None))
+        self.engine.nudge()
 
     def _add_turn(self, c: wire.AddTurn) -> None:
+        if c.grammar is not None and self.loads.must_load(c.grammar):
+            aborted = UnknownRequest(f"request {c.request_id!r} was aborted before it started")
+            self.loads.defer(c.request_id, c.grammar, c.compiled_grammar, lambda: self._start_turn(c),
+                             lambda: self._refuse_turn(c, aborted))  # fmt: skip
+        else:
+            self._start_turn(c)
+
+    def _refuse_turn(self, c: wire.AddTurn, error: BaseException) -> None:
+        self.outbox.reply(c.call_id, error=error)
+        self.engine.nudge()
+
+    def _start_turn(self, c: wire.AddTurn) -> None:
         try:
-            params = self._params(c.params, c.grammar)
+            params = self._params(c.params, c.grammar, c.compiled_grammar)
             future = self.engine.submit_turn(
                 c.session_id, TurnInput(c.token_ids, c.replace, c.parent_candidate, c.expected_idle, c.retention), params,
                 request_id=c.request_id, on_output=self.outbox.output,
@@ -136,7 +163,8 @@ class Endpoint:
         self.outbox.reply_when_done(c.call_id, future)
 
     def _abort(self, c: wire.Abort) -> None:
-        self.engine.abort(c.request_id)
+        if not self.loads.abort(c.request_id):
+            self.engine.abort(c.request_id)
 
     def _ask(self, call_id: int, ask: Callable[[], Future]) -> None:
         try:
@@ -158,6 +186,9 @@ class Endpoint:
 
     def _get_session(self, c: wire.GetSession) -> None:
         self._ask(c.call_id, lambda: self.engine.get_session(c.session_id))
+
+    def _list_sessions(self, c: wire.ListSessions) -> None:
+        self._ask(c.call_id, self.engine.list_sessions)
 
     def _fork_session(self, c: wire.ForkSession) -> None:
         self._ask(c.call_id, lambda: self.engine.fork_session(c.session_id, c.candidate, c.ttl, c.new_session_id))

@@ -45,6 +45,7 @@ from cbd.engine.sequence import FinishReason
 from cbd.engine.sessions import RETENTION_NORMAL, SessionInfo, TurnInput
 from cbd.errors import CapacityExceeded, EngineFailure, EngineStopped
 from cbd.ipc import wire
+from cbd.ipc.grammar_pool import CompileBudget, GrammarPool
 from cbd.ipc.text import RequestText
 from cbd.model.loader import load_tokenizer
 
@@ -92,7 +93,7 @@ class RemoteEngine:
         self.on_session_expired: Callable[[str], object] | None = None
         self._stopping = False  # drain or shutdown began: no new work
         self._stop_sent = False  # the process was asked to exit: its exit is not a failure
-        self._grammars: LazyGrammarCompiler
+        self._grammars: GrammarPool | None = None
         self._exited: asyncio.Future[int] = asyncio.get_running_loop().create_future()
         self._reader: asyncio.Task | None = None
         self._closed: asyncio.Task | None = None
@@ -143,7 +144,12 @@ class RemoteEngine:
         blocks = self.facts.num_kv_blocks
         self._stats = EngineStats(0, 0, blocks, 0, blocks, 0, 0, 0, 0)
         self.tokenizer = await asyncio.to_thread(load_tokenizer, Path(hello.checkpoint_dir or ""))
-        self._grammars = LazyGrammarCompiler(self.tokenizer, self.facts.vocab_size, self.facts.eos_token_ids)
+        budget = CompileBudget(
+            self.config.grammar_compile_workers, self.config.grammar_compile_timeout,
+            self.config.grammar_compile_memory_mib,
+        )  # fmt: skip
+        compiler = LazyGrammarCompiler(self.tokenizer, self.facts.vocab_size, self.facts.eos_token_ids)
+        self._grammars = GrammarPool(compiler, budget)
         self._reader = asyncio.ensure_future(self._read())
 
     def _watch_exit(self) -> None:
@@ -189,6 +195,8 @@ class RemoteEngine:
             log.critical("%s; failing every live request", self.fatal)
         self._fail_all(FinishReason.ERROR if self.fatal is not None else FinishReason.ABORT)
         self._close_sockets()
+        if self._grammars is not None:
+            self._grammars.close()
 
     async def drain(self, timeout: float) -> bool:
         """Wait until no request is live (True) or timeout seconds pass (False); accepts no new ones."""
@@ -245,9 +253,12 @@ class RemoteEngine:
         """Work is pending but the engine loop has made no progress for `seconds`."""
         return self.admission.num_live > 0 and time.monotonic() - self.heartbeat > seconds
 
-    def compile_grammar(self, spec: GrammarSpec) -> CompiledGrammar:
-        """Compile here to validate (a worker thread; cached): a bad spec fails before anything is sent."""
-        return self._grammars.compile(spec)
+    async def compile_grammar(self, spec: GrammarSpec) -> CompiledGrammar:
+        """Compile in a worker process of the pool, within its budgets (cached): a bad spec fails with
+        InvalidRequest before anything is sent; the compiled form crosses with the request."""
+        if self._grammars is None:
+            raise EngineStopped("the engine is not serving")
+        return await self._grammars.compile(spec)
 
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
         f = self.facts
@@ -261,8 +272,8 @@ class RemoteEngine:
         self._check_running()
         self.validate(prompt_token_ids, params)
         request_id = self._reserve(request_id, len(prompt_token_ids), params, on_output)
-        spec = params.grammar.spec if params.grammar is not None else None
-        self._send(wire.AddRequest(request_id, prompt_token_ids, wire.params_to_wire(params), spec))
+        spec, compiled = wire.grammar_to_wire(params.grammar)
+        self._send(wire.AddRequest(request_id, prompt_token_ids, wire.params_to_wire(params), spec, compiled))
         return request_id
 
     def submit_turn(
@@ -289,11 +300,11 @@ class RemoteEngine:
         # A caller that gave up before the answer: the turn may be running by now; abort it (its last
         # output, ABORT, then ends its record here).
         future.add_done_callback(lambda f: self._send(wire.Abort(rid)) if f.cancelled() else None)
-        spec = params.grammar.spec if params.grammar is not None else None
+        spec, compiled = wire.grammar_to_wire(params.grammar)
         call_id = self._call(answered)
         self._send(wire.AddTurn(
             call_id, rid, session_id, turn.token_ids, turn.replace, turn.parent_candidate,
-            wire.params_to_wire(params), spec, turn.expected_idle, turn.retention,
+            wire.params_to_wire(params), spec, turn.expected_idle, turn.retention, compiled,
         ))  # fmt: skip
         return future
 
@@ -315,6 +326,9 @@ class RemoteEngine:
 
     def get_session(self, session_id: str) -> Future[SessionInfo]:
         return self._ask(lambda call_id: wire.GetSession(call_id, session_id))
+
+    def list_sessions(self) -> Future[list[SessionInfo]]:
+        return self._ask(lambda call_id: wire.ListSessions(call_id))
 
     def fork_session(
         self, session_id: str, candidate: int | None = None, ttl: float | None = None,

@@ -6,7 +6,8 @@ all requests, the answers to commands, expired sessions, the loop's heartbeat an
 first message it sends is `Hello` (the model's facts, or why the engine could not start).
 
 SamplingParams crosses as a plain mapping of its fields without the compiled grammar: the grammar's
-spec crosses instead and the engine process compiles it (from its own cache).
+spec crosses beside its compiled form, serialized by the frontend's compile worker (ipc/grammar_pool.py);
+the engine process loads it off its command thread, or takes it from its cache by spec, and never compiles.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from typing import Any, Union
 import msgspec
 
 from cbd import errors
-from cbd.engine.grammar import GrammarSpec
+from cbd.engine.grammar import CompiledGrammar, GrammarSpec
 from cbd.engine.outputs import EngineStats, ModelFacts, RequestOutput
 from cbd.engine.sampling_params import SamplingParams
 from cbd.engine.sessions import SessionInfo
@@ -30,6 +31,7 @@ class AddRequest(msgspec.Struct, tag=True, array_like=True):
     prompt: list[int]
     params: dict[str, Any]  # params_to_wire
     grammar: GrammarSpec | None
+    compiled_grammar: str | None = None  # the grammar compiled, serialized (grammar_to_wire)
 
 
 class AddTurn(msgspec.Struct, tag=True, array_like=True):
@@ -43,6 +45,7 @@ class AddTurn(msgspec.Struct, tag=True, array_like=True):
     grammar: GrammarSpec | None
     expected_idle: float | None = None  # retention hints (sessions.TurnInput)
     retention: int | None = None
+    compiled_grammar: str | None = None  # the grammar compiled, serialized (grammar_to_wire)
 
 
 class Abort(msgspec.Struct, tag=True, array_like=True):
@@ -70,6 +73,10 @@ class GetSession(msgspec.Struct, tag=True, array_like=True):
     session_id: str
 
 
+class ListSessions(msgspec.Struct, tag=True, array_like=True):
+    call_id: int
+
+
 class ForkSession(msgspec.Struct, tag=True, array_like=True):
     call_id: int
     session_id: str
@@ -91,8 +98,8 @@ class Stop(msgspec.Struct, tag=True, array_like=True):
 
 
 Command = Union[
-    AddRequest, AddTurn, Abort, OpenSession, CloseSession, GetSession, ForkSession, TouchSession,
-    ResetPrefixCache, Stop,
+    AddRequest, AddTurn, Abort, OpenSession, CloseSession, GetSession, ListSessions, ForkSession,
+    TouchSession, ResetPrefixCache, Stop,
 ]  # fmt: skip
 
 # ---- engine process -> frontend ------------------------------------------------------------------
@@ -108,7 +115,7 @@ class Failure(msgspec.Struct, array_like=True):
 
 class Reply(msgspec.Struct, array_like=True):
     call_id: int
-    value: SessionInfo | str | None = None
+    value: SessionInfo | list[SessionInfo] | str | None = None
     error: Failure | None = None
 
 
@@ -138,6 +145,15 @@ hello_decoder = msgspec.msgpack.Decoder(Hello)
 
 def params_to_wire(params: SamplingParams) -> dict[str, Any]:
     return {f.name: getattr(params, f.name) for f in dataclasses.fields(params) if f.name != "grammar"}
+
+
+def grammar_to_wire(grammar: CompiledGrammar | None) -> tuple[GrammarSpec | None, str | None]:
+    """A request's grammar as it crosses: its spec and its serialized compiled form."""
+    if grammar is None:
+        return None, None
+    if grammar.serialized is None:
+        raise ValueError("a grammar crosses to the engine process compiled by the frontend's pool, serialized")
+    return grammar.spec, grammar.serialized
 
 
 def params_from_wire(values: dict[str, Any]) -> SamplingParams:

@@ -32,12 +32,15 @@ from cbd.server.auth import BearerTokenInterceptor, read_tokens
 from cbd.server.background import detach
 from cbd.server.background import stop as stop_daemon
 from cbd.server.logs import configure as configure_logging
+from cbd.server.methods import add_cbd_service
+from cbd.server.metrics import Metrics
+from cbd.server.metrics_http import MetricsEndpoint
 from cbd.server.notify import sd_notify
 from cbd.server.preflight import preflight
 from cbd.server.service import CbdService
 from cbd.server.settings import EX_CONFIG, ServerConfig, build_parser, default_listen, load_settings, render_defaults
 from cbd.server.sockets import AddressInUse, UnixSocketClaim, describe_bind_failure, unix_path
-from cbd_client.v1 import cbd_pb2, cbd_pb2_grpc
+from cbd_client.v1 import cbd_pb2
 
 log = logging.getLogger("cbd")
 SERVICE_NAME = cbd_pb2.DESCRIPTOR.services_by_name["Cbd"].full_name
@@ -70,17 +73,21 @@ async def serve(
         ("grpc.so_reuseport", 0),
     ]
     server = grpc.aio.server(interceptors=interceptors, options=options)
-    service = CbdService(tokens=tokens)
-    cbd_pb2_grpc.add_CbdServicer_to_server(service, server)
+    service = CbdService(tokens=tokens, admin_token_name=server_config.admin_token_name)
+    add_cbd_service(service, server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection(
         (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME), server
     )
     claims = [UnixSocketClaim(a) for a in server_config.addresses() if unix_path(a) is not None]
+    metrics_server = None
     try:
         await _listen(server, server_config, claims)
+        if server_config.metrics_port:
+            metrics_server = await _serve_metrics(service.metrics, server_config)
     except BaseException:
+        await server.stop(None)
         for claim in claims:
             claim.release()
         raise
@@ -89,8 +96,6 @@ async def serve(
     if on_listening is not None:
         on_listening(server_config.addresses())
     await _set_health(health_servicer, health_pb2.HealthCheckResponse.NOT_SERVING)
-    if server_config.metrics_port:
-        service.metrics.serve(server_config.metrics_port, server_config.metrics_address)
     log.info("listening on %s; loading the model", ", ".join(server_config.addresses()))
     sd_notify("STATUS=loading the model")
 
@@ -138,6 +143,8 @@ async def serve(
             await engine.drain(server_config.shutdown_grace)
             await engine.shutdown()  # what is left finishes with ABORT, streamed out
         await server.stop(5.0)
+        if metrics_server is not None:
+            metrics_server.close()
         _remove_files(claims, server_config.pid_file)
     if engine is not None and engine.fatal is not None:
         raise EngineDied(str(engine.fatal))
@@ -167,6 +174,17 @@ async def _listen(server: grpc.aio.Server, config: ServerConfig, claims: list[Un
     for claim in claims:
         claim.bound()
         _restrict_unix_socket(claim.path, config.socket_mode, config.socket_group)
+
+
+async def _serve_metrics(metrics: Metrics, config: ServerConfig) -> asyncio.Server:
+    path = config.metrics_auth_token_file
+    tokens = read_tokens(path, "metrics_auth_token_file") if path else None
+    endpoint = MetricsEndpoint(metrics.registry, config.metrics_max_connections, config.metrics_read_timeout, tokens)
+    try:
+        return await endpoint.start(config.metrics_address, config.metrics_port)
+    except OSError as exc:
+        where = f"{config.metrics_address}:{config.metrics_port}"
+        raise StartupError(f"metrics_port: cannot listen on {where}: {exc.strerror or exc}") from None
 
 
 def _loaded(load: asyncio.Future[RemoteEngine]) -> RemoteEngine:

@@ -20,23 +20,21 @@ _EXEMPT = ("/grpc.health.v1.Health/",)
 _NAME = re.compile(r"[A-Za-z0-9._~-]{1,128}")
 
 
-def read_tokens(path: str) -> dict[str, bytes]:
-    """name -> token from an auth token file (ValueError naming the file if it is malformed)."""
+def read_tokens(path: str, setting: str = "auth_token_file") -> dict[str, bytes]:
+    """name -> token from an auth token file (ValueError naming the setting and file if it is malformed)."""
     lines = [line.strip() for line in Path(path).read_text().splitlines()]
     lines = [line for line in lines if line and not line.startswith("#")]
     if not lines:
-        raise ValueError(f"auth_token_file {path} is empty")
+        raise ValueError(f"{setting} {path} is empty")
     if len(lines) == 1 and len(lines[0].split()) == 1:
         return {"default": lines[0].encode()}
     tokens: dict[str, bytes] = {}
     for number, line in enumerate(lines, 1):
         parts = line.split()
         if len(parts) != 2 or not _NAME.fullmatch(parts[0]):
-            raise ValueError(
-                f"auth_token_file {path}: entry {number} is not `NAME TOKEN` (NAME: letters, digits, ._~-)"
-            )
+            raise ValueError(f"{setting} {path}: entry {number} is not `NAME TOKEN` (NAME: letters, digits, ._~-)")
         if parts[0] in tokens:
-            raise ValueError(f"auth_token_file {path}: the name {parts[0]!r} appears twice")
+            raise ValueError(f"{setting} {path}: the name {parts[0]!r} appears twice")
         tokens[parts[0]] = parts[1].encode()
     return tokens
 

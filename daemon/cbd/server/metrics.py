@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector
 
@@ -153,6 +153,3 @@ class Metrics:
     def cancelled(self, elapsed: float) -> None:
         self.requests.labels("cancelled").inc()
         self.duration.observe(elapsed)
-
-    def serve(self, port: int, address: str) -> None:
-        start_http_server(port, addr=address, registry=self.registry)

@@ -31,7 +31,13 @@ def preflight(engine: EngineConfig, server: ServerConfig) -> None:
         except KeyError:
             raise ValueError(f"socket_group: there is no group named {server.socket_group!r} on this host") from None
     if server.auth_token_file:
-        read_tokens(server.auth_token_file)
+        tokens = read_tokens(server.auth_token_file)
+        if server.admin_token_name and server.admin_token_name not in tokens:
+            raise ValueError(
+                f"admin_token_name: {server.auth_token_file} has no token named {server.admin_token_name!r}"
+            )
+    if server.metrics_auth_token_file:
+        read_tokens(server.metrics_auth_token_file, "metrics_auth_token_file")
     for name in ("tls_cert_file", "tls_key_file", "tls_client_ca_file"):
         path = getattr(server, name)
         if path and not Path(path).is_file():

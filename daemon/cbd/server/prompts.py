@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from cbd.errors import InvalidRequest
+from cbd.server.special_tokens import SpecialTokens
 from cbd.server.tool_calls import Tool, detect_format, render_messages
 from cbd_client.v1 import cbd_pb2 as pb
 
@@ -12,6 +13,7 @@ from cbd_client.v1 import cbd_pb2 as pb
 class PromptEncoder:
     def __init__(self, tokenizer: Any | None) -> None:
         self.tokenizer = tokenizer
+        self.special = SpecialTokens(tokenizer) if tokenizer is not None else None
         self.call_format = detect_format(getattr(tokenizer, "chat_template", None) if tokenizer is not None else None)
         self._token_texts: dict[int, str] = {}  # at most the vocabulary
 
@@ -35,13 +37,13 @@ class PromptEncoder:
         if kind == "tokens":
             return list(message.tokens.ids)
         if kind == "text":
-            return self._tokenizer().encode(message.text)
+            return self._special().encode_text(message.text, True, message.allow_special_tokens)
         return self._chat(message.chat, tools)
 
-    def _tokenizer(self) -> Any:
-        if self.tokenizer is None:
+    def _special(self) -> SpecialTokens:
+        if self.special is None:
             raise InvalidRequest("this model has no tokenizer; send token ids")
-        return self.tokenizer
+        return self.special
 
     def _chat(self, chat: pb.Chat, tools: list[Tool] | None) -> list[int]:
         add_prompt = chat.add_generation_prompt if chat.HasField("add_generation_prompt") else True
@@ -66,19 +68,15 @@ class PromptEncoder:
 
     def render(self, messages: list[dict], add_generation_prompt: bool, tools: list[Tool] | None = None) -> list[int]:
         """Token ids of a conversation; tool calls, tool results and tools in the model family's way."""
-        fmt, tokenizer = self.call_format, self._tokenizer()
+        fmt, special = self.call_format, self._special()
         kwargs = {"tools": [t.openai() for t in tools]} if tools and fmt.template_renders_tools else {}
         try:
-            rendered = tokenizer.apply_chat_template(
-                render_messages(fmt, messages, tools or []), add_generation_prompt=add_generation_prompt,
-                tokenize=True, return_dict=True, **kwargs,
-            )  # fmt: skip
+            return special.render(render_messages(fmt, messages, tools or []), add_generation_prompt, **kwargs)
         except Exception as exc:  # jinja errors raised by the template itself (e.g. role order)
             raise InvalidRequest(f"the chat template rejected the messages: {exc}") from exc
-        return list(rendered["input_ids"])
 
     def continuation(self, message: pb.GenerateRequest | pb.OpenSessionRequest, field: str) -> list[int]:
         """Token ids of text or token input that extends a session (no special tokens added)."""
         if field == "tokens":
             return list(message.tokens.ids)
-        return self._tokenizer().encode(message.text, add_special_tokens=False)
+        return self._special().encode_text(message.text, False, message.allow_special_tokens)

@@ -5,8 +5,9 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncIterator, Callable
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import replace
+from typing import TypeVar
 
 import grpc
 
@@ -21,27 +22,46 @@ from cbd.engine.sampling_params import (
     SamplingParams,
 )
 from cbd.engine.sequence import FinishReason
-from cbd.engine.sessions import RETENTION_HIGH, RETENTION_LOW, RETENTION_NORMAL, SessionInfo, TurnInput
-from cbd.errors import EngineFailure, EngineStopped, InvalidRequest
+from cbd.engine.sessions import (
+    RETENTION_HIGH,
+    RETENTION_LOW,
+    RETENTION_NORMAL,
+    SessionInfo,
+    TurnInput,
+    check_client_session_id,
+)
+from cbd.errors import EngineFailure, EngineStopped, InvalidRequest, PermissionDenied
 from cbd.ipc.remote import RemoteEngine
-from cbd.server import convert, status
+from cbd.server import bounds, convert, status
 from cbd.server.auth import token_name
 from cbd.server.chats import ChatLogs
 from cbd.server.logs import request_line
 from cbd.server.metrics import Metrics, priority_label
 from cbd.server.prompts import PromptEncoder
 from cbd.server.structured import structure
+from cbd.server.tenancy import Caller, in_client_terms, new_session_id, split_key
 from cbd.server.tool_calls import MAX_TOOLS, Tool
 from cbd_client.v1 import cbd_pb2 as pb
 from cbd_client.v1.cbd_pb2_grpc import CbdServicer as _Base
 
+T = TypeVar("T")
+# Prompts with more client text than this are tokenized (and chat-rendered) on the prompt threads, not on
+# the event loop: a bigger one would hold every stream and health check for milliseconds or more.
+INLINE_PROMPT_CHARS = 4096
+PROMPT_THREADS = 2
+
 
 class CbdService(_Base):
-    def __init__(self, metrics: Metrics | None = None, tokens: dict[str, bytes] | None = None) -> None:
+    def __init__(
+        self, metrics: Metrics | None = None, tokens: dict[str, bytes] | None = None, admin_token_name: str = ""
+    ) -> None:
         self.engine: RemoteEngine | None = None  # set once the engine process serves
         self.tokens = tokens  # auth tokens by name: a caller's token name is its tenant
+        self.admin_token_name = admin_token_name  # the operator's token (server/tenancy.py)
         self.prompts = PromptEncoder(None)
         self.chats = ChatLogs(None, ())
+        # Bounded: at most PROMPT_THREADS prompts are tokenized at once (the tokenizer releases the GIL).
+        self.prompt_threads = ThreadPoolExecutor(PROMPT_THREADS, thread_name_prefix="cbd-prompts")
         self.started_at = time.monotonic()
         self.metrics = metrics or Metrics()
         self.metrics.watch_engine(
@@ -65,15 +85,30 @@ class CbdService(_Base):
             raise EngineStopped("the daemon is warming up or shutting down; retry shortly")
         return self.engine
 
+    def _check_prompt(self, message: pb.GenerateRequest | pb.TokenizeRequest | pb.OpenSessionRequest) -> int:
+        """Refuse an over-size prompt before any tokenizing; returns its client text's size."""
+        return bounds.check_prompt_size(message, self.facts.max_model_len)
+
+    async def _prompt_work(self, size: int, work: Callable[..., T], *args: object) -> T:
+        """Tokenizing or rendering a prompt with `size` characters of client text: inline when small (no
+        thread hop, and requests keep their arrival order), else on the prompt threads."""
+        if size <= INLINE_PROMPT_CHARS:
+            return work(*args)
+        return await asyncio.get_running_loop().run_in_executor(self.prompt_threads, work, *args)
+
     @status.streaming
     async def Generate(
         self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.GenerateResponse]:  # noqa: N802
         engine = self._engine()
-        params = convert.sampling_params(request, self._tenant(request, context))
+        bounds.check_request_id(request.request_id)
+        bounds.check_session_id(request.session_id)
+        prompt_size = self._check_prompt(request)
+        caller = self._caller(context)
+        params = replace(convert.sampling_params(request, self._tenant(request, context)), cache_scope=caller.tenant)
         structured = structure(request, self.prompts.call_format)
-        if structured.spec is not None:  # compiled off the event loop and the engine thread; cached by text
-            params = replace(params, grammar=await asyncio.to_thread(engine.compile_grammar, structured.spec))
+        if structured.spec is not None:  # compiled in a worker process within its budgets; cached by text
+            params = replace(params, grammar=await engine.compile_grammar(structured.spec))
         replies = (
             convert.ToolCallReplies(self.prompts.call_format, structured.calls_only) if structured.parse_calls else None
         )
@@ -81,18 +116,26 @@ class CbdService(_Base):
         outputs: asyncio.Queue[RequestOutput] = asyncio.Queue()
         arrived = time.monotonic()
         prompt_tokens: int | None = None  # known here for a plain request; a turn's (history + turn) from its usage
+        # Client-chosen request ids live in the caller's namespace (server/tenancy.py); answers carry the client's.
+        proposed_id = caller.key(request.request_id) if request.request_id else None
+        session_key = caller.key(request.session_id)
+        names = ((session_key, request.session_id), (proposed_id or "", request.request_id))
         if request.session_id:
-            request_id = await self._submit_turn(engine, request, params, outputs.put_nowait, structured.tools)
+            with in_client_terms(*names):
+                request_id = await self._submit_turn(
+                    engine, request, session_key, proposed_id, params, outputs.put_nowait, structured.tools,
+                    prompt_size,
+                )  # fmt: skip
         elif request.HasField("parent_candidate"):
             raise InvalidRequest("parent_candidate names a candidate of a session's last turn; it needs session_id")
         elif request.HasField("expected_idle_ms") or request.retention:
             raise InvalidRequest("expected_idle_ms and retention are hints about a session; they need session_id")
         else:
-            prompt = self.prompts.encode(request, structured.tools)
+            prompt = await self._prompt_work(prompt_size, self.prompts.encode, request, structured.tools)
             prompt_tokens = len(prompt)
-            request_id = engine.submit(
-                prompt, params, request.request_id or None, outputs.put_nowait
-            )  # makes an id if none
+            with in_client_terms(*names):
+                request_id = engine.submit(prompt, params, proposed_id, outputs.put_nowait)  # makes an id if none
+        client_request_id = split_key(request_id)[1]
         output: RequestOutput | None = None
         priority = params.priority  # the class it runs in, known for sure from its first output
         waiting_first_token = True
@@ -118,8 +161,12 @@ class CbdService(_Base):
                         last_token_at = elapsed
                     self.metrics.observe(out, elapsed)
                 output = merge_outputs(pending)
-                yield convert.response(output, replies, self.prompts.token_text)
+                message = convert.response(output, replies, self.prompts.token_text)
+                message.request_id = client_request_id
+                yield message
                 if output.finished and any(d.finish_reason is FinishReason.ERROR for d in output.candidates):
+                    if output.error is not None:  # the request's own doing (a grammar over its mask budget)
+                        raise InvalidRequest(output.error)
                     raise EngineFailure("the engine failed while running this request; see the daemon's log")
         finally:
             duration = time.monotonic() - arrived
@@ -129,7 +176,7 @@ class CbdService(_Base):
                 self.metrics.cancelled(duration)
             usage = output.usage if completed and output is not None else None
             request_line(
-                request_id=request_id, session_id=request.session_id or None, n=params.n,
+                request_id=client_request_id, session_id=request.session_id or None, n=params.n,
                 priority=priority_label(priority), tenant=params.tenant or None,
                 outcome="completed" if completed else "cancelled",
                 prompt_tokens=usage.prompt_tokens if usage else prompt_tokens,
@@ -140,30 +187,32 @@ class CbdService(_Base):
             )  # fmt: skip
 
     async def _submit_turn(
-        self, engine: RemoteEngine, request: pb.GenerateRequest, params: SamplingParams,
-        deliver: Callable[[RequestOutput], None], tools: list[Tool],
+        self, engine: RemoteEngine, request: pb.GenerateRequest, sid: str, request_id: str | None,
+        params: SamplingParams, deliver: Callable[[RequestOutput], None], tools: list[Tool], size: int,
     ) -> str:  # fmt: skip
-        """Queue a turn of a session; `deliver` is called on this event loop with each output."""
-        sid = request.session_id
+        """Queue a turn of the session whose engine key is `sid`; `deliver` is called on this event loop
+        with each output. size: the turn's client text in characters."""
         parent = request.parent_candidate if request.HasField("parent_candidate") else None
         idle = request.expected_idle_ms / 1000 if request.HasField("expected_idle_ms") else None
         retention = _retention(request.retention)
-        request_id = request.request_id or None
         loop = asyncio.get_running_loop()
         kind = request.WhichOneof("input")
         if kind is None:
             raise InvalidRequest("a turn needs an input: set one of text, chat or tokens")
         if kind != "chat":
-            turn = TurnInput(self.prompts.continuation(request, kind), False, parent, idle, retention)
+            tokens = await self._prompt_work(size, self.prompts.continuation, request, kind)
+            turn = TurnInput(tokens, False, parent, idle, retention)
             future = engine.submit_turn(sid, turn, params, request_id=request_id, on_output=deliver)
             return await _accepted(engine, future)
         # A chat turn: the whole conversation is rendered (its common prefix with the history keeps its
-        # KV). Reading the transcript, rendering and queueing happen with no await in between, and the
-        # log takes no other turn until this one has ended: the history read cannot be stale.
+        # KV). The log takes no other turn from begin_turn until this one has ended, and the messages a
+        # turn renders never change, so the history read cannot be stale even when rendering awaits the
+        # prompt threads (a close or expiry meanwhile: the engine refuses the turn, which settles the log).
         new_messages = self.prompts.messages(request.chat)
         chat = self.chats.begin_turn(sid, parent, new_messages, params.n)
         try:
-            tokens = self.prompts.render(chat.messages, add_generation_prompt=True, tools=tools)
+            size += sum(len(m.get("content") or "") for m in chat.base)
+            tokens = await self._prompt_work(size, self.prompts.render, chat.messages, True, tools)
 
             def on_chat_output(out: RequestOutput) -> None:  # on the event loop, whether or not anyone listens
                 self.chats.on_output(sid, chat, out)
@@ -193,28 +242,41 @@ class CbdService(_Base):
             return token_name(self.tokens, context.invocation_metadata()) or ""
         return request.tenant
 
+    def _caller(self, context: grpc.aio.ServicerContext) -> Caller:
+        """Who owns what this call creates and what it may name (server/tenancy.py)."""
+        if self.tokens is None:
+            return Caller("")
+        name = token_name(self.tokens, context.invocation_metadata()) or ""
+        return Caller(name, admin=bool(self.admin_token_name) and name == self.admin_token_name)
+
     @status.unary
     async def OpenSession(self, request: pb.OpenSessionRequest, context: grpc.aio.ServicerContext) -> pb.SessionInfo:  # noqa: N802
         engine = self._engine()
         ttl = _ttl(request.ttl_seconds)
         kind = request.WhichOneof("prefix")
+        size = self._check_prompt(request)
         messages, tokens = None, []
         if kind == "chat":
             messages = self.prompts.messages(request.chat)
-            tokens = self.prompts.render(messages, add_generation_prompt=False)
+            tokens = await self._prompt_work(size, self.prompts.render, messages, False)
         elif kind is not None:
-            tokens = self.prompts.continuation(request, kind)
-        info = await asyncio.wrap_future(
-            engine.open_session(
-                ttl,
-                tokens,
-                chat=messages is not None,
-                session_id=request.session_id or None,
-                expected_idle=request.expected_idle_ms / 1000 if request.HasField("expected_idle_ms") else None,
-                retention=_retention(request.retention) or RETENTION_NORMAL,
-                priority=convert.priority(request.priority) or PRIORITY_INTERACTIVE,
-            )  # fmt: skip
-        )
+            tokens = await self._prompt_work(size, self.prompts.continuation, request, kind)
+        if request.session_id:
+            check_client_session_id(request.session_id)
+        client_id = request.session_id or new_session_id()
+        key = self._caller(context).key(client_id)
+        with in_client_terms((key, client_id)):
+            info = await asyncio.wrap_future(
+                engine.open_session(
+                    ttl,
+                    tokens,
+                    chat=messages is not None,
+                    session_id=key,
+                    expected_idle=request.expected_idle_ms / 1000 if request.HasField("expected_idle_ms") else None,
+                    retention=_retention(request.retention) or RETENTION_NORMAL,
+                    priority=convert.priority(request.priority) or PRIORITY_INTERACTIVE,
+                )  # fmt: skip
+            )
         if messages is not None:
             self.chats.open(info.session_id, messages)
         return _session_info(info)
@@ -224,29 +286,53 @@ class CbdService(_Base):
         self, request: pb.CloseSessionRequest, context: grpc.aio.ServicerContext
     ) -> pb.CloseSessionResponse:  # noqa: N802
         engine = self._engine()
+        bounds.check_session_id(request.session_id)
+        key = self._caller(context).key(request.session_id, request.tenant)
         try:
-            await asyncio.wrap_future(engine.close_session(request.session_id))
+            with in_client_terms((key, request.session_id)):
+                await asyncio.wrap_future(engine.close_session(key))
         finally:  # closed, unknown, or its caller gone while it closed: the transcript goes either way
-            self.chats.forget(request.session_id)
+            self.chats.forget(key)
         return pb.CloseSessionResponse()
 
     @status.unary
     async def GetSession(self, request: pb.GetSessionRequest, context: grpc.aio.ServicerContext) -> pb.SessionInfo:  # noqa: N802
         engine = self._engine()
-        return _session_info(await asyncio.wrap_future(engine.get_session(request.session_id)))
+        bounds.check_session_id(request.session_id)
+        key = self._caller(context).key(request.session_id, request.tenant)
+        with in_client_terms((key, request.session_id)):
+            return _session_info(await asyncio.wrap_future(engine.get_session(key)))
+
+    @status.unary
+    async def ListSessions(
+        self, request: pb.ListSessionsRequest, context: grpc.aio.ServicerContext
+    ) -> pb.ListSessionsResponse:  # noqa: N802
+        engine = self._engine()
+        caller = self._caller(context)
+        if request.all_tenants and not caller.admin and self.tokens is not None:
+            raise PermissionDenied("only the admin token may list every tenant's sessions")
+        infos = await asyncio.wrap_future(engine.list_sessions())
+        mine = [i for i in infos if request.all_tenants or split_key(i.session_id)[0] == caller.tenant]
+        return pb.ListSessionsResponse(sessions=[_session_info(i) for i in mine])
 
     @status.unary
     async def ForkSession(self, request: pb.ForkSessionRequest, context: grpc.aio.ServicerContext) -> pb.SessionInfo:  # noqa: N802
         engine = self._engine()
+        bounds.check_session_id(request.session_id)
         candidate = request.candidate if request.HasField("candidate") else None
+        caller = self._caller(context)
+        source = caller.key(request.session_id)  # a fork belongs to its source's owner: the caller
+        if request.new_session_id:
+            check_client_session_id(request.new_session_id)
+        new_id = request.new_session_id or new_session_id()
+        fork = caller.key(new_id)
         # Taken before the engine hop: the engine refuses to fork a session with a turn in flight,
         # so the conversation cannot change between this read and the fork.
-        conversation = self.chats.conversation(request.session_id, candidate)
-        info = await asyncio.wrap_future(
-            engine.fork_session(
-                request.session_id, candidate, _ttl(request.ttl_seconds), request.new_session_id or None
+        conversation = self.chats.conversation(source, candidate)
+        with in_client_terms((source, request.session_id), (fork, new_id)):
+            info = await asyncio.wrap_future(
+                engine.fork_session(source, candidate, _ttl(request.ttl_seconds), fork)
             )
-        )
         if conversation is not None:
             self.chats.open(info.session_id, conversation)
         return _session_info(info)
@@ -254,7 +340,8 @@ class CbdService(_Base):
     @status.unary
     async def Tokenize(self, request: pb.TokenizeRequest, context: grpc.aio.ServicerContext) -> pb.TokenizeResponse:  # noqa: N802
         self._engine()
-        ids = self.prompts.encode(request)
+        size = self._check_prompt(request)
+        ids = await self._prompt_work(size, self.prompts.encode, request)
         return pb.TokenizeResponse(token_ids=ids, count=len(ids))
 
     @status.unary
@@ -335,8 +422,10 @@ def _ttl(seconds: float) -> float | None:
 
 
 def _session_info(info: SessionInfo) -> pb.SessionInfo:
+    tenant, client_id = split_key(info.session_id)
     return pb.SessionInfo(
-        session_id=info.session_id,
+        session_id=client_id,
+        tenant=tenant,
         num_tokens=info.num_tokens,
         resident_blocks=info.resident_blocks,
         pending_candidates=info.pending_candidates,

@@ -34,17 +34,28 @@ class ServerConfig:
     log_file: str = ""
     # Write the daemon's pid to this file once it listens, remove it on exit ("" = none); `cbd stop --pid-file`.
     pid_file: str = ""
-    # Prometheus metrics over HTTP on this port (0: off), bound to metrics_address.
+    # Prometheus metrics over HTTP on this port (0: off), bound to metrics_address, at /metrics.
     metrics_port: int = 0
     # Address the metrics port binds to.
     metrics_address: str = "127.0.0.1"
+    # Connections the metrics port holds open at once; one more is answered 503 and closed.
+    metrics_max_connections: int = 16
+    # Seconds a metrics connection has to send its request (and again to take the reply) before it is closed.
+    metrics_read_timeout: float = 10.0
+    # File holding the bearer token a scrape must present ("Authorization: Bearer <token>", else 401), in the
+    # format of auth_token_file; "" = none.
+    metrics_auth_token_file: str = ""
     # Permissions (octal) of unix sockets the daemon creates.
     socket_mode: str = "0660"
     # Group of unix sockets the daemon creates; "" keeps the process's group.
     socket_group: str = ""
     # File holding the bearer token every RPC but health must present ("authorization: Bearer <token>"), or
-    # lines of `NAME TOKEN` (the name is the caller's tenant for fair scheduling); "" = off.
+    # lines of `NAME TOKEN` (the name is the caller's tenant: it owns the sessions it opens, and the batch is
+    # shared fairly among tenants); "" = off.
     auth_token_file: str = ""
+    # The name (in auth_token_file) of the operator's token: it may list every tenant's sessions
+    # (ListSessions all_tenants) and get or close any of them by naming its tenant; "" = none.
+    admin_token_name: str = ""
     # Largest gRPC message accepted or sent, in bytes (a bigger request is refused with RESOURCE_EXHAUSTED).
     max_message_bytes: int = 8 * 1024 * 1024
     # TLS for TCP addresses (unix sockets rely on their permissions): PEM certificate chain ("" = no TLS).
@@ -62,6 +73,12 @@ class ServerConfig:
             raise ValueError(f"shutdown_grace must be >= 0, got {self.shutdown_grace}")
         if not 0 <= self.metrics_port < 65536:
             raise ValueError(f"metrics_port must be in [0, 65535], got {self.metrics_port}")
+        if self.metrics_max_connections < 1:
+            raise ValueError(f"metrics_max_connections must be >= 1, got {self.metrics_max_connections}")
+        if self.metrics_read_timeout <= 0:
+            raise ValueError(f"metrics_read_timeout must be > 0, got {self.metrics_read_timeout}")
+        if self.metrics_auth_token_file and not self.metrics_port:
+            raise ValueError("metrics_auth_token_file needs metrics_port")
         try:
             mode = int(self.socket_mode, 8)
         except ValueError:
@@ -72,6 +89,8 @@ class ServerConfig:
             raise ValueError(f"max_message_bytes must be >= 1024, got {self.max_message_bytes}")
         if bool(self.tls_cert_file) != bool(self.tls_key_file):
             raise ValueError("tls_cert_file and tls_key_file go together")
+        if self.admin_token_name and not self.auth_token_file:
+            raise ValueError("admin_token_name names a token of auth_token_file; set auth_token_file too")
         if self.tls_client_ca_file and not self.tls_cert_file:
             raise ValueError("tls_client_ca_file (mutual TLS) needs tls_cert_file and tls_key_file")
         if self.stall_seconds <= 0:

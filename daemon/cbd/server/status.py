@@ -15,6 +15,7 @@ from cbd.errors import (
     EngineFailure,
     EngineStopped,
     InvalidRequest,
+    PermissionDenied,
     SessionBusy,
     SessionExists,
     Unimplemented,
@@ -33,6 +34,7 @@ _CODES: list[tuple[type[BaseException], grpc.StatusCode]] = [
     (UnknownSession, grpc.StatusCode.NOT_FOUND),
     (SessionBusy, grpc.StatusCode.FAILED_PRECONDITION),
     (SessionExists, grpc.StatusCode.ALREADY_EXISTS),
+    (PermissionDenied, grpc.StatusCode.PERMISSION_DENIED),
     (EngineFailure, grpc.StatusCode.INTERNAL),
     (Unimplemented, grpc.StatusCode.UNIMPLEMENTED),
 ]
@@ -50,7 +52,8 @@ def status_of(exc: BaseException) -> tuple[grpc.StatusCode, str]:
 RETRY_PUSHBACK_KEY = "grpc-retry-pushback-ms"
 
 
-async def _abort(context: grpc.aio.ServicerContext, exc: Exception) -> None:
+async def abort(context: grpc.aio.ServicerContext, exc: Exception) -> None:
+    """End the call with `exc`'s status (raises grpc.aio.AbortError)."""
     code, message = status_of(exc)
     if not isinstance(exc, CbdError):
         log.exception("unexpected error in a handler", exc_info=exc)
@@ -68,7 +71,7 @@ def unary(handler: Callable[..., Awaitable[T]]) -> Callable[..., Awaitable[T]]:
         except grpc.aio.AbortError:
             raise
         except Exception as exc:
-            await _abort(context, exc)
+            await abort(context, exc)
             raise  # unreachable: abort raises
 
     return wrapper
@@ -83,6 +86,6 @@ def streaming(handler: Callable[..., AsyncIterator[T]]) -> Callable[..., AsyncIt
         except grpc.aio.AbortError:
             raise
         except Exception as exc:
-            await _abort(context, exc)
+            await abort(context, exc)
 
     return wrapper

@@ -6,8 +6,17 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from cbd.engine.grammar import MAX_GRAMMAR_BYTES, GrammarKind, GrammarSpec
+from cbd.engine.schema_check import load_schema
 from cbd.errors import InvalidRequest
-from cbd.server.tool_calls import CallFormat, Tool, ToolChoice, ToolChoiceMode, grammar_for, parse_tools
+from cbd.server.tool_calls import (
+    MAX_TOOL_NAME_CHARS,
+    CallFormat,
+    Tool,
+    ToolChoice,
+    ToolChoiceMode,
+    grammar_for,
+    parse_tools,
+)
 from cbd_client.v1 import cbd_pb2 as pb
 
 _MODES = {
@@ -49,6 +58,8 @@ def _choice(request: pb.GenerateRequest) -> ToolChoice:
         return ToolChoice()
     which = request.tool_choice.WhichOneof("choice")
     if which == "name":
+        if len(request.tool_choice.name) > MAX_TOOL_NAME_CHARS:
+            raise InvalidRequest(f"tool_choice.name has at most {MAX_TOOL_NAME_CHARS} characters (a tool's name)")
         return ToolChoice(ToolChoiceMode.NAMED, request.tool_choice.name)
     mode = _MODES.get(request.tool_choice.mode)
     if mode is None:
@@ -64,4 +75,6 @@ def _format_spec(fmt: pb.ResponseFormat, kind: str) -> GrammarSpec:
     source = getattr(fmt, kind)
     if not source:
         raise InvalidRequest(f"response_format.{kind} is empty")
+    if kind == "json_schema":  # refused here, before any compile, if the grammar would not enforce it
+        load_schema(source, "response_format.json_schema")
     return GrammarSpec(GrammarKind(kind), source)

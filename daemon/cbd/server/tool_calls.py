@@ -19,9 +19,11 @@ from enum import Enum
 from typing import Any
 
 from cbd.engine.grammar import GrammarKind, GrammarSpec
+from cbd.engine.schema_check import load_schema
 from cbd.errors import InvalidRequest
 
 MAX_TOOLS = 128
+MAX_TOOL_NAME_CHARS = 64
 
 
 @dataclass(frozen=True, slots=True)
@@ -88,15 +90,14 @@ def parse_tools(entries: list[tuple[str, str, str]]) -> list[Tool]:
         raise InvalidRequest(f"at most {MAX_TOOLS} tools, got {len(entries)}")
     tools, seen = [], set()
     for i, (name, description, parameters) in enumerate(entries):
-        if not name or any(c in name for c in '"\\\n') or len(name) > 64:
-            raise InvalidRequest(f"tool {i}: name must be 1 to 64 characters without quotes, backslashes or newlines")
+        if not name or any(c in name for c in '"\\\n') or len(name) > MAX_TOOL_NAME_CHARS:
+            raise InvalidRequest(
+                f"tool {i}: name must be 1 to {MAX_TOOL_NAME_CHARS} characters without quotes, backslashes or newlines"
+            )
         if name in seen:
             raise InvalidRequest(f"tool {i}: the name {name!r} is given twice")
         seen.add(name)
-        try:
-            schema = json.loads(parameters) if parameters else {}
-        except json.JSONDecodeError as exc:
-            raise InvalidRequest(f"tool {name!r}: parameters is not valid JSON: {exc}") from None
+        schema = load_schema(parameters, f"tool {name!r}: parameters") if parameters else {}
         if not isinstance(schema, dict):
             raise InvalidRequest(f"tool {name!r}: parameters must be a JSON schema object")
         tools.append(Tool(name, description, schema))

@@ -1,0 +1,84 @@
+"""Request fields both agent APIs map the same way onto a GenerateRequest, and the checks they share."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from cbd.gateway.errors import bad_request
+from cbd.gateway.requests import _convert
+from cbd_client.structured import set_response_format, set_tools
+from cbd_client.v1 import cbd_pb2 as pb
+
+MAX_TOKENS = (1 << 31) - 1
+
+
+def number(body: dict[str, Any], name: str, low: float, high: float) -> float | None:
+    value = body.get(name)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not low <= value <= high:
+        raise bad_request(f"{name} must be a number from {low:g} to {high:g}, got {value!r}", name)
+    return float(value)
+
+
+def integer(body: dict[str, Any], name: str, low: int, high: int, required: bool = False) -> int | None:
+    value = body.get(name)
+    if value is None:
+        if required:
+            raise bad_request(f"{name} is required", name)
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+        raise bad_request(f"{name} must be an integer from {low} to {high}, got {value!r}", name)
+    return value
+
+
+def flag(body: dict[str, Any], name: str, default: bool) -> bool:
+    value = body.get(name, default)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise bad_request(f"{name} must be a boolean", name)
+    return value
+
+
+def sampling(request: pb.GenerateRequest, body: dict[str, Any], max_tokens: int | None) -> None:
+    """temperature, top_p, top_k and the token budget (None: up to the context, where generation ends anyway)."""
+    s = request.sampling
+    s.max_tokens = MAX_TOKENS if max_tokens is None else max_tokens
+    temperature = number(body, "temperature", 0, 2)
+    if temperature is not None:
+        s.temperature = temperature
+    top_p = number(body, "top_p", 0, 1)
+    if top_p is not None:
+        s.top_p = top_p
+    top_k = integer(body, "top_k", 0, MAX_TOKENS)
+    if top_k is not None:
+        s.top_k = top_k
+
+
+def tools(request: pb.GenerateRequest, functions: list[dict[str, Any]], choice: Any) -> None:
+    """Functions as {name, description, parameters}; choice as the chat API's tool_choice."""
+    _convert(lambda: set_tools(request, functions, choice))
+
+
+def response_format(request: pb.GenerateRequest, fmt: dict[str, Any]) -> None:
+    """A chat-API response_format (json_object or json_schema)."""
+    _convert(lambda: set_response_format(request, fmt))
+
+
+def canonical_arguments(arguments: str) -> str:
+    """A call's arguments as compared between a reply and its resend (key order and spacing aside)."""
+    try:
+        return json.dumps(json.loads(arguments), sort_keys=True, separators=(",", ":"))
+    except ValueError:
+        return arguments
+
+
+def check_tool_results(messages: list[dict[str, Any]], where: str) -> None:
+    """Every tool result names a call an earlier assistant message made."""
+    called: set[str] = set()
+    for m in messages:
+        called.update(c.get("id", "") for c in m.get("tool_calls") or ())
+        if m["role"] == "tool" and m.get("tool_call_id") not in called:
+            raise bad_request(f"a tool result names no earlier tool call: {m.get('tool_call_id')!r}", where)

@@ -1,0 +1,34 @@
+"""The agent APIs' routes, registered by app.create_app: Responses and Messages."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+from starlette.routing import Route
+
+from cbd.gateway.messages.routes import Messages, anthropic_errors
+from cbd.gateway.responses.routes import Responses
+from cbd.gateway.responses.store import ResponseStore, StoreSettings
+
+
+def default_state_dir() -> Path:
+    """<cache dir>/gateway: $CBD_CACHE_DIR, else $XDG_CACHE_HOME/cbd, else ~/.cache/cbd (the daemon's cache dir)."""
+    env = os.environ.get("CBD_CACHE_DIR")
+    cache = Path(env) if env else Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "cbd"
+    return cache / "gateway"
+
+
+def agent_routes(gateway: Any, store: StoreSettings | None = None) -> list[Route]:
+    responses = Responses(gateway, ResponseStore(store or StoreSettings(default_state_dir())))
+    messages = Messages(gateway)
+    return [
+        Route("/v1/responses", responses.create, methods=["POST"]),
+        Route("/v1/responses/{response_id}", responses.retrieve, methods=["GET"]),
+        Route("/v1/responses/{response_id}", responses.delete, methods=["DELETE"]),
+        Route("/v1/responses/{response_id}/cancel", responses.cancel, methods=["POST"]),
+        Route("/v1/responses/{response_id}/input_items", responses.input_items, methods=["GET"]),
+        Route("/v1/messages", anthropic_errors(messages.create), methods=["POST"]),
+        Route("/v1/messages/count_tokens", anthropic_errors(messages.count_tokens), methods=["POST"]),
+    ]

@@ -1,0 +1,166 @@
+"""Starting an agent API turn on a resident cbd session, with the fallbacks that keep it an answer.
+
+A turn is planned as "continue this live session with these new messages" (the history is already in
+its KV: only the new messages are prefilled) or "the whole conversation". The continuation falls back
+to the whole conversation on a fresh session when the session is gone (closed, expired, the daemon
+restarted: NOT_FOUND) or busy with another turn (FAILED_PRECONDITION); a fresh session falls back to a
+plain call without one when the daemon has no room for another session (RESOURCE_EXHAUSTED). Every
+fallback costs only the prefill the session would have saved, never an error. A turn that is refused,
+fails or is abandoned leaves a continued session as it was (the daemon's rule); a session opened for
+it is closed again by the caller (`Turns.close`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+import grpc
+from starlette.requests import Request
+
+from cbd.gateway.errors import ApiError, from_cbd
+from cbd.gateway.limits import parse_json
+from cbd.gateway.requests import _convert
+from cbd_client._convert import set_prompt, with_affinity
+from cbd_client.errors import CbdError
+from cbd_client.v1 import cbd_pb2 as pb
+
+_FALL_BACK = (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.FAILED_PRECONDITION)
+
+
+@dataclass(slots=True)
+class Plan:
+    messages: list[dict[str, Any]]  # the whole conversation, normalised chat messages
+    session_id: str | None = None  # a live session whose history is a prefix of `messages`
+    new_messages: list[dict[str, Any]] = field(default_factory=list)  # what follows that history
+    keep: bool = True  # run a fresh conversation on a new session (False: a plain call)
+    ttl_seconds: float = 0.0  # of a new session; 0: the daemon's default
+    retention: int = pb.RETENTION_UNSPECIFIED
+
+
+@dataclass(slots=True)
+class Started:
+    """A turn the daemon accepted (its first message read)."""
+
+    stream: Any
+    first: pb.GenerateResponse
+    session_id: str | None  # the session it runs on (None: a plain call)
+    opened: bool  # the session was opened for this turn
+    continued: bool  # it continues Plan.session_id
+
+    def cancel(self) -> None:
+        self.stream.cancel()
+
+
+class Turns:
+    def __init__(self, gateway: Any) -> None:
+        self.gateway = gateway  # app.Gateway: its channel (stub) and call timeout
+        self._closing: set[asyncio.Future[Any]] = set()
+
+    async def start(self, template: pb.GenerateRequest, plan: Plan, metadata: list[tuple[str, str]]) -> Started:
+        if plan.session_id is not None and plan.new_messages:
+            try:
+                stream, first = await self._generate(template, plan.new_messages, plan.session_id, plan, metadata)
+                return Started(stream, first, plan.session_id, False, True)
+            except grpc.aio.AioRpcError as exc:
+                if exc.code() not in _FALL_BACK:
+                    raise from_cbd(CbdError.from_rpc(exc)) from None
+        session_id = await self._open(plan, metadata) if plan.keep else None
+        try:
+            stream, first = await self._generate(template, plan.messages, session_id, plan, metadata)
+        except grpc.aio.AioRpcError as exc:
+            if session_id is not None:
+                self.close(session_id, metadata)
+            raise from_cbd(CbdError.from_rpc(exc)) from None
+        except BaseException:
+            if session_id is not None:
+                self.close(session_id, metadata)
+            raise
+        return Started(stream, first, session_id, session_id is not None, False)
+
+    async def _open(self, plan: Plan, metadata: list[tuple[str, str]]) -> str | None:
+        proposed = uuid.uuid4().hex  # proposed here: a proxy routes the open like every later call
+        request = pb.OpenSessionRequest(session_id=proposed, ttl_seconds=plan.ttl_seconds, retention=plan.retention)
+        try:
+            info = await self.gateway.stub.OpenSession(
+                request, metadata=with_affinity(tuple(metadata), proposed), timeout=self.gateway.timeout
+            )
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
+                return None  # no room for another session: a plain call
+            raise from_cbd(CbdError.from_rpc(exc)) from None
+        return str(info.session_id)
+
+    async def _generate(
+        self, template: pb.GenerateRequest, messages: list[dict[str, Any]], session_id: str | None, plan: Plan,
+        metadata: list[tuple[str, str]],
+    ) -> tuple[Any, pb.GenerateResponse]:  # fmt: skip
+        request = pb.GenerateRequest()
+        request.CopyFrom(template)
+        request.ClearField("input")
+        _convert(lambda: set_prompt(request, messages))
+        if session_id is not None:
+            request.session_id = session_id
+            request.retention = plan.retention
+        stream = self.gateway.stub.Generate(
+            request, metadata=with_affinity(tuple(metadata), session_id), timeout=self.gateway.timeout
+        )
+        try:
+            first = await stream.read()
+        except BaseException:
+            stream.cancel()
+            raise
+        if first is grpc.aio.EOF:
+            raise ApiError(500, "the daemon ended the reply without a message", "server_error")
+        return stream, first
+
+    def close(self, session_id: str, metadata: list[tuple[str, str]]) -> None:
+        """Close a session in the background (a session already gone is fine)."""
+        task = asyncio.ensure_future(self._close(session_id, metadata))
+        self._closing.add(task)
+        task.add_done_callback(self._closing.discard)
+
+    async def _close(self, session_id: str, metadata: list[tuple[str, str]]) -> None:
+        try:
+            await self.gateway.stub.CloseSession(
+                pb.CloseSessionRequest(session_id=session_id),
+                metadata=with_affinity(tuple(metadata), session_id), timeout=30,
+            )  # fmt: skip
+        except grpc.aio.AioRpcError:
+            pass  # already gone: closing is idempotent here
+
+
+async def rest(stream: Any) -> Any:
+    """The responses of a started stream after its first."""
+    while True:
+        response = await stream.read()
+        if response is grpc.aio.EOF:
+            return
+        yield response
+
+
+async def unless_gone(request: Request, work: Any) -> Any:
+    """Await `work` unless the HTTP client disconnects first (then `work` is cancelled, and so are its calls).
+    The body has been read, so the next ASGI message is http.disconnect whenever the client goes."""
+    task = asyncio.ensure_future(work)
+    gone = asyncio.ensure_future(_disconnected(request))
+    try:
+        await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
+        if task.done():
+            return task.result()
+        raise ApiError(499, "the client closed the connection", "cancelled")
+    finally:
+        task.cancel()
+        gone.cancel()
+
+
+async def _disconnected(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def json_body(request: Request) -> dict[str, Any]:
+    """The body as a JSON object within the gateway's limits (limits.py), or a 400/408/413."""
+    return parse_json(await request.body(), request.app.state.gateway.limits.max_json_depth)

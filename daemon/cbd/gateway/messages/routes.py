@@ -1,0 +1,213 @@
+"""The Messages API's routes: /v1/messages (whole or streamed) and /v1/messages/count_tokens.
+
+Errors answer in the API's shape, {"type": "error", "error": {"type", "message"}}, with its statuses
+(an overloaded daemon is 529 overloaded_error). A call whose messages extend a conversation a live
+session holds continues that session (conversations.py); otherwise its conversation starts a new one.
+A cache_control mark raises the session's retention to high and, for ttl 1h, its idle TTL to an hour.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+import grpc
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+
+from cbd.gateway.agentic import caller
+from cbd.gateway.agentic.blocks import BlockKind, Event, EventKind, Fold
+from cbd.gateway.agentic.convert import check_tool_results
+from cbd.gateway.agentic.turns import Plan, Started, Turns, json_body, rest, unless_gone
+from cbd.gateway.errors import ApiError, from_cbd
+from cbd.gateway.messages.conversations import Conversations
+from cbd.gateway.messages.request import MessagesCall, parse
+from cbd.gateway.responses.items import new_id
+from cbd_client._convert import set_prompt
+from cbd_client.errors import CbdError
+from cbd_client.v1 import cbd_pb2 as pb
+
+# The OpenAI-shaped kinds of ApiError by status, as this API names them (and 503 as its 529).
+_KINDS = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+          404: "not_found_error", 408: "timeout_error", 413: "request_too_large", 429: "rate_limit_error",
+          503: "overloaded_error", 504: "timeout_error"}  # fmt: skip
+
+
+def error_body(error: ApiError) -> dict[str, Any]:
+    return {"type": "error", "error": {"type": _KINDS.get(error.status, "api_error"), "message": error.message}}
+
+
+def anthropic_errors(handler: Callable[[Request], Awaitable[Response]]) -> Callable[[Request], Awaitable[Response]]:
+    async def wrapped(request: Request) -> Response:
+        try:
+            return await handler(request)
+        except ApiError as exc:
+            status = 529 if exc.status == 503 else exc.status
+            return JSONResponse(error_body(exc), status_code=status, headers=exc.headers)
+
+    return wrapped
+
+
+class Messages:
+    def __init__(self, gateway: Any) -> None:
+        self.gateway = gateway
+        self.turns = Turns(gateway)
+        self.conversations = Conversations()
+
+    async def create(self, request: Request) -> Response:
+        call = parse(await json_body(request))
+        check_tool_results(call.messages, "messages")
+        metadata = caller.metadata(request.headers)
+        owner = caller.caller_key(request.headers)
+        model = await self.gateway.model(metadata)
+        retention = pb.RETENTION_HIGH if call.cache_ttl is not None else pb.RETENTION_UNSPECIFIED
+        plan = Plan(call.messages, ttl_seconds=3600.0 if (call.cache_ttl or 0) > 600 else 0.0, retention=retention)
+        found = self.conversations.find(owner, call.messages)
+        if found is not None:
+            plan.session_id, held = found
+            plan.new_messages = call.messages[held:]
+            self.conversations.forget(plan.session_id)  # claimed: no other call continues it meanwhile
+        turn = Turn(self, call, owner, model, plan)
+        try:
+            turn.started = await unless_gone(request, self.turns.start(call.template, plan, metadata))
+            if call.stream:
+                return StreamingResponse(turn.events(metadata), media_type="text/event-stream",
+                                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})  # fmt: skip
+            return JSONResponse(await unless_gone(request, turn.whole()))
+        finally:
+            if not call.stream or turn.started is None:
+                turn.settle(metadata)
+
+    async def count_tokens(self, request: Request) -> Response:
+        call = parse({"max_tokens": 1, **await json_body(request)})
+        tokenize = pb.TokenizeRequest()
+        set_prompt(tokenize, call.messages)
+        try:
+            answer = await self.gateway.stub.Tokenize(tokenize, metadata=caller.metadata(request.headers), timeout=60)
+        except grpc.aio.AioRpcError as exc:
+            raise from_cbd(CbdError.from_rpc(exc)) from None
+        return JSONResponse({"input_tokens": answer.count})
+
+
+class Turn:
+    """One /v1/messages call from the daemon's first message to the recorded conversation."""
+
+    def __init__(self, api: Messages, call: MessagesCall, owner: str, model: str, plan: Plan) -> None:
+        self.api, self.call, self.owner, self.model, self.plan = api, call, owner, model, plan
+        self.started: Started | None = None
+        self.fold = Fold()
+        self.id = new_id("msg")
+        self.recorded = False
+
+    async def whole(self) -> dict[str, Any]:
+        assert self.started is not None
+        self.fold.add(self.started.first)
+        try:
+            async for response in rest(self.started.stream):
+                self.fold.add(response)
+        except grpc.aio.AioRpcError as exc:
+            raise from_cbd(CbdError.from_rpc(exc)) from None
+        self.fold.end()
+        stop_reason, stop_sequence = self._stop()
+        self._record()
+        return {**self._head(), "content": [self._block(i) for i in range(len(self.fold.blocks))],
+                "stop_reason": stop_reason, "stop_sequence": stop_sequence, "usage": self._usage()}  # fmt: skip
+
+    async def events(self, metadata: list[tuple[str, str]]) -> AsyncIterator[bytes]:
+        assert self.started is not None
+        try:
+            start = {**self._head(), "content": [], "stop_reason": None, "stop_sequence": None,
+                     "usage": {"input_tokens": 0, "output_tokens": 0}}  # fmt: skip
+            yield _sse("message_start", {"type": "message_start", "message": start})
+            yield _sse("ping", {"type": "ping"})
+            try:
+                for event in self.fold.add(self.started.first):
+                    yield self._event(event)
+                async for response in rest(self.started.stream):
+                    for event in self.fold.add(response):
+                        yield self._event(event)
+            except grpc.aio.AioRpcError as exc:
+                yield _sse("error", error_body(from_cbd(CbdError.from_rpc(exc))))
+                return
+            for event in self.fold.end():
+                yield self._event(event)
+            stop_reason, stop_sequence = self._stop()
+            self._record()
+            delta = {"stop_reason": stop_reason, "stop_sequence": stop_sequence}
+            yield _sse("message_delta", {"type": "message_delta", "delta": delta, "usage": self._usage()})
+            yield _sse("message_stop", {"type": "message_stop"})
+        finally:
+            self.settle(metadata)
+
+    def _event(self, event: Event) -> bytes:
+        block = self.fold.blocks[event.index]
+        if event.kind is EventKind.OPEN:
+            opened = ({"type": "text", "text": ""} if block.kind is BlockKind.TEXT else
+                      {"type": "tool_use", "id": block.call_id, "name": block.name, "input": {}})  # fmt: skip
+            return _sse("content_block_start", {"type": "content_block_start", "index": event.index,
+                                                "content_block": opened})  # fmt: skip
+        if event.kind is EventKind.DELTA:
+            delta = ({"type": "text_delta", "text": event.delta} if block.kind is BlockKind.TEXT else
+                     {"type": "input_json_delta", "partial_json": event.delta})  # fmt: skip
+            return _sse("content_block_delta", {"type": "content_block_delta", "index": event.index, "delta": delta})
+        return _sse("content_block_stop", {"type": "content_block_stop", "index": event.index})
+
+    def _head(self) -> dict[str, Any]:
+        return {"id": self.id, "type": "message", "role": "assistant", "model": self.model}
+
+    def _block(self, index: int) -> dict[str, Any]:
+        b = self.fold.blocks[index]
+        if b.kind is BlockKind.TEXT:
+            return {"type": "text", "text": b.text}
+        try:
+            arguments = json.loads(b.text) if b.text else {}
+        except ValueError:
+            arguments = {}  # cut short by max_tokens: stop_reason says so
+        return {"type": "tool_use", "id": b.call_id, "name": b.name, "input": arguments}
+
+    def _stop(self) -> tuple[str, str | None]:
+        finish = self.fold.finish
+        if finish in (pb.FINISH_REASON_ERROR, pb.FINISH_REASON_ABORT):
+            raise ApiError(500, "the daemon ended the reply without finishing it", "api_error")
+        if finish == pb.FINISH_REASON_TOOL_CALLS:
+            return "tool_use", None
+        if finish == pb.FINISH_REASON_LENGTH:
+            return "max_tokens", None
+        generated = "".join(self.fold.token_texts)
+        hits = [s for s in self.call.stop_sequences if s in generated]
+        if hits:  # a stop sequence ends generation where it first appears: the one that ends last is it
+            return "stop_sequence", max(hits, key=lambda s: (generated.rfind(s) + len(s), len(s)))
+        return "end_turn", None
+
+    def _usage(self) -> dict[str, Any]:
+        u = self.fold.usage or pb.Usage()
+        fresh = u.prompt_tokens - u.cached_prompt_tokens
+        return {"input_tokens": fresh, "output_tokens": u.completion_tokens,
+                "cache_read_input_tokens": u.cached_prompt_tokens,
+                "cache_creation_input_tokens": fresh if self.call.cache_ttl is not None else 0}  # fmt: skip
+
+    def _record(self) -> None:
+        """The session now holds the conversation and this reply: a resend that extends it continues it."""
+        s = self.started
+        if s is not None and s.session_id is not None:
+            self.api.conversations.record(self.owner, s.session_id, [*self.call.messages, self.fold.reply()])
+            self.recorded = True
+
+    def settle(self, metadata: list[tuple[str, str]]) -> None:
+        """After the call: stop the stream; a continued session left as it was is findable again; a
+        session opened for a turn that did not complete is closed."""
+        s = self.started
+        if s is not None:
+            s.cancel()
+        if self.recorded:
+            return
+        if self.plan.session_id is not None and (s is None or s.continued):
+            held = self.call.messages[: len(self.call.messages) - len(self.plan.new_messages)]
+            self.api.conversations.record(self.owner, self.plan.session_id, held)
+        if s is not None and s.opened and s.session_id is not None:
+            self.api.turns.close(s.session_id, metadata)
+
+
+def _sse(kind: str, data: dict[str, Any]) -> bytes:
+    return f"event: {kind}\ndata: {json.dumps(data, separators=(',', ':'))}\n\n".encode()

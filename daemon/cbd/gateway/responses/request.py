@@ -1,0 +1,118 @@
+"""A Responses create body -> what to generate (a GenerateRequest template) and what to echo back.
+
+Mapped: input, instructions, previous_response_id, max_output_tokens (omitted: up to the context),
+temperature, top_p, tools (type function: name, description, parameters; `strict` is implied: calls
+are always constrained to the schema), tool_choice (auto, none, required, {type: function, name}),
+text.format (text, json_object, json_schema), store, stream, metadata (echoed). Refused with a 400:
+parallel_tool_calls false, tools of other types, background, conversation, reasoning effort, and
+include values other than none. `model` is accepted and ignored (one model is served).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from cbd.gateway.agentic import convert
+from cbd.gateway.errors import bad_request
+from cbd.gateway.responses import items
+from cbd_client.v1 import cbd_pb2 as pb
+
+
+@dataclass(slots=True)
+class Create:
+    template: pb.GenerateRequest  # sampling, tools and format; the input is set per plan
+    input_items: list[dict[str, Any]]
+    messages: list[dict[str, Any]]  # the new input as chat messages
+    instructions: str | None
+    previous_response_id: str | None
+    stream: bool
+    store: bool
+    echo: dict[str, Any]  # request fields the response object repeats
+
+
+def parse(body: dict[str, Any]) -> Create:
+    _refuse_unsupported(body)
+    given = items.input_items(body.get("input"))
+    instructions = body.get("instructions")
+    if instructions is not None and not isinstance(instructions, str):
+        raise bad_request("instructions must be a string", "instructions")
+    previous = body.get("previous_response_id")
+    if previous is not None and not isinstance(previous, str):
+        raise bad_request("previous_response_id must be a string", "previous_response_id")
+    template = pb.GenerateRequest(n=1)
+    max_tokens = convert.integer(body, "max_output_tokens", 1, convert.MAX_TOKENS)
+    convert.sampling(template, body, max_tokens)
+    tools = _tools(body.get("tools"))
+    choice = _tool_choice(body.get("tool_choice"))
+    if tools:
+        convert.tools(template, tools, choice)
+    elif choice not in (None, "none", "auto"):
+        raise bad_request("tool_choice needs tools", "tool_choice")
+    text = body.get("text") or {}
+    fmt = text.get("format") if isinstance(text, dict) else None
+    if fmt is not None:
+        _format(template, fmt)
+    metadata = body.get("metadata")
+    if metadata is not None and not isinstance(metadata, dict):
+        raise bad_request("metadata must be an object", "metadata")
+    echo = {
+        "instructions": instructions, "max_output_tokens": max_tokens, "metadata": metadata or {},
+        "parallel_tool_calls": True, "previous_response_id": previous, "temperature": body.get("temperature"),
+        "top_p": body.get("top_p"), "tool_choice": body.get("tool_choice") or "auto", "tools": body.get("tools") or [],
+        "text": {"format": fmt or {"type": "text"}}, "truncation": "disabled", "background": False,
+        "store": convert.flag(body, "store", True),
+    }  # fmt: skip
+    return Create(template, given, items.messages(given), instructions, previous, convert.flag(body, "stream", False),
+                  echo["store"], echo)  # fmt: skip
+
+
+def _refuse_unsupported(body: dict[str, Any]) -> None:
+    if body.get("parallel_tool_calls") is False:
+        raise bad_request("parallel_tool_calls: false is not supported (a reply may hold several calls)",
+                          "parallel_tool_calls")  # fmt: skip
+    if body.get("background"):
+        raise bad_request("background responses are not supported", "background")
+    if body.get("conversation") is not None:
+        raise bad_request("conversation is not supported: continue with previous_response_id", "conversation")
+    reasoning = body.get("reasoning")
+    if isinstance(reasoning, dict) and reasoning.get("effort") not in (None, "none"):
+        raise bad_request("reasoning is not supported", "reasoning")
+    if body.get("include"):
+        raise bad_request("include is not supported", "include")
+
+
+def _tools(tools: Any) -> list[dict[str, Any]]:
+    if tools is None:
+        return []
+    if not isinstance(tools, list):
+        raise bad_request("tools must be a list", "tools")
+    out = []
+    for i, tool in enumerate(tools):
+        if not isinstance(tool, dict) or tool.get("type") != "function":
+            raise bad_request(f"tools[{i}]: only function tools are supported", f"tools[{i}]")
+        out.append({"name": tool.get("name"), "description": tool.get("description"),
+                    "parameters": tool.get("parameters")})  # fmt: skip
+    return out
+
+
+def _tool_choice(choice: Any) -> Any:
+    if choice is None or choice in ("auto", "none", "required"):
+        return choice
+    if isinstance(choice, dict) and choice.get("type") == "function" and isinstance(choice.get("name"), str):
+        return {"name": choice["name"]}
+    raise bad_request("tool_choice must be auto, none, required or {type: function, name}", "tool_choice")
+
+
+def _format(template: pb.GenerateRequest, fmt: Any) -> None:
+    kind = fmt.get("type") if isinstance(fmt, dict) else None
+    if kind == "text":
+        return
+    if kind == "json_object":
+        convert.response_format(template, {"type": "json_object"})
+    elif kind == "json_schema":
+        if not isinstance(fmt.get("schema"), dict):
+            raise bad_request("text.format.schema must be an object", "text.format")
+        convert.response_format(template, {"type": "json_schema", "json_schema": {"schema": fmt["schema"]}})
+    else:
+        raise bad_request(f"text.format.type must be text, json_object or json_schema, got {kind!r}", "text.format")

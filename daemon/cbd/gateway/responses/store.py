@@ -1,0 +1,124 @@
+"""Stored responses: SQLite (stdlib, WAL) in the gateway's state directory, bounded by a TTL and a row cap.
+
+A row is one response: its owner (the caller key, a sha256 of the token: never the token), the cbd
+session and turn that produced it, the instructions it ran under, the conversation through its output
+(chat messages, without the instructions: what re-creates the session when it is gone), its input
+items and the response object. The `sessions` table counts the turns each cbd session has taken: a
+response is the latest of its session when its turn equals that count, and only then can it be
+continued as a turn of that session. Every read is scoped by owner, so another key's id is not found.
+
+Rows older than the TTL and the oldest rows beyond the cap are deleted on each write. Calls run in a
+worker thread (one connection, one lock); the event loop never waits on the disk.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sqlite3
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS responses (
+    id TEXT PRIMARY KEY, owner TEXT NOT NULL, session_id TEXT, turn INTEGER NOT NULL,
+    created_at REAL NOT NULL, instructions TEXT, conversation TEXT NOT NULL, input_items TEXT NOT NULL,
+    response TEXT NOT NULL);
+CREATE INDEX IF NOT EXISTS responses_created ON responses (created_at);
+CREATE TABLE IF NOT EXISTS sessions (session_id TEXT PRIMARY KEY, turns INTEGER NOT NULL, updated_at REAL NOT NULL);
+"""
+
+
+@dataclass(frozen=True, slots=True)
+class StoreSettings:
+    directory: Path
+    ttl_seconds: float = 30 * 86400.0  # a stored response is deleted this long after it was made
+    max_rows: int = 100_000  # the oldest responses beyond this many are deleted
+
+    def __post_init__(self) -> None:
+        if not self.ttl_seconds > 0:
+            raise ValueError(f"responses TTL must be > 0 seconds, got {self.ttl_seconds}")
+        if self.max_rows < 1:
+            raise ValueError(f"responses row cap must be >= 1, got {self.max_rows}")
+
+
+@dataclass(slots=True)
+class Stored:
+    id: str
+    owner: str
+    session_id: str | None  # None: not continuable as a session turn (a plain call, or a turn that failed)
+    turn: int
+    created_at: float
+    instructions: str | None
+    conversation: list[dict[str, Any]]
+    input_items: list[dict[str, Any]]
+    response: dict[str, Any]
+
+
+class ResponseStore:
+    def __init__(self, settings: StoreSettings) -> None:
+        self.settings = settings
+        self.path = settings.directory / "responses.sqlite3"
+        self._conn: sqlite3.Connection | None = None  # opened on first use (in a worker thread)
+        self._lock = threading.Lock()
+
+    @property
+    def _db(self) -> sqlite3.Connection:
+        if self._conn is None:
+            self.settings.directory.mkdir(parents=True, exist_ok=True)
+            conn = sqlite3.connect(self.path, check_same_thread=False, isolation_level=None)
+            conn.execute("PRAGMA journal_mode=WAL")
+            conn.executescript(_SCHEMA)
+            self._conn = conn
+        return self._conn
+
+    async def put(self, s: Stored) -> None:
+        """Store a response; a response with a session also becomes its session's latest turn."""
+        await asyncio.to_thread(self._put, s)
+
+    async def get(self, owner: str, response_id: str) -> tuple[Stored, bool] | None:
+        """The owner's response and whether it is the latest turn of its session (None: no such response)."""
+        return await asyncio.to_thread(self._get, owner, response_id)
+
+    async def delete(self, owner: str, response_id: str) -> bool:
+        return await asyncio.to_thread(self._delete, owner, response_id)
+
+    def _put(self, s: Stored) -> None:
+        now = time.time()
+        row = (s.id, s.owner, s.session_id, s.turn, s.created_at, s.instructions, json.dumps(s.conversation),
+               json.dumps(s.input_items), json.dumps(s.response))  # fmt: skip
+        with self._lock, self._db:
+            self._db.execute("BEGIN")
+            self._db.execute("INSERT OR REPLACE INTO responses VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)", row)
+            if s.session_id is not None:
+                self._db.execute("INSERT OR REPLACE INTO sessions VALUES (?, ?, ?)", (s.session_id, s.turn, now))
+            self._db.execute("DELETE FROM responses WHERE created_at < ?", (now - self.settings.ttl_seconds,))
+            self._db.execute("DELETE FROM sessions WHERE updated_at < ?", (now - self.settings.ttl_seconds,))
+            (count,) = self._db.execute("SELECT COUNT(*) FROM responses").fetchone()
+            if count > self.settings.max_rows:
+                self._db.execute(
+                    "DELETE FROM responses WHERE id IN (SELECT id FROM responses ORDER BY created_at LIMIT ?)",
+                    (count - self.settings.max_rows,),
+                )
+
+    def _get(self, owner: str, response_id: str) -> tuple[Stored, bool] | None:
+        oldest = time.time() - self.settings.ttl_seconds
+        with self._lock:
+            row = self._db.execute(
+                "SELECT r.*, s.turns FROM responses r LEFT JOIN sessions s ON r.session_id = s.session_id "
+                "WHERE r.id = ? AND r.owner = ? AND r.created_at >= ?",
+                (response_id, owner, oldest),
+            ).fetchone()
+        if row is None:
+            return None
+        *fields, turns = row
+        stored = Stored(*fields[:6], json.loads(fields[6]), json.loads(fields[7]), json.loads(fields[8]))
+        return stored, stored.session_id is not None and turns == stored.turn
+
+    def _delete(self, owner: str, response_id: str) -> bool:
+        with self._lock, self._db:
+            cursor = self._db.execute("DELETE FROM responses WHERE id = ? AND owner = ?", (response_id, owner))
+            return cursor.rowcount > 0

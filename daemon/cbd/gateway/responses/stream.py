@@ -1,0 +1,72 @@
+"""The Responses API's streaming events, numbered by sequence_number, from a folded Generate stream.
+
+Order: response.created, response.in_progress; per output item: response.output_item.added, then for a
+message response.content_part.added, response.output_text.delta..., response.output_text.done,
+response.content_part.done, and for a call response.function_call_arguments.delta...,
+response.function_call_arguments.done; then response.output_item.done. Last: response.completed,
+response.incomplete (max_output_tokens) or response.failed (with the error).
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from cbd.gateway.agentic.blocks import BlockKind, Event, EventKind, Fold
+from cbd.gateway.responses import items
+
+
+class Events:
+    def __init__(self, fold: Fold) -> None:
+        self.fold = fold
+        self.ids: list[str] = []  # one output item id per block, made when the block opens
+        self._seq = 0
+
+    def sse(self, kind: str, **fields: Any) -> bytes:
+        data = {"type": kind, "sequence_number": self._seq, **fields}
+        self._seq += 1
+        return f"event: {kind}\ndata: {json.dumps(data, separators=(',', ':'))}\n\n".encode()
+
+    def lifecycle(self, kind: str, response: dict[str, Any]) -> bytes:
+        return self.sse(kind, response=response)
+
+    def of(self, event: Event) -> list[bytes]:
+        block = self.fold.blocks[event.index]
+        text = block.kind is BlockKind.TEXT
+        if event.kind is EventKind.OPEN:
+            self.ids.append(items.new_id("msg" if text else "fc"))
+        where = {"item_id": self.ids[event.index], "output_index": event.index}
+        if event.kind is EventKind.OPEN:
+            item = (items.message_item(self.ids[event.index], "", "in_progress") if text else
+                    items.call_item(self.ids[event.index], block.call_id, block.name, "", "in_progress"))  # fmt: skip
+            if not text:
+                return [self.sse("response.output_item.added", output_index=event.index, item=item)]
+            item["content"] = []
+            return [self.sse("response.output_item.added", output_index=event.index, item=item),
+                    self.sse("response.content_part.added", **where, content_index=0, part=_part(""))]  # fmt: skip
+        if event.kind is EventKind.DELTA:
+            if text:
+                return [self.sse("response.output_text.delta", **where, content_index=0, delta=event.delta, logprobs=[])]
+            return [self.sse("response.function_call_arguments.delta", **where, delta=event.delta)]
+        done = self.item(event.index, "completed")
+        if text:
+            return [
+                self.sse("response.output_text.done", **where, content_index=0, text=block.text, logprobs=[]),
+                self.sse("response.content_part.done", **where, content_index=0, part=_part(block.text)),
+                self.sse("response.output_item.done", output_index=event.index, item=done),
+            ]
+        return [self.sse("response.function_call_arguments.done", **where, name=block.name, arguments=block.text),
+                self.sse("response.output_item.done", output_index=event.index, item=done)]  # fmt: skip
+
+    def item(self, index: int, status: str) -> dict[str, Any]:
+        block = self.fold.blocks[index]
+        if block.kind is BlockKind.TEXT:
+            return items.message_item(self.ids[index], block.text, status)
+        return items.call_item(self.ids[index], block.call_id, block.name, block.text, status)
+
+    def output(self, status: str) -> list[dict[str, Any]]:
+        return [self.item(i, status) for i in range(len(self.fold.blocks))]
+
+
+def _part(text: str) -> dict[str, Any]:
+    return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}

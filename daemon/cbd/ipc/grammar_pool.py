@@ -1,0 +1,182 @@
+"""Grammar compiles in the frontend, in a bounded pool of worker processes with a time and a memory budget.
+
+A spec is compiled once, here, and its compiled form crosses to the engine process serialized (xgrammar's
+JSON), which loads it off its command thread (ipc/endpoint.py); nothing compiles in the engine process.
+Why processes: a compile is one call into xgrammar's C++ that cannot be interrupted; some specs of a
+few kilobytes take minutes or gigabytes (deep schemas, wide counted repetitions). A worker process can
+be killed when its request's budget runs out or its client cancels, and its memory capped (RLIMIT_AS).
+
+Invariants: at most `workers` compiles run at once (others wait in order, on the event loop, while
+requests without a grammar are served as usual); a worker is either idle, running exactly one compile,
+or being killed; time spent starting a worker is not charged to the request. Outcomes (compiled or
+refused) are cached by the spec's text, bounded by count and by the bytes of compiled forms, so a
+repeated schema costs a lookup and a repeated bomb is refused at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import socket
+import subprocess
+import sys
+from collections import OrderedDict
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from multiprocessing.connection import Connection
+from typing import Any
+
+from cbd.engine.grammar import CompiledGrammar, GrammarSpec, LazyGrammarCompiler
+from cbd.errors import EngineFailure, InvalidRequest
+
+log = logging.getLogger(__name__)
+MAX_CACHED_BYTES = 256 * 2**20  # compiled forms kept at most (besides the count bound)
+
+
+@dataclass(frozen=True, slots=True)
+class CompileBudget:
+    workers: int = 2  # compiles at once
+    timeout: float = 10.0  # seconds one compile may run
+    memory_mib: int = 1024  # MiB of address space one compile may add to its worker
+
+
+class _Worker:
+    """One worker process and the frontend's end of its socket pair (used by one thread at a time)."""
+
+    def __init__(self, setup: tuple[Any, ...]) -> None:
+        ours, theirs = socket.socketpair()
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "cbd.ipc.grammar_worker", str(theirs.fileno())], pass_fds=[theirs.fileno()]
+        )  # fmt: skip
+        theirs.close()
+        self.conn = Connection(ours.detach())
+        self.conn.send(setup)
+
+    def wait_ready(self) -> None:
+        if self.conn.recv() != "ready":
+            raise EngineFailure("a grammar compile worker did not start")
+
+    def call(self, spec: GrammarSpec) -> tuple[str, str]:
+        """Raises EOFError or OSError if the worker died (or was killed) meanwhile."""
+        self.conn.send((spec.kind.value, spec.source))
+        return self.conn.recv()
+
+    def kill(self) -> None:
+        """A thread blocked in call() then reads EOF (the socket is closed by the worker's death, never
+        here: closing a descriptor another thread reads is a race)."""
+        if self.process.poll() is None:
+            self.process.kill()
+
+    def reap(self) -> None:
+        self.process.wait()
+        self.conn.close()
+
+
+class GrammarPool:
+    def __init__(self, grammars: LazyGrammarCompiler, budget: CompileBudget, cache_size: int = 256) -> None:
+        """grammars: this model's compiler in the frontend; only its tokenizer info is used (sent to workers)."""
+        self.budget = budget
+        self._grammars = grammars
+        self._setup: tuple[Any, ...] | None = None
+        self._setup_lock = asyncio.Lock()
+        self._slots = asyncio.Semaphore(budget.workers)
+        self._idle: list[_Worker] = []
+        self._threads = ThreadPoolExecutor(2 * budget.workers, thread_name_prefix="cbd-grammar")
+        self._cache: OrderedDict[GrammarSpec, CompiledGrammar | InvalidRequest] = OrderedDict()
+        self._cached_bytes = 0
+        self._cache_size = cache_size
+        self.num_killed = 0  # workers killed over a budget or a cancel (tests read it)
+
+    async def compile(self, spec: GrammarSpec) -> CompiledGrammar:
+        """The spec compiled (serialized form only); InvalidRequest for a bad spec or one over a budget.
+        Cancelling the caller stops its compile (the worker is killed)."""
+        hit = self._cache.get(spec)
+        if hit is None:
+            async with self._slots:
+                hit = self._cache.get(spec) or await self._run(spec)
+            self._remember(spec, hit)
+        else:
+            self._cache.move_to_end(spec)
+        if isinstance(hit, InvalidRequest):
+            raise InvalidRequest(str(hit))
+        return hit
+
+    async def _run(self, spec: GrammarSpec) -> CompiledGrammar | InvalidRequest:
+        loop = asyncio.get_running_loop()
+        worker = self._idle.pop() if self._idle else await self._spawn()
+        job = loop.run_in_executor(self._threads, worker.call, spec)
+        try:
+            done, _ = await asyncio.wait({job}, timeout=self.budget.timeout)
+        except asyncio.CancelledError:
+            self._discard(worker, job)
+            raise
+        if not done:
+            self._discard(worker, job)
+            return InvalidRequest(
+                f"the {spec.kind.value} did not compile within the grammar compile budget of "
+                f"{self.budget.timeout:g} s (grammar_compile_timeout)"
+            )  # fmt: skip
+        try:
+            status, value = job.result()
+        except (EOFError, OSError):
+            status, value = "memory", ""
+        if status == "memory":
+            self._discard(worker)
+            return InvalidRequest(
+                f"compiling the {spec.kind.value} went over the grammar compile memory budget of "
+                f"{self.budget.memory_mib} MiB (grammar_compile_memory_mib)"
+            )  # fmt: skip
+        self._idle.append(worker)
+        if status == "invalid":
+            return InvalidRequest(value)
+        return CompiledGrammar(spec, None, value)
+
+    async def _spawn(self) -> _Worker:
+        async with self._setup_lock:
+            if self._setup is None:
+                compiler = await asyncio.to_thread(self._grammars.get)  # InvalidRequest without a tokenizer
+                info = await asyncio.to_thread(compiler.info.serialize_json)
+                memory = self.budget.memory_mib * 2**20
+                self._setup = (info, compiler.vocab_size, list(compiler.info.stop_token_ids), memory)
+        worker = _Worker(self._setup)  # started from the event loop's thread: it dies with this process
+        try:
+            await asyncio.get_running_loop().run_in_executor(self._threads, worker.wait_ready)
+        except BaseException:
+            self._discard(worker)
+            raise
+        return worker
+
+    def _discard(self, worker: _Worker, job: asyncio.Future | None = None) -> None:
+        """Kill the worker; its descriptor is closed once no thread reads it (after `job`, if any)."""
+        self.num_killed += 1
+        worker.kill()
+        if job is None:
+            self._threads.submit(worker.reap)
+            return
+
+        def after(f: asyncio.Future) -> None:
+            if not f.cancelled():
+                f.exception()  # EOF from the killed worker: expected, retrieved so that it is not logged
+            self._threads.submit(worker.reap)
+
+        job.add_done_callback(after)
+
+    def _remember(self, spec: GrammarSpec, outcome: CompiledGrammar | InvalidRequest) -> None:
+        if spec in self._cache:
+            return
+        self._cache[spec] = outcome
+        self._cached_bytes += _size(outcome)
+        while len(self._cache) > self._cache_size or self._cached_bytes > MAX_CACHED_BYTES:
+            _, old = self._cache.popitem(last=False)
+            self._cached_bytes -= _size(old)
+
+    def close(self) -> None:
+        for worker in self._idle:
+            worker.kill()
+            worker.reap()
+        self._idle.clear()
+        self._threads.shutdown(wait=False, cancel_futures=True)
+
+
+def _size(outcome: CompiledGrammar | InvalidRequest) -> int:
+    return len(outcome.serialized or "") if isinstance(outcome, CompiledGrammar) else 0
