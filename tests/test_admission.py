@@ -102,3 +102,18 @@ def test_retry_hint_is_bounded(clock) -> None:  # type: ignore[no-untyped-def]
     with pytest.raises(CapacityExceeded) as info:
         fast.reserve("z", 1)
     assert info.value.retry_after == MIN_RETRY_AFTER > 0
+
+
+def test_a_loop_idle_before_the_work_came_is_not_stalled() -> None:
+    """Stalled means no progress for that long *since work was pending*: a heartbeat from before a long
+    idle spell (or the model's first load) does not make a new request's first moment a stall."""
+    import time
+
+    admission = Admission(8, 1000)
+    long_ago = time.monotonic() - 3600.0  # the loop's last progress: an hour before this request
+    assert not admission.stalled(long_ago, 30.0)  # no work: never stalled
+    admission.reserve("r1", 10)
+    assert not admission.stalled(long_ago, 30.0)  # work just came: not stalled yet
+    assert admission.stalled(long_ago, -1.0)  # ... but it is as soon as the bound has passed with no progress
+    admission.release("r1")
+    assert not admission.stalled(long_ago, -1.0)

@@ -133,3 +133,27 @@ def test_threads_setting_is_used_and_logged(tiny_checkpoint, tmp_path) -> None: 
         assert "1 intra-op threads" in d.log()
     finally:
         d.stop()
+
+
+class _Refusal(grpc.RpcError):
+    def __init__(self, code: grpc.StatusCode, details: str) -> None:
+        self._code, self._details = code, details
+
+    def code(self) -> grpc.StatusCode:
+        return self._code
+
+    def details(self) -> str:
+        return self._details
+
+
+def test_a_proxy_without_a_healthy_replica_is_waited_for_not_reported_missing() -> None:
+    from cbd_client.readiness import Waiter
+
+    said: list[str] = []
+    waiter = Waiter("127.0.0.1:50051", 60, said.append)
+    envoy = _Refusal(grpc.StatusCode.UNAVAILABLE, "upstream connect error or disconnect/reset before headers")
+    assert waiter.ready(envoy) is False  # a proxy answers, its replicas are loading: wait
+    assert said and "no healthy replica behind the proxy" in said[0] and "cbd serve" not in said[0]
+    assert waiter.ready(b"\x08\x01") is True  # SERVING once one replica is up
+    with pytest.raises(CbdError, match="start one with"):  # nothing there at all: fail at once, say what to do
+        Waiter("127.0.0.1:50051", 60, None).ready(_Refusal(grpc.StatusCode.UNAVAILABLE, "failed to connect"))

@@ -31,11 +31,15 @@ _junk = st.one_of(st.none(), st.booleans(), st.integers(-3, 3), _huge, st.floats
 _text = st.one_of(st.text(max_size=24), st.sampled_from(["Name a fruit.", "\ud800", "", "x" * 300]))
 
 
-def _deep(depth: int) -> Any:
-    value: Any = "leaf"
-    for i in range(depth):
-        value = [value] if i % 2 else {"k": value}
-    return value
+DEEP = "__deep__"  # a placeholder, spliced into the body's text as that many nested arrays (see _text_of)
+
+
+def _text_of(body: dict[str, Any]) -> bytes:
+    """The body as JSON text (lone surrogates as \\ud800 escapes, huge integers as digits) with deep nests."""
+    text = json.dumps(body)
+    for depth in (70, 5000):
+        text = text.replace(f'"{DEEP}{depth}"', "[" * depth + '{"k": 1}' + "]" * depth)
+    return text.encode()
 
 
 def _maybe(draw: Any, value: Any, junk: float = 0.15) -> Any:
@@ -60,7 +64,10 @@ def _message(draw: Any) -> Any:
     return _maybe(draw, m, 0.05)
 
 
-_TOOL = {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}
+@st.composite
+def _tool(draw: Any) -> Any:
+    function = {"name": _maybe(draw, "get_weather"), "parameters": _maybe(draw, {"type": "object"})}
+    return _maybe(draw, {"type": "function", "function": _maybe(draw, function)})
 
 
 def _common(draw: Any, body: dict[str, Any]) -> dict[str, Any]:
@@ -75,7 +82,7 @@ def _common(draw: Any, body: dict[str, Any]) -> dict[str, Any]:
         "presence_penalty": draw(st.sampled_from([0, 0.5])), "logprobs": draw(st.sampled_from([None, True, 2, 30])),
         "stream_options": draw(st.sampled_from([{"include_usage": True}, "x"])),
         "cbd_session": draw(st.sampled_from(["fuzz-a", "fuzz-b", 5])), "unknown_field": draw(_junk),
-        "deep": _deep(draw(st.sampled_from([3, 70, 5000]))),
+        "deep": draw(st.sampled_from([[[{"k": 1}]], f"{DEEP}70", f"{DEEP}5000"])),
     }  # fmt: skip
     for name in draw(st.lists(st.sampled_from(sorted(options)), max_size=4, unique=True)):
         body[name] = _maybe(draw, options[name], 0.2)
@@ -90,7 +97,7 @@ def chat_bodies(draw: Any) -> Any:
     body: dict[str, Any] = {"model": "m", "messages": _maybe(draw, draw(st.lists(_message(), min_size=1, max_size=3)),
                                                              0.05)}  # fmt: skip
     if draw(st.integers(0, 4)) == 0:
-        body["tools"] = _maybe(draw, [_maybe(draw, _TOOL, 0.3)], 0.2)
+        body["tools"] = _maybe(draw, draw(st.lists(_tool(), min_size=1, max_size=2)), 0.1)
         body["tool_choice"] = _maybe(draw, draw(st.sampled_from(["auto", "required", {"function": {"name": "x"}}])))
     if draw(st.integers(0, 6)) == 0:
         body["response_format"] = _maybe(draw, {"type": draw(st.sampled_from(["json_object", "text", "xml"]))})
@@ -140,8 +147,7 @@ def test_fuzzed_api_bodies_are_answered_below_500_and_leave_nothing_running(gate
                          completion_bodies().map(lambda b: ("completions", b))))  # fmt: skip
         def check(case: tuple[str, dict[str, Any]]) -> None:
             route, body = case
-            content = json.dumps(body).encode()  # lone surrogates as \ud800 escapes, huge integers as digits
-            response = http.post(f"/v1/{route}", content=content, headers={"Content-Type": "application/json"})
+            response = http.post(f"/v1/{route}", content=_text_of(body), headers={"Content-Type": "application/json"})
             outcome = _check(response)
             seen[outcome] = seen.get(outcome, 0) + 1
 

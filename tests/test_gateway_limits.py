@@ -11,10 +11,10 @@ import time
 
 import httpx
 import pytest
-from gateway_process import GatewayProcess
 
 from cbd_client import Client
 from daemon_process import DaemonProcess
+from gateway_process import GatewayProcess
 
 pytestmark = pytest.mark.slow
 BODY_LIMIT = 256 << 10

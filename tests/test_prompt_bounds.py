@@ -4,6 +4,7 @@ are tokenized, big prompts are tokenized off the event loop, and message content
 from __future__ import annotations
 
 import asyncio
+import math
 import threading
 from collections import Counter
 from types import SimpleNamespace
@@ -51,14 +52,28 @@ def refusal(call) -> str:  # type: ignore[no-untyped-def]
     return details
 
 
+def raw_refusal(daemon, method: str, request) -> str:  # type: ignore[no-untyped-def]
+    """The call through the bare stub: the client would also send a session's id as a (bounded) header."""
+    with grpc.insecure_channel(daemon.address) as channel:
+        call = getattr(CbdStub(channel), method)
+        with pytest.raises(grpc.RpcError) as info:
+            reply = call(request, timeout=60)
+            list(reply) if method == "Generate" else reply
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT, info.value
+    details = info.value.details()
+    assert "\n" not in details and len(details) < 300, details[:300]
+    return details
+
+
 @pytest.mark.slow
-def test_huge_ids_and_names_are_refused_with_one_short_line(client) -> None:  # type: ignore[no-untyped-def]
+def test_huge_ids_and_names_are_refused_with_one_short_line(client, daemon) -> None:  # type: ignore[no-untyped-def]
     huge = "x" * MiB
     assert "request_id" in refusal(lambda: client.generate(FRANCE, request_id=huge, max_tokens=2))
     assert "128" in refusal(lambda: client.generate(FRANCE, request_id="a/b", max_tokens=2))
-    assert "session_id" in refusal(lambda: client.generate(FRANCE, session_id=huge, max_tokens=2))
-    assert "session_id" in refusal(lambda: client.get_session(huge))
-    assert "session_id" in refusal(lambda: client.close_session("bad id\n"))
+    turn = pb.GenerateRequest(text="hi", session_id=huge)
+    assert "session_id" in raw_refusal(daemon, "Generate", turn)
+    assert "session_id" in raw_refusal(daemon, "GetSession", pb.GetSessionRequest(session_id=huge))
+    assert "session_id" in raw_refusal(daemon, "CloseSession", pb.CloseSessionRequest(session_id="bad id\n"))
     tools = [{"name": "f", "description": "", "parameters": {"type": "object"}}]
     assert "tool_choice.name" in refusal(lambda: client.generate(FRANCE, tools=tools, tool_choice=huge))
     assert client.generate(FRANCE, request_id="eval:task-1.try_2~a", max_tokens=2).request_id == "eval:task-1.try_2~a"
@@ -84,9 +99,15 @@ def test_tokenize_rpc_keeps_message_content_as_text(client) -> None:  # type: ig
         return Counter(i for i in ids if i in (start, end))
 
     def chat(text: str) -> list[dict]:
-        return [{"role": "user", "content": text}, {"role": "assistant", "content": text}, {"role": "user", "content": "ok"}]
+        return [
+            {"role": "user", "content": text},
+            {"role": "assistant", "content": text},
+            {"role": "user", "content": "ok"},
+        ]
 
-    assert specials(client.tokenize(chat(INJECTION))) == specials(client.tokenize(chat("hello there"))) == {start: 4, end: 4}
+    # The template's default system turn, three messages and the generation prompt: 5 starts, 4 ends.
+    harmless = specials(client.tokenize(chat("hello there")))
+    assert specials(client.tokenize(chat(INJECTION))) == harmless == {start: 5, end: 4}
     assert not specials(client.tokenize(INJECTION))
     assert specials(client.tokenize(INJECTION, allow_special_tokens=True)) == {start: 1, end: 2}
 
@@ -143,3 +164,14 @@ def test_health_answers_while_a_big_prompt_is_tokenized(tmp_path) -> None:  # ty
     result = asyncio.run(run())
     assert log == ["SERVING", "tokenized"]
     assert list(result.token_ids) == [len(text) % 7, 1, 2]
+
+
+@pytest.mark.slow
+def test_a_tiny_temperature_is_greedy_with_finite_logprobs(client) -> None:  # type: ignore[no-untyped-def]
+    greedy = client.generate(FRANCE, temperature=0, max_tokens=8, ignore_eos=True, logprobs=2).candidates[0]
+    for tiny in (1e-45, 1e-30):  # 1e-45 is the smallest float32 above 0 (the proto's type)
+        got = client.generate(FRANCE, temperature=tiny, seed=5, max_tokens=8, ignore_eos=True, logprobs=2)
+        assert got.candidates[0].token_ids == greedy.token_ids
+        values = [lp.logprob for lp in got.candidates[0].logprobs]
+        values += [logprob for lp in got.candidates[0].logprobs for _, logprob in lp.top]
+        assert len(values) == 8 * 3 and all(math.isfinite(v) for v in values)

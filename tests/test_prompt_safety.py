@@ -43,7 +43,10 @@ def smol():  # type: ignore[no-untyped-def]
 def llama3_style(smol):  # type: ignore[no-untyped-def]
     tokenizer = copy.deepcopy(smol)
     tokenizer.add_special_tokens(
-        {"bos_token": "<|begin_of_text|>", "additional_special_tokens": ["<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"]}
+        {
+            "bos_token": "<|begin_of_text|>",
+            "additional_special_tokens": ["<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"],
+        }
     )
     tokenizer.chat_template = LLAMA3_STYLE
     return tokenizer

@@ -69,3 +69,18 @@ def test_blas_library_flag(monkeypatch) -> None:  # type: ignore[no-untyped-def]
     blas.select("auto", torch.device("cuda", 0))
     blas.select("cublas", torch.device("cuda", 0))
     assert chosen == ["cublaslt", "cublas"]
+
+
+def test_setting_sources_name_the_file_variable_or_flag_of_each_setting(tmp_path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    from cbd.server.settings import setting_sources
+
+    config = tmp_path / "cbd.toml"
+    config.write_text("[engine]\nmax_num_seqs = 9\nblock_size = 32\n[server]\nshutdown_grace = 3.0\n")
+    monkeypatch.setenv("CBD_CONFIG", str(config))
+    monkeypatch.setenv("CBD_BLOCK_SIZE", "8")  # the environment wins over the file
+    lines = setting_sources(["serve", "--shutdown-grace", "5"])  # and a flag over both
+    assert lines[0] == f"config file: {config}"
+    assert f"engine.max_num_seqs = 9  (file {config})" in lines
+    assert "engine.block_size = 8  (env CBD_BLOCK_SIZE)" in lines
+    assert "server.shutdown_grace = 5.0  (flag --shutdown-grace)" in lines
+    assert len(lines) == 4

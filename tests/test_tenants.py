@@ -54,9 +54,7 @@ def test_another_tenants_session_is_not_found_and_untouched(daemon) -> None:  # 
         as_never_opened(bob.get_session, "alice-agent-1")
         as_never_opened(bob.fork_session, "alice-agent-1")
         as_never_opened(bob.close_session, "alice-agent-1")
-        as_never_opened(
-            lambda sid: bob.generate(TURN, session_id=sid, max_tokens=2), "alice-agent-1"
-        )
+        as_never_opened(lambda sid: bob.generate(TURN, session_id=sid, max_tokens=2), "alice-agent-1")
         # bob's own session of the same name is his: it neither sees nor changes alice's.
         his = bob.session([1, 2, 3], session_id="alice-agent-1")
         assert his.info().num_tokens == 3 and his.info().tenant == "bob"

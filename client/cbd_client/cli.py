@@ -2,7 +2,8 @@
 
     cbd-client "What is the capital of France?"      one-shot: stream the answer (chat template)
     cbd-client --raw "Once upon a time"              one-shot with plain text instead of chat
-    cbd-client chat                                  interactive multi-turn chat (Ctrl-D to quit)
+    cbd-client chat                                  interactive multi-turn chat (Ctrl-D to quit); also
+                                                     what `cbd-client` with no arguments does
     cbd-client info | stats                          model information / live statistics
 
 The answer goes to stdout, messages (waiting for the daemon, errors) to stderr. Exit status: 0, or 1 with one

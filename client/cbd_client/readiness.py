@@ -41,8 +41,20 @@ def unreachable(address: str, error: grpc.RpcError) -> CbdError:
     return CbdError(grpc.StatusCode.UNAVAILABLE, f"no cbd daemon answers at {address} ({reason}); {_START_HINT}")
 
 
-def waiting_message(address: str, timeout: float) -> str:
+def waiting_message(address: str, timeout: float, proxy: bool = False) -> str:
+    if proxy:
+        return f"no healthy replica behind the proxy at {address} yet; waiting up to {timeout:.0f}s for one to serve"
     return f"waiting up to {timeout:.0f}s for the daemon at {address} to finish loading its model"
+
+
+# What a proxy (Envoy, deploy/) says in UNAVAILABLE when it answers but has no replica to send the call to:
+# the replicas are starting (or all down), which is a wait, not "start a daemon".
+_PROXY_WITHOUT_REPLICA = ("no healthy upstream", "upstream connect error", "no healthy host")
+
+
+def proxy_without_replica(error: grpc.RpcError) -> bool:
+    details = (error.details() or "").lower()
+    return error.code() == grpc.StatusCode.UNAVAILABLE and any(s in details for s in _PROXY_WITHOUT_REPLICA)
 
 
 def not_ready(address: str, timeout: float) -> CbdError:
@@ -71,17 +83,19 @@ class Waiter:
         self.on_wait = on_wait
 
     def ready(self, outcome: bytes | grpc.RpcError) -> bool:
+        proxy = False
         if isinstance(outcome, grpc.RpcError):
             code = outcome.code()
-            if code == grpc.StatusCode.UNAVAILABLE:
+            proxy = proxy_without_replica(outcome)
+            if code == grpc.StatusCode.UNAVAILABLE and not proxy:
                 raise unreachable(self.address, outcome)
-            if code != grpc.StatusCode.DEADLINE_EXCEEDED:
+            if code not in (grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.UNAVAILABLE):
                 raise CbdError.from_rpc(outcome)
         elif health_status(outcome) == SERVING:
             return True
         if time.monotonic() > self.deadline:
             raise not_ready(self.address, self.timeout)
         if self.on_wait is not None:
-            self.on_wait(waiting_message(self.address, self.timeout))
+            self.on_wait(waiting_message(self.address, self.timeout, proxy))
             self.on_wait = None  # said once
         return False

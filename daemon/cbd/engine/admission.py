@@ -46,6 +46,7 @@ class Admission:
         self._tokens = 0
         self._finished_at: deque[float] = deque(maxlen=_RATE_WINDOW)
         self._hinted: list[float] = []  # heap: when refused callers still waiting were told to come back
+        self._busy_since = 0.0  # when the live count last rose from 0 (monotonic)
 
     @property
     def num_live(self) -> int:
@@ -96,9 +97,17 @@ class Admission:
                     f"{self._tokens} prompt tokens are queued or running, the limit is {max_tokens}{kind}; "
                     f"retry in {wait:.2f} s", retry_after=wait,
                 )  # fmt: skip
+            if not self._live:
+                self._busy_since = time.monotonic()
             live = self._live[request_id] = LiveRequest(request_id, num_tokens, on_output)
             self._tokens += num_tokens
             return live
+
+    def stalled(self, heartbeat: float, seconds: float) -> bool:
+        """Work is pending and the engine loop has made no progress (its `heartbeat`, monotonic) for
+        `seconds` since the work became pending: a loop that idled (or was loading) before the work came
+        is not stalled. The one stall rule of the in-process and the remote engine."""
+        return bool(self._live) and time.monotonic() - max(heartbeat, self._busy_since) > seconds
 
     def release(self, request_id: str) -> LiveRequest | None:
         """Give back a request's reservation and drop its record (idempotent: a second call for the

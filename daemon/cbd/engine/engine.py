@@ -254,7 +254,7 @@ class Engine:
     def stalled(self, seconds: float) -> bool:
         """Work is pending but the loop has made no progress for `seconds` (a wedged step or device, or a
         scheduler that can admit nothing)."""
-        return self.admission.num_live > 0 and time.monotonic() - self.heartbeat > seconds
+        return self.admission.stalled(self.heartbeat, seconds)
 
     def drain(self, timeout: float) -> bool:
         """Wait until no request is live (True) or timeout seconds pass (False); accepts no new ones."""

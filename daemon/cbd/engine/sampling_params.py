@@ -96,15 +96,15 @@ def validate_request(
     """Raise InvalidRequest for a request that can never run on a model with these facts."""
     if not prompt_token_ids:
         raise InvalidRequest("the prompt is empty")
-    if any(not 0 <= t < vocab_size for t in prompt_token_ids):
-        raise InvalidRequest(f"prompt token ids must be in [0, {vocab_size})")
-    if any(t >= vocab_size for t in params.stop_token_ids):
-        raise InvalidRequest(f"stop_token_ids must be in [0, {vocab_size})")
-    if len(prompt_token_ids) >= max_model_len:
+    if len(prompt_token_ids) >= max_model_len:  # first: O(1), before a pass over millions of ids
         raise InvalidRequest(
             f"the prompt has {len(prompt_token_ids)} tokens; this engine's context holds at most "
             f"{max_model_len} (prompt plus at least one new token)"
         )
+    if any(not 0 <= t < vocab_size for t in prompt_token_ids):
+        raise InvalidRequest(f"prompt token ids must be in [0, {vocab_size})")
+    if any(t >= vocab_size for t in params.stop_token_ids):
+        raise InvalidRequest(f"stop_token_ids must be in [0, {vocab_size})")
     if params.stop and not has_tokenizer:
         raise InvalidRequest("stop strings need a tokenizer, and this checkpoint has none")
 

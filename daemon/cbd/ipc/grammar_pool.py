@@ -86,6 +86,7 @@ class GrammarPool:
         self._cached_bytes = 0
         self._cache_size = cache_size
         self.num_killed = 0  # workers killed over a budget or a cancel (tests read it)
+        self.num_compiling = 0  # compiles running in a worker now
 
     async def compile(self, spec: GrammarSpec) -> CompiledGrammar:
         """The spec compiled (serialized form only); InvalidRequest for a bad spec or one over a budget.
@@ -105,11 +106,14 @@ class GrammarPool:
         loop = asyncio.get_running_loop()
         worker = self._idle.pop() if self._idle else await self._spawn()
         job = loop.run_in_executor(self._threads, worker.call, spec)
+        self.num_compiling += 1
         try:
             done, _ = await asyncio.wait({job}, timeout=self.budget.timeout)
         except asyncio.CancelledError:
             self._discard(worker, job)
             raise
+        finally:
+            self.num_compiling -= 1
         if not done:
             self._discard(worker, job)
             return InvalidRequest(

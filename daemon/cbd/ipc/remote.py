@@ -251,7 +251,7 @@ class RemoteEngine:
 
     def stalled(self, seconds: float) -> bool:
         """Work is pending but the engine loop has made no progress for `seconds`."""
-        return self.admission.num_live > 0 and time.monotonic() - self.heartbeat > seconds
+        return self.admission.stalled(self.heartbeat, seconds)
 
     async def compile_grammar(self, spec: GrammarSpec) -> CompiledGrammar:
         """Compile in a worker process of the pool, within its budgets (cached): a bad spec fails with

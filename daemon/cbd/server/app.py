@@ -38,7 +38,15 @@ from cbd.server.metrics_http import MetricsEndpoint
 from cbd.server.notify import sd_notify
 from cbd.server.preflight import preflight
 from cbd.server.service import CbdService
-from cbd.server.settings import EX_CONFIG, ServerConfig, build_parser, default_listen, load_settings, render_defaults
+from cbd.server.settings import (
+    EX_CONFIG,
+    ServerConfig,
+    build_parser,
+    default_listen,
+    load_settings,
+    render_defaults,
+    setting_sources,
+)
 from cbd.server.sockets import AddressInUse, UnixSocketClaim, describe_bind_failure, unix_path
 from cbd_client.v1 import cbd_pb2
 
@@ -262,6 +270,13 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.command == "config":
+        if args.sources:
+            try:
+                print("\n".join(setting_sources()))
+            except (ValueError, OSError) as exc:
+                print(f"cbd: configuration error: {exc}", file=sys.stderr)
+                return EX_CONFIG
+            return 0
         if not args.print_defaults:
             parser.parse_args(["config", "--help"])  # prints the subcommand's help and exits 0
         print(render_defaults())
@@ -287,6 +302,7 @@ def main(argv: list[str] | None = None) -> int:
         report = detach(server_config.log_file)
     configure_logging(server_config.log_level, log_file=server_config.log_file or None)
     log.info("cbd %s, pid %d, torch %s", __version__, os.getpid(), torch.__version__)
+    log.info("settings not at their defaults: %s", "; ".join(setting_sources(argv)))
     on_listening = (lambda addresses: report(0, ", ".join(addresses))) if report else None
     try:
         asyncio.run(serve(engine_config, server_config, on_listening))

@@ -330,9 +330,7 @@ class CbdService(_Base):
         # so the conversation cannot change between this read and the fork.
         conversation = self.chats.conversation(source, candidate)
         with in_client_terms((source, request.session_id), (fork, new_id)):
-            info = await asyncio.wrap_future(
-                engine.fork_session(source, candidate, _ttl(request.ttl_seconds), fork)
-            )
+            info = await asyncio.wrap_future(engine.fork_session(source, candidate, _ttl(request.ttl_seconds), fork))
         if conversation is not None:
             self.chats.open(info.session_id, conversation)
         return _session_info(info)

@@ -179,6 +179,9 @@ def build_parser() -> argparse.ArgumentParser:
                             description="Configuration helpers.")  # fmt: skip
     config.add_argument("--print-defaults", action="store_true",
                         help="print a documented cbd.toml with every setting at its default")  # fmt: skip
+    config.add_argument("--sources", action="store_true",
+                        help="print the configuration file `cbd serve` would read and each setting that it or "
+                             "a CBD_* environment variable sets, with where it was set")  # fmt: skip
     from cbd.gateway.main import add_parser as add_gateway  # the gateway's own flags (its code loads only when run)
 
     add_gateway(sub, default_address())
@@ -205,14 +208,33 @@ def _shown_defaults() -> dict[str, str]:
 
 
 def load_settings(argv: list[str] | None = None) -> tuple[EngineConfig, ServerConfig]:
-    args = build_parser().parse_args(argv)
+    values, _ = _collect(argv)
+    return EngineConfig.from_dict(values["engine"]), config_from_dict(ServerConfig, values["server"], "server config")
+
+
+def setting_sources(argv: list[str] | None = None) -> list[str]:
+    """One line per setting that is not at its default: `section.name = value  (where it was set)`,
+    after a line naming the configuration file read (if any)."""
+    values, sources = _collect(argv)
+    lines = [f"config file: {sources.pop('', 'none')}"]
+    for (section, name), source in sorted(sources.items()):
+        lines.append(f"{section}.{name} = {values[section][name]!r}  ({source})")
+    return lines
+
+
+def _collect(argv: list[str] | None) -> tuple[dict[str, dict[str, Any]], dict[Any, str]]:
+    """The settings given by file, environment and flags (not the defaults), and where each came from
+    (key ("section", "name"); key "" names the configuration file)."""
+    args = build_parser().parse_args(argv if argv is not None else ["serve"])
     values: dict[str, dict[str, Any]] = {name: {} for name in _SECTIONS}
+    sources: dict[Any, str] = {}
     path = (
-        args.config
+        getattr(args, "config", None)
         or os.environ.get("CBD_CONFIG")
         or (DEFAULT_CONFIG_FILE if os.path.exists(DEFAULT_CONFIG_FILE) else None)
     )
     if path:
+        sources[""] = path
         try:
             with open(path, "rb") as fh:
                 document = tomllib.load(fh)
@@ -223,15 +245,18 @@ def load_settings(argv: list[str] | None = None) -> tuple[EngineConfig, ServerCo
             raise ValueError(f"unknown tables in {path}: {unknown}; known: {sorted(_SECTIONS)}")
         for section, table in document.items():
             values[section].update(table)
+            sources.update({(section, name): f"file {path}" for name in table})
     for section, cls in _SECTIONS.items():
         for f in fields(cls):
             env = os.environ.get(f"CBD_{f.name.upper()}")
             if env is not None:
                 values[section][f.name] = _parse_named(f"CBD_{f.name.upper()}", str(f.type), env)
-            flag = getattr(args, f"{section}.{f.name}")
+                sources[section, f.name] = f"env CBD_{f.name.upper()}"
+            flag = getattr(args, f"{section}.{f.name}", None)
             if flag is not None:
                 values[section][f.name] = _parse_named(_flag(f.name), str(f.type), flag)
-    return EngineConfig.from_dict(values["engine"]), config_from_dict(ServerConfig, values["server"], "server config")
+                sources[section, f.name] = f"flag {_flag(f.name)}"
+    return values, sources
 
 
 def render_defaults() -> str:

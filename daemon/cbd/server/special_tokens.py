@@ -13,7 +13,10 @@ conversation is tokenized exactly as before, in one call.
 
 Special tokens are the tokenizer's added tokens marked special (what `split_special_tokens` splits);
 added tokens that are not special (e.g. Qwen's `<tool_call>`) are ordinary vocabulary. An added token's
-lstrip / rstrip (it takes the whitespace beside it) is honoured at the pieces' seams.
+lstrip / rstrip (it takes the whitespace beside it) is honoured at the pieces' seams. The pieces are
+tokenized as the tokenizer itself does (it splits on special tokens first), except that a SentencePiece
+tokenizer that prefixes only the text's first word with "▁" prefixes each piece's: a difference of one
+token after a special token, only in prompts whose client strings held special-token strings.
 """
 
 from __future__ import annotations
@@ -47,15 +50,14 @@ class SpecialTokens:
         """Token ids of the conversation rendered with the chat template, client strings as text."""
         forged: list[str] = []
         nonce = secrets.token_hex(6)
-        if self.pattern is not None:
-            messages = self._escape(messages, forged, nonce)
-            template_kwargs = self._escape(template_kwargs, forged, nonce)
-        if not forged:
+        escaped: Any = self._escape([messages, template_kwargs], forged, nonce) if self.pattern else None
+        if not forged:  # nearly always: the conversation as given, tokenized in one call
             rendered = self.tokenizer.apply_chat_template(
                 messages, add_generation_prompt=add_generation_prompt, tokenize=True, return_dict=True,
                 **template_kwargs,
             )  # fmt: skip
             return list(rendered["input_ids"])
+        messages, template_kwargs = escaped
         text = self.tokenizer.apply_chat_template(
             messages, add_generation_prompt=add_generation_prompt, tokenize=False, **template_kwargs
         )
@@ -74,7 +76,8 @@ class SpecialTokens:
     def _encode_rendered(self, text: str, forged: list[str], nonce: str) -> list[int]:
         """Tokenize a rendering whose special-token strings are all the template's own."""
         assert self.pattern is not None
-        pieces = re.compile(f"cbd{nonce}x(\\d+)x|{self.pattern.pattern}")
+        # Placeholders match in any case: a template may upper-case or capitalise a string (e.g. a role).
+        pieces = re.compile(f"(?i:cbd{nonce}x(\\d+)x)|{self.pattern.pattern}")
         ids: list[int] = []
         plain: list[str] = []  # text since the last special token, placeholders restored
         at, strip_left = 0, False  # strip_left: the last special token takes the whitespace after it

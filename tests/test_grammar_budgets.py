@@ -1,0 +1,102 @@
+"""Budgets of grammar work: a grammar whose token masks grow too expensive is ended with its documented
+error while a greedy stream beside it keeps advancing (and samples what it samples alone); the compile
+pool refuses a compile past its time budget, stops a cancelled compile by killing its worker, and caches
+its outcomes."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from cbd.engine.grammar import GrammarKind, GrammarSpec, LazyGrammarCompiler
+from cbd.engine.sampling_params import SamplingParams
+from cbd.engine.sequence import FinishReason
+from cbd.errors import InvalidRequest
+from cbd.ipc.grammar_pool import CompileBudget, GrammarPool
+from helpers import checked_step, make_core, run_all
+
+# Ambiguous: the matcher's work per token grows with the length of the run of "a" (about cubically).
+MASK_BOMB = 'root ::= x{700} "."\nx ::= x x | "a"'
+# Counted repetitions in alternation: seconds to compile (tens with 60 branches), whatever the machine.
+COMPILE_BOMB = "|".join(f"[a-z]{{1,{500 + i}}}x{i}" for i in range(60))
+
+
+@pytest.mark.parametrize("overlap", ["off", "on"])
+def test_a_grammar_over_its_mask_budget_ends_with_an_error_while_a_greedy_stream_advances(
+    default_model, compiler, overlap
+) -> None:  # type: ignore[no-untyped-def]
+    plain, bomb_prompt = [0, 30, 31, 32], [0, 40, 41, 42]
+    greedy = SamplingParams(max_tokens=400, temperature=0.0, ignore_eos=True)
+    alone = run_all(make_core(default_model, overlap=overlap), [plain], greedy)[0]["tokens"][0]
+
+    core = make_core(default_model, overlap=overlap, grammar_mask_budget_ms=2.0, grammar_mask_budget_steps=3)
+    bomb = SamplingParams(
+        max_tokens=1000, temperature=0.0, grammar=compiler.compile(GrammarSpec(GrammarKind.GRAMMAR, MASK_BOMB))
+    )
+    plain_id = core.add_request(plain, greedy).request_id
+    bomb_id = core.add_request(bomb_prompt, bomb).request_id
+    tokens: dict[str, list[int]] = {plain_id: [], bomb_id: []}
+    ended, plain_tokens_when_bomb_ended = None, 0
+    for _ in range(5000):
+        if not core.has_work():
+            break
+        for out in checked_step(core):
+            tokens[out.request_id] += [t for d in out.candidates for t in d.token_ids]
+            if out.request_id == bomb_id and out.finished:
+                ended, plain_tokens_when_bomb_ended = out, len(tokens[plain_id])
+    assert ended is not None and ended.candidates[0].finish_reason is FinishReason.ERROR
+    assert ended.error is not None and ended.error.startswith("grammar too expensive"), ended.error
+    assert 0 < len(tokens[bomb_id]) < 1000  # it ran, under its grammar, and was cut long before its end
+    assert plain_tokens_when_bomb_ended < 400  # the greedy stream was still running then ...
+    assert tokens[plain_id] == alone  # ... went on to its end, and sampled what it samples alone
+    assert not core.live.live  # nothing left behind
+
+
+def test_an_ordinary_grammar_stays_within_the_default_budget(default_model, compiler) -> None:  # type: ignore[no-untyped-def]
+    grammar = compiler.compile(GrammarSpec(GrammarKind.REGEX, "[a-z ]{1,200}\\."))
+    params = SamplingParams(max_tokens=60, temperature=0.0, grammar=grammar)
+    result = run_all(make_core(default_model), [[0, 30, 31, 32]], params)[0]
+    assert result["finish"][0] in (FinishReason.STOP, FinishReason.LENGTH)
+
+
+@pytest.fixture(scope="module")
+def grammars(default_model) -> LazyGrammarCompiler:  # type: ignore[no-untyped-def]
+    return LazyGrammarCompiler(
+        default_model.tokenizer, default_model.spec.vocab_size, tuple(default_model.eos_token_ids)
+    )
+
+
+def test_the_pool_refuses_past_the_time_budget_kills_on_cancel_and_caches_outcomes(grammars) -> None:  # type: ignore[no-untyped-def]
+    async def scenario() -> None:
+        pool = GrammarPool(grammars, CompileBudget(workers=1, timeout=1.0, memory_mib=1024))
+        try:
+            ok = await pool.compile(GrammarSpec(GrammarKind.REGEX, "[a-z]+"))
+            assert ok.compiled is None and ok.serialized  # crosses serialized; never compiled in the frontend
+            bomb = GrammarSpec(GrammarKind.REGEX, COMPILE_BOMB)
+            with pytest.raises(InvalidRequest, match=r"compile budget of 1 s \(grammar_compile_timeout\)"):
+                await pool.compile(bomb)
+            assert pool.num_killed == 1
+            with pytest.raises(InvalidRequest, match="grammar_compile_timeout"):
+                await pool.compile(bomb)  # the refusal is cached: no second worker is spent on it
+            assert pool.num_killed == 1
+
+            task = asyncio.ensure_future(pool.compile(GrammarSpec(GrammarKind.REGEX, COMPILE_BOMB + "|y")))
+            for _ in range(3000):  # until its worker (a fresh one) has started and runs the compile
+                if pool.num_compiling:
+                    break
+                await asyncio.sleep(0.01)
+            assert pool.num_compiling == 1
+            waiting = asyncio.ensure_future(pool.compile(GrammarSpec(GrammarKind.REGEX, "[0-9]+")))
+            await asyncio.sleep(0)
+            task.cancel()  # within its budget: its worker is killed, and the queued compile gets a fresh one
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            assert pool.num_killed == 2
+            assert (await waiting).serialized
+            with pytest.raises(InvalidRequest, match="matches nothing"):
+                await pool.compile(GrammarSpec(GrammarKind.REGEX, "[^\\s\\S]"))
+        finally:
+            pool.close()
+
+    asyncio.run(scenario())

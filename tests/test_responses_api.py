@@ -1,0 +1,175 @@
+"""The Responses API (/v1/responses) driven with the official `openai` package: a real daemon (the
+embedded model, two tenants' tokens) and a real `cbd openai` gateway with its SQLite state directory."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import jsonschema
+import openai
+import pytest
+
+from cbd.gateway.responses.store import ResponseStore, Stored, StoreSettings
+from gateway_stack import OTHER_TOKEN, TOKEN, Stack, stack
+
+WEATHER = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20}}, "required": ["city"]}
+TOOLS = [{"type": "function", "name": "get_weather", "description": "Current weather in a city",
+          "parameters": WEATHER}]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def gw(tmp_path_factory):  # type: ignore[no-untyped-def]
+    yield from stack(tmp_path_factory.mktemp("responses"))
+
+
+def client(gw: Stack, token: str = TOKEN) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{gw.url}/v1", api_key=token, max_retries=0)
+
+
+@pytest.mark.slow
+def test_a_continued_response_is_a_session_turn(gw: Stack) -> None:
+    c = client(gw)
+    first = c.responses.create(model="m", input="What is the capital of France?", max_output_tokens=20,
+                               temperature=0)  # fmt: skip
+    assert first.status == "completed" and "Paris" in first.output_text
+    assert first.usage is not None and first.usage.input_tokens > 10 and first.usage.output_tokens > 0
+    second = c.responses.create(model="m", input="And the capital of Germany?", previous_response_id=first.id,
+                                max_output_tokens=20, temperature=0)  # fmt: skip
+    assert "Berlin" in second.output_text and second.previous_response_id == first.id
+    u = second.usage
+    assert u is not None
+    # Only the new input was computed: the whole first exchange was the session's resident KV.
+    assert u.input_tokens_details.cached_tokens >= first.usage.input_tokens + first.usage.output_tokens - 1
+    assert u.input_tokens > u.input_tokens_details.cached_tokens
+    again = c.responses.retrieve(second.id)
+    assert again.output_text == second.output_text and again.usage == second.usage
+    listed = c.responses.input_items.list(second.id, order="asc")
+    assert [item.type for item in listed.data] == ["message"]
+    assert listed.data[0].content[0].text == "And the capital of Germany?"  # type: ignore[union-attr]
+
+
+@pytest.mark.slow
+def test_streamed_events_assemble_to_the_whole_response(gw: Stack) -> None:
+    c = client(gw)
+    ask = {"model": "m", "input": "Name three colours.", "max_output_tokens": 30, "temperature": 0,
+           "instructions": "Answer briefly."}  # fmt: skip
+    whole = c.responses.create(**ask)  # type: ignore[call-overload]
+    events = list(c.responses.create(**ask, stream=True))  # type: ignore[call-overload]
+    kinds = [e.type for e in events]
+    assert kinds[:4] == ["response.created", "response.in_progress", "response.output_item.added",
+                         "response.content_part.added"]  # fmt: skip
+    assert kinds[-4:] == ["response.output_text.done", "response.content_part.done", "response.output_item.done",
+                          "response.completed" if whole.status == "completed" else "response.incomplete"]  # fmt: skip
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    deltas = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    assert deltas == whole.output_text and events[-1].response.output_text == whole.output_text  # type: ignore[union-attr]
+    with c.responses.stream(model="m", input="Say hello.", max_output_tokens=200, temperature=0) as stream:
+        texts = [e.delta for e in stream if e.type == "response.output_text.delta"]
+        final = stream.get_final_response()
+    assert "".join(texts) == final.output_text and final.status == "completed"
+    assert c.responses.retrieve(final.id).output_text == final.output_text
+
+
+@pytest.mark.slow
+def test_continuing_an_older_response_branches_and_keeps_the_newer_one(gw: Stack) -> None:
+    c = client(gw)
+    root = c.responses.create(model="m", input="Name a fruit.", max_output_tokens=12, temperature=0)
+    ask = {"model": "m", "max_output_tokens": 12, "temperature": 0}
+    a = c.responses.create(input="Name another one.", previous_response_id=root.id, **ask)  # type: ignore[call-overload]
+    b = c.responses.create(input="Name a vegetable.", previous_response_id=root.id, **ask)  # type: ignore[call-overload]
+    # b continues root, not a: it equals the same question asked of root alone, on a session of its own.
+    a_again = c.responses.create(input="Name another one.", previous_response_id=root.id, **ask)  # type: ignore[call-overload]
+    assert a_again.output_text == a.output_text and a_again.id != a.id
+    assert b.usage is not None and b.usage.input_tokens_details.cached_tokens > 0  # the prefix cache held root
+    # a is still the latest turn of root's session: continuing it is a turn there.
+    after_a = c.responses.create(input="And one more?", previous_response_id=a.id, **ask)  # type: ignore[call-overload]
+    assert after_a.id.rsplit("_", 1)[0] == a.id.rsplit("_", 1)[0] == root.id.rsplit("_", 1)[0]
+    assert b.id.rsplit("_", 1)[0] != root.id.rsplit("_", 1)[0]
+
+
+@pytest.mark.slow
+def test_a_function_tool_round_trip(gw: Stack) -> None:
+    c = client(gw)
+    asked = c.responses.create(model="m", input="What is the weather in Paris?", tools=TOOLS,  # type: ignore[arg-type]
+                               tool_choice="required", max_output_tokens=60, temperature=0)  # fmt: skip
+    calls = [item for item in asked.output if item.type == "function_call"]
+    assert calls and calls[0].name == "get_weather" and calls[0].call_id
+    jsonschema.validate(json.loads(calls[0].arguments), WEATHER)
+    result = {"type": "function_call_output", "call_id": calls[0].call_id, "output": '{"temperature_c": 21}'}
+    answer = c.responses.create(model="m", input=[result], previous_response_id=asked.id, tools=TOOLS,  # type: ignore[arg-type,list-item]
+                                tool_choice="none", max_output_tokens=40, temperature=0)  # fmt: skip
+    assert answer.output_text and not [i for i in answer.output if i.type == "function_call"]
+    assert answer.usage is not None and answer.usage.input_tokens_details.cached_tokens > 0
+    # Streamed, the call's argument deltas add up to the same call.
+    events = list(c.responses.create(model="m", input="What is the weather in Paris?", tools=TOOLS,  # type: ignore[arg-type]
+                                     tool_choice="required", max_output_tokens=60, temperature=0, stream=True))  # fmt: skip
+    done = next(e for e in events if e.type == "response.function_call_arguments.done")
+    pieces = [e.delta for e in events if e.type == "response.function_call_arguments.delta" and e.item_id == done.item_id]
+    assert "".join(pieces) == done.arguments == calls[0].arguments
+    assert events[-1].type in ("response.completed", "response.incomplete")
+
+
+@pytest.mark.slow
+def test_errors_and_ownership(gw: Stack) -> None:
+    c, other = client(gw), client(gw, OTHER_TOKEN)
+    with pytest.raises(openai.NotFoundError):
+        c.responses.create(model="m", input="Hi", previous_response_id="resp_nosuch_1", max_output_tokens=4)
+    with pytest.raises(openai.BadRequestError) as bad:
+        c.responses.create(model="m", input="Hi", max_output_tokens=0)
+    assert "max_output_tokens must be an integer from 1" in bad.value.message
+    with pytest.raises(openai.BadRequestError) as bad:
+        c.responses.create(model="m", input=[{"type": "function_call_output", "call_id": "call_x", "output": "1"}])
+    assert "names no earlier tool call" in bad.value.message
+    mine = c.responses.create(model="m", input="Say yes.", max_output_tokens=4, temperature=0)
+    # Another key's response id is not found, exactly as an unknown one.
+    for call in (lambda: other.responses.retrieve(mine.id), lambda: other.responses.delete(mine.id),
+                 lambda: other.responses.create(model="m", input="Hi", previous_response_id=mine.id)):  # fmt: skip
+        with pytest.raises(openai.NotFoundError) as missing:
+            call()
+        assert missing.value.body["message"] == f"no response with id {mine.id!r}"  # type: ignore[index]
+    assert c.responses.retrieve(mine.id).id == mine.id
+    c.responses.delete(mine.id)
+    with pytest.raises(openai.NotFoundError):
+        c.responses.retrieve(mine.id)
+    with pytest.raises(openai.NotFoundError):
+        c.responses.create(model="m", input="Hi", previous_response_id=mine.id)
+
+
+@pytest.mark.slow
+def test_a_chain_continues_across_a_gateway_restart(gw: Stack) -> None:
+    c = client(gw)
+    first = c.responses.create(model="m", input="What is the capital of Italy?", max_output_tokens=20, temperature=0)
+    gw.stop_gateway()
+    gw.start_gateway()
+    assert c.responses.retrieve(first.id).output_text == first.output_text
+    second = c.responses.create(model="m", input="And of Spain?", previous_response_id=first.id,
+                                max_output_tokens=20, temperature=0)  # fmt: skip
+    assert "Madrid" in second.output_text
+    assert second.usage is not None and second.usage.input_tokens_details.cached_tokens > 0
+
+
+def _row(owner: str, n: int, created_at: float) -> Stored:
+    return Stored(f"resp_{n}", owner, f"s{n}", 1, created_at, None, [], [], {"id": f"resp_{n}"})
+
+
+def test_the_store_is_scoped_by_owner_and_bounded(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    import asyncio
+
+    async def scenario() -> None:
+        store = ResponseStore(StoreSettings(tmp_path, ttl_seconds=3600, max_rows=2))
+        now = time.time()
+        await store.put(_row("a", 1, now - 7200))  # older than the TTL: never served, deleted on the next write
+        assert await store.get("a", "resp_1") is None
+        for n in (2, 3, 4):
+            await store.put(_row("a", n, now - 10 + n))
+        assert await store.get("a", "resp_2") is None  # beyond the cap of two: the oldest went
+        found = await store.get("a", "resp_4")
+        assert found is not None and found[1]  # the latest (only) turn of its session
+        assert await store.get("b", "resp_4") is None and not await store.delete("b", "resp_4")
+        assert await store.delete("a", "resp_4") and await store.get("a", "resp_4") is None
+        (rows,) = store._db.execute("SELECT COUNT(*) FROM responses").fetchone()
+        assert rows == 1
+        assert store._db.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
+
+    asyncio.run(scenario())
