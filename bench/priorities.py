@@ -16,6 +16,7 @@ and its batch throughput >= 0.8x batch alone.
 
     python bench/priorities.py                    # CPU, the default model, scaled down
     python bench/priorities.py --gpu              # CUDA, Llama-3-8B shape (random weights)
+    python bench/priorities.py --gpu --attention-backend triton   # without FlashAttention-4 (auto picks it)
 """
 
 from __future__ import annotations
@@ -126,6 +127,7 @@ def main() -> None:
     parser.add_argument("--n", type=int)
     parser.add_argument("--batch-prompt", type=int, default=256)
     parser.add_argument("--batch-tokens", type=int)
+    parser.add_argument("--attention-backend", default="auto", help="auto | triton | flash | torch")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     if args.gpu:
@@ -148,7 +150,7 @@ def main() -> None:
         torch.cuda.empty_cache()
         config = EngineConfig(device="cuda", dtype="bfloat16", block_size=16, kv_cache_gib=40.0, max_num_seqs=256,
                               max_num_batched_tokens=8192, max_model_len=max_len, cuda_graph_max_batch=256,
-                              host_kv_gib=0)  # fmt: skip
+                              host_kv_gib=0, attention_backend=args.attention_backend)  # fmt: skip
     else:
         from cbd.model.loader import load_model
 

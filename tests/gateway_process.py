@@ -14,11 +14,11 @@ from daemon_process import free_port
 
 
 class GatewayProcess:
-    def __init__(self, daemon_address: str, log_path: Path, *flags: str) -> None:
-        self.port = free_port()
+    def __init__(self, daemon_address: str, log_path: Path, *flags: str, port: int | None = None) -> None:
+        self.port = port or free_port()
         self.base = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
-        self._log = open(log_path, "w")
+        self._log = open(log_path, "a")
         self.process = subprocess.Popen(
             [sys.executable, "-m", "cbd.cli", "openai", "--daemon", daemon_address,
              "--listen", f"127.0.0.1:{self.port}", *flags],

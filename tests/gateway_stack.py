@@ -3,16 +3,11 @@ in front of it, with its state directory in a temporary folder: the agent API te
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
-import httpx
-
 from daemon_process import DaemonProcess, free_port
+from gateway_process import GatewayProcess
 
 TOKEN = "alice-token"
 OTHER_TOKEN = "bob-token"
@@ -23,30 +18,18 @@ class Stack:
         self.daemon, self.tmp = daemon, tmp
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        self.gateway: subprocess.Popen | None = None
+        self.gateway: GatewayProcess | None = None
 
     def start_gateway(self) -> None:
-        log = open(self.tmp / "gateway.log", "a")
-        self.gateway = subprocess.Popen(
-            [sys.executable, "-m", "cbd.cli", "openai", "--daemon", self.daemon.address,
-             "--listen", f"127.0.0.1:{self.port}", "--state-dir", str(self.tmp / "state")],
-            stdout=log, stderr=subprocess.STDOUT, env=os.environ.copy(),
-        )  # fmt: skip
-        log.close()
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                if httpx.get(f"{self.url}/health", timeout=5).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            assert time.monotonic() < deadline and self.gateway.poll() is None, self.log()
-            time.sleep(0.2)
+        """A gateway on this stack's port and state directory (again after stop_gateway: a restart)."""
+        self.gateway = GatewayProcess(
+            self.daemon.address, self.tmp / "gateway.log", "--state-dir", str(self.tmp / "state"), port=self.port
+        )
+        self.gateway.wait_serving(60)
 
     def stop_gateway(self) -> None:
         if self.gateway is not None:
-            self.gateway.terminate()
-            self.gateway.wait(30)
+            self.gateway.stop()
             self.gateway = None
 
     def log(self) -> str:

@@ -126,6 +126,16 @@ def test_a_host_kv_tier_that_cannot_be_allocated_is_a_configuration_error(tiny_c
     assert list(tmp_path.iterdir()) == []
 
 
+def test_flash_attention_where_it_cannot_run_exits_78_with_one_line(tiny_checkpoint, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    proc = run_cbd("serve", "--listen", f"unix:{tmp_path / 'cbd.sock'}", "--model", str(tiny_checkpoint("llama")),
+                   "--attention-backend", "flash")  # fmt: skip
+    # Found once the model is loaded (its head dim is known), so the start-up log lines come first.
+    assert proc.returncode == 78 and "Traceback" not in proc.stderr, proc.stderr
+    last = proc.stderr.strip().splitlines()[-1]
+    assert "attention_backend flash" in last and "FlashAttention-4" in last and "cannot run" in last, last
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_cuda_without_cuda_is_a_configuration_error(tmp_path) -> None:  # type: ignore[no-untyped-def]
     import torch
 

@@ -42,12 +42,21 @@ def _error(response: Any, status: int) -> dict[str, Any]:
 MALFORMED = [  # (route, body, the param named)
     ("chat", {"messages": ASK, "tools": [{"type": "function", "function": "f"}]}, "tools[0].function"),
     ("chat", {"messages": ASK, "tools": "f"}, "tools"),
-    ("chat", {"messages": ASK, "tools": [{"type": "function", "function": {"name": "f"}}],
-              "tool_choice": {"function": "f"}}, "tool_choice.function"),  # fmt: skip
-    ("chat", {"messages": [{"role": "assistant", "tool_calls": [{"id": "c", "function": "f"}]}, *ASK]},
-     "messages[0].tool_calls[0].function"),  # fmt: skip
-    ("chat", {"messages": [{"role": "assistant", "tool_calls": [{"id": 7, "function": {"name": "f"}}]}, *ASK]},
-     "messages[0].tool_calls[0].id"),  # fmt: skip
+    (
+        "chat",
+        {"messages": ASK, "tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": {"function": "f"}},
+        "tool_choice.function",
+    ),  # fmt: skip
+    (
+        "chat",
+        {"messages": [{"role": "assistant", "tool_calls": [{"id": "c", "function": "f"}]}, *ASK]},
+        "messages[0].tool_calls[0].function",
+    ),  # fmt: skip
+    (
+        "chat",
+        {"messages": [{"role": "assistant", "tool_calls": [{"id": 7, "function": {"name": "f"}}]}, *ASK]},
+        "messages[0].tool_calls[0].id",
+    ),  # fmt: skip
     ("chat", {"messages": [{"role": "assistant", "tool_calls": "x"}, *ASK]}, "messages[0].tool_calls"),
     ("chat", {"messages": [*ASK, {"role": "tool", "tool_call_id": 7, "content": "x"}]}, "messages[1].tool_call_id"),
     ("chat", {"messages": [{"role": "user", "content": "\ud800"}]}, "messages[0].content"),
@@ -123,7 +132,9 @@ def test_grpcs_message_size_refusal_is_413_never_429() -> None:
     too_big = CbdError(grpc.StatusCode.RESOURCE_EXHAUSTED, "Received message larger than max (9000000 vs. 8388608)")
     error = from_cbd(too_big)
     assert error.status == 413 and "Retry-After" not in error.headers
-    assert from_cbd(CbdError(grpc.StatusCode.RESOURCE_EXHAUSTED, "Sent message larger than max (1 vs. 0)")).status == 413
+    assert (
+        from_cbd(CbdError(grpc.StatusCode.RESOURCE_EXHAUSTED, "Sent message larger than max (1 vs. 0)")).status == 413
+    )
     full = from_cbd(CbdError(grpc.StatusCode.RESOURCE_EXHAUSTED, "queue full", retry_after=0.2))
     assert full.status == 429 and full.headers["Retry-After"] == "1"
     # 499 is the gateway's own word for a client that left; the daemon cancelling a call is not that

@@ -22,15 +22,15 @@ MASK_BOMB = 'root ::= x{700} "."\nx ::= x x | "a"'
 COMPILE_BOMB = "|".join(f"[a-z]{{1,{500 + i}}}x{i}" for i in range(60))
 
 
-@pytest.mark.parametrize("overlap", ["off", "on"])
 def test_a_grammar_over_its_mask_budget_ends_with_an_error_while_a_greedy_stream_advances(
-    default_model, compiler, overlap
+    default_model, compiler
 ) -> None:  # type: ignore[no-untyped-def]
+    overlap = "on"  # the deferred-sampling loop (the daemon test runs the sync one)
     plain, bomb_prompt = [0, 30, 31, 32], [0, 40, 41, 42]
-    greedy = SamplingParams(max_tokens=400, temperature=0.0, ignore_eos=True)
+    greedy = SamplingParams(max_tokens=160, temperature=0.0, ignore_eos=True)
     alone = run_all(make_core(default_model, overlap=overlap), [plain], greedy)[0]["tokens"][0]
 
-    core = make_core(default_model, overlap=overlap, grammar_mask_budget_ms=2.0, grammar_mask_budget_steps=3)
+    core = make_core(default_model, overlap=overlap, grammar_mask_budget_ms=1.0, grammar_mask_budget_steps=3)
     bomb = SamplingParams(
         max_tokens=1000, temperature=0.0, grammar=compiler.compile(GrammarSpec(GrammarKind.GRAMMAR, MASK_BOMB))
     )
@@ -48,7 +48,7 @@ def test_a_grammar_over_its_mask_budget_ends_with_an_error_while_a_greedy_stream
     assert ended is not None and ended.candidates[0].finish_reason is FinishReason.ERROR
     assert ended.error is not None and ended.error.startswith("grammar too expensive"), ended.error
     assert 0 < len(tokens[bomb_id]) < 1000  # it ran, under its grammar, and was cut long before its end
-    assert plain_tokens_when_bomb_ended < 400  # the greedy stream was still running then ...
+    assert plain_tokens_when_bomb_ended < 160  # the greedy stream was still running then ...
     assert tokens[plain_id] == alone  # ... went on to its end, and sampled what it samples alone
     assert not core.live.live  # nothing left behind
 

@@ -3,26 +3,29 @@ embedded model, two tenants' tokens) and a real `cbd openai` gateway in front of
 
 from __future__ import annotations
 
+from typing import Any
+
 import anthropic
 import httpx
 import jsonschema
 import pytest
 
+from cbd.gateway.messages.conversations import Conversations
 from cbd_client import Client
 from gateway_stack import TOKEN, Stack, stack
 
-pytestmark = pytest.mark.slow
 WEATHER = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20}}, "required": ["city"]}
 TOOLS = [{"name": "get_weather", "description": "Current weather in a city", "input_schema": WEATHER}]
 ASK = [{"role": "user", "content": "What is the capital of France?"}]
+GREEDY = {"extra_body": {"temperature": 0}}  # the current anthropic package sends no temperature itself
 
 
 @pytest.fixture(scope="module")
-def gw(tmp_path_factory):  # type: ignore[no-untyped-def]
+def gw(tmp_path_factory):
     yield from stack(tmp_path_factory.mktemp("messages"))
 
 
-def client(gw: Stack, token: str = TOKEN) -> anthropic.Anthropic:
+def client(gw: Stack, token: str = TOKEN) -> Any:  # Any: the SDK's request types name its own models only
     return anthropic.Anthropic(base_url=gw.url, api_key=token, max_retries=0)
 
 
@@ -31,74 +34,84 @@ def open_sessions(gw: Stack) -> int:
         return c.stats().open_sessions
 
 
+@pytest.mark.slow
 def test_a_resent_conversation_continues_its_session(gw: Stack) -> None:
     c = client(gw)
     before = open_sessions(gw)
-    first = c.messages.create(model="m", max_tokens=20, temperature=0, system="Answer briefly.", messages=ASK)  # type: ignore[arg-type]
+    first = c.messages.create(model="m", max_tokens=20, **GREEDY, messages=ASK)
     assert first.type == "message" and first.role == "assistant" and first.stop_reason == "end_turn"
-    assert "Paris" in first.content[0].text  # type: ignore[union-attr]
+    assert "Paris" in first.content[0].text
     prompt = first.usage.input_tokens + (first.usage.cache_read_input_tokens or 0)
-    messages = [*ASK, {"role": "assistant", "content": first.content[0].text},  # type: ignore[union-attr]
+    messages = [*ASK, {"role": "assistant", "content": first.content[0].text},
                 {"role": "user", "content": "And the capital of Germany?"}]  # fmt: skip
-    second = c.messages.create(model="m", max_tokens=20, temperature=0, system="Answer briefly.", messages=messages)  # type: ignore[arg-type]
-    assert "Berlin" in second.content[0].text  # type: ignore[union-attr]
-    # The whole first exchange was resident: only the new message (and the turn's framing) was computed.
-    assert (second.usage.cache_read_input_tokens or 0) >= prompt + first.usage.output_tokens - 1
+    second = c.messages.create(model="m", max_tokens=20, **GREEDY, messages=messages)
+    assert "Berlin" in second.content[0].text
+    # The first exchange was resident: only the new message (and the turn's framing) was computed.
+    assert (second.usage.cache_read_input_tokens or 0) >= prompt
     assert open_sessions(gw) == before + 1  # one session carried both calls
-    counted = c.messages.count_tokens(model="m", system="Answer briefly.", messages=ASK)  # type: ignore[arg-type]
+    counted = c.messages.count_tokens(model="m", messages=ASK)
     assert counted.input_tokens == prompt
 
 
+@pytest.mark.slow
 def test_streamed_events_assemble_to_the_whole_reply(gw: Stack) -> None:
     c = client(gw)
-    whole = c.messages.create(model="m", max_tokens=30, temperature=0, messages=ASK)  # type: ignore[arg-type]
-    with c.messages.stream(model="m", max_tokens=30, temperature=0, messages=ASK) as stream:  # type: ignore[arg-type]
+    whole = c.messages.create(model="m", max_tokens=30, **GREEDY, messages=ASK)
+    with c.messages.stream(model="m", max_tokens=30, **GREEDY, messages=ASK) as stream:
         kinds = []
         for event in stream:
             kinds.append(event.type)
         final = stream.get_final_message()
     assert kinds[0] == "message_start" and kinds[-1] == "message_stop" and "content_block_stop" in kinds
-    assert final.content[0].text == whole.content[0].text  # type: ignore[union-attr]
+    assert final.content[0].text == whole.content[0].text
     assert final.stop_reason == whole.stop_reason and final.usage.output_tokens == whole.usage.output_tokens
 
 
+@pytest.mark.slow
 def test_a_tool_round_trip(gw: Stack) -> None:
     c = client(gw)
     ask = [{"role": "user", "content": "What is the weather in Paris?"}]
-    asked = c.messages.create(model="m", max_tokens=60, temperature=0, messages=ask, tools=TOOLS,  # type: ignore[arg-type]
-                              tool_choice={"type": "any"})  # fmt: skip
+    asked = c.messages.create(model="m", max_tokens=60, **GREEDY, messages=ask, tools=TOOLS,
+                              tool_choice={"type": "tool", "name": "get_weather"})  # fmt: skip
     uses = [b for b in asked.content if b.type == "tool_use"]
     assert asked.stop_reason == "tool_use" and uses and uses[0].name == "get_weather"
     jsonschema.validate(uses[0].input, WEATHER)
     results = [{"type": "tool_result", "tool_use_id": u.id, "content": "21 degrees C, sunny"} for u in uses]
     follow = [*ask, {"role": "assistant", "content": [u.model_dump(exclude_none=True) for u in uses]},
               {"role": "user", "content": results}]  # fmt: skip
-    answer = c.messages.create(model="m", max_tokens=40, temperature=0, messages=follow, tools=TOOLS,  # type: ignore[arg-type]
+    answer = c.messages.create(model="m", max_tokens=40, **GREEDY, messages=follow, tools=TOOLS,
                                tool_choice={"type": "none"})  # fmt: skip
     assert answer.content and answer.content[0].type == "text" and answer.content[0].text
     assert (answer.usage.cache_read_input_tokens or 0) > 0
     # Streamed, the tool_use block's JSON deltas assemble to the same input.
-    with c.messages.stream(model="m", max_tokens=60, temperature=0, messages=ask, tools=TOOLS,  # type: ignore[arg-type]
-                           tool_choice={"type": "any"}) as stream:  # fmt: skip
+    with c.messages.stream(model="m", max_tokens=60, **GREEDY, messages=ask, tools=TOOLS,
+                           tool_choice={"type": "tool", "name": "get_weather"}) as stream:  # fmt: skip
         final = stream.get_final_message()
-    assert final.stop_reason == "tool_use" and final.content[0].input == uses[0].input  # type: ignore[union-attr]
+    assert final.stop_reason == "tool_use" and final.content[0].input == uses[0].input
 
 
+@pytest.mark.slow
 def test_stop_sequences_and_cache_control(gw: Stack) -> None:
     c = client(gw)
     counting = [{"role": "user", "content": "Count from 1 to 10, separated by commas."}]
-    stopped = c.messages.create(model="m", max_tokens=40, temperature=0, messages=counting, stop_sequences=["5"])  # type: ignore[arg-type]
+    stopped = c.messages.create(model="m", max_tokens=40, **GREEDY, messages=counting, stop_sequences=["5"])
     assert stopped.stop_reason == "stop_sequence" and stopped.stop_sequence == "5"
-    assert "5" not in stopped.content[0].text  # type: ignore[union-attr]
-    system = [{"type": "text", "text": "You are a terse geography assistant.", "cache_control": {"type": "ephemeral"}}]
-    marked = c.messages.create(model="m", max_tokens=10, temperature=0, system=system, messages=ASK)  # type: ignore[arg-type]
+    assert "5" not in stopped.content[0].text
+    mark = {"type": "ephemeral", "ttl": "1h"}
+    system = [{"type": "text", "text": "You are a terse geography assistant.", "cache_control": mark}]
+    marked = c.messages.create(model="m", max_tokens=10, **GREEDY, system=system, messages=ASK)
     assert marked.usage.cache_creation_input_tokens == marked.usage.input_tokens > 0
+    # The mark is the session's retention: high, and kept idle for the mark's hour.
+    with Client(gw.daemon.address, timeout=30, token=TOKEN) as daemon:
+        held = [s for s in daemon.list_sessions() if s.retention == "high"]
+    assert len(held) == 1 and held[0].ttl_seconds == 3600
 
 
+@pytest.mark.slow
 def test_errors_in_the_apis_shape(gw: Stack) -> None:
     c = client(gw)
     with pytest.raises(anthropic.BadRequestError) as bad:
-        c.messages.create(model="m", max_tokens=0, messages=ASK)  # type: ignore[arg-type]
+        c.messages.create(model="m", max_tokens=0, messages=ASK)
     assert bad.value.body == {"type": "error", "error": {"type": "invalid_request_error",
                                                          "message": "max_tokens must be an integer from 1 to 2147483647, got 0"}}  # fmt: skip
     with pytest.raises(anthropic.BadRequestError) as bad:
@@ -106,8 +119,26 @@ def test_errors_in_the_apis_shape(gw: Stack) -> None:
             {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_x", "content": "1"}]}])  # fmt: skip
     assert "names no earlier tool call" in bad.value.message
     with pytest.raises(anthropic.AuthenticationError) as denied:
-        client(gw, "wrong").messages.create(model="m", max_tokens=5, messages=ASK)  # type: ignore[arg-type]
-    assert denied.value.body["error"]["type"] == "authentication_error"  # type: ignore[index]
+        client(gw, "wrong").messages.create(model="m", max_tokens=5, messages=ASK)
+    body: Any = denied.value.body  # the SDK types an error body as object: it is the API's error dict
+    assert body["error"]["type"] == "authentication_error"
     raw = httpx.post(f"{gw.url}/v1/messages", headers={"x-api-key": TOKEN}, json={"model": "m", "messages": ASK})
     assert raw.status_code == 400 and raw.json()["error"] == {"type": "invalid_request_error",
                                                               "message": "max_tokens is required"}  # fmt: skip
+
+
+def test_conversations_find_the_longest_held_prefix_of_the_owners_resend() -> None:
+    conversations = Conversations()
+    call = {"id": "call_1", "name": "f", "arguments": '{"b": 1, "a": 2}'}
+    held = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "", "tool_calls": [call]}]
+    conversations.record("alice", "s1", held)
+    resent = {**call, "arguments": '{"a":2,"b":1}'}  # the same call, resent with other spacing and key order
+    follow = [held[0], {"role": "assistant", "content": "", "tool_calls": [resent]},
+              {"role": "tool", "tool_call_id": "call_1", "content": "3"}]  # fmt: skip
+    assert conversations.find("alice", follow) == ("s1", 2)
+    assert conversations.find("bob", follow) is None  # another key's conversation is not found
+    assert conversations.find("alice", held) is None  # nothing new after what is held: not a turn
+    edited = [{"role": "user", "content": "hello"}, *follow[1:]]
+    assert conversations.find("alice", edited) is None
+    conversations.forget("s1")
+    assert conversations.find("alice", follow) is None

@@ -72,7 +72,9 @@ class EngineConfig:
     # Verifying steps get CUDA graphs up to this many sequences with "auto", max(this, 8) with "ngram"
     # (never beyond 32 or cuda_graph_max_batch).
     speculative_max_batch: int = 4
-    # "auto" (flash-attn if installed and usable, else Triton on CUDA, else torch) | "torch" | "triton" | "flash".
+    # "auto" | "torch" | "triton" | "flash". auto: on CUDA, "flash" (FlashAttention-4 for prefill/extend steps,
+    # Triton for decodes) where flash-attn-4 is installed, compute capability >= 9.0, bf16/fp16 and KV not FP8,
+    # else "triton"; "torch" on the CPU. The choice and its reason are logged at start.
     attention_backend: str = "auto"
     # GEMMs on CUDA: "auto" (cuBLASLt) | "cublas" | "cublaslt" (torch's BLAS front end, process-wide).
     blas_library: str = "auto"

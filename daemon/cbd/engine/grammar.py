@@ -5,9 +5,12 @@ triggered, schema-constrained tool calls) to a token-level automaton with a prec
 filling one sequence's next-token bitmask takes microseconds on the host; its matchers fork (fan-out
 candidates) and roll back; and it applies a batch of bitmasks to logits on the CPU or the GPU.
 
-Threads: `GrammarCompiler.compile` is thread-safe and is called off the engine thread (the request waits,
-not the batch). Its cache is keyed by the spec's text, so a repeated schema or tool set costs a lookup.
-A `GrammarState` belongs to one sequence and is used only by the engine thread.
+Threads: `GrammarCompiler.compile` and `load` are thread-safe and are called off the engine thread (the
+request waits, not the batch). In the daemon, `compile` runs only in the frontend's compile workers
+(ipc/grammar_pool.py), and the engine process `load`s the serialized result (ipc/grammar_loads.py). The
+cache is keyed by the spec's text, so a repeated schema or tool set costs a lookup. A compiled grammar
+whose language is empty (no first token allowed) is refused. A `GrammarState` belongs to one sequence
+and is used only by the engine thread.
 """
 
 from __future__ import annotations

@@ -93,7 +93,7 @@ class ModelRunner:
         self.kv_caches = torch.zeros(spec.num_layers, *shape, dtype=dtype, device=self.device)
         self.backend: AttentionBackend = select_backend(
             attention_backend, self.device, model.embed_tokens.weight.dtype, block_size, spec.sliding_window,
-            spec.num_kv_heads, fp8,
+            spec.num_kv_heads, fp8, spec.head_dim,
         )  # fmt: skip
         self.streams = DeviceStreams(self.device)
         self.stager = InputStager(self.streams)
@@ -144,25 +144,25 @@ class ModelRunner:
         """Eager forwards of each kernel shape class (decode, short and long extends) on the scratch block."""
         bs, scratch = self.block_size, self.scratch_block
         with self.streams.on(self.streams.compute):
-            for q_len in (1, 16, 80):
-                num_seqs = 2
-                width = -(-q_len // bs)
-                pos = torch.arange(q_len, device=self.device).repeat(num_seqs)
-                tables = torch.full((num_seqs, width), scratch, device=self.device)
-                seq_of_row = torch.arange(num_seqs, device=self.device).repeat_interleave(q_len)
+            # Query lengths per sequence. FA4 compiles apart: 16 queries x a GQA group in one tile; 100 x a
+            # group of 2+ past one tile; 160, whole tiles of queries per head (flash_attention.PACK_GQA_BELOW);
+            # (1, 160): a mixed step, its leading decode on Triton's extend kernel.
+            for lens in ((1, 1), (16, 16), (100, 100), (160, 160), (1, 160)):
+                q_lens = torch.tensor(lens, device=self.device)
+                num_seqs, num_tokens, q_max = len(lens), sum(lens), max(lens)
+                tables = torch.full((num_seqs, -(-q_max // bs)), scratch, device=self.device)
+                seq_of_row = torch.arange(num_seqs, device=self.device).repeat_interleave(q_lens)
+                starts = torch.zeros(num_seqs + 1, dtype=torch.int64, device=self.device)
+                starts[1:] = torch.cumsum(q_lens, 0)
+                pos = torch.arange(num_tokens, device=self.device) - starts[seq_of_row]
+                num_decodes = next((i for i, n in enumerate(lens) if n != 1), num_seqs)
                 layout = BatchLayout(
-                    slot_mapping=slot_mapping(tables, pos, bs, seq_of_row),
-                    query_start=torch.arange(num_seqs + 1, device=self.device) * q_len,
-                    context_lens=torch.full((num_seqs,), q_len, device=self.device),
-                    block_tables=tables,
-                    max_query_len=q_len,
-                    max_context_len=q_len,
+                    slot_mapping(tables, pos, bs, seq_of_row), starts, q_lens, tables, q_max, q_max, num_decodes
                 )
-                splits = self.backend.decode_splits(num_seqs) if q_len == 1 else 0
+                splits = self.backend.decode_splits(num_seqs) if q_max == 1 else 0
                 meta = self.backend.prepare(layout, decode_splits=splits)
-                ids = torch.zeros(num_seqs * q_len, dtype=torch.int64, device=self.device)
-                rows = torch.arange(num_seqs, device=self.device) * q_len + q_len - 1
-                self.model(ids, pos, self.kv_caches, meta, rows)
+                ids = torch.zeros(num_tokens, dtype=torch.int64, device=self.device)
+                self.model(ids, pos, self.kv_caches, meta, starts[1:] - 1)
         torch.cuda.synchronize(self.device)
 
     # ---- launch -----------------------------------------------------------------------------
@@ -303,7 +303,7 @@ class ModelRunner:
             )
             positions = torch.arange(num_tokens, device=self.device) - qstart[seq_of_row] + (ctx - q_lens)[seq_of_row]
             slots = slot_mapping(tables, positions, self.block_size, seq_of_row)
-        layout = BatchLayout(slots, qstart, ctx, tables, meta.max_query_len, meta.max_context_len)
+        layout = BatchLayout(slots, qstart, ctx, tables, meta.max_query_len, meta.max_context_len, meta.num_decodes)
         meta_attn = self.backend.prepare(layout, decode_splits=splits)
         return self.model(ids, positions, self.kv_caches, meta_attn, t.logits_rows)
 

@@ -65,6 +65,7 @@ class StepMeta:
     any_min_p: bool
     max_logprobs: int | None  # None: no row wants logprobs
     queries: int = 1  # > 1: a verifying graph's step, every sequence padded to this many tokens
+    num_decodes: int = 0  # leading sequences with one new token each (running decodes come first)
 
 
 @dataclass(slots=True)
@@ -258,5 +259,6 @@ def pack_step(
         any_top_k_or_p=any(not p.greedy and (p.top_k > 0 or p.top_p < 1.0) for p in params),
         any_min_p=any(not p.greedy and p.min_p > 0.0 for p in params),
         max_logprobs=max(wanted) if wanted else None, queries=queries,
+        num_decodes=next((i for i, n in enumerate(query_lens[:num_seqs]) if n != 1), num_seqs),
     )  # fmt: skip
     return StepBatch(packed, meta, plan.block_copies)

@@ -57,7 +57,7 @@ class Guard:
         except ClientDisconnect:
             log.info("client went away: %s", where)
         except Exception as exc:  # noqa: BLE001 - the one place a route's unexpected failure is answered
-            log.error("bug: %s: %s: %s", where, type(exc).__name__, str(exc)[:300])
+            log.error("bug: %s: %s: %s", where, type(exc).__name__, " ".join(str(exc).split())[:300])
             log.debug("bug: %s", where, exc_info=exc)
             if not started:
                 await ApiError(500, "the gateway failed on this request (logged as a bug)", "server_error",

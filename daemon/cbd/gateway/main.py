@@ -70,8 +70,9 @@ def run(args: argparse.Namespace) -> int:
         print(f"cbd openai: --listen must be HOST:PORT, got {args.listen!r}", file=sys.stderr)
         return 78
     try:
-        limits = Limits(args.max_body_bytes, args.body_timeout, args.header_timeout, args.max_json_depth,
-                        args.max_prompts)  # fmt: skip
+        limits = Limits(max_body_bytes=args.max_body_bytes, body_timeout=args.body_timeout,
+                        header_timeout=args.header_timeout, max_json_depth=args.max_json_depth,
+                        max_prompts=args.max_prompts)  # fmt: skip
         store = StoreSettings(Path(args.state_dir) if args.state_dir else default_state_dir(), args.responses_ttl,
                               args.responses_max_rows)  # fmt: skip
     except ValueError as exc:

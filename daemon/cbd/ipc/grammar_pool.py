@@ -81,6 +81,7 @@ class GrammarPool:
         self._setup_lock = asyncio.Lock()
         self._slots = asyncio.Semaphore(budget.workers)
         self._idle: list[_Worker] = []
+        self._workers: set[_Worker] = set()  # every live worker, idle or busy
         self._threads = ThreadPoolExecutor(2 * budget.workers, thread_name_prefix="cbd-grammar")
         self._cache: OrderedDict[GrammarSpec, CompiledGrammar | InvalidRequest] = OrderedDict()
         self._cached_bytes = 0
@@ -143,6 +144,7 @@ class GrammarPool:
                 memory = self.budget.memory_mib * 2**20
                 self._setup = (info, compiler.vocab_size, list(compiler.info.stop_token_ids), memory)
         worker = _Worker(self._setup)  # started from the event loop's thread: it dies with this process
+        self._workers.add(worker)
         try:
             await asyncio.get_running_loop().run_in_executor(self._threads, worker.wait_ready)
         except BaseException:
@@ -153,6 +155,7 @@ class GrammarPool:
     def _discard(self, worker: _Worker, job: asyncio.Future | None = None) -> None:
         """Kill the worker; its descriptor is closed once no thread reads it (after `job`, if any)."""
         self.num_killed += 1
+        self._workers.discard(worker)
         worker.kill()
         if job is None:
             self._threads.submit(worker.reap)
@@ -175,9 +178,12 @@ class GrammarPool:
             self._cached_bytes -= _size(old)
 
     def close(self) -> None:
-        for worker in self._idle:
+        """Kill every worker (a thread waiting on a busy one then reads EOF and ends)."""
+        for worker in self._workers:
             worker.kill()
+        for worker in self._idle:
             worker.reap()
+        self._workers.clear()
         self._idle.clear()
         self._threads.shutdown(wait=False, cancel_futures=True)
 

@@ -33,6 +33,9 @@ class BatchLayout:
     block_tables: torch.Tensor  # [B, W] int64 (unused tail entries are arbitrary)
     max_query_len: int
     max_context_len: int
+    # Host-side: the first num_decodes sequences have one new token each (row b is sequence b's), so a
+    # backend may serve them with a decode kernel; 0 when not known.
+    num_decodes: int = 0
 
 
 def slot_mapping(
@@ -80,6 +83,7 @@ def layout_from_lists(
         block_tables=tables.to(device),
         max_query_len=max(query_lens),
         max_context_len=max(context_lens),
+        num_decodes=next((i for i, q in enumerate(query_lens) if q != 1), len(query_lens)),
     )
 
 

@@ -2,14 +2,15 @@
 
 - torch: the reference (`attention.py`), CPU and any device; the oracle for the others.
 - triton: the paged kernels of `triton_attention.py` (CUDA): split-KV decode, extend for the rest.
-- flash: flash-attn's paged APIs when the package is importable (CUDA, block sizes that are
-  multiples of 256, fp16/bf16).
-`select_backend` picks the fastest one available for the device, dtype and block size.
+- flash: FlashAttention-4 (`flash_attention.py`) for prefill / extend / mixed steps on compute capability
+  9.0+, Triton for decode and verifying steps (FA4 has no split-KV on sm90).
+`select_backend` picks the fastest one available for the device, dtype and KV format, and logs it.
 """
 
 from __future__ import annotations
 
 import importlib.util
+import logging
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -19,6 +20,8 @@ from cbd.errors import UnsupportedModel
 from cbd.model.attention import BatchLayout, grouped_metadata, reference_metadata
 
 BACKENDS = ("auto", "torch", "triton", "flash")
+
+log = logging.getLogger(__name__)
 
 
 class PreparedAttention(Protocol):
@@ -109,63 +112,6 @@ class TritonBackend:
         return TritonMetadata(layout, self.block_size, self.sliding_window, decode_splits)
 
 
-@dataclass(slots=True)
-class FlashMetadata:
-    layout: BatchLayout
-    block_size: int
-    window: tuple[int, int]
-    cu_seqlens_q: torch.Tensor  # [B + 1] int32
-    seqused_k: torch.Tensor  # [B] int32
-    block_table: torch.Tensor  # [B, W] int32
-    decode: bool
-
-    @property
-    def slot_mapping(self) -> torch.Tensor:
-        return self.layout.slot_mapping
-
-    def attend(self, q: torch.Tensor, kv_cache: torch.Tensor, scale: float) -> torch.Tensor:
-        import flash_attn
-
-        pages = kv_cache.view(-1, self.block_size, *kv_cache.shape[1:])  # [blocks, page, 2, Hkv, D]
-        k_cache, v_cache = pages[:, :, 0], pages[:, :, 1]
-        if self.decode:  # every sequence has max_query_len queries (1, or 1 + its drafts)
-            queries = self.layout.max_query_len
-            out = flash_attn.flash_attn_with_kvcache(
-                q.view(-1, queries, *q.shape[1:]), k_cache, v_cache, cache_seqlens=self.seqused_k,
-                block_table=self.block_table, softmax_scale=scale, causal=True, window_size=self.window,
-            )  # fmt: skip
-            return out.view(q.shape)
-        cu_k = torch.zeros_like(self.cu_seqlens_q)
-        cu_k[1:] = torch.cumsum(self.seqused_k, 0)
-        return flash_attn.flash_attn_varlen_func(
-            q, k_cache, v_cache, self.cu_seqlens_q, cu_k, self.layout.max_query_len,
-            self.layout.max_context_len, softmax_scale=scale, causal=True, window_size=self.window,
-            block_table=self.block_table,
-        )  # fmt: skip
-
-
-class FlashBackend:
-    name = "flash"
-    supports_cuda_graphs = True
-
-    def __init__(self, block_size: int, sliding_window: int | None) -> None:
-        self.block_size = block_size
-        self.window = (sliding_window - 1, 0) if sliding_window else (-1, -1)
-
-    def decode_splits(self, num_seqs: int, max_context: int | None = None) -> int:
-        return 1  # flash-attn chooses its own split
-
-    def prepare(self, layout: BatchLayout, decode_splits: int = 0) -> FlashMetadata:
-        return FlashMetadata(
-            layout, self.block_size, self.window, layout.query_start.to(torch.int32),
-            layout.context_lens.to(torch.int32), layout.block_tables.to(torch.int32), decode_splits > 0,
-        )  # fmt: skip
-
-
-def flash_attn_available() -> bool:
-    return importlib.util.find_spec("flash_attn") is not None
-
-
 def triton_available() -> bool:
     return importlib.util.find_spec("triton") is not None
 
@@ -178,21 +124,26 @@ def select_backend(
     sliding_window: int | None,
     num_kv_heads: int,
     fp8_kv: bool = False,
+    head_dim: int = 128,
 ) -> AttentionBackend:
-    """Resolve "auto" (flash > triton > torch where each applies) or check an explicit choice.
-    dtype: the model's; fp8_kv: the pool is in kv_format's FP8 layout (not for flash-attn)."""
+    """Resolve "auto" or check an explicit choice, and log the backend chosen and why.
+
+    auto: on CUDA, `flash` (FA4 for prefill / extend / mixed steps, Triton for decode and verifying steps)
+    where FA4 is installed and serves the model (compute capability >= 9.0, bf16/fp16, KV not FP8), else
+    `triton`; `torch` on the CPU. dtype: the model's; fp8_kv: the pool is in kv_format's FP8 layout."""
+    from cbd.model import flash_attention
+
     if name not in BACKENDS:
         raise ValueError(f"attention_backend must be one of {BACKENDS}, got {name!r}")
     cuda = device.type == "cuda"
-    flash_ok = cuda and flash_attn_available() and block_size % 256 == 0 and dtype != torch.float32 and not fp8_kv
+    flash_reason = None
+    if name in ("flash", "auto"):
+        flash_reason = flash_attention.unusable_reason(device, dtype, head_dim, fp8_kv)
+    if name == "flash" and flash_reason is not None:
+        raise UnsupportedModel(f"attention_backend flash (FlashAttention-4) cannot run: {flash_reason}")
+    requested = name
     if name == "auto":
-        name = "flash" if flash_ok else "triton" if cuda and triton_available() else "torch"
-    if name == "flash" and not flash_ok:
-        raise UnsupportedModel(
-            "the flash backend needs CUDA, the flash_attn package, fp16/bf16, a block size that is a "
-            f"multiple of 256 and kv_cache_dtype auto (block size {block_size}, dtype {dtype}, device {device}, "
-            f"fp8 KV {fp8_kv})"
-        )
+        name = "flash" if cuda and flash_reason is None else "triton" if cuda and triton_available() else "torch"
     if name == "triton" and not (cuda and triton_available()):
         raise UnsupportedModel(f"the triton backend needs CUDA and the triton package (device {device})")
     if name == "triton" and fp8_kv and torch.cuda.get_device_capability(device) < (8, 9):
@@ -201,8 +152,17 @@ def select_backend(
             f"kv_cache_dtype fp8 needs a GPU of compute capability 8.9 or newer for its float8 kernels (this one "
             f"is {major}.{minor}); use kv_cache_dtype auto"
         )
+    why = {
+        "flash": "FlashAttention-4 for prefill/extend steps, Triton for decode steps",
+        "triton": "Triton paged kernels for every step"
+        + (f"; not FlashAttention-4: {flash_reason}" if flash_reason else ""),
+        "torch": "the plain-torch reference" + (f"; not FlashAttention-4: {flash_reason}" if flash_reason else ""),
+    }[name]
+    log.info("attention backend: %s (%s: %s)", name, "chosen by auto" if requested == "auto" else "requested", why)
     if name == "flash":
-        return FlashBackend(block_size, sliding_window)
+        varlen = flash_attention.load()
+        assert not isinstance(varlen, str)  # unusable_reason returned None: it loaded
+        return flash_attention.FlashBackend(block_size, sliding_window, num_kv_heads, varlen)
     if name == "triton":
         return TritonBackend(block_size, sliding_window, num_kv_heads)
     return TorchBackend(block_size, sliding_window)

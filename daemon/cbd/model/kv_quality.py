@@ -40,7 +40,8 @@ def teacher_forced_logits(
         spec.num_layers, *shape, dtype=torch.uint8 if fp8 else model.embed_tokens.weight.dtype, device=device
     )
     attention = select_backend(
-        backend, device, model.embed_tokens.weight.dtype, block_size, spec.sliding_window, spec.num_kv_heads, fp8
+        backend, device, model.embed_tokens.weight.dtype, block_size, spec.sliding_window, spec.num_kv_heads, fp8,
+        spec.head_dim,
     )  # fmt: skip
     table = list(range(num_blocks))
     ids = torch.tensor(token_ids, device=device)

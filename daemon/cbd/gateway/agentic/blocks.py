@@ -43,7 +43,7 @@ class Event:
 @dataclass(slots=True)
 class Fold:
     blocks: list[Block] = field(default_factory=list)
-    finish: int = pb.FINISH_REASON_UNSPECIFIED
+    finish: pb.FinishReason = pb.FINISH_REASON_UNSPECIFIED
     usage: pb.Usage | None = None
     request_id: str = ""
     token_texts: list[str] = field(default_factory=list)  # the tokens' texts, when logprobs were asked for
@@ -102,7 +102,9 @@ class Fold:
 
     def reply(self) -> dict[str, object]:
         """The reply as a normalised chat message (as a client sends it back)."""
-        calls = [{"id": b.call_id, "name": b.name, "arguments": b.text} for b in self.blocks if b.kind is BlockKind.CALL]
+        calls = [
+            {"id": b.call_id, "name": b.name, "arguments": b.text} for b in self.blocks if b.kind is BlockKind.CALL
+        ]
         message: dict[str, object] = {"role": "assistant", "content": self.text}
         if calls:
             message["tool_calls"] = calls

@@ -1,11 +1,14 @@
 """Starting an agent API turn on a resident cbd session, with the fallbacks that keep it an answer.
 
 A turn is planned as "continue this live session with these new messages" (the history is already in
-its KV: only the new messages are prefilled) or "the whole conversation". The continuation falls back
-to the whole conversation on a fresh session when the session is gone (closed, expired, the daemon
-restarted: NOT_FOUND) or busy with another turn (FAILED_PRECONDITION); a fresh session falls back to a
-plain call without one when the daemon has no room for another session (RESOURCE_EXHAUSTED). Every
-fallback costs only the prefill the session would have saved, never an error. A turn that is refused,
+its KV: only the new messages are prefilled), "fork this session and continue the fork" (a branch from an
+earlier point, kept as a snapshot session: KV shared copy-on-write), or "the whole conversation". A
+continuation may first fork its session into a snapshot of the history it continues, so that a later
+branch from that point is a fork too. The continuation and the fork fall back to the whole conversation
+on a fresh session when the session is gone (closed, expired, the daemon restarted: NOT_FOUND) or busy
+with another turn (FAILED_PRECONDITION); a fresh session falls back to a plain call without one when the
+daemon has no room for another session (RESOURCE_EXHAUSTED). Every fallback costs only the prefill the
+session would have saved, never an error. A turn that is refused,
 fails or is abandoned leaves a continued session as it was (the daemon's rule); a session opened for
 it is closed again by the caller (`Turns.close`).
 """
@@ -23,7 +26,7 @@ from starlette.requests import Request
 from cbd.gateway.errors import ApiError, from_cbd
 from cbd.gateway.limits import parse_json
 from cbd.gateway.requests import _convert
-from cbd_client._convert import set_prompt, with_affinity
+from cbd_client._convert import affinity_key, set_prompt, with_affinity
 from cbd_client.errors import CbdError
 from cbd_client.v1 import cbd_pb2 as pb
 
@@ -36,8 +39,13 @@ class Plan:
     session_id: str | None = None  # a live session whose history is a prefix of `messages`
     new_messages: list[dict[str, Any]] = field(default_factory=list)  # what follows that history
     keep: bool = True  # run a fresh conversation on a new session (False: a plain call)
+    # Before the turn on session_id: fork it into a session of this id, a snapshot of the history the turn
+    # continues (a later branch from that point forks the snapshot; None: no snapshot)
+    snapshot: str | None = None
+    # Instead of continuing session_id: fork this session (a snapshot) and take the turn on the fork
+    fork_from: str | None = None
     ttl_seconds: float = 0.0  # of a new session; 0: the daemon's default
-    retention: int = pb.RETENTION_UNSPECIFIED
+    retention: pb.Retention = pb.RETENTION_UNSPECIFIED
 
 
 @dataclass(slots=True)
@@ -60,7 +68,20 @@ class Turns:
         self._closing: set[asyncio.Future[Any]] = set()
 
     async def start(self, template: pb.GenerateRequest, plan: Plan, metadata: list[tuple[str, str]]) -> Started:
+        if plan.fork_from is not None and plan.new_messages:
+            forked = await self._fork(plan.fork_from, f"{affinity_key(plan.fork_from)}.{uuid.uuid4().hex[:16]}",
+                                      metadata)  # fmt: skip
+            if forked is not None:
+                try:
+                    stream, first = await self._generate(template, plan.new_messages, forked, plan, metadata)
+                    return Started(stream, first, forked, True, True)
+                except grpc.aio.AioRpcError as exc:
+                    self.close(forked, metadata)
+                    if exc.code() not in _FALL_BACK:
+                        raise from_cbd(CbdError.from_rpc(exc)) from None
         if plan.session_id is not None and plan.new_messages:
+            if plan.snapshot is not None:
+                await self._fork(plan.session_id, plan.snapshot, metadata)
             try:
                 stream, first = await self._generate(template, plan.new_messages, plan.session_id, plan, metadata)
                 return Started(stream, first, plan.session_id, False, True)
@@ -79,6 +100,20 @@ class Turns:
                 self.close(session_id, metadata)
             raise
         return Started(stream, first, session_id, session_id is not None, False)
+
+    async def _fork(self, source: str, proposed: str, metadata: list[tuple[str, str]]) -> str | None:
+        """A fork of `source` (KV shared copy-on-write) with the proposed id; None where the daemon cannot
+        make it (the source is gone or busy, no room for a session): the caller falls back."""
+        request = pb.ForkSessionRequest(session_id=source, new_session_id=proposed)
+        try:
+            info = await self.gateway.stub.ForkSession(
+                request, metadata=with_affinity(tuple(metadata), source), timeout=self.gateway.timeout
+            )
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() in (*_FALL_BACK, grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.ALREADY_EXISTS):
+                return None
+            raise from_cbd(CbdError.from_rpc(exc)) from None
+        return str(info.session_id)
 
     async def _open(self, plan: Plan, metadata: list[tuple[str, str]]) -> str | None:
         proposed = uuid.uuid4().hex  # proposed here: a proxy routes the open like every later call

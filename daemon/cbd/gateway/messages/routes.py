@@ -23,6 +23,7 @@ from cbd.gateway.agentic.turns import Plan, Started, Turns, json_body, rest, unl
 from cbd.gateway.errors import ApiError, from_cbd
 from cbd.gateway.messages.conversations import Conversations
 from cbd.gateway.messages.request import MessagesCall, parse
+from cbd.gateway.requests import _convert
 from cbd.gateway.responses.items import new_id
 from cbd_client._convert import set_prompt
 from cbd_client.errors import CbdError
@@ -82,7 +83,7 @@ class Messages:
     async def count_tokens(self, request: Request) -> Response:
         call = parse({"max_tokens": 1, **await json_body(request)})
         tokenize = pb.TokenizeRequest()
-        set_prompt(tokenize, call.messages)
+        _convert(lambda: set_prompt(tokenize, call.messages))
         try:
             answer = await self.gateway.stub.Tokenize(tokenize, metadata=caller.metadata(request.headers), timeout=60)
         except grpc.aio.AioRpcError as exc:

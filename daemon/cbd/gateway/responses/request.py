@@ -3,9 +3,9 @@
 Mapped: input, instructions, previous_response_id, max_output_tokens (omitted: up to the context),
 temperature, top_p, tools (type function: name, description, parameters; `strict` is implied: calls
 are always constrained to the schema), tool_choice (auto, none, required, {type: function, name}),
-text.format (text, json_object, json_schema), store, stream, metadata (echoed). Refused with a 400:
-parallel_tool_calls false, tools of other types, background, conversation, reasoning effort, and
-include values other than none. `model` is accepted and ignored (one model is served).
+text.format (text, json_object, json_schema), store, stream, background (with store, without stream),
+metadata (echoed). Refused with a 400: parallel_tool_calls false, tools of other types, conversation,
+reasoning effort, and include. `model` is accepted and ignored (one model is served).
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ class Create:
     previous_response_id: str | None
     stream: bool
     store: bool
+    background: bool  # answer in_progress at once; the turn runs on, retrieve polls it, cancel aborts it
     echo: dict[str, Any]  # request fields the response object repeats
 
 
@@ -56,23 +57,25 @@ def parse(body: dict[str, Any]) -> Create:
     metadata = body.get("metadata")
     if metadata is not None and not isinstance(metadata, dict):
         raise bad_request("metadata must be an object", "metadata")
-    echo = {
+    store = convert.flag(body, "store", True)
+    stream = convert.flag(body, "stream", False)
+    background = convert.flag(body, "background", False)
+    if background and (stream or not store):
+        raise bad_request("background needs store: true and no stream", "background")
+    echo: dict[str, Any] = {
         "instructions": instructions, "max_output_tokens": max_tokens, "metadata": metadata or {},
         "parallel_tool_calls": True, "previous_response_id": previous, "temperature": body.get("temperature"),
         "top_p": body.get("top_p"), "tool_choice": body.get("tool_choice") or "auto", "tools": body.get("tools") or [],
-        "text": {"format": fmt or {"type": "text"}}, "truncation": "disabled", "background": False,
-        "store": convert.flag(body, "store", True),
+        "text": {"format": fmt or {"type": "text"}}, "truncation": "disabled", "background": background,
+        "store": store,
     }  # fmt: skip
-    return Create(template, given, items.messages(given), instructions, previous, convert.flag(body, "stream", False),
-                  echo["store"], echo)  # fmt: skip
+    return Create(template, given, items.messages(given), instructions, previous, stream, store, background, echo)
 
 
 def _refuse_unsupported(body: dict[str, Any]) -> None:
     if body.get("parallel_tool_calls") is False:
         raise bad_request("parallel_tool_calls: false is not supported (a reply may hold several calls)",
                           "parallel_tool_calls")  # fmt: skip
-    if body.get("background"):
-        raise bad_request("background responses are not supported", "background")
     if body.get("conversation") is not None:
         raise bad_request("conversation is not supported: continue with previous_response_id", "conversation")
     reasoning = body.get("reasoning")

@@ -1,12 +1,14 @@
 """The Responses API's routes: create (whole or streamed), retrieve, delete, cancel, input_items.
 
 A response id names the cbd session and turn that produced it (`resp_<session>_<turn>`; the session id
-doubles as the affinity key a proxy routes by). Continuing the latest response of a session
-(previous_response_id) is the session's next turn: only the new input is prefilled. Continuing an
-older response, or one whose session is gone or whose instructions differ, re-creates a session from
-the stored conversation (the daemon's prefix cache serves what it still holds of that history). A
-turn on a session is claimed here while it runs, so two continuations of one response never both
-take the session: the second gets a session of its own.
+starts with the affinity key a proxy routes by). Continuing the latest response of a session
+(previous_response_id) is the session's next turn: only the new input is prefilled; before it, the
+session is forked into a snapshot of the history as of that response (`<session>.t<turn>`, KV shared
+copy-on-write). Continuing an older response forks that snapshot and takes the turn on the fork: every
+branch of a tree of responses is served from resident KV. Where a session or snapshot is gone, or the
+instructions differ, a session is re-created from the stored conversation (a recompute, never an
+error). A turn on a session is claimed here while it runs, so two continuations of one response never
+both take the session: the second forks.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from cbd.gateway.agentic.convert import check_tool_results
 from cbd.gateway.agentic.turns import Plan, Started, Turns, json_body, rest, unless_gone
 from cbd.gateway.errors import ApiError, bad_request, from_cbd
 from cbd.gateway.responses import items
+from cbd.gateway.responses.background import Background
 from cbd.gateway.responses.request import Create, parse
 from cbd.gateway.responses.store import ResponseStore, Stored
 from cbd.gateway.responses.stream import Events
@@ -38,6 +41,7 @@ class Responses:
         self.store = store
         self.turns = Turns(gateway)
         self._claimed: set[str] = set()  # sessions with a turn of this gateway in flight
+        self.background = Background(store)
 
     async def create(self, request: Request) -> Response:
         create = parse(await json_body(request))
@@ -45,16 +49,18 @@ class Responses:
         owner = caller.caller_key(request.headers)
         model = await self.gateway.model(metadata)
         plan, history, turn = await self._plan(create, owner)
-        check_tool_results(history + create.messages, "input")
         run = Run(self, create, owner, model, history, turn, plan.session_id)
         try:
+            check_tool_results(history + create.messages, "input")
             run.started = await unless_gone(request, self.turns.start(create.template, plan, metadata))
             if create.stream:
                 return StreamingResponse(run.events(metadata), media_type="text/event-stream",
                                          headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})  # fmt: skip
+            if create.background:
+                return JSONResponse(await self.background.begin(run, metadata))
             return JSONResponse(await unless_gone(request, run.whole(metadata)))
         finally:
-            if not create.stream or run.started is None:
+            if run.started is None or not (create.stream or create.background):
                 run.settle(metadata)
 
     async def _plan(self, create: Create, owner: str) -> tuple[Plan, list[dict[str, Any]], int]:
@@ -70,10 +76,14 @@ class Responses:
         if not create.store:
             return Plan(whole, keep=False), history, 1
         session = previous.session_id
-        if latest and session is not None and previous.instructions == create.instructions and session not in self._claimed:
+        if session is None or previous.instructions != create.instructions:
+            return Plan(whole), history, 1  # the session's history is not this conversation's: a new one
+        snapshot = _snapshot(session, previous.turn)
+        if latest and session not in self._claimed:
             self._claimed.add(session)
-            return Plan(whole, session, create.messages), history, previous.turn + 1
-        return Plan(whole), history, 1
+            return Plan(whole, session, create.messages, snapshot=snapshot), history, previous.turn + 1
+        # An older response (or the latest, busy): a fork of the snapshot taken when its session moved on.
+        return Plan(whole, None, create.messages, fork_from=snapshot), history, previous.turn + 1
 
     def release(self, session_id: str | None) -> None:
         self._claimed.discard(session_id or "")
@@ -89,8 +99,11 @@ class Responses:
         return JSONResponse({"id": response_id, "object": "response.deleted", "deleted": True})
 
     async def cancel(self, request: Request) -> Response:
-        await self._find(request)
-        raise bad_request("only background responses can be cancelled, and background is not supported")
+        stored = await self._find(request)
+        if not stored.response.get("background"):
+            raise bad_request("only background responses can be cancelled")
+        await self.background.cancel(stored.id)
+        return JSONResponse((await self._find(request)).response)
 
     async def input_items(self, request: Request) -> Response:
         stored = await self._find(request)
@@ -134,7 +147,7 @@ class Run:
         self.done = False
         self.id = items.new_id("resp")
 
-    def _name(self) -> None:
+    def name(self) -> None:
         s = self.started
         assert s is not None
         if s.session_id is None:
@@ -144,7 +157,7 @@ class Run:
             self.id = f"resp_{s.session_id}_{self.turn}"
 
     async def whole(self, metadata: list[tuple[str, str]]) -> dict[str, Any]:
-        self._name()
+        self.name()
         assert self.started is not None
         for event in self.fold.add(self.started.first):
             self.stream.of(event)
@@ -159,7 +172,7 @@ class Run:
         return await self._finish()
 
     async def events(self, metadata: list[tuple[str, str]]) -> AsyncIterator[bytes]:
-        self._name()
+        self.name()
         assert self.started is not None
         try:
             yield self.stream.lifecycle("response.created", self.response("in_progress", []))
@@ -206,12 +219,15 @@ class Run:
         assert self.started is not None
         kept = self.started.session_id if status != "failed" else None  # a failed turn left its session as it was
         if self.create.store:
-            conversation = [*self.history, *self.create.messages, self.fold.reply()]
-            await self.api.store.put(Stored(self.id, self.owner, kept, self.turn, self.created_at,
-                                            self.create.instructions, conversation, self.create.input_items,
-                                            response))  # fmt: skip
+            await self.api.store.put(self.stored(response, kept))
         self.done = kept is not None
         return response
+
+    def stored(self, response: dict[str, Any], session_id: str | None) -> Stored:
+        """The row of this response (`session_id`: the session a continuation may take, None: none)."""
+        conversation = [*self.history, *self.create.messages, self.fold.reply()]
+        return Stored(self.id, self.owner, session_id, self.turn, self.created_at, self.create.instructions,
+                      conversation, self.create.input_items, response)  # fmt: skip
 
     def response(self, status: str, output: list[dict[str, Any]]) -> dict[str, Any]:
         return {
@@ -228,6 +244,11 @@ class Run:
         s.cancel()
         if s.opened and not self.done and s.session_id is not None:
             self.api.turns.close(s.session_id, metadata)
+
+
+def _snapshot(session_id: str, turn: int) -> str:
+    """The id of the session that keeps `session_id`'s history as of `turn` (forked before turn + 1)."""
+    return f"{session_id}.t{turn}"
 
 
 def _with(instructions: str | None, messages: list[dict[str, Any]]) -> list[dict[str, Any]]:

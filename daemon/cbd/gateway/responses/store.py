@@ -114,9 +114,10 @@ class ResponseStore:
             ).fetchone()
         if row is None:
             return None
-        *fields, turns = row
-        stored = Stored(*fields[:6], json.loads(fields[6]), json.loads(fields[7]), json.loads(fields[8]))
-        return stored, stored.session_id is not None and turns == stored.turn
+        rid, owner_, session_id, turn, created_at, instructions, conversation, given, response, turns = row
+        stored = Stored(rid, owner_, session_id, turn, created_at, instructions, json.loads(conversation),
+                        json.loads(given), json.loads(response))  # fmt: skip
+        return stored, session_id is not None and turns == turn
 
     def _delete(self, owner: str, response_id: str) -> bool:
         with self._lock, self._db:

@@ -46,7 +46,9 @@ class Events:
                     self.sse("response.content_part.added", **where, content_index=0, part=_part(""))]  # fmt: skip
         if event.kind is EventKind.DELTA:
             if text:
-                return [self.sse("response.output_text.delta", **where, content_index=0, delta=event.delta, logprobs=[])]
+                return [
+                    self.sse("response.output_text.delta", **where, content_index=0, delta=event.delta, logprobs=[])
+                ]
             return [self.sse("response.function_call_arguments.delta", **where, delta=event.delta)]
         done = self.item(event.index, "completed")
         if text:
