@@ -12,13 +12,15 @@ import grpc
 import pytest
 
 pytest.importorskip("starlette")
+from starlette.datastructures import Headers  # noqa: E402
 from starlette.testclient import TestClient  # noqa: E402
 
 from cbd.gateway import app as app_module  # noqa: E402
+from cbd.gateway.agentic.caller import caller_key  # noqa: E402
 from cbd.gateway.app import create_app  # noqa: E402
 from cbd.gateway.errors import ApiError, from_cbd  # noqa: E402
 from cbd.gateway.limits import Limits, parse_json  # noqa: E402
-from cbd.gateway.sessions import session_key  # noqa: E402
+from cbd.gateway.requests import chat_call  # noqa: E402
 from cbd_client.errors import CbdError  # noqa: E402
 
 ASK = [{"role": "user", "content": "hi"}]
@@ -142,7 +144,12 @@ def test_grpcs_message_size_refusal_is_413_never_429() -> None:
 
 
 def test_session_names_are_scoped_by_a_hash_of_the_token() -> None:
-    alice, bob = session_key("Bearer tok-a", "chat"), session_key("Bearer tok-b", "chat")
-    assert alice != bob and alice[1] == bob[1] == "chat"
-    assert session_key("Bearer tok-a", "chat") == alice and "tok-a" not in alice[0] and len(alice[0]) == 64
-    assert session_key(None, "chat") == ("", "chat")
+    def scoped(headers: dict[str, str]) -> tuple[str, str] | None:
+        body = {"messages": [{"role": "user", "content": "hi"}]}
+        return chat_call(body, "chat", caller_key(Headers(headers))).session_key
+
+    alice, bob = scoped({"authorization": "Bearer tok-a"}), scoped({"authorization": "Bearer tok-b"})
+    assert alice is not None and bob is not None and alice != bob and alice[1] == bob[1] == "chat"
+    assert scoped({"authorization": "Bearer tok-a"}) == alice and "tok-a" not in alice[0] and len(alice[0]) == 64
+    assert scoped({"x-api-key": "tok-a"}) == alice  # one key whichever header carries the token
+    assert scoped({}) not in (alice, bob)

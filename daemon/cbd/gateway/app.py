@@ -27,6 +27,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from cbd.gateway.agentic.caller import caller_key
 from cbd.gateway.agentic.routes import agent_routes
 from cbd.gateway.errors import ApiError, bad_request, from_cbd
 from cbd.gateway.guard import Guard
@@ -81,7 +82,7 @@ class Gateway:
     # ---- routes ----------------------------------------------------------------------------------
     async def chat(self, request: Request) -> Response:
         body = await _json(request)
-        call = chat_call(body, request.headers.get(SESSION_HEADER), request.headers.get("authorization"))
+        call = chat_call(body, request.headers.get(SESSION_HEADER), caller_key(request.headers))
         return await self._answer("chat", call, request)
 
     async def completions(self, request: Request) -> Response:

@@ -17,7 +17,7 @@ from typing import Any
 
 from cbd.gateway import checks
 from cbd.gateway.errors import ApiError, bad_request
-from cbd.gateway.sessions import SessionKey, session_key
+from cbd.gateway.sessions import SessionKey
 from cbd_client._convert import set_prompt
 from cbd_client.errors import CbdError
 from cbd_client.structured import set_response_format, set_tools
@@ -37,11 +37,12 @@ class Call:
     stream: bool
     include_usage: bool
     logprobs: int | None  # top alternatives wanted per token (0: only the chosen token's), None: no logprobs
-    session_key: SessionKey | None = None  # (the caller's token hash, the session's name)
+    session_key: SessionKey | None = None  # (the caller's key, the session's name)
     messages: list[dict[str, Any]] | None = None  # a chat's messages, normalised (sessions.py)
 
 
-def chat_call(body: dict[str, Any], session_header: str | None, authorization: str | None = None) -> Call:
+def chat_call(body: dict[str, Any], session_header: str | None, owner: str = "") -> Call:
+    """owner: the caller's key (agentic/caller.py), which scopes the session name."""
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise bad_request("'messages' must be a non-empty list of messages", "messages")
@@ -77,7 +78,7 @@ def chat_call(body: dict[str, Any], session_header: str | None, authorization: s
     key = body.get("cbd_session") or session_header
     if key is not None and not isinstance(key, str):
         raise bad_request("cbd_session must be a string", "cbd_session")
-    scoped = session_key(authorization, key) if key else None
+    scoped = (owner, key) if key else None
     return Call([request], request.n, _stream(body), _include_usage(body), logprobs, scoped, normal)
 
 

@@ -15,17 +15,11 @@ neither continue nor close the other's. The raw token is never stored.
 
 from __future__ import annotations
 
-import hashlib
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
 
-SessionKey = tuple[str, str]  # (the caller's token hash, the session's name)
-
-
-def session_key(authorization: str | None, name: str) -> SessionKey:
-    owner = hashlib.sha256(authorization.encode("utf-8", "surrogateescape")).hexdigest() if authorization else ""
-    return owner, name
+SessionKey = tuple[str, str]  # (the caller's key: agentic/caller.py, the session's name)
 
 
 def _key(m: dict[str, Any]) -> tuple[Any, ...]:
