@@ -154,4 +154,3 @@ def test_a_client_that_reads_slowly_neither_stalls_the_engine_nor_loses_tokens(t
     ]
     assert len(tokens[1]) == new_tokens and tokens[1] == tokens[0]  # greedy: the same tokens, none lost
     assert len(slow_replies) < new_tokens  # what piled up came merged, several tokens per message
-
