@@ -72,8 +72,12 @@ def test_blas_library_flag(monkeypatch) -> None:  # type: ignore[no-untyped-def]
 
 
 def test_setting_sources_name_the_file_variable_or_flag_of_each_setting(tmp_path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    import os
+
     from cbd.server.settings import setting_sources
 
+    for name in [n for n in os.environ if n.startswith("CBD_")]:  # e.g. CI's CBD_CACHE_DIR: only ours here
+        monkeypatch.delenv(name)
     config = tmp_path / "cbd.toml"
     config.write_text("[engine]\nmax_num_seqs = 9\nblock_size = 32\n[server]\nshutdown_grace = 3.0\n")
     monkeypatch.setenv("CBD_CONFIG", str(config))
