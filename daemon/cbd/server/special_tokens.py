@@ -66,6 +66,7 @@ class SpecialTokens:
     def _escape(self, value: Any, forged: list[str], nonce: str) -> Any:
         """`value` with every special-token string in its strings (dict keys too) replaced by a placeholder."""
         if isinstance(value, str):
+            # The pattern is None only when the tokenizer has no special tokens, and then nothing calls _escape.
             return self.pattern.sub(lambda m: _placeholder(nonce, forged, m.group(0)), value)  # type: ignore[union-attr]
         if isinstance(value, dict):
             return {self._escape(k, forged, nonce): self._escape(v, forged, nonce) for k, v in value.items()}

@@ -44,7 +44,7 @@ def messages(items: list[dict[str, Any]]) -> list[dict[str, Any]]:
         where = f"input[{i}]"
         kind = item["type"]
         if kind == "message":
-            role = _ROLES.get(item.get("role"))  # type: ignore[arg-type]
+            role = _ROLES.get(item.get("role"))  # type: ignore[arg-type]  # any JSON value; not a role: None
             if role is None:
                 raise bad_request(f"{where}.role must be user, system, developer or assistant", f"{where}.role")
             out.append({"role": role, "content": _text(item.get("content"), where)})
