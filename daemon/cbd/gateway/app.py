@@ -36,6 +36,7 @@ from cbd.gateway.replies import Reply
 from cbd.gateway.requests import Call, chat_call, chat_message, completion_call
 from cbd.gateway.responses.store import StoreSettings
 from cbd.gateway.sessions import SessionMap
+from cbd.gateway.streams import first, rest, unless_gone
 from cbd_client._convert import with_affinity
 from cbd_client.errors import CbdError
 from cbd_client.v1 import cbd_pb2 as pb
@@ -123,7 +124,7 @@ class Gateway:
                     raise bad_request("sessions are for chats")
                 fresh = await self._bind(call, metadata)
             streams = [self._start(r, metadata) for r in call.requests]
-            firsts = await _unless_gone(request, self._firsts(streams))
+            firsts = await unless_gone(request, self._firsts(streams))
             failure = next((f for f in firsts if isinstance(f, BaseException)), None)
             if failure is not None and call.session_key is not None and fresh is None and _expired(failure):
                 # The session the name was bound to is gone (closed, expired): a fresh one, transparently.
@@ -132,7 +133,7 @@ class Gateway:
                 self.sessions.drop(call.session_key)
                 fresh = await self._bind(call, metadata)
                 streams = [self._start(r, metadata) for r in call.requests]
-                firsts = await _unless_gone(request, self._firsts(streams))
+                firsts = await unless_gone(request, self._firsts(streams))
                 failure = next((f for f in firsts if isinstance(f, BaseException)), None)
             if failure is not None:
                 if isinstance(failure, grpc.aio.AioRpcError):
@@ -145,7 +146,7 @@ class Gateway:
                 folds = asyncio.gather(*(self._fold(reply, s, f, i * call.n)
                                          for i, (s, f) in enumerate(zip(streams, heads))))  # fmt: skip
                 try:
-                    await _unless_gone(request, folds)
+                    await unless_gone(request, folds)
                 except grpc.aio.AioRpcError as exc:
                     raise from_cbd(CbdError.from_rpc(exc)) from None
                 self._remember(call, reply)
@@ -163,7 +164,7 @@ class Gateway:
                     self._abandon(call, fresh, metadata)
 
     async def _firsts(self, streams: list[Any]) -> list[Any]:
-        return await asyncio.gather(*(self._first(s) for s in streams), return_exceptions=True)
+        return await asyncio.gather(*(first(s) for s in streams), return_exceptions=True)
 
     def _start(self, request: pb.GenerateRequest, metadata: list[tuple[str, str]]) -> Any:
         return self.stub.Generate(
@@ -171,16 +172,9 @@ class Gateway:
         )
 
     @staticmethod
-    async def _first(stream: Any) -> pb.GenerateResponse:
-        response = await stream.read()
-        if response is grpc.aio.EOF:
-            raise ApiError(500, "the daemon ended the reply without a message", "server_error")
-        return response
-
-    @staticmethod
     async def _fold(reply: Reply, stream: Any, first: pb.GenerateResponse, offset: int) -> None:
         reply.add(first, offset)
-        async for response in _rest(stream):
+        async for response in rest(stream):
             reply.add(response, offset)
 
     async def _events(
@@ -192,7 +186,7 @@ class Gateway:
         async def pump(i: int, stream: Any, first: pb.GenerateResponse) -> None:
             await queue.put((i, first))
             try:
-                async for response in _rest(stream):
+                async for response in rest(stream):
                     await queue.put((i, response))
                 await queue.put((i, None))
             except grpc.aio.AioRpcError as exc:
@@ -278,51 +272,6 @@ class Gateway:
             return
         replies = [chat_message(reply.choices[i].message(), 0) for i in sorted(reply.choices)]
         self.sessions.bind(call.session_key, call.requests[0].session_id, call.messages, replies)
-
-
-class _ClientGone(ApiError):
-    def __init__(self) -> None:
-        super().__init__(499, "the client closed the connection", "cancelled")
-
-
-async def _unless_gone(request: Request, work: Any) -> Any:
-    """Await `work` unless the HTTP client disconnects first (then it is cancelled: so are its gRPC calls).
-
-    The body has been read, so the next ASGI message is http.disconnect, whenever the client goes: one
-    blocking receive waits for it. (Polling request.is_disconnected() instead receives with a cancelled
-    scope every half second: a message that arrives in that window is consumed and lost, and any message
-    but http.disconnect is taken for "still here" only by luck of timing.)"""
-    task = asyncio.ensure_future(work)
-    gone = asyncio.ensure_future(_disconnected(request))
-    try:
-        await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
-        if task.done():
-            return task.result()
-        log.info("client went away before the reply: %s %s", request.method, request.url.path)
-        raise _ClientGone()
-    finally:
-        for future in (task, gone):
-            future.cancel()
-            future.add_done_callback(_retrieved)  # its CancelledError is expected: not "never retrieved" noise
-
-
-def _retrieved(future: asyncio.Future[Any]) -> None:
-    if not future.cancelled():
-        future.exception()
-
-
-async def _disconnected(request: Request) -> None:
-    while (await request.receive())["type"] != "http.disconnect":
-        pass
-
-
-async def _rest(stream: Any) -> AsyncIterator[pb.GenerateResponse]:
-    """The responses after the first (read with read(): a call is read one way only)."""
-    while True:
-        response = await stream.read()
-        if response is grpc.aio.EOF:
-            return
-        yield response
 
 
 def _expired(failure: BaseException) -> bool:

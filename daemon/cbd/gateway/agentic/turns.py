@@ -23,9 +23,10 @@ from typing import Any
 import grpc
 from starlette.requests import Request
 
-from cbd.gateway.errors import ApiError, from_cbd
+from cbd.gateway.errors import from_cbd
 from cbd.gateway.limits import parse_json
 from cbd.gateway.requests import _convert
+from cbd.gateway.streams import first
 from cbd_client._convert import affinity_key, set_prompt, with_affinity
 from cbd_client.errors import CbdError
 from cbd_client.v1 import cbd_pb2 as pb
@@ -143,13 +144,10 @@ class Turns:
             request, metadata=with_affinity(tuple(metadata), session_id), timeout=self.gateway.timeout
         )
         try:
-            first = await stream.read()
+            return stream, await first(stream)
         except BaseException:
             stream.cancel()
             raise
-        if first is grpc.aio.EOF:
-            raise ApiError(500, "the daemon ended the reply without a message", "server_error")
-        return stream, first
 
     def close(self, session_id: str, metadata: list[tuple[str, str]]) -> None:
         """Close a session in the background (a session already gone is fine)."""
@@ -165,35 +163,6 @@ class Turns:
             )  # fmt: skip
         except grpc.aio.AioRpcError:
             pass  # already gone: closing is idempotent here
-
-
-async def rest(stream: Any) -> Any:
-    """The responses of a started stream after its first."""
-    while True:
-        response = await stream.read()
-        if response is grpc.aio.EOF:
-            return
-        yield response
-
-
-async def unless_gone(request: Request, work: Any) -> Any:
-    """Await `work` unless the HTTP client disconnects first (then `work` is cancelled, and so are its calls).
-    The body has been read, so the next ASGI message is http.disconnect whenever the client goes."""
-    task = asyncio.ensure_future(work)
-    gone = asyncio.ensure_future(_disconnected(request))
-    try:
-        await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
-        if task.done():
-            return task.result()
-        raise ApiError(499, "the client closed the connection", "cancelled")
-    finally:
-        task.cancel()
-        gone.cancel()
-
-
-async def _disconnected(request: Request) -> None:
-    while (await request.receive())["type"] != "http.disconnect":
-        pass
 
 
 async def json_body(request: Request) -> dict[str, Any]:

@@ -19,12 +19,13 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from cbd.gateway.agentic import caller
 from cbd.gateway.agentic.blocks import BlockKind, Event, EventKind, Fold
 from cbd.gateway.agentic.convert import check_tool_results
-from cbd.gateway.agentic.turns import Plan, Started, Turns, json_body, rest, unless_gone
+from cbd.gateway.agentic.turns import Plan, Started, Turns, json_body
 from cbd.gateway.errors import ApiError, from_cbd
 from cbd.gateway.messages.conversations import Conversations
 from cbd.gateway.messages.request import MessagesCall, parse
 from cbd.gateway.requests import _convert
 from cbd.gateway.responses.items import new_id
+from cbd.gateway.streams import rest, unless_gone
 from cbd_client._convert import set_prompt
 from cbd_client.errors import CbdError
 from cbd_client.v1 import cbd_pb2 as pb

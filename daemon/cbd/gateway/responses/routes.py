@@ -24,13 +24,14 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from cbd.gateway.agentic import caller
 from cbd.gateway.agentic.blocks import Fold
 from cbd.gateway.agentic.convert import check_tool_results
-from cbd.gateway.agentic.turns import Plan, Started, Turns, json_body, rest, unless_gone
+from cbd.gateway.agentic.turns import Plan, Started, Turns, json_body
 from cbd.gateway.errors import ApiError, bad_request, from_cbd
 from cbd.gateway.responses import items
 from cbd.gateway.responses.background import Background
 from cbd.gateway.responses.request import Create, parse
 from cbd.gateway.responses.store import ResponseStore, Stored
 from cbd.gateway.responses.stream import Events
+from cbd.gateway.streams import rest, unless_gone
 from cbd_client.errors import CbdError
 from cbd_client.v1 import cbd_pb2 as pb
 
