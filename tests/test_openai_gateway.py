@@ -4,7 +4,6 @@ a bearer token, an admission cap of two live requests) and a real `cbd openai` p
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 import threading
@@ -16,7 +15,8 @@ import openai
 import pytest
 
 from cbd_client import Client
-from daemon_process import DaemonProcess, free_port
+from daemon_process import DaemonProcess
+from gateway_process import GatewayProcess
 
 pytestmark = pytest.mark.slow
 TOKEN = "s3cret-token"
@@ -28,7 +28,7 @@ TOOLS = [{"type": "function", "function": {"name": "get_weather", "description":
 
 
 class Stack:
-    def __init__(self, daemon: DaemonProcess, gateway: subprocess.Popen, url: str) -> None:
+    def __init__(self, daemon: DaemonProcess, gateway: GatewayProcess, url: str) -> None:
         self.daemon, self.gateway, self.url = daemon, gateway, url
 
     def client(self, **kwargs) -> openai.OpenAI:  # type: ignore[no-untyped-def]
@@ -44,29 +44,13 @@ def stack(tmp_path_factory):  # type: ignore[no-untyped-def]
     tmp = tmp_path_factory.mktemp("gw")
     (tmp / "token").write_text(TOKEN)
     daemon = DaemonProcess(tmp / "cbd.sock", "--auth-token-file", str(tmp / "token"), "--max-queued-requests", "2")
-    port = free_port()
-    log = open(tmp / "gateway.log", "w")
-    gateway = subprocess.Popen(
-        [sys.executable, "-m", "cbd.cli", "openai", "--daemon", daemon.address, "--listen", f"127.0.0.1:{port}"],
-        stdout=log, stderr=subprocess.STDOUT, env=os.environ.copy(),
-    )  # fmt: skip
+    gateway = GatewayProcess(daemon.address, tmp / "gateway.log")
     try:
         daemon.wait_serving()
-        url = f"http://127.0.0.1:{port}/v1"
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=5).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert time.monotonic() < deadline and gateway.poll() is None, (tmp / "gateway.log").read_text()
-            time.sleep(0.2)
-        yield Stack(daemon, gateway, url)
+        gateway.wait_serving(60)
+        yield Stack(daemon, gateway, f"{gateway.base}/v1")
     finally:
-        gateway.terminate()
-        gateway.wait(30)
-        log.close()
+        gateway.stop()
         assert daemon.stop() == 0, daemon.log()
 
 
