@@ -105,7 +105,9 @@ class CbdService(_Base):
         bounds.check_session_id(request.session_id)
         prompt_size = self._check_prompt(request)
         caller = self._caller(context)
-        params = replace(convert.sampling_params(request, self._tenant(request, context)), cache_scope=caller.tenant)
+        # The scheduling tenant: the token's name when auth is on (it wins over the field), else the field.
+        tenant = caller.tenant if self.tokens is not None else request.tenant
+        params = replace(convert.sampling_params(request, tenant), cache_scope=caller.tenant)
         structured = structure(request, self.prompts.call_format)
         if structured.spec is not None:  # compiled in a worker process within its budgets; cached by text
             params = replace(params, grammar=await engine.compile_grammar(structured.spec))
@@ -235,12 +237,6 @@ class CbdService(_Base):
 
         future.add_done_callback(settled)
         return await _accepted(engine, future)
-
-    def _tenant(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext) -> str:
-        """The caller's tenant: its auth token's name when auth is on, else the request's tenant field."""
-        if self.tokens is not None:
-            return token_name(self.tokens, context.invocation_metadata()) or ""
-        return request.tenant
 
     def _caller(self, context: grpc.aio.ServicerContext) -> Caller:
         """Who owns what this call creates and what it may name (server/tenancy.py)."""
