@@ -7,7 +7,8 @@ and reported as such). Jobs, drawn at random:
 - plain (60%): one request, prompt length mixed (about 16 / 64 / 256 / 1024 tokens), 8-64 new tokens;
 - fan-out (20%): n = 2-4 sampled candidates from one prompt of 32-256 tokens;
 - session (20%): an agent loop: open a session on a shared system prompt, 2-4 turns of 16-64 new
-  tokens each, one turn a fan-out whose candidate is chosen, then close.
+  tokens each, one turn a fan-out whose candidate is chosen, then close;
+- tools (`--tool-weight`, 0 by default): a chat request with one function tool, the call required.
 
 Prompts are chat messages of random words when the model has a chat template, token ids otherwise.
 RESOURCE_EXHAUSTED is the one expected error: the client waits the daemon's retry hint and retries
@@ -69,6 +70,11 @@ WORDS = [
     "report",
     "summary",
 ]
+
+TOOLS = [{
+    "name": "lookup", "description": "Look a word up",
+    "parameters": {"type": "object", "properties": {"word": {"type": "string"}}, "required": ["word"]},
+}]  # fmt: skip
 
 
 @dataclass
@@ -221,7 +227,7 @@ class LoadGenerator:
             work = Workload(rng, info.has_chat_template, info.vocab_size, info.context_length)
             await asyncio.sleep(rng.random() * self.args.ramp)  # spread the start
             while self.budget_left():
-                kind = rng.choices(["plain", "fanout", "session"], weights=[6, 2, 2])[0]
+                kind = rng.choices(["plain", "fanout", "session", "tools"], weights=[6, 2, 2, self.args.tool_weight])[0]
                 if kind == "plain":
                     prompt = work.prompt(work.plain_length())
                     kw = {"max_tokens": rng.randrange(8, 65), "temperature": 0.7, "seed": rng.randrange(1 << 30)}
@@ -230,6 +236,10 @@ class LoadGenerator:
                     prompt = work.prompt(rng.randrange(32, 257))
                     kw = {"n": rng.randrange(2, 5), "max_tokens": rng.randrange(16, 33), "temperature": 0.9}
                     await self.call(lambda prompt=prompt, kw=kw: client.stream(prompt, **kw), kw["n"])
+                elif kind == "tools" and work.chat:
+                    prompt = work.prompt(rng.randrange(16, 129))
+                    kw = {"max_tokens": 48, "tools": TOOLS, "tool_choice": "required", "temperature": 0.7}
+                    await self.call(lambda prompt=prompt, kw=kw: client.stream(prompt, **kw), 1)
                 else:
                     await self.session_job(client, work, rng)
                 self.report.jobs_completed += 1
@@ -331,6 +341,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--session-ttl", type=float, default=600.0, help="idle TTL of the agents' sessions")
     parser.add_argument("--sample-every", type=float, default=10.0)
     parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--tool-weight", type=float, default=0.0, help="weight of tool-call jobs (plain is 6)")
     parser.add_argument("--address", help="a running daemon (default: start one on the default model)")
     parser.add_argument("--pid", type=int, help="the running daemon's pid, for its RSS")
     parser.add_argument("--daemon-args", default="", help="extra `cbd serve` flags for the daemon started here")

@@ -1,4 +1,4 @@
-"""Start a real `cbd serve` process on a temporary unix socket and watch its health."""
+"""Start a real `cbd serve` process on a temporary unix socket and watch its health and its processes."""
 
 from __future__ import annotations
 
@@ -6,6 +6,7 @@ import os
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -18,6 +19,49 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def children(pid: int) -> list[int]:
+    """Processes whose parent is `pid` (from /proc)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                stat = (entry / "stat").read_text()
+            except OSError:
+                continue
+            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
+                found.append(int(entry.name))
+    return found
+
+
+def alive(pid: int) -> bool:
+    """The process exists and is not a zombie."""
+    try:
+        os.kill(pid, 0)
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (ProcessLookupError, FileNotFoundError):
+        return False
+    return state != "Z"
+
+
+def rss_bytes(pid: int) -> int:
+    """A process's resident memory (VmRSS), from /proc."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    raise AssertionError(f"no VmRSS line for {pid}")
+
+
+def _children_running(pid: int, module: str) -> list[int]:
+    found = []
+    for child in children(pid):
+        try:
+            if module in Path(f"/proc/{child}/cmdline").read_text() and alive(child):
+                found.append(child)
+        except FileNotFoundError:
+            continue
+    return found
 
 
 class DaemonProcess:
@@ -60,6 +104,52 @@ class DaemonProcess:
         finally:
             self._log.close()
 
+    def engine_pid(self) -> int:
+        (pid,) = _children_running(self.process.pid, "cbd.server.engine_main")
+        return pid
+
+    def grammar_worker_pids(self) -> list[int]:
+        """The frontend's live grammar compile workers (ipc/grammar_pool.py)."""
+        return _children_running(self.process.pid, "cbd.ipc.grammar_worker")
+
     def log(self) -> str:
         self._log.flush()
         return self.log_path.read_text()
+
+
+class BackgroundStream:
+    """A long greedy Generate stream read on its own thread; `tokens` counts what has arrived, so a test
+    can tell whether the engine kept advancing it while something else went on."""
+
+    def __init__(self, address: str, prompt: str = "Tell me a long story.", max_tokens: int = 4000) -> None:
+        from cbd_client.v1 import cbd_pb2 as pb
+        from cbd_client.v1.cbd_pb2_grpc import CbdStub
+
+        request = pb.GenerateRequest(text=prompt)
+        request.sampling.max_tokens, request.sampling.temperature, request.sampling.ignore_eos = max_tokens, 0.0, True
+        self._channel = grpc.insecure_channel(address)
+        self._call = CbdStub(self._channel).Generate(request, timeout=600)
+        self.tokens = 0
+        self.error: grpc.RpcError | None = None
+        self._first = threading.Event()
+        self._thread = threading.Thread(target=self._read, daemon=True)
+        self._thread.start()
+        assert self._first.wait(300), "the stream sent nothing"
+
+    def _read(self) -> None:
+        try:
+            for response in self._call:
+                self.tokens += sum(len(c.token_ids) for c in response.candidates)
+                self._first.set()
+        except grpc.RpcError as exc:
+            self.error = exc
+        finally:
+            self._first.set()
+
+    def stop(self) -> None:
+        """Cancel the rest; the stream must not have failed before."""
+        self._call.cancel()
+        self._thread.join(60)
+        self._channel.close()
+        if self.error is not None and self.error.code() != grpc.StatusCode.CANCELLED:
+            raise AssertionError(f"the background stream failed: {self.error.code()} {self.error.details()}")

@@ -35,15 +35,24 @@ class Stack:
     def log(self) -> str:
         return (self.tmp / "gateway.log").read_text()
 
+    def restart_daemon(self) -> None:
+        """Stop the daemon (its sessions and prefix cache go with it) and serve again on the same address."""
+        assert self.daemon.stop() == 0, self.daemon.log()
+        self.daemon = start_daemon(self.tmp)
+        self.daemon.wait_serving()
+
+
+def start_daemon(tmp: Path) -> DaemonProcess:
+    return DaemonProcess(tmp / "cbd.sock", "--auth-token-file", str(tmp / "tokens"))
+
 
 def stack(tmp: Path) -> Iterator[Stack]:
     (tmp / "tokens").write_text(f"alice {TOKEN}\nbob {OTHER_TOKEN}\n")
-    daemon = DaemonProcess(tmp / "cbd.sock", "--auth-token-file", str(tmp / "tokens"))
-    s = Stack(daemon, tmp)
+    s = Stack(start_daemon(tmp), tmp)
     try:
-        daemon.wait_serving()
+        s.daemon.wait_serving()
         s.start_gateway()
         yield s
     finally:
         s.stop_gateway()
-        assert daemon.stop() == 0, daemon.log()
+        assert s.daemon.stop() == 0, s.daemon.log()

@@ -14,37 +14,9 @@ import pytest
 from cbd_client import CbdError, Client
 from cbd_client.v1 import cbd_pb2 as pb
 from cbd_client.v1 import cbd_pb2_grpc
-from daemon_process import DaemonProcess
+from daemon_process import alive, children
 
 PROMPT = list(range(2, 40))
-
-
-def children(pid: int) -> list[int]:
-    """Processes whose parent is `pid` (from /proc)."""
-    found = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                stat = (entry / "stat").read_text()
-            except OSError:
-                continue
-            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
-                found.append(int(entry.name))
-    return found
-
-
-def alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    stat = Path(f"/proc/{pid}/stat")
-    return stat.exists() and stat.read_text().rsplit(")", 1)[1].split()[0] != "Z"
-
-
-def engine_pid(d: DaemonProcess) -> int:
-    (pid,) = [p for p in children(d.process.pid) if "cbd.server.engine_main" in Path(f"/proc/{p}/cmdline").read_text()]
-    return pid
 
 
 def wait_gone(pid: int, timeout: float = 30.0) -> bool:
@@ -56,7 +28,7 @@ def wait_gone(pid: int, timeout: float = 30.0) -> bool:
 
 def test_killing_the_engine_process_fails_every_live_call_with_internal_and_the_daemon_exits(tiny_daemon) -> None:  # type: ignore[no-untyped-def]
     d = tiny_daemon()
-    engine = engine_pid(d)
+    engine = d.engine_pid()
     codes: list[grpc.StatusCode | None] = []
     got_tokens = threading.Barrier(5)
 
@@ -87,7 +59,7 @@ def test_killing_the_engine_process_fails_every_live_call_with_internal_and_the_
 
 def test_the_engine_process_dies_with_the_daemon(tiny_daemon) -> None:  # type: ignore[no-untyped-def]
     d = tiny_daemon()
-    engine = engine_pid(d)
+    engine = d.engine_pid()
     with Client(d.address, timeout=60) as client:
         stream = client.stream(PROMPT, max_tokens=4000, ignore_eos=True)
         next(stream)
@@ -100,7 +72,7 @@ def test_the_engine_process_dies_with_the_daemon(tiny_daemon) -> None:  # type: 
 
 def test_sigterm_stops_both_processes_cleanly(tiny_daemon) -> None:  # type: ignore[no-untyped-def]
     d = tiny_daemon()
-    engine = engine_pid(d)
+    engine = d.engine_pid()
     with Client(d.address, timeout=60) as client:
         assert len(client.generate(PROMPT, max_tokens=5, ignore_eos=True).candidates[0].token_ids) == 5
     assert d.stop() == 0

@@ -6,6 +6,7 @@ its outcomes."""
 from __future__ import annotations
 
 import asyncio
+import json
 
 import pytest
 
@@ -20,6 +21,12 @@ from helpers import checked_step, make_core, run_all
 MASK_BOMB = 'root ::= x{700} "."\nx ::= x x | "a"'
 # Counted repetitions in alternation: seconds to compile (tens with 60 branches), whatever the machine.
 COMPILE_BOMB = "|".join(f"[a-z]{{1,{500 + i}}}x{i}" for i in range(60))
+
+
+def schema_bomb(tag: str) -> str:
+    """A JSON schema within every static bound whose compile takes tens of seconds (its pattern is
+    COMPILE_BOMB); `tag`, in its description, makes each one distinct, so no cache answers it."""
+    return json.dumps({"type": "string", "description": tag, "pattern": COMPILE_BOMB})
 
 
 def test_a_grammar_over_its_mask_budget_ends_with_an_error_while_a_greedy_stream_advances(
@@ -100,3 +107,39 @@ def test_the_pool_refuses_past_the_time_budget_kills_on_cancel_and_caches_outcom
             pool.close()
 
     asyncio.run(scenario())
+
+
+def test_six_bombs_compile_at_most_k_at_once_and_each_is_refused_naming_its_limit(grammars) -> None:  # type: ignore[no-untyped-def]
+    async def scenario() -> None:
+        pool = GrammarPool(grammars, CompileBudget(workers=2, timeout=1.0, memory_mib=1024))
+        try:
+            bombs = [asyncio.ensure_future(pool.compile(GrammarSpec(GrammarKind.JSON_SCHEMA, schema_bomb(f"b{i}"))))
+                     for i in range(6)]  # fmt: skip
+            running: list[int] = []
+            while not all(b.done() for b in bombs):
+                running.append(pool.num_compiling)
+                await asyncio.sleep(0.01)
+            assert max(running) == 2  # two at once, and never more: the other four waited their turn
+            for bomb in bombs:
+                with pytest.raises(InvalidRequest, match=r"compile budget of 1 s \(grammar_compile_timeout\)"):
+                    bomb.result()
+            assert pool.num_killed == 6 and pool.num_compiling == 0
+            assert (await pool.compile(GrammarSpec(GrammarKind.REGEX, "[a-z]+"))).serialized  # the pool still serves
+        finally:
+            pool.close()
+
+    asyncio.run(scenario())
+
+
+def test_the_engines_grammar_cache_is_bounded_in_bytes(compiler, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    from cbd.engine import grammar as grammar_module
+    from cbd.engine.grammar import GrammarCompiler
+
+    fresh = GrammarCompiler(None, compiler.vocab_size, (), info=compiler.info, max_threads=1)
+    specs = [GrammarSpec(GrammarKind.REGEX, f"[a-z]{{1,{40 + i}}}") for i in range(6)]
+    first = compiler.compile(specs[0]).compiled.memory_size_bytes
+    monkeypatch.setattr(grammar_module, "MAX_CACHED_GRAMMAR_BYTES", 3 * first)
+    for spec in specs:
+        fresh.load(spec, compiler.compile(spec).compiled.serialize_json())
+    assert 0 < fresh.cached_bytes <= 3 * first
+    assert fresh.cached(specs[-1]) and not fresh.cached(specs[0])  # the least recently used went first

@@ -10,7 +10,7 @@ import httpx
 import jsonschema
 import pytest
 
-from cbd.gateway.messages.conversations import Conversations
+from cbd.gateway.agentic.conversations import Conversations
 from cbd_client import Client
 from gateway_stack import TOKEN, Stack, stack
 

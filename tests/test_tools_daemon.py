@@ -1,6 +1,8 @@
 """Tool calls and structured output through a real daemon with the embedded model (generic call format):
 named and required choices always call valid tools, none never calls, streamed call deltas add up to the
-final calls, a three-turn tool loop in a session reuses its KV, and bad input is INVALID_ARGUMENT."""
+final calls, a three-turn tool loop in a session reuses its KV, tools with a response format reply with
+calls or valid JSON, at most one call ends a reply that would call again, the answer after a tool result
+copies no tool markup, and bad input is INVALID_ARGUMENT."""
 
 from __future__ import annotations
 
@@ -135,7 +137,7 @@ def test_a_three_turn_tool_loop_in_a_session_reuses_its_kv(client) -> None:  # t
         (dict(response_format={"type": "json_schema", "json_schema": "{nope"}), "json_schema is not valid JSON"),
         (dict(tools=TOOLS, tool_choice="nope"), "not among the tools"),
         (dict(tools=[{"name": "x", "parameters": "[1]"}]), "must be a JSON schema object"),
-        (dict(tools=TOOLS, response_format={"type": "json_object"}), "not both"),
+        (dict(tools=TOOLS, response_format={"type": "regex", "regex": "(["}), "invalid response_format.regex"),
         (dict(tool_choice="required"), "needs tools"),
         (dict(response_format={"type": "regex", "regex": "a" * 70000}), "at most 65536"),
     ],
@@ -150,3 +152,61 @@ def test_bad_structured_input_is_invalid_argument(client, kwargs, match) -> None
 def test_tools_need_chat_input(client) -> None:  # type: ignore[no-untyped-def]
     with pytest.raises(CbdError, match="tools need chat input"):
         client.generate("plain text", tools=TOOLS, max_tokens=4)
+
+
+ANSWER = {"type": "object", "properties": {"answer": {"type": "string", "maxLength": 40}}, "required": ["answer"]}
+
+
+def test_tools_with_a_response_format_reply_with_calls_or_valid_json(client) -> None:  # type: ignore[no-untyped-def]
+    seen = set()
+    for ask in ("What is the weather in Paris?", "What is two plus two?"):
+        result = client.generate([{"role": "user", "content": ask}], tools=TOOLS, response_format=ANSWER, n=4,
+                                 seed=1, temperature=1.0, max_tokens=100)  # fmt: skip
+        for c in result.candidates:
+            cut = c.finish_reason == "length"  # max_tokens may cut the last call, or the JSON
+            if c.tool_calls:
+                seen.add("calls")
+                assert c.text == "" and c.finish_reason in ("tool_calls", "length")
+                for call in c.tool_calls[: len(c.tool_calls) - cut]:
+                    jsonschema.validate(json.loads(call.arguments), SCHEMAS[call.name])
+            elif not cut:
+                seen.add("text")
+                assert c.finish_reason == "stop"
+                jsonschema.validate(json.loads(c.text), ANSWER)
+    assert seen == {"calls", "text"}  # both sides of the grammar's `or` were taken
+    text_only = client.generate(ASK, tools=TOOLS, tool_choice="none", response_format=ANSWER, temperature=0.0,
+                                max_tokens=60).candidates[0]  # fmt: skip
+    assert not text_only.tool_calls and jsonschema.validate(json.loads(text_only.text), ANSWER) is None
+    calls_only = client.generate(ASK, tools=TOOLS, tool_choice="required", response_format=ANSWER, temperature=0.0,
+                                 max_tokens=80).candidates[0]  # fmt: skip
+    check_calls(calls_only, set(SCHEMAS))
+
+
+def test_at_most_one_call_stops_a_reply_that_would_call_again(client) -> None:  # type: ignore[no-untyped-def]
+    ask = [{"role": "user", "content": "What is the weather in Paris and London?"}]
+    several = client.generate(ask, tools=TOOLS, tool_choice="required", temperature=0.0, max_tokens=100).candidates[0]
+    assert len(several.tool_calls) >= 2, several  # this prompt calls again when it may
+    one = client.generate(ask, tools=TOOLS, tool_choice="required", parallel_tool_calls=False, temperature=0.0,
+                          max_tokens=100).candidates[0]  # fmt: skip
+    check_calls(one, set(SCHEMAS))
+    assert len(one.tool_calls) == 1 and one.finish_reason == "tool_calls"
+    assert one.tool_calls[0].arguments == several.tool_calls[0].arguments  # greedy: the same first call, then the end
+
+
+def test_the_answer_after_a_tool_result_has_no_tool_markup(client) -> None:  # type: ignore[no-untyped-def]
+    cases = [("What is the weather in Paris?", "Paris"), ("How warm is it in Rome today?", "Rome"),
+             ("Is it cold in Oslo?", "Oslo"), ("What is the weather in Berlin?", "Berlin")]  # fmt: skip
+    for ask, city in cases:
+        result = (
+            "21 degrees C, sunny" if city == "Berlin" else json.dumps({"city": city, "temperature": 18, "unit": "C"})
+        )
+        messages = [{"role": "user", "content": ask},
+                    {"role": "assistant", "content": "", "tool_calls": [{"id": "call_1", "name": "get_weather",
+                     "arguments": json.dumps({"city": city, "unit": "C"})}]},
+                    {"role": "tool", "tool_call_id": "call_1", "content": result}]  # fmt: skip
+        for choice in ("auto", "none"):
+            answer = client.generate(messages, tools=TOOLS, tool_choice=choice, temperature=0.0,
+                                     max_tokens=60).candidates[0]  # fmt: skip
+            assert answer.text.strip() or (choice == "auto" and answer.tool_calls), (ask, choice)
+            for markup in ("<tool_response>", "</tool_response>", "<tool_call>", "</tool_call>"):
+                assert markup not in answer.text, (ask, choice, answer.text)

@@ -66,8 +66,8 @@ def set_prompt(message: pb.GenerateRequest | pb.TokenizeRequest | pb.OpenSession
 
 
 _REQUEST_OPTIONS = frozenset(
-    {"request_id", "session_id", "parent_candidate", "tools", "tool_choice", "response_format", "expected_idle_ms",
-     "retention", "priority", "tenant", "affinity", "allow_special_tokens"}
+    {"request_id", "session_id", "parent_candidate", "tools", "tool_choice", "parallel_tool_calls", "response_format",
+     "expected_idle_ms", "retention", "priority", "tenant", "affinity", "allow_special_tokens"}
 )  # fmt: skip
 
 _RETENTION = {"low": pb.RETENTION_LOW, "normal": pb.RETENTION_NORMAL, "high": pb.RETENTION_HIGH}
@@ -99,7 +99,7 @@ def set_hints(message: Message, expected_idle_ms: int | None, retention: str | N
 
 
 def generate_request(prompt: Prompt, n: int, options: dict[str, Any]) -> pb.GenerateRequest:
-    """options: request_id, session_id, parent_candidate, tools, tool_choice, response_format and the
+    """options: request_id, session_id, parent_candidate, tools, tool_choice, parallel_tool_calls, response_format and the
     sampling keywords (see the module docstring of client.py)."""
     sampling = {k: v for k, v in options.items() if k not in _REQUEST_OPTIONS}
     unknown = sorted(set(sampling) - _SAMPLING_FIELDS)
@@ -125,7 +125,8 @@ def generate_request(prompt: Prompt, n: int, options: dict[str, Any]) -> pb.Gene
     if options.get("allow_special_tokens"):  # raw mode: special-token strings in a text prompt are tokens
         _set(request, "allow_special_tokens", True)
     set_prompt(request, prompt)
-    set_tools(request, options.get("tools"), options.get("tool_choice"))
+    parallel = options.get("parallel_tool_calls")
+    set_tools(request, options.get("tools"), options.get("tool_choice"), True if parallel is None else parallel)
     set_response_format(request, options.get("response_format"))
     for name, value in sampling.items():
         if value is not None:

@@ -6,7 +6,7 @@
 
 Sampling keyword arguments: max_tokens, temperature, top_p, top_k, min_p, seed, stop, stop_token_ids,
 ignore_eos, logprobs, include_special_tokens (see proto/cbd/v1/cbd.proto for their meaning).
-Structured output: tools=, tool_choice=, response_format= (see cbd_client.structured); a candidate's
+Structured output: tools=, tool_choice=, parallel_tool_calls=, response_format= (see cbd_client.structured); a candidate's
 tool calls are `candidate.tool_calls`, and a streamed Delta carries `tool_calls` pieces.
 A prompt is a str (text), a list of ints (token ids) or a list of {"role", "content"} dicts (chat).
 Routing: affinity= "<key>" on a plain request (not a session's) makes a proxy in front of several daemons

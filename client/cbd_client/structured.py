@@ -3,6 +3,7 @@
 tools=[{"name": "get_weather", "description": "...", "parameters": {...JSON schema...}}]
       (the OpenAI shape {"type": "function", "function": {...}} is accepted too)
 tool_choice="auto" | "none" | "required" | "<a tool's name>" | {"name": "..."}
+parallel_tool_calls=False: at most one call per candidate (default True: a reply may hold several)
 response_format={"type": "json_schema", "json_schema": {...}} | {"type": "json_object"}
                 | {"type": "regex", "regex": "..."} | {"type": "grammar", "grammar": "..."}
                 | a JSON schema dict ({"type": "object", ...}) | a pydantic model class
@@ -32,7 +33,12 @@ def _json_text(value: Any, what: str) -> str:
         raise invalid_argument(f"{what} must be JSON (a dict, or JSON text): {exc}") from None
 
 
-def set_tools(request: pb.GenerateRequest, tools: Sequence[dict[str, Any]] | None, tool_choice: Any) -> None:
+def set_tools(
+    request: pb.GenerateRequest,
+    tools: Sequence[dict[str, Any]] | None,
+    tool_choice: Any,
+    parallel_tool_calls: bool = True,
+) -> None:
     for i, tool in enumerate(tools or ()):
         if not isinstance(tool, dict):
             raise invalid_argument(f"tool {i} must be a dict with 'name', 'description', 'parameters'")
@@ -42,6 +48,10 @@ def set_tools(request: pb.GenerateRequest, tools: Sequence[dict[str, Any]] | Non
         parameters = spec.get("parameters")
         request.tools.add(name=spec["name"], description=spec.get("description") or "",
                           parameters="" if parameters is None else _json_text(parameters, f"tool {spec['name']!r} parameters"))  # fmt: skip
+    if not isinstance(parallel_tool_calls, bool):
+        raise invalid_argument("parallel_tool_calls must be a boolean")
+    if not parallel_tool_calls:
+        request.tool_choice.at_most_one_call = True
     if tool_choice is None:
         return
     if isinstance(tool_choice, dict):

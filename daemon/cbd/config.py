@@ -100,6 +100,15 @@ class EngineConfig:
     grammar_mask_budget_ms: float = 20.0
     # Consecutive steps over grammar_mask_budget_ms after which the request is ended.
     grammar_mask_budget_steps: int = 3
+    # The C allocator (glibc) of the daemon's processes: at most this many malloc arenas (0: glibc's default,
+    # 8 per core). Few arenas keep memory a burst freed reusable instead of spread over per-thread heaps.
+    malloc_arena_max: int = 2
+    # Allocations of at least this many KiB get mappings of their own, unmapped when freed (0: glibc's
+    # dynamic threshold, which rises after large frees and lets the heap fragment burst after burst).
+    malloc_mmap_threshold_kib: int = 128
+    # Seconds a daemon process must be idle, after work, before it gives its heap's free pages back
+    # (malloc_trim); 0: never.
+    idle_trim_seconds: float = 2.0
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
@@ -162,6 +171,11 @@ class EngineConfig:
             raise ValueError(f"grammar_compile_memory_mib must be >= 64, got {self.grammar_compile_memory_mib}")
         if not self.grammar_mask_budget_ms > 0:
             raise ValueError(f"grammar_mask_budget_ms must be > 0, got {self.grammar_mask_budget_ms}")
+        for name in ("malloc_arena_max", "malloc_mmap_threshold_kib"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if self.idle_trim_seconds < 0:
+            raise ValueError(f"idle_trim_seconds must be >= 0, got {self.idle_trim_seconds}")
         if self.grammar_mask_budget_steps < 1:
             raise ValueError(f"grammar_mask_budget_steps must be >= 1, got {self.grammar_mask_budget_steps}")
         if not (self.device == "auto" or self.device == "cpu" or self.device.startswith("cuda")):

@@ -55,6 +55,11 @@ class SessionBusy(CbdError):
     """The session cannot take this call in its current state (a turn in flight, candidates pending)."""
 
 
+class HistoryMismatch(CbdError):
+    """A turn that must extend the session's history token for token does not (ABORTED): the session is
+    unchanged, and the conversation belongs on a new session."""
+
+
 class EngineFailure(CbdError):
     """The engine failed while running the request (INTERNAL)."""
 

@@ -85,12 +85,14 @@ class Tool(_message.Message):
     def __init__(self, name: _Optional[str] = ..., description: _Optional[str] = ..., parameters: _Optional[str] = ...) -> None: ...
 
 class ToolChoice(_message.Message):
-    __slots__ = ("mode", "name")
+    __slots__ = ("mode", "name", "at_most_one_call")
     MODE_FIELD_NUMBER: _ClassVar[int]
     NAME_FIELD_NUMBER: _ClassVar[int]
+    AT_MOST_ONE_CALL_FIELD_NUMBER: _ClassVar[int]
     mode: ToolChoiceMode
     name: str
-    def __init__(self, mode: _Optional[_Union[ToolChoiceMode, str]] = ..., name: _Optional[str] = ...) -> None: ...
+    at_most_one_call: bool
+    def __init__(self, mode: _Optional[_Union[ToolChoiceMode, str]] = ..., name: _Optional[str] = ..., at_most_one_call: _Optional[bool] = ...) -> None: ...
 
 class ResponseFormat(_message.Message):
     __slots__ = ("json_schema", "json_object", "regex", "grammar")
@@ -167,7 +169,7 @@ class SamplingParams(_message.Message):
     def __init__(self, max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., min_p: _Optional[float] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., logprobs: _Optional[int] = ..., include_special_tokens: _Optional[bool] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("text", "chat", "tokens", "sampling", "n", "request_id", "session_id", "parent_candidate", "tools", "tool_choice", "response_format", "expected_idle_ms", "retention", "priority", "tenant", "allow_special_tokens")
+    __slots__ = ("text", "chat", "tokens", "sampling", "n", "request_id", "session_id", "parent_candidate", "tools", "tool_choice", "response_format", "expected_idle_ms", "retention", "priority", "tenant", "allow_special_tokens", "whole_conversation")
     TEXT_FIELD_NUMBER: _ClassVar[int]
     CHAT_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -184,6 +186,7 @@ class GenerateRequest(_message.Message):
     PRIORITY_FIELD_NUMBER: _ClassVar[int]
     TENANT_FIELD_NUMBER: _ClassVar[int]
     ALLOW_SPECIAL_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    WHOLE_CONVERSATION_FIELD_NUMBER: _ClassVar[int]
     text: str
     chat: Chat
     tokens: TokenIds
@@ -200,7 +203,8 @@ class GenerateRequest(_message.Message):
     priority: Priority
     tenant: str
     allow_special_tokens: bool
-    def __init__(self, text: _Optional[str] = ..., chat: _Optional[_Union[Chat, _Mapping]] = ..., tokens: _Optional[_Union[TokenIds, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., n: _Optional[int] = ..., request_id: _Optional[str] = ..., session_id: _Optional[str] = ..., parent_candidate: _Optional[int] = ..., tools: _Optional[_Iterable[_Union[Tool, _Mapping]]] = ..., tool_choice: _Optional[_Union[ToolChoice, _Mapping]] = ..., response_format: _Optional[_Union[ResponseFormat, _Mapping]] = ..., expected_idle_ms: _Optional[int] = ..., retention: _Optional[_Union[Retention, str]] = ..., priority: _Optional[_Union[Priority, str]] = ..., tenant: _Optional[str] = ..., allow_special_tokens: _Optional[bool] = ...) -> None: ...
+    whole_conversation: bool
+    def __init__(self, text: _Optional[str] = ..., chat: _Optional[_Union[Chat, _Mapping]] = ..., tokens: _Optional[_Union[TokenIds, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., n: _Optional[int] = ..., request_id: _Optional[str] = ..., session_id: _Optional[str] = ..., parent_candidate: _Optional[int] = ..., tools: _Optional[_Iterable[_Union[Tool, _Mapping]]] = ..., tool_choice: _Optional[_Union[ToolChoice, _Mapping]] = ..., response_format: _Optional[_Union[ResponseFormat, _Mapping]] = ..., expected_idle_ms: _Optional[int] = ..., retention: _Optional[_Union[Retention, str]] = ..., priority: _Optional[_Union[Priority, str]] = ..., tenant: _Optional[str] = ..., allow_special_tokens: _Optional[bool] = ..., whole_conversation: _Optional[bool] = ...) -> None: ...
 
 class TopLogprob(_message.Message):
     __slots__ = ("token_id", "logprob", "token")

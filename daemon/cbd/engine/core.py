@@ -217,13 +217,13 @@ class EngineCore:
         on_output: OutputCallback | None = None,
         expected_idle: float | None = None,
         retention: int | None = None,
+        extends: bool = False,
     ) -> Request:
-        """Reserve and queue a turn of a session (see start_turn; expected_idle, retention: TurnInput's hints)."""
+        """Reserve and queue a turn of a session (see start_turn; expected_idle, retention, extends: TurnInput's)."""
         live = self.live.reserve(request_id or f"req-{next(self._request_ids)}", len(tokens), on_output)
+        turn = TurnInput(tokens, replace, parent_candidate, expected_idle, retention, extends)
         try:
-            return self.start_turn(
-                live, session_id, TurnInput(tokens, replace, parent_candidate, expected_idle, retention), params
-            )
+            return self.start_turn(live, session_id, turn, params)
         except BaseException:
             self.live.release(live.request_id)
             raise

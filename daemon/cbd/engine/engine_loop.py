@@ -2,14 +2,16 @@
 
 Every command is dispatched by type to one handler here. Outputs reach each request's callback
 through its live record when the loop calls `core.deliver()`: after a step, only once the stats
-snapshot has been refreshed (a caller that saw its request finish then reads stats without it). Besides steps, the loop expires idle sessions
-once a second (it wakes for that even when idle) and keeps the heartbeat that the daemon's
-watchdog and health read.
+snapshot has been refreshed (a caller that saw its request finish then reads stats without it). Besides
+steps, the loop expires idle sessions once a second (it wakes for that even when idle), keeps the
+heartbeat that the daemon's watchdog and health read, and gives the heap's free pages back once it has
+been idle for `idle_trim_seconds` after work (cbd/allocator.py).
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import queue
 import threading
 import time
@@ -17,10 +19,12 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any, TypeVar
 
+from cbd.allocator import IdleTrim
 from cbd.config import EngineConfig
 from cbd.engine import commands as cmd
 from cbd.engine.admission import Admission
 from cbd.engine.core import EngineCore
+from cbd.engine.core_share import CoreShare
 from cbd.engine.faults import FaultPlan, is_device_fault
 from cbd.engine.live import LiveRequest
 from cbd.engine.outputs import CandidateDelta, EngineStats, RequestOutput
@@ -57,6 +61,8 @@ class EngineLoop:
         # delivered) and once more when the loop has stopped: where a batch of outputs is complete.
         self.on_step_end: Callable[[], object] | None = None
         self._faults = FaultPlan.from_env()
+        self._trim = IdleTrim(config.idle_trim_seconds)
+        self._cores: CoreShare | None = None  # adapts the CPU thread count (num_threads 0 on CPU)
         self._handlers: dict[type, Callable] = {
             cmd.AddRequest: self._add_request, cmd.AddTurn: self._add_turn, cmd.Abort: self._abort,
             cmd.OpenSession: self._open_session, cmd.CloseSession: self._close_session,
@@ -86,6 +92,8 @@ class EngineLoop:
             self.core = EngineCore(loaded, self.config, self._tp, self.admission, self.detokenize)
             self.core.warm_up()  # CUDA graphs are captured before the engine reports started
             self.stats = self.core.stats()
+            if c.num_threads == 0 and c.tensor_parallel_size == 1 and self.core.runner.device.type == "cpu":
+                self._cores = CoreShare(os.sched_getaffinity(0), (os.getpid(), os.getppid()))
         except BaseException as exc:  # handed to the Engine's constructor, which re-raises it
             self.start_error = exc
             return
@@ -101,8 +109,13 @@ class EngineLoop:
             if progressed:  # a loop that turns without computing anything is not a heartbeat
                 self.heartbeat = time.monotonic()
             if not core.has_work():
-                # Sessions expire by time, so an idle engine still wakes now and then.
-                self._wake.wait(timeout=1.0 if core.sessions.sessions else None)
+                # Sessions expire by time, so an idle engine still wakes now and then; so does a trim due.
+                waits = [w for w in (1.0 if core.sessions.sessions else None, self._trim.poll()) if w is not None]
+                self._wake.wait(timeout=min(waits) if waits else None)
+            else:
+                self._trim.busy()
+                if self._cores is not None:
+                    self._cores.adapt()
             self._wake.clear()
             now = time.monotonic()
             if now >= next_expiry:

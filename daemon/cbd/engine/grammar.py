@@ -8,7 +8,8 @@ candidates) and roll back; and it applies a batch of bitmasks to logits on the C
 Threads: `GrammarCompiler.compile` and `load` are thread-safe and are called off the engine thread (the
 request waits, not the batch). In the daemon, `compile` runs only in the frontend's compile workers
 (ipc/grammar_pool.py), and the engine process `load`s the serialized result (ipc/grammar_loads.py). The
-cache is keyed by the spec's text, so a repeated schema or tool set costs a lookup. A compiled grammar
+cache is keyed by the spec's text, so a repeated schema or tool set costs a lookup; it is bounded by count
+and by bytes (MAX_CACHED_GRAMMAR_BYTES), so distinct large grammars cannot grow the process. A compiled grammar
 whose language is empty (no first token allowed) is refused. A `GrammarState` belongs to one sequence
 and is used only by the engine thread.
 """
@@ -25,10 +26,11 @@ from typing import Any
 import torch
 
 from cbd.engine.schema_check import load_schema
+from cbd.engine.tag_formats import JSON_SEPARATORS, expand
 from cbd.errors import InvalidRequest
 
 MAX_GRAMMAR_BYTES = 64 * 1024  # a schema, regex, grammar or tool set larger than this is refused
-_JSON_SEPARATORS = (", ", ": ")  # compact JSON as models write it; no unbounded whitespace runs
+MAX_CACHED_GRAMMAR_BYTES = 256 * 2**20  # compiled grammars kept at most (xgrammar's own size estimate)
 
 
 class GrammarKind(Enum):
@@ -71,9 +73,10 @@ class GrammarCompiler:
         else:
             self.info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size, stop_token_ids=stops)
         self._compiler = xgr.GrammarCompiler(self.info, max_threads=max_threads, cache_enabled=False)
-        self._cache: OrderedDict[GrammarSpec, Any] = OrderedDict()
+        self._cache: OrderedDict[GrammarSpec, tuple[Any, int]] = OrderedDict()  # spec -> (compiled, bytes)
         self._lock = threading.Lock()
         self._cache_size = cache_size
+        self.cached_bytes = 0
         self.vocab_size = vocab_size
 
     def compile(self, spec: GrammarSpec) -> CompiledGrammar:
@@ -81,12 +84,9 @@ class GrammarCompiler:
             hit = self._cache.get(spec)
             if hit is not None:
                 self._cache.move_to_end(spec)
-                return CompiledGrammar(spec, hit)
+                return CompiledGrammar(spec, hit[0])
         compiled = self._compile(spec)  # outside the lock: two different specs compile at once
-        with self._lock:
-            self._cache[spec] = compiled
-            while len(self._cache) > self._cache_size:
-                self._cache.popitem(last=False)
+        self._remember(spec, compiled)
         return CompiledGrammar(spec, compiled)
 
     def load(self, spec: GrammarSpec, serialized: str) -> CompiledGrammar:
@@ -96,13 +96,24 @@ class GrammarCompiler:
             hit = self._cache.get(spec)
             if hit is not None:
                 self._cache.move_to_end(spec)
-                return CompiledGrammar(spec, hit)
+                return CompiledGrammar(spec, hit[0])
         compiled = self._xgr.CompiledGrammar.deserialize_json(serialized, self.info)
-        with self._lock:
-            self._cache[spec] = compiled
-            while len(self._cache) > self._cache_size:
-                self._cache.popitem(last=False)
+        self._remember(spec, compiled)
         return CompiledGrammar(spec, compiled)
+
+    def _remember(self, spec: GrammarSpec, compiled: Any) -> None:
+        """Cache `compiled`, dropping the least recently used past the count or the byte bound."""
+        size = int(compiled.memory_size_bytes)
+        with self._lock:
+            if spec in self._cache:
+                return
+            self._cache[spec] = (compiled, size)
+            self.cached_bytes += size
+            while len(self._cache) > self._cache_size or (
+                self.cached_bytes > MAX_CACHED_GRAMMAR_BYTES and len(self._cache) > 1
+            ):
+                _, (_, dropped) = self._cache.popitem(last=False)
+                self.cached_bytes -= dropped
 
     def cached(self, spec: GrammarSpec) -> bool:
         with self._lock:
@@ -121,15 +132,15 @@ class GrammarCompiler:
         c = self._compiler
         try:
             if spec.kind is GrammarKind.JSON_OBJECT:
-                return c.compile_json_schema('{"type": "object"}', any_whitespace=False, separators=_JSON_SEPARATORS)
+                return c.compile_json_schema('{"type": "object"}', any_whitespace=False, separators=JSON_SEPARATORS)
             if spec.kind is GrammarKind.JSON_SCHEMA:
                 load_schema(spec.source, "json_schema")  # refuses keywords the grammar would not enforce
-                return c.compile_json_schema(spec.source, any_whitespace=False, separators=_JSON_SEPARATORS)
+                return c.compile_json_schema(spec.source, any_whitespace=False, separators=JSON_SEPARATORS)
             if spec.kind is GrammarKind.REGEX:
                 return c.compile_regex(spec.source)
             if spec.kind is GrammarKind.GRAMMAR:
                 return c.compile_grammar(spec.source)
-            return c.compile_structural_tag(spec.source)
+            return c.compile_structural_tag(expand(spec.source))
         except InvalidRequest:
             raise
         except (RuntimeError, ValueError, TypeError) as exc:

@@ -35,7 +35,7 @@ from cbd.engine.block_manager import BlockManager
 from cbd.engine.host_pool import HostPool
 from cbd.engine.sampling_params import PRIORITY_BATCH, PRIORITY_INTERACTIVE
 from cbd.engine.sequence import Request, Sequence
-from cbd.errors import CapacityExceeded, InvalidRequest, SessionBusy, SessionExists, UnknownSession
+from cbd.errors import CapacityExceeded, HistoryMismatch, InvalidRequest, SessionBusy, SessionExists, UnknownSession
 
 log = logging.getLogger(__name__)
 
@@ -127,6 +127,9 @@ class TurnInput:
     parent_candidate: int | None = None  # the pending candidate of the last turn that continues
     expected_idle: float | None = None  # hint: seconds the agent expects to be away after this turn
     retention: int | None = None  # hint: the session's new retention class (None: unchanged)
+    # With `replace`: the history must be exactly a token prefix of token_ids (else HistoryMismatch), so the
+    # turn's prompt is the conversation rendered whole and only the tokens after the history are new.
+    extends: bool = False
 
 
 @dataclass(slots=True)
@@ -285,6 +288,10 @@ class SessionManager:
         _check_hints(turn.expected_idle, turn.retention if turn.retention is not None else RETENTION_NORMAL)
         base = self.pending_base(session, turn.parent_candidate, "parent_candidate")
         prompt = list(turn.token_ids) if turn.replace else base.token_ids + list(turn.token_ids)
+        if turn.extends and (len(base.token_ids) >= len(prompt) or prompt[: len(base.token_ids)] != base.token_ids):
+            raise HistoryMismatch(
+                f"the conversation does not extend the {len(base.token_ids)} tokens of session {session.session_id!r}"
+            )
         validate(prompt)
         if session.branches:
             assert turn.parent_candidate is not None  # pending_base refused it otherwise

@@ -2,8 +2,9 @@
 
 Each API call becomes Generate calls on one shared gRPC channel to the daemon. The HTTP Authorization
 header is passed through as the call's metadata (the daemon checks the bearer token when it has one).
-A streamed reply starts only after the daemon accepted the call (its first message), so refusals keep
-their HTTP status; a client that disconnects mid-stream cancels the gRPC call, and the daemon frees the
+A chat of one candidate without X-Cbd-Session continues the session of a conversation its caller sent
+before when it extends it token for token (agentic/resends.py). A streamed reply starts only after the
+daemon accepted the call (its first message), so refusals keep their HTTP status; a client that disconnects mid-stream cancels the gRPC call, and the daemon frees the
 request's KV within one engine step.
 """
 
@@ -28,7 +29,9 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from cbd.gateway.agentic.caller import caller_key
+from cbd.gateway.agentic.resends import Resends, ResentTurn
 from cbd.gateway.agentic.routes import agent_routes
+from cbd.gateway.agentic.turns import Turns
 from cbd.gateway.errors import ApiError, bad_request, from_cbd
 from cbd.gateway.guard import Guard
 from cbd.gateway.limits import Limits, parse_json
@@ -53,6 +56,7 @@ class Gateway:
         self.timeout = timeout
         self.limits = limits or Limits()
         self.sessions = sessions or SessionMap()
+        self.resends = Resends(Turns(self), self.limits.max_conversations)
         self._channel: grpc.aio.Channel | None = None
         self._model: str | None = None
 
@@ -118,13 +122,18 @@ class Gateway:
         fresh: str | None = None  # a session opened for this call: closed again unless the call completes
         streams: list[Any] = []
         handed_off = False
+        resent = self._resent(kind, call, request, metadata)
         try:
             if call.session_key is not None:
                 if kind != "chat":
                     raise bad_request("sessions are for chats")
                 fresh = await self._bind(call, metadata)
-            streams = [self._start(r, metadata) for r in call.requests]
-            firsts = await unless_gone(request, self._firsts(streams))
+            if resent is not None:
+                started = await unless_gone(request, resent.start(call.requests[0]))
+                streams, firsts = [started.stream], [started.first]
+            else:
+                streams = [self._start(r, metadata) for r in call.requests]
+                firsts = await unless_gone(request, self._firsts(streams))
             failure = next((f for f in firsts if isinstance(f, BaseException)), None)
             if failure is not None and call.session_key is not None and fresh is None and _expired(failure):
                 # The session the name was bound to is gone (closed, expired): a fresh one, transparently.
@@ -149,11 +158,11 @@ class Gateway:
                     await unless_gone(request, folds)
                 except grpc.aio.AioRpcError as exc:
                     raise from_cbd(CbdError.from_rpc(exc)) from None
-                self._remember(call, reply)
+                self._remember(call, reply, resent)
                 fresh = None
                 return JSONResponse(reply.whole())
             handed_off = True
-            return StreamingResponse(self._events(call, reply, streams, heads, fresh, metadata),
+            return StreamingResponse(self._events(call, reply, streams, heads, fresh, metadata, resent),
                                      media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})  # fmt: skip
         finally:
@@ -162,6 +171,15 @@ class Gateway:
                     s.cancel()
                 if fresh is not None:
                     self._abandon(call, fresh, metadata)
+                if resent is not None:
+                    resent.settle()
+
+    def _resent(self, kind: str, call: Call, request: Request, metadata: list[tuple[str, str]]) -> ResentTurn | None:
+        """A stateless chat of one candidate: the turn that may continue its caller's earlier conversation."""
+        if kind != "chat" or call.session_key is not None or call.n != 1 or call.messages is None:
+            return None
+        owner = caller_key(request.headers)
+        return ResentTurn(self.resends, owner, self.resends.plan(owner, call.messages), metadata)
 
     async def _firsts(self, streams: list[Any]) -> list[Any]:
         return await asyncio.gather(*(first(s) for s in streams), return_exceptions=True)
@@ -179,7 +197,7 @@ class Gateway:
 
     async def _events(
         self, call: Call, reply: Reply, streams: list[Any], firsts: list[pb.GenerateResponse], fresh: str | None,
-        metadata: list[tuple[str, str]],
+        metadata: list[tuple[str, str]], resent: ResentTurn | None,
     ) -> AsyncIterator[bytes]:  # fmt: skip
         queue: asyncio.Queue[tuple[int, Any]] = asyncio.Queue()
 
@@ -208,7 +226,7 @@ class Gateway:
                     yield _sse(chunk)
             if call.include_usage:
                 yield _sse(reply.usage_chunk())
-            self._remember(call, reply)  # before [DONE]: a client may hang up the moment it sees it
+            self._remember(call, reply, resent)  # before [DONE]: a client may hang up the moment it sees it
             completed = True
             yield b"data: [DONE]\n\n"
         finally:  # also when the client went away: cancel what still runs (the daemon aborts it)
@@ -218,6 +236,8 @@ class Gateway:
                 p.cancel()
             if not completed and fresh is not None:
                 self._abandon(call, fresh, metadata)
+            if resent is not None:
+                resent.settle()
 
     # ---- sessions --------------------------------------------------------------------------------
     async def _bind(self, call: Call, metadata: list[tuple[str, str]]) -> str | None:
@@ -267,7 +287,9 @@ class Gateway:
         except grpc.aio.AioRpcError:
             pass  # already gone
 
-    def _remember(self, call: Call, reply: Reply) -> None:
+    def _remember(self, call: Call, reply: Reply, resent: ResentTurn | None) -> None:
+        if resent is not None:
+            resent.completed(chat_message(reply.choices[0].message(), 0))
         if call.session_key is None or call.messages is None:
             return
         replies = [chat_message(reply.choices[i].message(), 0) for i in sorted(reply.choices)]

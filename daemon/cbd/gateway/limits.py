@@ -26,6 +26,9 @@ class Limits:
     header_timeout: float = 10.0  # seconds for a request's headers, from the connection or the last response on
     max_json_depth: int = 64
     max_prompts: int = 256
+    # Resent conversations whose sessions the gateway keeps for continuation (agentic/resends.py); 0: none.
+    # Half the daemon's default max_sessions: the other half stays free for clients that open their own.
+    max_conversations: int = 512
 
     def __post_init__(self) -> None:
         if self.max_body_bytes < 1024:
@@ -37,6 +40,8 @@ class Limits:
             raise ValueError(f"max_json_depth must be from 2 to 512, got {self.max_json_depth}")
         if self.max_prompts < 1:
             raise ValueError(f"max_prompts must be >= 1, got {self.max_prompts}")
+        if self.max_conversations < 0:
+            raise ValueError(f"max_conversations must be >= 0, got {self.max_conversations}")
 
 
 def too_large(limit: int, close: bool) -> ApiError:

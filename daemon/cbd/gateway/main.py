@@ -41,6 +41,10 @@ def _add_arguments(p: argparse.ArgumentParser, default_daemon: str) -> None:
                    help="most prompts in one /v1/completions call; more is refused with 400 (default 256)")  # fmt: skip
     p.add_argument("--max-json-depth", type=int, default=64,
                    help="deepest nesting of a request's JSON; deeper is refused with 400 (default 64)")  # fmt: skip
+    p.add_argument("--max-conversations", type=int, default=512,
+                   help="most resent conversations (Messages API, Chat Completions without X-Cbd-Session) whose "
+                        "daemon sessions are kept for continuation; the least recently used beyond it are closed; "
+                        "0: none; keep it below the daemon's --max-sessions (default 512)")  # fmt: skip
     p.add_argument("--state-dir", default=None,
                    help="where stored Responses API responses live (SQLite; default <cache dir>/gateway, the cache "
                         "dir being $CBD_CACHE_DIR or ~/.cache/cbd)")  # fmt: skip
@@ -72,7 +76,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         limits = Limits(max_body_bytes=args.max_body_bytes, body_timeout=args.body_timeout,
                         header_timeout=args.header_timeout, max_json_depth=args.max_json_depth,
-                        max_prompts=args.max_prompts)  # fmt: skip
+                        max_prompts=args.max_prompts, max_conversations=args.max_conversations)  # fmt: skip
         store = StoreSettings(Path(args.state_dir) if args.state_dir else default_state_dir(), args.responses_ttl,
                               args.responses_max_rows)  # fmt: skip
     except ValueError as exc:

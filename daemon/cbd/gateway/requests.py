@@ -1,11 +1,13 @@
 """API requests to cbd.v1 GenerateRequests: what is mapped, what is ignored, what is refused.
 
 Mapped: messages (text content; system / developer / user / assistant with tool_calls / tool), n,
-temperature, top_p, seed, stop, max_tokens / max_completion_tokens, logprobs / top_logprobs, tools,
-tool_choice, response_format (text, json_object, json_schema), stream, stream_options.include_usage.
-cbd's extensions, as top-level fields (the openai client's `extra_body`): top_k, min_p, ignore_eos,
-stop_token_ids, cbd_session (see sessions.py). Fields that would change what is generated but have no
-counterpart here (penalties, logit_bias, parallel_tool_calls false, non-text content or output) are a
+temperature, top_p, seed, stop, max_tokens / max_completion_tokens (chat: omitted means up to the
+context; completions: 16, the legacy API's default), logprobs / top_logprobs, tools, tool_choice,
+parallel_tool_calls (false: at most one call), response_format (text, json_object, json_schema; with
+tools and tool_choice auto the reply is calls or text in the format), stream,
+stream_options.include_usage. cbd's extensions, as top-level fields (the openai client's `extra_body`):
+top_k, min_p, ignore_eos, stop_token_ids, cbd_session (see sessions.py). Fields that would change what
+is generated but have no counterpart here (penalties, logit_bias, non-text content or output) are a
 400; any other unknown field is ignored, as the API's clients expect. `model` is accepted and ignored:
 one model is served, and replies name it.
 """
@@ -26,6 +28,8 @@ from cbd_client.v1 import cbd_pb2 as pb
 _ROLES = {"developer": "system"}
 _KNOWN_ROLES = ("system", "developer", "user", "assistant", "tool")
 MAX_TOP_LOGPROBS = 20
+MAX_TOKENS = (1 << 31) - 1  # an omitted chat max_tokens: generation ends at the context length
+COMPLETIONS_MAX_TOKENS = 16  # the legacy completions API's default
 
 
 @dataclass(slots=True)
@@ -60,8 +64,11 @@ def chat_call(body: dict[str, Any], session_header: str | None, owner: str = "")
     if tools is not None:
         checks.tools(tools)
     checks.tool_choice(tool_choice)
+    parallel = body.get("parallel_tool_calls")
+    if parallel is not None and not isinstance(parallel, bool):
+        raise bad_request("parallel_tool_calls must be a boolean", "parallel_tool_calls")
     if tools:
-        _convert(lambda: set_tools(request, tools, tool_choice))
+        _convert(lambda: set_tools(request, tools, tool_choice, parallel is not False))
     elif tool_choice not in (None, "none", "auto"):
         raise bad_request("tool_choice needs tools", "tool_choice")
     response_format = body.get("response_format")
@@ -107,7 +114,10 @@ def completion_call(body: dict[str, Any], max_prompts: int = 256) -> Call:
     logprobs = None if body.get("logprobs") is None else _int(body, "logprobs", 0, 0, MAX_TOP_LOGPROBS)
     requests = []
     for p in prompts:
-        request = _request({**body, "max_tokens": body.get("max_tokens", 16)}, logprobs)
+        max_tokens = body.get("max_tokens")
+        request = _request(
+            {**body, "max_tokens": COMPLETIONS_MAX_TOKENS if max_tokens is None else max_tokens}, logprobs
+        )
         _convert(lambda r=request, p=p: set_prompt(r, p))
         requests.append(request)
     return Call(requests, n, _stream(body), _include_usage(body), logprobs)
@@ -145,8 +155,7 @@ def _request(body: dict[str, Any], logprobs: int | None) -> pb.GenerateRequest:
     request = pb.GenerateRequest(n=_int(body, "n", 1, 1, (1 << 16) - 1))
     s = request.sampling
     name = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
-    if body.get(name) is not None:
-        s.max_tokens = _int(body, name, 1, 1, (1 << 31) - 1)
+    s.max_tokens = _int(body, name, MAX_TOKENS, 1, MAX_TOKENS)  # omitted: up to the context
     for name in ("temperature", "top_p", "min_p"):
         if body.get(name) is not None:
             setattr(s, name, _float(body, name))
@@ -177,9 +186,6 @@ def _refuse_unsupported(body: dict[str, Any]) -> None:
             raise bad_request(f"{name} is not supported (only its neutral value)", name)
     if body.get("logit_bias"):
         raise bad_request("logit_bias is not supported", "logit_bias")
-    if body.get("parallel_tool_calls") is False:
-        raise bad_request("parallel_tool_calls: false is not supported (a reply may hold several calls)",
-                          "parallel_tool_calls")  # fmt: skip
     modalities = body.get("modalities")
     if modalities not in (None, ["text"]) or body.get("audio") is not None:
         raise bad_request("only text output is supported", "modalities")

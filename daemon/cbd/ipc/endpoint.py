@@ -138,10 +138,10 @@ class Endpoint:
         self.engine.nudge()
 
     def _add_turn(self, c: wire.AddTurn) -> None:
-        if c.grammar is not None and self.loads.must_load(c.grammar):
+        if (c.grammar is not None and self.loads.must_load(c.grammar)) or self.loads.waiting(c.session_id):
             aborted = UnknownRequest(f"request {c.request_id!r} was aborted before it started")
             self.loads.defer(c.request_id, c.grammar, c.compiled_grammar, lambda: self._start_turn(c),
-                             lambda: self._refuse_turn(c, aborted))  # fmt: skip
+                             lambda: self._refuse_turn(c, aborted), session_id=c.session_id)  # fmt: skip
         else:
             self._start_turn(c)
 
@@ -152,10 +152,10 @@ class Endpoint:
     def _start_turn(self, c: wire.AddTurn) -> None:
         try:
             params = self._params(c.params, c.grammar, c.compiled_grammar)
+            turn = TurnInput(c.token_ids, c.replace, c.parent_candidate, c.expected_idle, c.retention, c.extends)
             future = self.engine.submit_turn(
-                c.session_id, TurnInput(c.token_ids, c.replace, c.parent_candidate, c.expected_idle, c.retention), params,
-                request_id=c.request_id, on_output=self.outbox.output,
-            )  # fmt: skip
+                c.session_id, turn, params, request_id=c.request_id, on_output=self.outbox.output
+            )
         except Exception as exc:
             self.outbox.reply(c.call_id, error=exc)
             self.engine.nudge()
@@ -175,6 +175,11 @@ class Endpoint:
             return
         self.outbox.reply_when_done(call_id, future)
 
+    def _in_order(self, session_id: str, apply: Callable[[], None]) -> None:
+        """Apply a session's command now, or behind its turn whose grammar still loads (GrammarLoads)."""
+        if not self.loads.after(session_id, apply):
+            apply()
+
     def _open_session(self, c: wire.OpenSession) -> None:
         self._ask(c.call_id, lambda: self.engine.open_session(
             c.ttl, c.token_ids, c.chat, c.session_id, expected_idle=c.expected_idle, retention=c.retention,
@@ -182,19 +187,21 @@ class Endpoint:
         ))  # fmt: skip
 
     def _close_session(self, c: wire.CloseSession) -> None:
-        self._ask(c.call_id, lambda: self.engine.close_session(c.session_id))
+        self._in_order(c.session_id, lambda: self._ask(c.call_id, lambda: self.engine.close_session(c.session_id)))
 
     def _get_session(self, c: wire.GetSession) -> None:
-        self._ask(c.call_id, lambda: self.engine.get_session(c.session_id))
+        self._in_order(c.session_id, lambda: self._ask(c.call_id, lambda: self.engine.get_session(c.session_id)))
 
     def _list_sessions(self, c: wire.ListSessions) -> None:
         self._ask(c.call_id, self.engine.list_sessions)
 
     def _fork_session(self, c: wire.ForkSession) -> None:
-        self._ask(c.call_id, lambda: self.engine.fork_session(c.session_id, c.candidate, c.ttl, c.new_session_id))
+        self._in_order(c.session_id, lambda: self._ask(
+            c.call_id, lambda: self.engine.fork_session(c.session_id, c.candidate, c.ttl, c.new_session_id)
+        ))  # fmt: skip
 
     def _touch_session(self, c: wire.TouchSession) -> None:
-        self.engine.touch_session(c.session_id)
+        self._in_order(c.session_id, lambda: self.engine.touch_session(c.session_id))
 
     def _reset_prefix_cache(self, c: wire.ResetPrefixCache) -> None:
         self.engine.reset_prefix_cache()

@@ -304,7 +304,7 @@ class RemoteEngine:
         call_id = self._call(answered)
         self._send(wire.AddTurn(
             call_id, rid, session_id, turn.token_ids, turn.replace, turn.parent_candidate,
-            wire.params_to_wire(params), spec, turn.expected_idle, turn.retention, compiled,
+            wire.params_to_wire(params), spec, turn.expected_idle, turn.retention, compiled, turn.extends,
         ))  # fmt: skip
         return future
 

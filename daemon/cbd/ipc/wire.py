@@ -46,6 +46,7 @@ class AddTurn(msgspec.Struct, tag=True, array_like=True):
     expected_idle: float | None = None  # retention hints (sessions.TurnInput)
     retention: int | None = None
     compiled_grammar: str | None = None  # the grammar compiled, serialized (grammar_to_wire)
+    extends: bool = False  # sessions.TurnInput.extends
 
 
 class Abort(msgspec.Struct, tag=True, array_like=True):

@@ -28,6 +28,7 @@ from cbd import __version__
 from cbd.config import EngineConfig
 from cbd.ipc.remote import EngineStartFailed, RemoteEngine
 from cbd.model.loader import default_cache_dir
+from cbd.server import memory
 from cbd.server.auth import BearerTokenInterceptor, read_tokens
 from cbd.server.background import detach
 from cbd.server.background import stop as stop_daemon
@@ -121,7 +122,7 @@ async def serve(
         loop.add_signal_handler(sig, on_signal)
 
     engine = None
-    watchdog = None
+    watchdog = trimmer = None
     try:
         load = asyncio.ensure_future(
             RemoteEngine.start(engine_config, _engine_program(server_config), server_config.warmup)
@@ -138,13 +139,17 @@ async def serve(
             sd_notify(f"READY=1\nSTATUS=serving {engine.facts.name}")
             log.info("serving %s (engine process %d)", engine.facts.name, engine.pid)
             watchdog = asyncio.ensure_future(_watch(engine, health_servicer, server_config.stall_seconds, stop))
+            trimmer = asyncio.ensure_future(
+                memory.trim_when_idle(lambda: engine.num_live_requests, engine_config.idle_trim_seconds)
+            )
             await stop.wait()
     finally:
         if engine is not None or stop.is_set():
             log.info("shutting down: no new requests; %.1fs for live ones", server_config.shutdown_grace)
         sd_notify("STOPPING=1\nSTATUS=draining")
-        if watchdog is not None:
-            watchdog.cancel()
+        for task in (watchdog, trimmer):
+            if task is not None:
+                task.cancel()
         await _set_health(health_servicer, health_pb2.HealthCheckResponse.NOT_SERVING)
         service.detach()  # new calls get UNAVAILABLE
         if engine is not None:
@@ -303,6 +308,7 @@ def main(argv: list[str] | None = None) -> int:
     configure_logging(server_config.log_level, log_file=server_config.log_file or None)
     log.info("cbd %s, pid %d, torch %s", __version__, os.getpid(), torch.__version__)
     log.info("settings not at their defaults: %s", "; ".join(setting_sources(argv)))
+    memory.configure(engine_config)
     on_listening = (lambda addresses: report(0, ", ".join(addresses))) if report else None
     try:
         asyncio.run(serve(engine_config, server_config, on_listening))

@@ -68,15 +68,18 @@ class ChatLogs:
             return log.branches[candidate]
         return log.messages
 
-    def begin_turn(self, session_id: str, parent: int | None, new_messages: list[dict], n: int) -> ChatTurn:
-        """Start a chat turn: the conversation it renders. Refused while another turn is in flight.
+    def begin_turn(
+        self, session_id: str, parent: int | None, new_messages: list[dict], n: int, whole: bool = False
+    ) -> ChatTurn:
+        """Start a chat turn: the conversation it renders (`whole`: new_messages are all of it, and the
+        engine checks they extend the history token for token). Refused while another turn is in flight.
         The engine still decides whether the turn may run (it reports back through `refused`)."""
         log = self.logs.setdefault(session_id, ChatLog())
         if log.turn is not None:
             raise SessionBusy(f"session {session_id!r} already has a turn in flight")
         from_branch = bool(log.branches) and parent is not None and 0 <= parent < len(log.branches)
         base = log.branches[parent] if from_branch else log.messages  # type: ignore[index]
-        log.turn = ChatTurn(base, base + new_messages, n, from_branch)
+        log.turn = ChatTurn(base, list(new_messages) if whole else base + new_messages, n, from_branch)
         return log.turn
 
     def refused(self, session_id: str, turn: ChatTurn) -> None:

@@ -63,14 +63,15 @@ def _usage(usage: Usage) -> pb.Usage:
 class ToolCallReplies:
     """One streaming parser per candidate of a request whose reply may hold tool calls."""
 
-    def __init__(self, fmt: CallFormat, calls_only: bool = False) -> None:
+    def __init__(self, fmt: CallFormat, calls_only: bool = False, formatted: bool = False) -> None:
         self.fmt = fmt
         self.calls_only = calls_only  # tool_choice required or named: no text besides the calls
+        self.formatted = formatted  # calls or text in a response format (see ToolCallParser)
         self.parsers: dict[int, ToolCallParser] = {}
 
     def split(self, index: int, text: str, finished: bool) -> tuple[str, list[ToolCallDelta], bool]:
         """(plain text, call deltas, whether the candidate's reply ended in complete calls)."""
-        parser = self.parsers.setdefault(index, ToolCallParser(self.fmt, self.calls_only))
+        parser = self.parsers.setdefault(index, ToolCallParser(self.fmt, self.calls_only, self.formatted))
         plain, calls = parser.feed(text)
         if finished:
             plain += parser.finish()

@@ -10,15 +10,26 @@ from prometheus_client.registry import Collector
 
 from cbd.engine.outputs import RESTORE_SECONDS_BUCKETS, EngineStats, HostTierStats, RequestOutput
 from cbd.engine.sampling_params import PRIORITY_BATCH
+from cbd.server.memory import resident_bytes
 
 _LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 
 
 class _EngineCollector(Collector):
-    def __init__(self, stats: Callable[[], EngineStats | None], live: Callable[[], int]) -> None:
-        self._stats, self._live = stats, live
+    def __init__(
+        self, stats: Callable[[], EngineStats | None], live: Callable[[], int], pids: Callable[[], dict[str, int]]
+    ) -> None:
+        self._stats, self._live, self._pids = stats, live, pids
 
     def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily | HistogramMetricFamily]:
+        rss = GaugeMetricFamily(
+            "cbd_process_resident_memory_bytes", "Resident memory of each daemon process (frontend, engine).",
+            labels=["process"],
+        )  # fmt: skip
+        for process, pid in self._pids().items():
+            if (resident := resident_bytes(pid)) is not None:
+                rss.add_metric([process], resident)
+        yield rss
         s = self._stats()
         if s is None:
             return
@@ -132,8 +143,10 @@ class Metrics:
             buckets=_LATENCY_BUCKETS, registry=self.registry,
         )  # fmt: skip
 
-    def watch_engine(self, stats: Callable[[], EngineStats | None], live: Callable[[], int]) -> None:
-        self.registry.register(_EngineCollector(stats, live))
+    def watch_engine(
+        self, stats: Callable[[], EngineStats | None], live: Callable[[], int], pids: Callable[[], dict[str, int]]
+    ) -> None:
+        self.registry.register(_EngineCollector(stats, live, pids))
 
     def observe(self, output: RequestOutput, elapsed: float) -> None:
         """Account one engine output of a request that arrived `elapsed` seconds ago."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import time
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -67,6 +68,7 @@ class CbdService(_Base):
         self.metrics.watch_engine(
             lambda: self.engine.stats() if self.engine else None,
             lambda: self.engine.num_live_requests if self.engine else 0,
+            lambda: {"frontend": os.getpid(), **({"engine": self.engine.pid} if self.engine else {})},
         )
 
     def attach(self, engine: RemoteEngine) -> None:
@@ -112,7 +114,9 @@ class CbdService(_Base):
         if structured.spec is not None:  # compiled in a worker process within its budgets; cached by text
             params = replace(params, grammar=await engine.compile_grammar(structured.spec))
         replies = (
-            convert.ToolCallReplies(self.prompts.call_format, structured.calls_only) if structured.parse_calls else None
+            convert.ToolCallReplies(self.prompts.call_format, structured.calls_only, structured.formatted)
+            if structured.parse_calls
+            else None
         )
         # Unbounded: the engine never waits for a stream; one that fell behind gets what piled up merged.
         outputs: asyncio.Queue[RequestOutput] = asyncio.Queue()
@@ -132,6 +136,8 @@ class CbdService(_Base):
             raise InvalidRequest("parent_candidate names a candidate of a session's last turn; it needs session_id")
         elif request.HasField("expected_idle_ms") or request.retention:
             raise InvalidRequest("expected_idle_ms and retention are hints about a session; they need session_id")
+        elif request.whole_conversation:
+            raise InvalidRequest("whole_conversation is a way to continue a session; it needs session_id")
         else:
             prompt = await self._prompt_work(prompt_size, self.prompts.encode, request, structured.tools)
             prompt_tokens = len(prompt)
@@ -201,6 +207,8 @@ class CbdService(_Base):
         kind = request.WhichOneof("input")
         if kind is None:
             raise InvalidRequest("a turn needs an input: set one of text, chat or tokens")
+        if kind != "chat" and request.whole_conversation:
+            raise InvalidRequest("whole_conversation needs chat input")
         if kind != "chat":
             tokens = await self._prompt_work(size, self.prompts.continuation, request, kind)
             turn = TurnInput(tokens, False, parent, idle, retention)
@@ -211,9 +219,10 @@ class CbdService(_Base):
         # turn renders never change, so the history read cannot be stale even when rendering awaits the
         # prompt threads (a close or expiry meanwhile: the engine refuses the turn, which settles the log).
         new_messages = self.prompts.messages(request.chat)
-        chat = self.chats.begin_turn(sid, parent, new_messages, params.n)
+        whole = request.whole_conversation
+        chat = self.chats.begin_turn(sid, parent, new_messages, params.n, whole)
         try:
-            size += sum(len(m.get("content") or "") for m in chat.base)
+            size += 0 if whole else sum(len(m.get("content") or "") for m in chat.base)
             tokens = await self._prompt_work(size, self.prompts.render, chat.messages, True, tools)
 
             def on_chat_output(out: RequestOutput) -> None:  # on the event loop, whether or not anyone listens
@@ -222,7 +231,7 @@ class CbdService(_Base):
 
             future = engine.submit_turn(
                 sid,
-                TurnInput(tokens, True, parent, idle, retention),
+                TurnInput(tokens, True, parent, idle, retention, extends=whole),
                 params,
                 request_id=request_id,
                 on_output=on_chat_output,

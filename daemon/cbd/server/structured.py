@@ -1,12 +1,18 @@
 """A Generate request's tools, tool_choice and response_format, turned into a grammar spec and, for tools,
-the call format its reply is parsed with."""
+the call format its reply is parsed with.
+
+Tools with a response format (tool_choice auto) make one structural tag: calls, or text in the format. The
+format becomes an element of that tag, converted to EBNF where the tag compiles (in a compile worker, as
+the format alone is compiled: compact JSON), so its text is the same language with or without tools."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
-from cbd.engine.grammar import MAX_GRAMMAR_BYTES, GrammarKind, GrammarSpec
+from cbd.engine.grammar import GrammarKind, GrammarSpec
 from cbd.engine.schema_check import load_schema
+from cbd.engine.tag_formats import format_element
 from cbd.errors import InvalidRequest
 from cbd.server.tool_calls import (
     MAX_TOOL_NAME_CHARS,
@@ -32,6 +38,7 @@ class Structure:
     spec: GrammarSpec | None = None  # the reply's grammar
     parse_calls: bool = False  # split the reply into text and tool calls
     calls_only: bool = False  # tool_choice required or named: the reply is calls and nothing else
+    formatted: bool = False  # calls or text in a response format: a call start never completed is text
 
 
 def structure(request: pb.GenerateRequest, fmt: CallFormat) -> Structure:
@@ -39,18 +46,15 @@ def structure(request: pb.GenerateRequest, fmt: CallFormat) -> Structure:
     tools = parse_tools([(t.name, t.description, t.parameters) for t in request.tools])
     choice = _choice(request)
     kind = request.response_format.WhichOneof("format") if request.HasField("response_format") else None
-    constrained_by_tools = bool(tools) and choice.mode is not ToolChoiceMode.NONE
-    if constrained_by_tools and kind is not None:
-        raise InvalidRequest("give tools or response_format, not both (unless tool_choice is none)")
     if tools and request.WhichOneof("input") != "chat":
         raise InvalidRequest("tools need chat input: they are rendered with the model's chat template")
-    if kind is not None:
-        return Structure(tools, _format_spec(request.response_format, kind))
-    spec = grammar_for(fmt, tools, choice)
-    if spec is not None and len(spec.source.encode()) > MAX_GRAMMAR_BYTES:  # pragma: no cover - GrammarSpec checks
-        raise InvalidRequest(f"the tools' schemas are over {MAX_GRAMMAR_BYTES} bytes")
     calls_only = choice.mode in (ToolChoiceMode.REQUIRED, ToolChoiceMode.NAMED)
-    return Structure(tools, spec, spec is not None, spec is not None and calls_only)
+    format_spec = None if kind is None else _format_spec(request.response_format, kind)  # checked even if moot
+    if format_spec is not None and (not tools or choice.mode is ToolChoiceMode.NONE):
+        return Structure(tools, format_spec)
+    text_format = _format_element(format_spec) if format_spec is not None and not calls_only else None
+    spec = grammar_for(fmt, tools, choice, text_format)
+    return Structure(tools, spec, spec is not None, spec is not None and calls_only, text_format is not None)
 
 
 def _choice(request: pb.GenerateRequest) -> ToolChoice:
@@ -64,7 +68,7 @@ def _choice(request: pb.GenerateRequest) -> ToolChoice:
     mode = _MODES.get(request.tool_choice.mode)
     if mode is None:
         raise InvalidRequest(f"unknown tool_choice mode {request.tool_choice.mode}")
-    return ToolChoice(mode)
+    return ToolChoice(mode, at_most_one=request.tool_choice.at_most_one_call)
 
 
 def _format_spec(fmt: pb.ResponseFormat, kind: str) -> GrammarSpec:
@@ -78,3 +82,8 @@ def _format_spec(fmt: pb.ResponseFormat, kind: str) -> GrammarSpec:
     if kind == "json_schema":  # refused here, before any compile, if the grammar would not enforce it
         load_schema(source, "response_format.json_schema")
     return GrammarSpec(GrammarKind(kind), source)
+
+
+def _format_element(spec: GrammarSpec) -> dict[str, Any]:
+    """The format as a structural-tag element; its EBNF is made where the tag compiles (engine/tag_formats.py)."""
+    return format_element(spec.kind.value, spec.source)

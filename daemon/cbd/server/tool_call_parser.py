@@ -7,7 +7,11 @@ marker of some formats is a bare `}`, which a nested object also contains. The r
 the format's grammar, so what follows the begin marker is well formed; a reply cut by max_tokens may end
 inside a call, whose arguments are then incomplete, or before its name is complete, when nothing of it
 is announced and nothing of it is text. With calls_only (tool_choice required or named) the grammar lets
-nothing but calls and the separators between them through, so nothing is text.
+nothing but calls and the separators between them through, so nothing is text. With formatted (calls or
+text in a response format) a reply is one or the other: after a call nothing is text (the separators), and
+a reply that ended after a call's begin marker with a closed string where the name should be (names have
+no quotes) but no complete call start was text in the format that contains the marker (a JSON object whose
+first key is "name", for llama3_json): it is released as text at the end.
 """
 
 from __future__ import annotations
@@ -34,9 +38,10 @@ class ToolCall:
 
 
 class ToolCallParser:
-    def __init__(self, fmt: CallFormat, calls_only: bool = False) -> None:
+    def __init__(self, fmt: CallFormat, calls_only: bool = False, formatted: bool = False) -> None:
         self.fmt = fmt
         self.calls_only = calls_only
+        self.formatted = formatted
         self.calls: list[ToolCall] = []
         self._buffer = ""
         self._state = "text"  # text -> name -> arguments -> end -> text
@@ -60,10 +65,24 @@ class ToolCallParser:
         if self._state == "end":  # the arguments balanced; only (part of) the end marker was left
             self.calls[-1].complete = True
             self._state, self._buffer = "text", ""
+        quote = self._buffer.find('"')
+        if (
+            self._state == "name"
+            and self.formatted
+            and quote >= 0
+            and not self.fmt.between.startswith(self._buffer[quote:])
+        ):
+            # A name has no quotes: what followed the begin marker closed a string that was no tool's name.
+            rest, self._buffer, self._state = self.fmt.begin + self._buffer, "", "text"
+            return rest
         if self._state != "text":
             return ""
         rest, self._buffer = self._buffer, ""
-        return "" if self.calls_only or rest.startswith(self.fmt.trigger) else rest
+        return "" if self._no_text or rest.startswith(self.fmt.trigger) else rest
+
+    @property
+    def _no_text(self) -> bool:
+        return self.calls_only or (self.formatted and bool(self.calls))
 
     @property
     def complete_calls(self) -> list[ToolCall]:
@@ -74,11 +93,11 @@ class ToolCallParser:
         at = self._buffer.find(begin)
         if at < 0:
             keep = _partial_suffix(self._buffer, begin)
-            if not self.calls_only:
+            if not self._no_text:
                 out.append(self._buffer[: len(self._buffer) - keep])
             self._buffer = self._buffer[len(self._buffer) - keep :]
             return False
-        if not self.calls_only:
+        if not self._no_text:
             out.append(self._buffer[:at])
         self._buffer = self._buffer[at + len(begin) :]
         self._state = "name"

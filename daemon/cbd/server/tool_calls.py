@@ -7,7 +7,9 @@ The family is read off the chat template: `<tool_call>` tags (Qwen 2.5/3, Hermes
 gets the generic format: the tags of the first family, with the tools described in a system message that
 cbd writes. The reply is constrained by an xgrammar structural tag: free text in which the trigger starts a
 call whose name is one of the tools and whose arguments match that tool's schema (tool_choice auto), one
-or more calls and nothing else (required), or exactly one call of the named tool (a named choice).
+or more calls and nothing else (required), or exactly one call of the named tool (a named choice). With a
+response format besides (auto), the reply is either calls and nothing else or text in the format. With
+at most one call, the first call ends the reply.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
 
-from cbd.engine.grammar import GrammarKind, GrammarSpec
+from cbd.engine.grammar import MAX_GRAMMAR_BYTES, GrammarKind, GrammarSpec
 from cbd.engine.schema_check import load_schema
 from cbd.errors import InvalidRequest
 
@@ -82,6 +84,7 @@ class ToolChoiceMode(Enum):
 class ToolChoice:
     mode: ToolChoiceMode = ToolChoiceMode.AUTO
     name: str = ""
+    at_most_one: bool = False  # the first call ends the reply
 
 
 def parse_tools(entries: list[tuple[str, str, str]]) -> list[Tool]:
@@ -104,8 +107,12 @@ def parse_tools(entries: list[tuple[str, str, str]]) -> list[Tool]:
     return tools
 
 
-def grammar_for(fmt: CallFormat, tools: list[Tool], choice: ToolChoice) -> GrammarSpec | None:
-    """The structural tag that holds a reply to the format; None for tool_choice none (or no tools)."""
+def grammar_for(
+    fmt: CallFormat, tools: list[Tool], choice: ToolChoice, text_format: dict[str, Any] | None = None
+) -> GrammarSpec | None:
+    """The structural tag that holds a reply to the format; None for tool_choice none (or no tools).
+    text_format: a structural-tag element the reply's text must match (a response format); with tool_choice
+    auto the reply is then calls only or text in it, never both, so it parses either way."""
     if choice.mode is ToolChoiceMode.NONE or not tools:
         if choice.mode in (ToolChoiceMode.REQUIRED, ToolChoiceMode.NAMED):
             raise InvalidRequest(f"tool_choice {choice.mode.value} needs tools")
@@ -116,9 +123,20 @@ def grammar_for(fmt: CallFormat, tools: list[Tool], choice: ToolChoice) -> Gramm
             raise InvalidRequest(f"tool_choice names {choice.name!r}, which is not among the tools given")
         return _structural_tag(_tag(fmt, named[0]))
     tags = [_tag(fmt, t) for t in tools]
-    if choice.mode is ToolChoiceMode.REQUIRED:  # calls only, one or more, one per line
-        return _structural_tag({"type": "tags_with_separator", "tags": tags, "separator": "\n", "at_least_one": True})
-    return _structural_tag({"type": "triggered_tags", "triggers": [fmt.trigger], "tags": tags})
+    one = choice.at_most_one  # stop_after_first: the grammar ends after the first call
+    # Calls only, one or more, one per line.
+    calls = {
+        "type": "tags_with_separator",
+        "tags": tags,
+        "separator": "\n",
+        "at_least_one": True,
+        "stop_after_first": one,
+    }
+    if choice.mode is ToolChoiceMode.REQUIRED:
+        return _structural_tag(calls)
+    if text_format is not None:
+        return _structural_tag({"type": "or", "elements": [calls, text_format]})
+    return _structural_tag({"type": "triggered_tags", "triggers": [fmt.trigger], "tags": tags, "stop_after_first": one})
 
 
 def _tag(fmt: CallFormat, tool: Tool) -> dict[str, Any]:
@@ -129,7 +147,13 @@ def _tag(fmt: CallFormat, tool: Tool) -> dict[str, Any]:
 
 
 def _structural_tag(fmt: dict[str, Any]) -> GrammarSpec:
-    return GrammarSpec(GrammarKind.STRUCTURAL_TAG, json.dumps({"type": "structural_tag", "format": fmt}))
+    source = json.dumps({"type": "structural_tag", "format": fmt})
+    size = len(source.encode())
+    if size > MAX_GRAMMAR_BYTES:  # said here in the request's terms, before GrammarSpec refuses it
+        raise InvalidRequest(
+            f"the tools' schemas (with the response_format, if any) make a {size}-byte grammar; at most {MAX_GRAMMAR_BYTES}"
+        )
+    return GrammarSpec(GrammarKind.STRUCTURAL_TAG, source)
 
 
 def generic_system_prompt(tools: list[Tool]) -> str:

@@ -57,9 +57,10 @@ def sampling(request: pb.GenerateRequest, body: dict[str, Any], max_tokens: int 
         s.top_k = top_k
 
 
-def tools(request: pb.GenerateRequest, functions: list[dict[str, Any]], choice: Any) -> None:
-    """Functions as {name, description, parameters}; choice as the chat API's tool_choice."""
-    _convert(lambda: set_tools(request, functions, choice))
+def tools(request: pb.GenerateRequest, functions: list[dict[str, Any]], choice: Any, parallel: bool = True) -> None:
+    """Functions as {name, description, parameters}; choice as the chat API's tool_choice; parallel false:
+    at most one call."""
+    _convert(lambda: set_tools(request, functions, choice, parallel))
 
 
 def response_format(request: pb.GenerateRequest, fmt: dict[str, Any]) -> None:

@@ -6,11 +6,15 @@ earlier point, kept as a snapshot session: KV shared copy-on-write), or "the who
 continuation may first fork its session into a snapshot of the history it continues, so that a later
 branch from that point is a fork too. The continuation and the fork fall back to the whole conversation
 on a fresh session when the session is gone (closed, expired, the daemon restarted: NOT_FOUND) or busy
-with another turn (FAILED_PRECONDITION); a fresh session falls back to a plain call without one when the
-daemon has no room for another session (RESOURCE_EXHAUSTED). Every fallback costs only the prefill the
-session would have saved, never an error. A turn that is refused,
-fails or is abandoned leaves a continued session as it was (the daemon's rule); a session opened for
-it is closed again by the caller (`Turns.close`).
+with another turn (FAILED_PRECONDITION). A continuation found by the text of a resent conversation
+(`Plan.whole`) sends the whole conversation and lets the daemon confirm it by tokens
+(GenerateRequest.whole_conversation): the session's history must be exactly a token prefix of the
+conversation's rendering, so the prompt is token for token the one a fresh session would get; when it
+is not (ABORTED) the session is closed (`Plan.dropped`) and the conversation starts fresh. A fresh
+session falls back to a plain call without one when the daemon has no room for another session
+(RESOURCE_EXHAUSTED). Every fallback costs only the prefill the session would have saved, never an
+error. A turn that is refused, fails or is abandoned leaves a continued session as it was (the daemon's
+rule); a session opened for it is closed again by the caller (`Turns.close`).
 """
 
 from __future__ import annotations
@@ -31,7 +35,7 @@ from cbd_client._convert import affinity_key, set_prompt, with_affinity
 from cbd_client.errors import CbdError
 from cbd_client.v1 import cbd_pb2 as pb
 
-_FALL_BACK = (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.FAILED_PRECONDITION)
+_FALL_BACK = (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.ABORTED)
 
 
 @dataclass(slots=True)
@@ -45,6 +49,9 @@ class Plan:
     snapshot: str | None = None
     # Instead of continuing session_id: fork this session (a snapshot) and take the turn on the fork
     fork_from: str | None = None
+    # Continue session_id with the whole conversation, checked by the daemon token for token (see above)
+    whole: bool = False
+    dropped: bool = False  # set by Turns.start: session_id did not hold a token prefix and was closed
     ttl_seconds: float = 0.0  # of a new session; 0: the daemon's default
     retention: pb.Retention = pb.RETENTION_UNSPECIFIED
 
@@ -83,12 +90,16 @@ class Turns:
         if plan.session_id is not None and plan.new_messages:
             if plan.snapshot is not None:
                 await self._fork(plan.session_id, plan.snapshot, metadata)
+            sent = plan.messages if plan.whole else plan.new_messages
             try:
-                stream, first = await self._generate(template, plan.new_messages, plan.session_id, plan, metadata)
+                stream, first = await self._generate(template, sent, plan.session_id, plan, metadata)
                 return Started(stream, first, plan.session_id, False, True)
             except grpc.aio.AioRpcError as exc:
                 if exc.code() not in _FALL_BACK:
                     raise from_cbd(CbdError.from_rpc(exc)) from None
+                if exc.code() == grpc.StatusCode.ABORTED:  # not a token prefix: no resend will continue it
+                    plan.dropped = True
+                    self.close(plan.session_id, metadata)
         session_id = await self._open(plan, metadata) if plan.keep else None
         try:
             stream, first = await self._generate(template, plan.messages, session_id, plan, metadata)
@@ -140,6 +151,7 @@ class Turns:
         if session_id is not None:
             request.session_id = session_id
             request.retention = plan.retention
+            request.whole_conversation = plan.whole and session_id == plan.session_id
         stream = self.gateway.stub.Generate(
             request, metadata=with_affinity(tuple(metadata), session_id), timeout=self.gateway.timeout
         )

@@ -3,11 +3,12 @@
 Mapped: system (a string or text blocks), messages (user / assistant; a string or blocks: text,
 tool_use, tool_result with string or text-block content), max_tokens (required), stop_sequences,
 temperature (0 to 1), top_p, top_k, tools (name, description, input_schema), tool_choice (auto, any,
-tool, none), metadata.user_id (the tenant, when the daemon checks no tokens), output_config.format
-(json_schema), stream, and cache_control (on the body, system, tools or message blocks: type
-ephemeral, ttl 5m or 1h) as retention hints on the session. Refused with invalid_request_error:
-other block types (images, documents, thinking), server tools, thinking enabled, and
-tool_choice.disable_parallel_tool_use (cbd cannot bound a reply's calls to one).
+tool, none; disable_parallel_tool_use: at most one tool_use), metadata.user_id (the tenant, when the
+daemon checks no tokens), output_config.format (json_schema; with tools and tool_choice auto the reply
+is tool_use blocks or text in the format), stream, and cache_control (on the body, system, tools or
+message blocks: type ephemeral, ttl 5m or 1h) as retention hints on the session. Refused with
+invalid_request_error: other block types (images, documents, thinking), server tools, and thinking
+enabled.
 """
 
 from __future__ import annotations
@@ -56,7 +57,7 @@ def parse(body: dict[str, Any]) -> MessagesCall:
     tools = _tools(body.get("tools"), marks)
     choice = _tool_choice(body.get("tool_choice"))
     if tools:
-        convert.tools(template, tools, choice)
+        convert.tools(template, tools, choice, not _single_tool_use(body.get("tool_choice")))
     elif choice not in (None, "auto", "none"):
         raise bad_request("tool_choice needs tools", "tool_choice")
     _format(template, body)
@@ -71,10 +72,6 @@ def _refuse_unsupported(body: dict[str, Any]) -> None:
     thinking = body.get("thinking")
     if isinstance(thinking, dict) and thinking.get("type") not in (None, "disabled"):
         raise bad_request("thinking is not supported", "thinking")
-    choice = body.get("tool_choice")
-    if isinstance(choice, dict) and choice.get("disable_parallel_tool_use"):
-        raise bad_request("tool_choice.disable_parallel_tool_use is not supported (a reply may hold several calls)",
-                          "tool_choice")  # fmt: skip
 
 
 def _mark(obj: dict[str, Any], where: str, marks: list[str]) -> None:
@@ -174,6 +171,14 @@ def _tool_choice(choice: Any) -> Any:
     if kind == "tool" and isinstance(choice.get("name"), str):
         return {"name": choice["name"]}
     raise bad_request("tool_choice must be {type: auto | any | none} or {type: tool, name}", "tool_choice")
+
+
+def _single_tool_use(choice: Any) -> bool:
+    """tool_choice.disable_parallel_tool_use: at most one tool_use block in the reply."""
+    flag = choice.get("disable_parallel_tool_use") if isinstance(choice, dict) else None
+    if flag is not None and not isinstance(flag, bool):
+        raise bad_request("tool_choice.disable_parallel_tool_use must be a boolean", "tool_choice")
+    return bool(flag)
 
 
 def _format(template: pb.GenerateRequest, body: dict[str, Any]) -> None:

@@ -2,7 +2,8 @@
 
 Errors answer in the API's shape, {"type": "error", "error": {"type", "message"}}, with its statuses
 (an overloaded daemon is 529 overloaded_error). A call whose messages extend a conversation a live
-session holds continues that session (conversations.py); otherwise its conversation starts a new one.
+session holds, token for token, continues that session (agentic/resends.py); otherwise its conversation
+starts a new one.
 A cache_control mark raises the session's retention to high and, for ttl 1h, its idle TTL to an hour.
 """
 
@@ -19,9 +20,9 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from cbd.gateway.agentic import caller
 from cbd.gateway.agentic.blocks import BlockKind, Event, EventKind, Fold
 from cbd.gateway.agentic.convert import check_tool_results
-from cbd.gateway.agentic.turns import Plan, Started, Turns, json_body
+from cbd.gateway.agentic.resends import ResentTurn
+from cbd.gateway.agentic.turns import Started, json_body
 from cbd.gateway.errors import ApiError, from_cbd
-from cbd.gateway.messages.conversations import Conversations
 from cbd.gateway.messages.request import MessagesCall, parse
 from cbd.gateway.requests import _convert
 from cbd.gateway.responses.items import new_id
@@ -54,8 +55,6 @@ def anthropic_errors(handler: Callable[[Request], Awaitable[Response]]) -> Calla
 class Messages:
     def __init__(self, gateway: Any) -> None:
         self.gateway = gateway
-        self.turns = Turns(gateway)
-        self.conversations = Conversations()
 
     async def create(self, request: Request) -> Response:
         call = parse(await json_body(request))
@@ -64,22 +63,19 @@ class Messages:
         owner = caller.caller_key(request.headers)
         model = await self.gateway.model(metadata)
         retention = pb.RETENTION_HIGH if call.cache_ttl is not None else pb.RETENTION_UNSPECIFIED
-        plan = Plan(call.messages, ttl_seconds=3600.0 if (call.cache_ttl or 0) > 600 else 0.0, retention=retention)
-        found = self.conversations.find(owner, call.messages)
-        if found is not None:
-            plan.session_id, held = found
-            plan.new_messages = call.messages[held:]
-            self.conversations.forget(plan.session_id)  # claimed: no other call continues it meanwhile
-        turn = Turn(self, call, owner, model, plan)
+        resends = self.gateway.resends
+        ttl = 3600.0 if (call.cache_ttl or 0) > 600 else 0.0
+        plan = resends.plan(owner, call.messages, ttl_seconds=ttl, retention=retention)
+        turn = Turn(call, model, ResentTurn(resends, owner, plan, metadata))
         try:
-            turn.started = await unless_gone(request, self.turns.start(call.template, plan, metadata))
+            turn.started = await unless_gone(request, turn.resent.start(call.template))
             if call.stream:
-                return StreamingResponse(turn.events(metadata), media_type="text/event-stream",
+                return StreamingResponse(turn.events(), media_type="text/event-stream",
                                          headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})  # fmt: skip
             return JSONResponse(await unless_gone(request, turn.whole()))
         finally:
             if not call.stream or turn.started is None:
-                turn.settle(metadata)
+                turn.resent.settle()
 
     async def count_tokens(self, request: Request) -> Response:
         call = parse({"max_tokens": 1, **await json_body(request)})
@@ -95,12 +91,11 @@ class Messages:
 class Turn:
     """One /v1/messages call from the daemon's first message to the recorded conversation."""
 
-    def __init__(self, api: Messages, call: MessagesCall, owner: str, model: str, plan: Plan) -> None:
-        self.api, self.call, self.owner, self.model, self.plan = api, call, owner, model, plan
+    def __init__(self, call: MessagesCall, model: str, resent: ResentTurn) -> None:
+        self.call, self.model, self.resent = call, model, resent
         self.started: Started | None = None
         self.fold = Fold()
         self.id = new_id("msg")
-        self.recorded = False
 
     async def whole(self) -> dict[str, Any]:
         assert self.started is not None
@@ -112,11 +107,11 @@ class Turn:
             raise from_cbd(CbdError.from_rpc(exc)) from None
         self.fold.end()
         stop_reason, stop_sequence = self._stop()
-        self._record()
+        self.resent.completed(self.fold.reply())
         return {**self._head(), "content": [self._block(i) for i in range(len(self.fold.blocks))],
                 "stop_reason": stop_reason, "stop_sequence": stop_sequence, "usage": self._usage()}  # fmt: skip
 
-    async def events(self, metadata: list[tuple[str, str]]) -> AsyncIterator[bytes]:
+    async def events(self) -> AsyncIterator[bytes]:
         assert self.started is not None
         try:
             start = {**self._head(), "content": [], "stop_reason": None, "stop_sequence": None,
@@ -135,12 +130,12 @@ class Turn:
             for event in self.fold.end():
                 yield self._event(event)
             stop_reason, stop_sequence = self._stop()
-            self._record()
+            self.resent.completed(self.fold.reply())
             delta = {"stop_reason": stop_reason, "stop_sequence": stop_sequence}
             yield _sse("message_delta", {"type": "message_delta", "delta": delta, "usage": self._usage()})
             yield _sse("message_stop", {"type": "message_stop"})
         finally:
-            self.settle(metadata)
+            self.resent.settle()
 
     def _event(self, event: Event) -> bytes:
         block = self.fold.blocks[event.index]
@@ -188,27 +183,6 @@ class Turn:
         return {"input_tokens": fresh, "output_tokens": u.completion_tokens,
                 "cache_read_input_tokens": u.cached_prompt_tokens,
                 "cache_creation_input_tokens": fresh if self.call.cache_ttl is not None else 0}  # fmt: skip
-
-    def _record(self) -> None:
-        """The session now holds the conversation and this reply: a resend that extends it continues it."""
-        s = self.started
-        if s is not None and s.session_id is not None:
-            self.api.conversations.record(self.owner, s.session_id, [*self.call.messages, self.fold.reply()])
-            self.recorded = True
-
-    def settle(self, metadata: list[tuple[str, str]]) -> None:
-        """After the call: stop the stream; a continued session left as it was is findable again; a
-        session opened for a turn that did not complete is closed."""
-        s = self.started
-        if s is not None:
-            s.cancel()
-        if self.recorded:
-            return
-        if self.plan.session_id is not None and (s is None or s.continued):
-            held = self.call.messages[: len(self.call.messages) - len(self.plan.new_messages)]
-            self.api.conversations.record(self.owner, self.plan.session_id, held)
-        if s is not None and s.opened and s.session_id is not None:
-            self.api.turns.close(s.session_id, metadata)
 
 
 def _sse(kind: str, data: dict[str, Any]) -> bytes:

@@ -3,8 +3,9 @@
 Mapped: input, instructions, previous_response_id, max_output_tokens (omitted: up to the context),
 temperature, top_p, tools (type function: name, description, parameters; `strict` is implied: calls
 are always constrained to the schema), tool_choice (auto, none, required, {type: function, name}),
-text.format (text, json_object, json_schema), store, stream, background (with store, without stream),
-metadata (echoed). Refused with a 400: parallel_tool_calls false, tools of other types, conversation,
+parallel_tool_calls (false: at most one call), text.format (text, json_object, json_schema; with tools
+and tool_choice auto the output is calls or text in the format), store, stream, background (with
+store, without stream), metadata (echoed). Refused with a 400: tools of other types, conversation,
 reasoning effort, and include. `model` is accepted and ignored (one model is served).
 """
 
@@ -46,8 +47,9 @@ def parse(body: dict[str, Any]) -> Create:
     convert.sampling(template, body, max_tokens)
     tools = _tools(body.get("tools"))
     choice = _tool_choice(body.get("tool_choice"))
+    parallel = convert.flag(body, "parallel_tool_calls", True)
     if tools:
-        convert.tools(template, tools, choice)
+        convert.tools(template, tools, choice, parallel)
     elif choice not in (None, "none", "auto"):
         raise bad_request("tool_choice needs tools", "tool_choice")
     text = body.get("text") or {}
@@ -64,7 +66,7 @@ def parse(body: dict[str, Any]) -> Create:
         raise bad_request("background needs store: true and no stream", "background")
     echo: dict[str, Any] = {
         "instructions": instructions, "max_output_tokens": max_tokens, "metadata": metadata or {},
-        "parallel_tool_calls": True, "previous_response_id": previous, "temperature": body.get("temperature"),
+        "parallel_tool_calls": parallel, "previous_response_id": previous, "temperature": body.get("temperature"),
         "top_p": body.get("top_p"), "tool_choice": body.get("tool_choice") or "auto", "tools": body.get("tools") or [],
         "text": {"format": fmt or {"type": "text"}}, "truncation": "disabled", "background": background,
         "store": store,
@@ -73,9 +75,6 @@ def parse(body: dict[str, Any]) -> Create:
 
 
 def _refuse_unsupported(body: dict[str, Any]) -> None:
-    if body.get("parallel_tool_calls") is False:
-        raise bad_request("parallel_tool_calls: false is not supported (a reply may hold several calls)",
-                          "parallel_tool_calls")  # fmt: skip
     if body.get("conversation") is not None:
         raise bad_request("conversation is not supported: continue with previous_response_id", "conversation")
     reasoning = body.get("reasoning")

@@ -7,8 +7,13 @@ items and the response object. The `sessions` table counts the turns each cbd se
 response is the latest of its session when its turn equals that count, and only then can it be
 continued as a turn of that session. Every read is scoped by owner, so another key's id is not found.
 
-Rows older than the TTL and the oldest rows beyond the cap are deleted on each write. Calls run in a
-worker thread (one connection, one lock); the event loop never waits on the disk.
+Reads never return a row older than the TTL; such rows are deleted by a sweep on the first write and
+then at most every SWEEP_SECONDS. The oldest rows beyond the cap are deleted by the write that passes it
+(the row count is kept in memory between sweeps, so a write costs no table scan). Calls run in a worker
+thread (one connection, one lock); the event loop never waits on the disk. Commits are WAL appends
+without an fsync each (synchronous=NORMAL): a stored response survives the gateway's crash or restart,
+and only a crash of the host itself may lose the last moments' responses (whose continuations then
+answer not found). Many agents finishing a turn at once would otherwise queue behind one fsync each.
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ CREATE TABLE IF NOT EXISTS responses (
 CREATE INDEX IF NOT EXISTS responses_created ON responses (created_at);
 CREATE TABLE IF NOT EXISTS sessions (session_id TEXT PRIMARY KEY, turns INTEGER NOT NULL, updated_at REAL NOT NULL);
 """
+SWEEP_SECONDS = 10.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,6 +70,8 @@ class ResponseStore:
         self.path = settings.directory / "responses.sqlite3"
         self._conn: sqlite3.Connection | None = None  # opened on first use (in a worker thread)
         self._lock = threading.Lock()
+        self._rows = 0  # rows in the table: counted by each sweep, kept by the writes and deletes since
+        self._next_sweep = 0.0
 
     @property
     def _db(self) -> sqlite3.Connection:
@@ -71,6 +79,7 @@ class ResponseStore:
             self.settings.directory.mkdir(parents=True, exist_ok=True)
             conn = sqlite3.connect(self.path, check_same_thread=False, isolation_level=None)
             conn.execute("PRAGMA journal_mode=WAL")
+            conn.execute("PRAGMA synchronous=NORMAL")
             conn.executescript(_SCHEMA)
             self._conn = conn
         return self._conn
@@ -92,17 +101,22 @@ class ResponseStore:
                json.dumps(s.input_items), json.dumps(s.response))  # fmt: skip
         with self._lock, self._db:
             self._db.execute("BEGIN")
+            new = self._db.execute("SELECT 1 FROM responses WHERE id = ?", (s.id,)).fetchone() is None
             self._db.execute("INSERT OR REPLACE INTO responses VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)", row)
             if s.session_id is not None:
                 self._db.execute("INSERT OR REPLACE INTO sessions VALUES (?, ?, ?)", (s.session_id, s.turn, now))
-            self._db.execute("DELETE FROM responses WHERE created_at < ?", (now - self.settings.ttl_seconds,))
-            self._db.execute("DELETE FROM sessions WHERE updated_at < ?", (now - self.settings.ttl_seconds,))
-            (count,) = self._db.execute("SELECT COUNT(*) FROM responses").fetchone()
-            if count > self.settings.max_rows:
+            self._rows += new
+            if now >= self._next_sweep:
+                self._next_sweep = now + SWEEP_SECONDS
+                self._db.execute("DELETE FROM responses WHERE created_at < ?", (now - self.settings.ttl_seconds,))
+                self._db.execute("DELETE FROM sessions WHERE updated_at < ?", (now - self.settings.ttl_seconds,))
+                (self._rows,) = self._db.execute("SELECT COUNT(*) FROM responses").fetchone()
+            if self._rows > self.settings.max_rows:
                 self._db.execute(
                     "DELETE FROM responses WHERE id IN (SELECT id FROM responses ORDER BY created_at LIMIT ?)",
-                    (count - self.settings.max_rows,),
+                    (self._rows - self.settings.max_rows,),
                 )
+                self._rows = self.settings.max_rows
 
     def _get(self, owner: str, response_id: str) -> tuple[Stored, bool] | None:
         oldest = time.time() - self.settings.ttl_seconds
@@ -122,4 +136,5 @@ class ResponseStore:
     def _delete(self, owner: str, response_id: str) -> bool:
         with self._lock, self._db:
             cursor = self._db.execute("DELETE FROM responses WHERE id = ? AND owner = ?", (response_id, owner))
+            self._rows -= cursor.rowcount
             return cursor.rowcount > 0
