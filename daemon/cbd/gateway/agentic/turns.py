@@ -53,6 +53,9 @@ class Plan:
     whole: bool = False
     dropped: bool = False  # set by Turns.start: session_id did not hold a token prefix and was closed
     ttl_seconds: float = 0.0  # of a new session; 0: the daemon's default
+    # The affinity key of a new session's id (`<affinity>.<suffix>`) and of a plain call: conversations
+    # sharing it reach the same replica (Responses' prompt_cache_key); None: the session's own id
+    affinity: str | None = None
     retention: pb.Retention = pb.RETENTION_UNSPECIFIED
 
 
@@ -128,7 +131,8 @@ class Turns:
         return str(info.session_id)
 
     async def _open(self, plan: Plan, metadata: list[tuple[str, str]]) -> str | None:
-        proposed = uuid.uuid4().hex  # proposed here: a proxy routes the open like every later call
+        # proposed here: a proxy routes the open like every later call
+        proposed = f"{plan.affinity}.{uuid.uuid4().hex[:16]}" if plan.affinity else uuid.uuid4().hex
         request = pb.OpenSessionRequest(session_id=proposed, ttl_seconds=plan.ttl_seconds, retention=plan.retention)
         try:
             info = await self.gateway.stub.OpenSession(
@@ -153,7 +157,7 @@ class Turns:
             request.retention = plan.retention
             request.whole_conversation = plan.whole and session_id == plan.session_id
         stream = self.gateway.stub.Generate(
-            request, metadata=with_affinity(tuple(metadata), session_id), timeout=self.gateway.timeout
+            request, metadata=with_affinity(tuple(metadata), session_id or plan.affinity), timeout=self.gateway.timeout
         )
         try:
             return stream, await first(stream)

@@ -5,7 +5,9 @@ temperature, top_p, tools (type function: name, description, parameters; `strict
 are always constrained to the schema), tool_choice (auto, none, required, {type: function, name}),
 parallel_tool_calls (false: at most one call), text.format (text, json_object, json_schema; with tools
 and tool_choice auto the output is calls or text in the format), store, stream, background (with
-store, without stream), metadata (echoed). Refused with a 400: tools of other types, conversation,
+store, without stream), metadata (echoed), prompt_cache_key (at most 256 characters: the affinity key of
+the session a new conversation opens, agentic/turns.py, so conversations that name the same key land on the
+replica whose prefix cache holds what they share; echoed). Refused with a 400: tools of other types, conversation,
 reasoning effort, and include. `model` is accepted and ignored (one model is served).
 """
 
@@ -31,6 +33,7 @@ class Create:
     store: bool
     background: bool  # answer in_progress at once; the turn runs on, retrieve polls it, cancel aborts it
     echo: dict[str, Any]  # request fields the response object repeats
+    prompt_cache_key: str | None = None
 
 
 def parse(body: dict[str, Any]) -> Create:
@@ -62,6 +65,9 @@ def parse(body: dict[str, Any]) -> Create:
     store = convert.flag(body, "store", True)
     stream = convert.flag(body, "stream", False)
     background = convert.flag(body, "background", False)
+    cache_key = body.get("prompt_cache_key")
+    if cache_key is not None and not (isinstance(cache_key, str) and 0 < len(cache_key) <= 256):
+        raise bad_request("prompt_cache_key must be a string of 1 to 256 characters", "prompt_cache_key")
     if background and (stream or not store):
         raise bad_request("background needs store: true and no stream", "background")
     echo: dict[str, Any] = {
@@ -69,9 +75,11 @@ def parse(body: dict[str, Any]) -> Create:
         "parallel_tool_calls": parallel, "previous_response_id": previous, "temperature": body.get("temperature"),
         "top_p": body.get("top_p"), "tool_choice": body.get("tool_choice") or "auto", "tools": body.get("tools") or [],
         "text": {"format": fmt or {"type": "text"}}, "truncation": "disabled", "background": background,
-        "store": store,
+        "store": store, "prompt_cache_key": cache_key,
     }  # fmt: skip
-    return Create(template, given, items.messages(given), instructions, previous, stream, store, background, echo)
+    return Create(
+        template, given, items.messages(given), instructions, previous, stream, store, background, echo, cache_key
+    )
 
 
 def _refuse_unsupported(body: dict[str, Any]) -> None:

@@ -13,6 +13,7 @@ both take the session: the second forks.
 
 from __future__ import annotations
 
+import hashlib
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -67,7 +68,8 @@ class Responses:
     async def _plan(self, create: Create, owner: str) -> tuple[Plan, list[dict[str, Any]], int]:
         """How to run the turn, the conversation it continues (without instructions) and the turn it is."""
         if create.previous_response_id is None:
-            return Plan(_with(create.instructions, create.messages), keep=create.store), [], 1
+            affinity = _affinity(owner, create.prompt_cache_key)
+            return Plan(_with(create.instructions, create.messages), keep=create.store, affinity=affinity), [], 1
         found = await self.store.get(owner, create.previous_response_id)
         if found is None:
             raise not_found(create.previous_response_id, "previous_response_id")
@@ -258,3 +260,11 @@ def _with(instructions: str | None, messages: list[dict[str, Any]]) -> list[dict
 
 def not_found(response_id: str, param: str | None = None) -> ApiError:
     return ApiError(404, f"no response with id {response_id!r}", "not_found_error", param, "response_not_found")
+
+
+def _affinity(owner: str, prompt_cache_key: str | None) -> str | None:
+    """The affinity key a prompt_cache_key names, per caller (a key never routes by another caller's
+    choice, and no client text reaches a session id)."""
+    if prompt_cache_key is None:
+        return None
+    return hashlib.sha256(f"{owner}\0{prompt_cache_key}".encode()).hexdigest()[:32]
