@@ -125,6 +125,11 @@ def _check_gateway_unit(user: str, group: str) -> None:
     values = unit_values(installed.read_text())
     assert values["User"] == [user] and values["Group"] == [group]
     command = shlex.split(values["ExecStart"][0])
+    for name in values.get("StateDirectory", []):  # what systemd makes before ExecStart
+        state = Path("/var/lib", name)
+        state.mkdir(mode=0o750, exist_ok=True)
+        shutil.chown(state, user, group)
+    assert command[command.index("--state-dir") + 1] == "/var/lib/cbd-openai"
     gateway = subprocess.Popen(["setpriv", f"--reuid={user}", f"--regid={group}", "--init-groups", "--", "env", "-i",
                                 "PATH=/usr/local/bin:/usr/bin:/bin", *command],
                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)  # fmt: skip
@@ -148,6 +153,12 @@ def _check_gateway_unit(user: str, group: str) -> None:
                                          headers={"Content-Type": "application/json"})  # fmt: skip
         with urllib.request.urlopen(request, timeout=120) as response:
             assert "Paris" in json.load(response)["choices"][0]["message"]["content"]
+        body = {"model": "cbd", "input": "Say hi.", "max_output_tokens": 4}
+        request = urllib.request.Request(f"http://{listen}/v1/responses", data=json.dumps(body).encode(),
+                                         headers={"Content-Type": "application/json"})  # fmt: skip
+        with urllib.request.urlopen(request, timeout=120) as response:
+            assert json.load(response)["status"] in ("completed", "incomplete")
+        assert Path("/var/lib/cbd-openai/responses.sqlite3").exists()  # stored where the unit keeps state
     finally:
         gateway.terminate()
         gateway.communicate(timeout=60)
