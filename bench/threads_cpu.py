@@ -9,7 +9,7 @@ threads sleeping sooner (GOMP_SPINCOUNT=5000) or at once (OMP_WAIT_POLICY=PASSIV
 median seconds per request for each setting, alone and beside the neighbours, and each one's ratio to
 the default, from the same run.
 
-    python bench/threads_cpu.py [--threads 1 2] [--neighbours 1] [--rounds 2]
+    python bench/threads_cpu.py [--threads 1 2] [--neighbours 1] [--rounds 2] [--no-waits]
 """
 
 from __future__ import annotations
@@ -86,8 +86,10 @@ def main() -> int:
     parser.add_argument("--threads", type=int, nargs="+", default=[1, 2])
     parser.add_argument("--neighbours", type=int, default=1, help="busy processes beside the daemon")
     parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--waits", action=argparse.BooleanOptionalAction, default=True,
+                        help="also the default threads with the OpenMP wait settings")  # fmt: skip
     args = parser.parse_args()
-    settings = ["default", *map(str, args.threads), *WAITS]
+    settings = ["default", *map(str, args.threads), *(WAITS if args.waits else ())]
     results: dict[tuple[str, int], list[float]] = {}
     with tempfile.TemporaryDirectory() as tmp:
         for _ in range(args.rounds):

@@ -165,5 +165,14 @@ def test_the_format_is_converted_where_the_tag_compiles_not_where_the_request_is
     tag = json.loads(spec.source)
     assert '"type": "response_format"' in json.dumps(tag) and '"grammar"' not in json.dumps(tag)
     assert '"type": "response_format"' not in expand(spec.source) and '"type": "grammar"' in expand(spec.source)
+    bad = {"type": "or", "elements": [{"type": "const_string", "value": "x"}, format_element("regex", "(unclosed")]}
     with pytest.raises(InvalidRequest, match="invalid response_format.regex"):
-        expand(json.dumps({"type": "structural_tag", "format": format_element("regex", "(unclosed")}))
+        expand(json.dumps({"type": "structural_tag", "format": bad}))
+    # Only the `or` element is the format: a tool schema holding the same shape (a const) stays as sent.
+    lookalike = {"type": "object", "properties": {"k": {"const": format_element("regex", "a")}}}
+    tools = request(schema=None)
+    tools.tools.add(name="odd", parameters=json.dumps(lookalike))
+    tools.response_format.regex = "[0-9]+"
+    tag = structure(tools, HERMES).spec
+    assert tag is not None
+    assert expand(tag.source).count('"type": "response_format"') == 1  # the tool's const, untouched

@@ -6,9 +6,10 @@ a request took 6-8x longer with both cores' threads than with one (bench/threads
 workers sooner cures that but costs an idle host's throughput. So the engine keeps spinning workers and
 runs on the cores the others leave free: every `interval` seconds it reads how busy its allowed cores
 were (/proc/stat) and how much of that was the daemon itself (its engine and frontend processes,
-/proc/<pid>/stat), and gives up one core for each started core's worth of other work beyond 0.3 (a
-neighbour that its spinning squeezes still shows), at least one thread left. Three small file reads per
-interval, between steps. Where /proc cannot be read the count stays as configured.
+/proc/<pid>/stat), and gives up one core for each started core's worth of other work beyond 0.5 (a
+CPU-bound neighbour that its spinning squeezes still shows ~0.67; a light client does not), at least one
+thread left, once two working intervals in a row agree (a burst of other work does not flip it). Three
+small file reads per interval, between steps. Where /proc cannot be read the count stays as configured.
 """
 
 from __future__ import annotations
@@ -60,6 +61,7 @@ class CoreShare:
         self.threads = len(cores)
         self._next = 0.0
         self._last: tuple[float, int, int] | None = None  # (time, busy ticks, the daemon's ticks)
+        self._wanted: int | None = None  # what the last interval called for
 
     def adapt(self, now: float | None = None) -> None:
         """Between steps: resize torch's thread pool when the free cores changed."""
@@ -67,7 +69,9 @@ class CoreShare:
             torch.set_num_threads(threads)
 
     def sample(self, now: float | None = None) -> int | None:
-        """A new thread count when it changed since the last interval, else None."""
+        """A new thread count when two intervals in a row called for it, else None. Only intervals the
+        engine spent working count (it samples only then): a window that spans an idle stretch says
+        nothing about the cores while it works, so it only starts a new window."""
         now = time.monotonic() if now is None else now
         if now < self._next:
             return None
@@ -77,11 +81,13 @@ class CoreShare:
             return None
         ours = sum(_process_ticks(pid) for pid in self.pids)
         last, self._last = self._last, (now, busy, ours)
-        if last is None or now <= last[0]:
+        if last is None or now <= last[0] or now - last[0] > 2 * self.interval:
+            self._wanted = None
             return None
         others = max(0.0, ((busy - last[1]) - (ours - last[2])) / _TICK / (now - last[0]))
         threads = self.choose(others)
-        if threads == self.threads:
+        wanted, self._wanted = self._wanted, threads
+        if threads == self.threads or wanted != threads:
             return None
         log.info("intra-op threads %d -> %d: other processes kept %.1f of %d cores busy",
                  self.threads, threads, others, len(self.cores))  # fmt: skip
@@ -89,5 +95,5 @@ class CoreShare:
         return threads
 
     def choose(self, others_busy: float) -> int:
-        """One core fewer for each started core's worth of other work beyond 0.3, at least one."""
-        return max(1, len(self.cores) - math.ceil(max(0.0, others_busy - 0.3)))
+        """One core fewer for each started core's worth of other work beyond 0.5, at least one."""
+        return max(1, len(self.cores) - math.ceil(max(0.0, others_busy - 0.5)))

@@ -24,23 +24,20 @@ def format_element(kind: str, source: str) -> dict[str, Any]:
 
 
 def expand(tag_source: str) -> str:
-    """The structural tag's JSON with every response-format element converted to a grammar element."""
+    """The structural tag's JSON with its response-format element converted to a grammar element. The
+    element is looked for only where the frontend puts it (an element of the tag's top-level `or`), so a
+    tool's schema that happens to hold such an object (as a const, enum or example) is never rewritten."""
     tag = json.loads(tag_source)
+    fmt = tag.get("format") if isinstance(tag, dict) else None
+    if not isinstance(fmt, dict) or fmt.get("type") != "or" or not isinstance(fmt.get("elements"), list):
+        return tag_source
     found = False
-
-    def walk(node: Any) -> Any:
-        nonlocal found
-        if isinstance(node, dict):
-            if node.get("type") == "response_format":
-                found = True
-                return {"type": "grammar", "grammar": _ebnf(str(node.get("kind")), str(node.get("source", "")))}
-            return {k: walk(v) for k, v in node.items()}
-        if isinstance(node, list):
-            return [walk(v) for v in node]
-        return node
-
-    expanded = walk(tag)
-    return json.dumps(expanded) if found else tag_source
+    for i, element in enumerate(fmt["elements"]):
+        if isinstance(element, dict) and element.get("type") == "response_format":
+            found = True
+            kind, source = str(element.get("kind")), str(element.get("source", ""))
+            fmt["elements"][i] = {"type": "grammar", "grammar": _ebnf(kind, source)}
+    return json.dumps(tag) if found else tag_source
 
 
 def _ebnf(kind: str, source: str) -> str:

@@ -39,7 +39,7 @@ from cbd.gateway.replies import Reply
 from cbd.gateway.requests import Call, chat_call, chat_message, completion_call
 from cbd.gateway.responses.store import StoreSettings
 from cbd.gateway.sessions import SessionMap
-from cbd.gateway.streams import first, rest, unless_gone
+from cbd.gateway.streams import first, rest, settled_when_dropped, unless_gone
 from cbd_client._convert import with_affinity
 from cbd_client.errors import CbdError
 from cbd_client.v1 import cbd_pb2 as pb
@@ -162,7 +162,8 @@ class Gateway:
                 fresh = None
                 return JSONResponse(reply.whole())
             handed_off = True
-            return StreamingResponse(self._events(call, reply, streams, heads, fresh, metadata, resent),
+            events = self._events(call, reply, streams, heads, fresh, metadata, resent)
+            return StreamingResponse(settled_when_dropped(events, resent.settle) if resent else events,
                                      media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})  # fmt: skip
         finally:

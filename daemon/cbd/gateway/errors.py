@@ -17,6 +17,7 @@ _STATUS = {
     grpc.StatusCode.PERMISSION_DENIED: (403, "permission_error"),
     grpc.StatusCode.NOT_FOUND: (404, "not_found_error"),
     grpc.StatusCode.FAILED_PRECONDITION: (409, "conflict_error"),
+    grpc.StatusCode.ABORTED: (409, "conflict_error"),
     grpc.StatusCode.RESOURCE_EXHAUSTED: (429, "rate_limit_error"),
     grpc.StatusCode.CANCELLED: (503, "service_unavailable_error"),  # the daemon's doing: 499 is the client's only
     grpc.StatusCode.UNIMPLEMENTED: (501, "not_implemented_error"),

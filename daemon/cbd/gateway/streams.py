@@ -2,13 +2,15 @@
 
 A call is read one way only (with `read()`): `first` takes the message that says the daemon accepted
 it, `rest` the ones after. `unless_gone` awaits work unless the HTTP client disconnects first.
+`settled_when_dropped` runs a streamed reply's clean-up also when the server never starts its body.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator
+import weakref
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import grpc
@@ -71,3 +73,10 @@ def _retrieved(future: asyncio.Future[Any]) -> None:
 async def _disconnected(request: Request) -> None:
     while (await request.receive())["type"] != "http.disconnect":
         pass
+
+
+def settled_when_dropped(events: AsyncIterator[bytes], settle: Callable[[], object]) -> AsyncIterator[bytes]:
+    """`events`, whose `settle` (idempotent) also runs when the generator is dropped: a client gone before
+    the response started means its body is never iterated, so its own `finally` never runs."""
+    weakref.finalize(events, settle)
+    return events

@@ -55,6 +55,7 @@ class ResentTurn:
     metadata: Meta
     started: Started | None = None
     recorded: bool = False
+    settled: bool = False
 
     async def start(self, template: Any) -> Started:
         self.started = await self.resends.turns.start(template, self.plan, self.metadata)
@@ -68,15 +69,19 @@ class ResentTurn:
             self.recorded = True
 
     def settle(self) -> None:
-        """After the call: stop the stream; a continued session left as it was is indexed again; a session
-        opened for a turn that did not complete is closed."""
+        """After the call (once; later calls do nothing): stop the stream; the session the plan found, unless
+        the turn continued it to completion or the daemon refused it as no prefix, holds what it held and is
+        indexed again (a turn that failed or was abandoned leaves it so, and so does a fall-back to a fresh
+        session while it was busy); a session opened for a turn that did not complete is closed."""
+        if self.settled:
+            return
+        self.settled = True
         s, plan = self.started, self.plan
         if s is not None:
             s.cancel()
-        if self.recorded:
-            return
-        if plan.session_id is not None and not plan.dropped and (s is None or s.continued):
+        continued = s is not None and s.continued
+        if plan.session_id is not None and not plan.dropped and not (self.recorded and continued):
             held = plan.messages[: len(plan.messages) - len(plan.new_messages)]
             self.resends.record(self.owner, plan.session_id, held, self.metadata)
-        if s is not None and s.opened and s.session_id is not None:
+        if not self.recorded and s is not None and s.opened and s.session_id is not None:
             self.resends.turns.close(s.session_id, self.metadata)
