@@ -96,6 +96,7 @@ def test_a_resent_chat_continues_its_session_token_for_token(gw: Stack, api: str
     text, _, cached = ask(gw, api, edited)
     assert cached <= unchanged and text == one_shot(gw, edited)
     assert len(sessions_of(gw, TOKEN) - mine) == 1  # a new session; the held one is still there
+    assert mine <= sessions_of(gw, TOKEN)
 
     # And the held conversation still continues its own session.
     text, _, cached = ask(gw, api, [*messages, {"role": "user", "content": "Name a river."}])

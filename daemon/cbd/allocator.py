@@ -4,10 +4,11 @@ Why: with glibc's defaults a daemon process's RSS grows burst after burst and is
 every request's objects are freed (bench/soak.py, docs/BENCHMARKS.md). Two glibc behaviours cause most of
 it: the mmap threshold is dynamic (after a large block is freed the threshold rises to its size, so later
 buffers of that size come from the heap, where a long-lived small allocation above them pins the pages),
-and every thread that allocates may get its own arena (each with its own fragmentation). A fixed mmap
-threshold sends large buffers (tensors, token arrays, protobuf messages) to mmap, which unmaps on free; a
-small arena count bounds the copies; a trim once the process goes idle gives the heap's free pages back.
-Elsewhere than glibc these are no-ops.
+and every thread that allocates may get its own arena (each with its own fragmentation). A trim once the
+process goes idle gives the heap's free pages back; a small arena count bounds the copies. A fixed mmap
+threshold sends large buffers to mmap, which unmaps on free, but costs a page fault per page of each (a
+third of CPU decode throughput at 128 KiB), so the daemon leaves it off by default. Elsewhere than glibc
+these are no-ops.
 """
 
 from __future__ import annotations

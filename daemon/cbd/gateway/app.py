@@ -4,8 +4,8 @@ Each API call becomes Generate calls on one shared gRPC channel to the daemon. T
 header is passed through as the call's metadata (the daemon checks the bearer token when it has one).
 A chat of one candidate without X-Cbd-Session continues the session of a conversation its caller sent
 before when it extends it token for token (agentic/resends.py). A streamed reply starts only after the
-daemon accepted the call (its first message), so refusals keep their HTTP status; a client that disconnects mid-stream cancels the gRPC call, and the daemon frees the
-request's KV within one engine step.
+daemon accepted the call (its first message), so refusals keep their HTTP status; a client that
+disconnects mid-stream cancels the gRPC call, and the daemon frees the request's KV within one engine step.
 """
 
 from __future__ import annotations

@@ -6,11 +6,9 @@ import json
 from typing import Any
 
 from cbd.gateway.errors import bad_request
-from cbd.gateway.requests import _convert
+from cbd.gateway.requests import MAX_TOKENS, _convert
 from cbd_client.structured import set_response_format, set_tools
 from cbd_client.v1 import cbd_pb2 as pb
-
-MAX_TOKENS = (1 << 31) - 1
 
 
 def number(body: dict[str, Any], name: str, low: float, high: float) -> float | None:

@@ -106,8 +106,8 @@ class ResponseStore:
             if s.session_id is not None:
                 self._db.execute("INSERT OR REPLACE INTO sessions VALUES (?, ?, ?)", (s.session_id, s.turn, now))
             self._rows += new
-            if now >= self._next_sweep:
-                self._next_sweep = now + SWEEP_SECONDS
+            if time.monotonic() >= self._next_sweep:  # a stepped wall clock never stops the sweeps
+                self._next_sweep = time.monotonic() + SWEEP_SECONDS
                 self._db.execute("DELETE FROM responses WHERE created_at < ?", (now - self.settings.ttl_seconds,))
                 self._db.execute("DELETE FROM sessions WHERE updated_at < ?", (now - self.settings.ttl_seconds,))
                 (self._rows,) = self._db.execute("SELECT COUNT(*) FROM responses").fetchone()
