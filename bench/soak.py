@@ -12,6 +12,7 @@ first burst).
     python bench/soak.py                                  # 6 bursts x 200 clients x 40 s, default model
     python bench/soak.py --bursts 20 --clients 300 --duration 60 --json soak.json
     python bench/soak.py --daemon-args "--malloc-arena-max 0"     # the allocator settings off
+    python bench/soak.py --gpu --tokenizer DIR --clients 512 --max-batch 256    # H200, Llama-3-8B shape
 """
 
 from __future__ import annotations
@@ -64,8 +65,10 @@ class Burst(LoadGenerator):
             await asyncio.wait_for(consume(), timeout=self.rng.uniform(0.05, 3.0))
         except TimeoutError:
             self.cancels += 1
+            return "cancelled"  # a session job stops here: its session is as before this turn
         except Exception as e:  # noqa: BLE001 - a refusal or error of a call about to be cancelled anyway
             self.error(type(e).__name__, str(e))
+            return type(e).__name__
         return None
 
 
@@ -81,6 +84,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--daemon-args", default="")
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--json")
+    parser.add_argument("--gpu", action="store_true", help="CUDA, Llama-3-8B shape (random weights; needs --tokenizer)")
+    parser.add_argument("--tokenizer", help="a directory with the default model's tokenizer files (--gpu)")
+    parser.add_argument("--checkpoint", default="/tmp/cbd-8b-shape", help="where the --gpu checkpoint is written")
+    parser.add_argument("--max-batch", type=int, default=256, help="max_num_seqs and CUDA graphs (--gpu)")
     args = parser.parse_args(argv)
     # what LoadGenerator reads
     args.grace, args.ramp, args.call_timeout, args.session_ttl = 120.0, 2.0, 300.0, 300.0
@@ -122,7 +129,17 @@ def main() -> None:
     from daemon_process import DaemonProcess
 
     with tempfile.TemporaryDirectory() as tmp:
-        daemon = DaemonProcess(Path(tmp) / "cbd.sock", *args.daemon_args.split())
+        flags = args.daemon_args.split()
+        if args.gpu:  # the checkpoint and settings of bench/daemon_gpu.py
+            from daemon_gpu import build_checkpoint, engine_settings
+
+            build_checkpoint(Path(args.checkpoint), Path(args.tokenizer), 32)
+            settings = engine_settings(Path(args.checkpoint), args.max_batch)
+            (Path(tmp) / "cbd.toml").write_text(
+                "[engine]\n" + "".join(f"{k} = {json.dumps(v)}\n" for k, v in settings.items())
+            )
+            flags += ["--config", str(Path(tmp) / "cbd.toml")]
+        daemon = DaemonProcess(Path(tmp) / "cbd.sock", *flags)
         try:
             daemon.wait_serving(600)
             asyncio.run(_warm(daemon.address))

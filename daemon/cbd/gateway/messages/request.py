@@ -78,9 +78,10 @@ def _mark(obj: dict[str, Any], where: str, marks: list[str]) -> None:
     mark = obj.get("cache_control")
     if mark is None:
         return
-    if not isinstance(mark, dict) or mark.get("type") != "ephemeral" or mark.get("ttl", "5m") not in _TTL:
+    ttl = mark.get("ttl", "5m") if isinstance(mark, dict) else None
+    if not isinstance(mark, dict) or mark.get("type") != "ephemeral" or not isinstance(ttl, str) or ttl not in _TTL:
         raise bad_request(f"{where}: cache_control must be {{type: ephemeral, ttl: 5m or 1h}}", where)
-    marks.append(mark.get("ttl", "5m"))
+    marks.append(ttl)
 
 
 def _system(system: Any, marks: list[str]) -> list[dict[str, Any]]:

@@ -32,6 +32,8 @@ def input_items(value: Any) -> list[dict[str, Any]]:
         if not isinstance(item, dict):
             raise bad_request(f"input[{i}] must be an object", f"input[{i}]")
         kind = item.get("type", "message")
+        if not isinstance(kind, str):  # a list or object would not even be a key of the prefixes below
+            raise bad_request(f"input[{i}].type must be a string", f"input[{i}].type")
         prefix = {"message": "msg", "function_call": "fc", "function_call_output": "fco"}.get(kind, "item")
         items.append({**item, "type": kind, "id": item.get("id") or new_id(prefix)})
     return items
@@ -44,7 +46,8 @@ def messages(items: list[dict[str, Any]]) -> list[dict[str, Any]]:
         where = f"input[{i}]"
         kind = item["type"]
         if kind == "message":
-            role = _ROLES.get(item.get("role"))  # type: ignore[arg-type]  # any JSON value; not a role: None
+            role = item.get("role")
+            role = _ROLES.get(role) if isinstance(role, str) else None
             if role is None:
                 raise bad_request(f"{where}.role must be user, system, developer or assistant", f"{where}.role")
             out.append({"role": role, "content": _text(item.get("content"), where)})
