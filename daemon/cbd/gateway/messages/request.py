@@ -132,6 +132,8 @@ def _messages(value: Any, marks: list[str]) -> list[dict[str, Any]]:
             elif kind == "tool_use":
                 if m["role"] != "assistant" or not isinstance(b.get("id"), str) or not isinstance(b.get("name"), str):
                     raise bad_request(f"{at}: tool_use blocks are the assistant's, with string id and name", at)
+                if not isinstance(b.get("input", {}), dict):
+                    raise bad_request(f"{at}.input must be an object (the call's arguments)", f"{at}.input")
                 calls.append({"id": b["id"], "name": b["name"], "arguments": json.dumps(b.get("input") or {})})
             else:
                 if m["role"] != "user" or not isinstance(b.get("tool_use_id"), str):
