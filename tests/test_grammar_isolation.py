@@ -6,8 +6,10 @@ stops (its worker is killed) and frees its slot."""
 
 from __future__ import annotations
 
+import re
 import threading
 import time
+import urllib.request
 
 import grpc
 import pytest
@@ -16,20 +18,21 @@ from test_grammar_budgets import MASK_BOMB, schema_bomb
 from cbd_client import CbdError, Client
 from cbd_client.v1 import cbd_pb2 as pb
 from cbd_client.v1.cbd_pb2_grpc import CbdStub
-from daemon_process import BackgroundStream, DaemonProcess, alive, rss_bytes
+from daemon_process import BackgroundStream, DaemonProcess, alive, free_port, rss_bytes
 
 pytestmark = pytest.mark.slow
 ASK = [{"role": "user", "content": "Write something."}]
 WORKERS = 2  # --grammar-compile-workers
 MEMORY_BOUND = 150 * 2**20  # README's limits: RSS after grammar bombs, over its value before
 REGEX = {"type": "regex", "regex": "[a-z]{1,12}"}
+METRICS_PORT = free_port()
 
 
 @pytest.fixture(scope="module")
 def daemon(tmp_path_factory):  # type: ignore[no-untyped-def]
     d = DaemonProcess(
         tmp_path_factory.mktemp("cbd") / "cbd.sock", "--grammar-compile-workers", str(WORKERS),
-        "--grammar-compile-timeout", "6", "--grammar-mask-budget-ms", "2",
+        "--grammar-compile-timeout", "6", "--grammar-mask-budget-ms", "2", "--metrics-port", str(METRICS_PORT),
     )  # fmt: skip
     try:
         d.wait_serving()
@@ -70,6 +73,14 @@ def assert_documented_errors(ended: list[CbdError | str], count: int) -> None:
         assert isinstance(exc, CbdError), exc
         assert exc.code in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED), exc
         assert "grammar_compile_timeout" in exc.details or "grammar_compile_memory_mib" in exc.details, exc.details
+
+
+def test_both_grammar_caches_show_in_the_metrics(daemon) -> None:  # type: ignore[no-untyped-def]
+    # The fixture compiled one regex: the frontend keeps its outcome, the engine its loaded grammar.
+    body = urllib.request.urlopen(f"http://127.0.0.1:{METRICS_PORT}/metrics", timeout=30).read().decode()
+    found = dict(re.findall(r'^cbd_grammar_cache_bytes\{process="(\w+)"\} (\S+)$', body, re.M))
+    assert set(found) == {"frontend", "engine"} and all(float(v) > 0 for v in found.values()), found
+    assert re.search(r"^cbd_chat_transcripts 0\.0$", body, re.M)
 
 
 def test_six_compile_bombs_at_once_leave_other_requests_and_health_alone(daemon, baseline) -> None:  # type: ignore[no-untyped-def]

@@ -11,6 +11,7 @@ import urllib.request
 import pytest
 
 from cbd import allocator
+from cbd.server.memory import resident_bytes
 from cbd_client import AsyncClient, CbdError
 from daemon_process import free_port
 
@@ -84,6 +85,8 @@ def test_repeated_bursts_plateau_and_the_metrics_show_both_processes(tiny_daemon
     daemon = tiny_daemon("--metrics-port", str(port), "--idle-trim-seconds", "0.5")
     rss = _scrape_rss(port)
     assert set(rss) == {"frontend", "engine"} and all(v > 10 * MIB for v in rss.values())
+    assert all(abs(rss[name] - (resident_bytes(pid) or 0)) < 64 * MIB  # what /proc says of each process
+               for name, pid in (("frontend", daemon.process.pid), ("engine", daemon.engine_pid())))  # fmt: skip
     after: list[dict[str, float]] = []
     for burst in range(5):
         asyncio.run(_burst(daemon.address, burst))

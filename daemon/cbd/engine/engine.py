@@ -16,6 +16,7 @@ import time
 import uuid
 from collections.abc import Callable
 from concurrent.futures import Future
+from dataclasses import replace
 from typing import TypeVar
 
 from cbd.config import EngineConfig
@@ -241,7 +242,7 @@ class Engine:
         self._send(cmd.Abort(request_id))
 
     def stats(self) -> EngineStats:
-        return self._loop.stats
+        return replace(self._loop.stats, grammar_cache_bytes=self._grammars.cached_bytes)
 
     def reset_prefix_cache(self) -> None:
         """Drop every reusable prefix that no live request holds (applied before the next step)."""

@@ -176,6 +176,12 @@ class LazyGrammarCompiler:
     def load(self, spec: GrammarSpec, serialized: str) -> CompiledGrammar:
         return self.get().load(spec, serialized)
 
+    @property
+    def cached_bytes(self) -> int:
+        """Bytes of compiled grammars in the cache (0 before the compiler is made)."""
+        compiler = self._compiler
+        return compiler.cached_bytes if compiler is not None else 0
+
     def cached(self, spec: GrammarSpec) -> bool:
         """Whether `spec` is in the cache (False before the compiler is made; never makes it)."""
         with self._lock:

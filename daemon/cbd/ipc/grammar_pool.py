@@ -84,7 +84,7 @@ class GrammarPool:
         self._workers: set[_Worker] = set()  # every live worker, idle or busy
         self._threads = ThreadPoolExecutor(2 * budget.workers, thread_name_prefix="cbd-grammar")
         self._cache: OrderedDict[GrammarSpec, CompiledGrammar | InvalidRequest] = OrderedDict()
-        self._cached_bytes = 0
+        self.cached_bytes = 0  # of the cached outcomes (the metrics read it)
         self._cache_size = cache_size
         self.num_killed = 0  # workers killed over a budget or a cancel (tests read it)
         self.num_compiling = 0  # compiles running in a worker now
@@ -172,10 +172,10 @@ class GrammarPool:
         if spec in self._cache:
             return
         self._cache[spec] = outcome
-        self._cached_bytes += _size(outcome)
-        while len(self._cache) > self._cache_size or self._cached_bytes > MAX_CACHED_BYTES:
+        self.cached_bytes += _size(outcome)
+        while len(self._cache) > self._cache_size or self.cached_bytes > MAX_CACHED_BYTES:
             _, old = self._cache.popitem(last=False)
-            self._cached_bytes -= _size(old)
+            self.cached_bytes -= _size(old)
 
     def close(self) -> None:
         """Kill every worker (a thread waiting on a busy one then reads EOF and ends)."""

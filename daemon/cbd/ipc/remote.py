@@ -246,6 +246,11 @@ class RemoteEngine:
         return self._stats
 
     @property
+    def grammar_cache_bytes(self) -> int:
+        """Bytes of compile outcomes the frontend's grammar pool keeps."""
+        return self._grammars.cached_bytes if self._grammars is not None else 0
+
+    @property
     def num_live_requests(self) -> int:
         return self.admission.num_live
 

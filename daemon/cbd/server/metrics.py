@@ -17,9 +17,10 @@ _LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 12
 
 class _EngineCollector(Collector):
     def __init__(
-        self, stats: Callable[[], EngineStats | None], live: Callable[[], int], pids: Callable[[], dict[str, int]]
-    ) -> None:
-        self._stats, self._live, self._pids = stats, live, pids
+        self, stats: Callable[[], EngineStats | None], live: Callable[[], int], pids: Callable[[], dict[str, int]],
+        caches: Callable[[], dict[str, int]],
+    ) -> None:  # fmt: skip
+        self._stats, self._live, self._pids, self._caches = stats, live, pids, caches
 
     def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily | HistogramMetricFamily]:
         rss = GaugeMetricFamily(
@@ -33,6 +34,18 @@ class _EngineCollector(Collector):
         s = self._stats()
         if s is None:
             return
+        grammars = GaugeMetricFamily(
+            "cbd_grammar_cache_bytes",
+            "Compiled grammars kept, by process (each bounded at 256 MiB).",
+            labels=["process"],
+        )
+        grammars.add_metric(["engine"], s.grammar_cache_bytes)
+        grammars.add_metric(["frontend"], self._caches().get("grammar_cache_bytes", 0))
+        yield grammars
+        yield GaugeMetricFamily(
+            "cbd_chat_transcripts", "Chat sessions' transcripts the frontend keeps (one per open chat session).",
+            value=self._caches().get("chat_transcripts", 0),
+        )  # fmt: skip
         for name, value, doc in (
             ("cbd_running_sequences", s.num_running, "Sequences (candidates) being computed."),
             ("cbd_waiting_sequences", s.num_waiting, "Sequences waiting to be admitted."),
@@ -144,9 +157,11 @@ class Metrics:
         )  # fmt: skip
 
     def watch_engine(
-        self, stats: Callable[[], EngineStats | None], live: Callable[[], int], pids: Callable[[], dict[str, int]]
-    ) -> None:
-        self.registry.register(_EngineCollector(stats, live, pids))
+        self, stats: Callable[[], EngineStats | None], live: Callable[[], int], pids: Callable[[], dict[str, int]],
+        caches: Callable[[], dict[str, int]],
+    ) -> None:  # fmt: skip
+        """caches: the frontend's cache sizes by name (grammar_cache_bytes, chat_transcripts)."""
+        self.registry.register(_EngineCollector(stats, live, pids, caches))
 
     def observe(self, output: RequestOutput, elapsed: float) -> None:
         """Account one engine output of a request that arrived `elapsed` seconds ago."""

@@ -69,6 +69,11 @@ class CbdService(_Base):
             lambda: self.engine.stats() if self.engine else None,
             lambda: self.engine.num_live_requests if self.engine else 0,
             lambda: {"frontend": os.getpid(), **({"engine": self.engine.pid} if self.engine else {})},
+            lambda: (
+                {"grammar_cache_bytes": self.engine.grammar_cache_bytes, "chat_transcripts": len(self.chats.logs)}
+                if self.engine
+                else {}
+            ),
         )
 
     def attach(self, engine: RemoteEngine) -> None:
