@@ -14,6 +14,15 @@ from cbd.gateway.errors import bad_request
 MAX_TOKEN_ID = (1 << 31) - 1
 
 
+def flag(body: dict[str, Any], name: str, default: bool) -> bool:
+    value = body.get(name, default)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise bad_request(f"{name} must be a boolean", name)
+    return value
+
+
 def token_ids(value: Any, param: str) -> list[int]:
     """A list of token ids, each from 0 to 2^31 - 1."""
     if not isinstance(value, list) or not all(

@@ -64,11 +64,9 @@ def chat_call(body: dict[str, Any], session_header: str | None, owner: str = "")
     if tools is not None:
         checks.tools(tools)
     checks.tool_choice(tool_choice)
-    parallel = body.get("parallel_tool_calls")
-    if parallel is not None and not isinstance(parallel, bool):
-        raise bad_request("parallel_tool_calls must be a boolean", "parallel_tool_calls")
+    parallel = checks.flag(body, "parallel_tool_calls", True)
     if tools:
-        _convert(lambda: set_tools(request, tools, tool_choice, parallel is not False))
+        _convert(lambda: set_tools(request, tools, tool_choice, parallel))
     elif tool_choice not in (None, "none", "auto"):
         raise bad_request("tool_choice needs tools", "tool_choice")
     response_format = body.get("response_format")

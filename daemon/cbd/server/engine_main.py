@@ -16,10 +16,10 @@ import sys
 
 import torch
 
-from cbd import allocator
 from cbd.config import EngineConfig
 from cbd.ipc.endpoint import serve
 from cbd.lifetime import die_with_parent
+from cbd.server import memory
 from cbd.server.logs import configure as configure_logging
 
 log = logging.getLogger("cbd.engine")
@@ -42,7 +42,7 @@ def main(argv: list[str] | None = None) -> int:
         return 1  # the daemon died before this process could ask to die with it
     configure_logging(args.log_level, log_file=args.log_file or None)
     config = EngineConfig.from_dict(json.loads(args.config_json))
-    allocator.configure(config.malloc_arena_max, config.malloc_mmap_threshold_kib)  # before the model loads
+    memory.configure(config)  # the allocator's settings, before the model loads
     threads = config.intra_op_threads()
     torch.set_num_threads(threads)
     log.info("engine process %d: %d intra-op threads", os.getpid(), threads)

@@ -31,15 +31,6 @@ def integer(body: dict[str, Any], name: str, low: int, high: int, required: bool
     return value
 
 
-def flag(body: dict[str, Any], name: str, default: bool) -> bool:
-    value = body.get(name, default)
-    if value is None:
-        return default
-    if not isinstance(value, bool):
-        raise bad_request(f"{name} must be a boolean", name)
-    return value
-
-
 def sampling(request: pb.GenerateRequest, body: dict[str, Any], max_tokens: int | None) -> None:
     """temperature, top_p, top_k and the token budget (None: up to the context, where generation ends anyway)."""
     s = request.sampling

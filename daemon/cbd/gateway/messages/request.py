@@ -17,6 +17,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
+from cbd.gateway import checks
 from cbd.gateway.agentic import convert
 from cbd.gateway.errors import bad_request
 from cbd_client.v1 import cbd_pb2 as pb
@@ -65,7 +66,7 @@ def parse(body: dict[str, Any]) -> MessagesCall:
     if isinstance(user, str):
         template.tenant = user[:128]
     ttl = max((_TTL[m] for m in marks), default=None)
-    return MessagesCall(template, messages, convert.flag(body, "stream", False), list(stops), ttl, marks)
+    return MessagesCall(template, messages, checks.flag(body, "stream", False), list(stops), ttl, marks)
 
 
 def _refuse_unsupported(body: dict[str, Any]) -> None:

@@ -16,6 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from cbd.gateway import checks
 from cbd.gateway.agentic import convert
 from cbd.gateway.errors import bad_request
 from cbd.gateway.responses import items
@@ -50,7 +51,7 @@ def parse(body: dict[str, Any]) -> Create:
     convert.sampling(template, body, max_tokens)
     tools = _tools(body.get("tools"))
     choice = _tool_choice(body.get("tool_choice"))
-    parallel = convert.flag(body, "parallel_tool_calls", True)
+    parallel = checks.flag(body, "parallel_tool_calls", True)
     if tools:
         convert.tools(template, tools, choice, parallel)
     elif choice not in (None, "none", "auto"):
@@ -62,9 +63,9 @@ def parse(body: dict[str, Any]) -> Create:
     metadata = body.get("metadata")
     if metadata is not None and not isinstance(metadata, dict):
         raise bad_request("metadata must be an object", "metadata")
-    store = convert.flag(body, "store", True)
-    stream = convert.flag(body, "stream", False)
-    background = convert.flag(body, "background", False)
+    store = checks.flag(body, "store", True)
+    stream = checks.flag(body, "stream", False)
+    background = checks.flag(body, "background", False)
     cache_key = body.get("prompt_cache_key")
     if cache_key is not None and not (isinstance(cache_key, str) and 0 < len(cache_key) <= 256):
         raise bad_request("prompt_cache_key must be a string of 1 to 256 characters", "prompt_cache_key")
