@@ -88,7 +88,9 @@ class Cluster:
         self.wait_healthy(len(self.addresses), timeout, cancelled, on_progress)
 
     def healthy(self) -> int:
-        """Replicas Envoy's health checks count as healthy (in the session cluster)."""
+        """Replicas Envoy's health checks count as healthy in both of its clusters (the session cluster and
+        the one calls without a session take): each cluster checks on its own, so a replica that went away
+        may still take plain calls while the session cluster has already dropped it."""
         import urllib.request
 
         try:
@@ -96,9 +98,13 @@ class Cluster:
                 clusters = json.load(r)["cluster_statuses"]
         except OSError:
             return 0
-        hosts = next((c.get("host_statuses", []) for c in clusters if c["name"] == "cbd_sessions"), [])
-        return sum(1 for h in hosts if h.get("health_status", {}).get("eds_health_status") == "HEALTHY"
-                   and not h["health_status"].get("failed_active_health_check"))  # fmt: skip
+
+        def count(name: str) -> int:
+            hosts = next((c.get("host_statuses", []) for c in clusters if c["name"] == name), [])
+            return sum(1 for h in hosts if h.get("health_status", {}).get("eds_health_status") == "HEALTHY"
+                       and not h["health_status"].get("failed_active_health_check"))  # fmt: skip
+
+        return min(count("cbd_sessions"), count("cbd_any"))
 
     def wait_healthy(
         self, count: int, timeout: float = 600.0, cancelled: Callable[[], bool] | None = None,
