@@ -9,8 +9,8 @@ export PYTHONPATH="$PWD/daemon:$PWD/client:${PYTHONPATH:-}"
 what="${1:-all}"
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv > "$OUT/gpu.txt" 2>&1
 if [[ $what == tests || $what == all || $what == quick ]]; then
-  python -m pytest -q -p no:cacheprovider tests/test_triton_kernels.py tests/test_gpu.py \
-    tests/test_overlap.py tests/test_flash_attention.py -k "not default_model" > "$OUT/gpu_tests.log" 2>&1
+  python -m pytest -q -p no:cacheprovider tests/gpu/test_triton_kernels.py tests/gpu/test_gpu.py \
+    tests/engine/test_overlap.py tests/gpu/test_flash_attention.py -k "not default_model" > "$OUT/gpu_tests.log" 2>&1
   echo "gpu tests: $(tail -1 "$OUT/gpu_tests.log")"
 fi
 if [[ $what == quick ]]; then

@@ -5,7 +5,7 @@ xgrammar (0.2.x) turns a schema into a grammar and silently skips keywords it ca
 reply held to such a schema may still violate it. A schema is therefore refused (InvalidRequest naming
 the keyword and its JSON path) unless every keyword in it is one the grammar enforces, or a metadata
 keyword that constrains nothing. Each keyword was checked against the installed library: a schema with
-it, and an instance that breaks it, which the compiled grammar must refuse (tests/test_schema_check.py).
+it, and an instance that breaks it, which the compiled grammar must refuse (tests/unit/test_schema_check.py).
 
 Known gap: `oneOf` is enforced as `anyOf` (an instance that matches two branches is let through); it
 is allowed because tool schemas use it widely for unions whose branches do not overlap.

@@ -15,11 +15,9 @@ import pytest
 
 from cbd_client import CbdError, Client
 from daemon_process import DaemonProcess
+from grammar_cases import SEARCH, WEATHER
 
 pytestmark = pytest.mark.slow
-WEATHER = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20},
-                                            "unit": {"enum": ["C", "F"]}}, "required": ["city", "unit"]}  # fmt: skip
-SEARCH = {"type": "object", "properties": {"query": {"type": "string", "maxLength": 30}}, "required": ["query"]}
 TOOLS = [{"name": "get_weather", "description": "Current weather in a city", "parameters": WEATHER},
          {"name": "search", "description": "Search the web", "parameters": SEARCH}]  # fmt: skip
 SCHEMAS = {"get_weather": WEATHER, "search": SEARCH}

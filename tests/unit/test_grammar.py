@@ -8,43 +8,10 @@ import re
 
 import jsonschema
 import pytest
-import torch
 
-from cbd.engine.grammar import MAX_GRAMMAR_BYTES, GrammarCompiler, GrammarKind, GrammarSpec, GrammarState, apply_bitmask
+from cbd.engine.grammar import MAX_GRAMMAR_BYTES, GrammarKind, GrammarSpec
 from cbd.errors import InvalidRequest
-
-SCHEMAS = {
-    "flat": {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
-             "required": ["name", "age"]},
-    "nested": {"type": "object", "properties": {
-        "user": {"type": "object", "properties": {"id": {"type": "integer", "minimum": 1, "maximum": 99},
-                                                  "email": {"type": "string", "pattern": "^[a-z]{1,8}@x\\.org$"}},
-                 "required": ["id", "email"]},
-        "tags": {"type": "array", "items": {"enum": ["red", "green", "blue"]}, "maxItems": 3}},
-        "required": ["user"]},
-    "numbers": {"type": "object", "properties": {"x": {"type": "number", "minimum": -1.5, "maximum": 2.5},
-                                                 "ok": {"type": "boolean"},
-                                                 "note": {"type": ["string", "null"], "maxLength": 24}},
-                "required": ["x", "ok", "note"]},
-}  # fmt: skip
-
-
-def walk(state: GrammarState, compiler: GrammarCompiler, seed: int, max_tokens: int = 400) -> list[int]:
-    """Sample from random logits under the grammar's mask until it terminates. Tokens that can close a string,
-    number or container get a bonus: a uniform walk would almost never end a free-form string."""
-    generator = torch.Generator().manual_seed(seed)
-    closing = torch.tensor([8.0 if any(c in t for c in b'"}]),') else 0.0 for t in compiler.info.decoded_vocab])
-    closing[list(compiler.info.stop_token_ids)] = 14.0  # ends free text after a tool call soon
-    bitmask = compiler.new_bitmask(1)
-    tokens: list[int] = []
-    while not state.finished and len(tokens) < max_tokens:
-        logits = torch.randn(1, compiler.vocab_size, generator=generator) * 3 + closing
-        state.fill(bitmask, 0)
-        apply_bitmask(logits, bitmask)
-        token = int(torch.multinomial(torch.softmax(logits, -1), 1, generator=generator))
-        assert state.accept(token)
-        tokens.append(token)
-    return tokens
+from grammar_cases import SCHEMAS, walk
 
 
 @pytest.mark.parametrize("name", sorted(SCHEMAS))

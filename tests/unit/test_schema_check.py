@@ -7,13 +7,12 @@ from __future__ import annotations
 import json
 
 import pytest
-from test_tools_daemon import SEARCH, WEATHER
 
 from cbd.engine.grammar import GrammarKind, GrammarSpec
 from cbd.engine.schema_check import FORMATS, MAX_SCHEMA_DEPTH, check_schema, load_schema
 from cbd.errors import InvalidRequest
 from cbd.server.tool_calls import parse_tools
-from test_grammar import SCHEMAS
+from grammar_cases import SCHEMAS, SEARCH, WEATHER
 
 REFUSED = [
     ({"not": {}}, "$.not", "'not'"),

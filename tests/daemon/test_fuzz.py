@@ -21,12 +21,12 @@ import pytest
 hypothesis = pytest.importorskip("hypothesis")
 from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
-from test_grammar_budgets import MASK_BOMB, schema_bomb  # noqa: E402
 
 from cbd_client import Client  # noqa: E402
 from cbd_client.v1 import cbd_pb2 as pb  # noqa: E402
 from cbd_client.v1.cbd_pb2_grpc import CbdStub  # noqa: E402
 from daemon_process import DaemonProcess  # noqa: E402
+from grammar_cases import MASK_BOMB, schema_bomb  # noqa: E402
 
 EXAMPLES = int(os.environ.get("CBD_FUZZ_EXAMPLES", "10000"))
 HOSTILE_EXAMPLES = int(os.environ.get("CBD_FUZZ_HOSTILE_EXAMPLES", "40"))

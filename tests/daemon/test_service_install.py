@@ -23,7 +23,7 @@ import pytest
 
 from cbd_client import Client
 
-ROOT = Path(__file__).parents[1]
+ROOT = Path(__file__).parents[2]
 UNIT = ROOT / "systemd" / "cbd.service"
 GATEWAY_UNIT = ROOT / "systemd" / "cbd-openai.service"
 INSTALLED_UNIT = Path("/etc/systemd/system/cbd.service")

@@ -19,7 +19,7 @@ from cbd.server.structured import structure
 from cbd.server.tool_call_parser import ToolCallParser
 from cbd.server.tool_calls import GENERIC, HERMES, LLAMA3_JSON, MISTRAL, CallFormat
 from cbd_client.v1 import cbd_pb2 as pb
-from test_grammar import walk
+from grammar_cases import walk
 
 WEATHER = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12}}, "required": ["city"]}
 ANSWER = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 10}, "n": {"type": "integer"}},

@@ -12,8 +12,8 @@ import pytest
 
 from cbd.engine.grammar import GrammarCompiler, GrammarKind, GrammarSpec
 from cbd.engine.sampling_params import SamplingParams
+from grammar_cases import SCHEMAS
 from helpers import make_core, run_all
-from test_grammar import SCHEMAS
 
 pytestmark = pytest.mark.slow
 

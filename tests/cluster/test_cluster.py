@@ -13,7 +13,7 @@ from cbd_client import AsyncClient, CbdError, Client
 from cbd_client.session import AsyncSession
 from daemon_process import free_port
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "deploy"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "deploy"))
 
 from cluster import Cluster, envoy_binary  # noqa: E402
 
@@ -252,7 +252,7 @@ def test_the_replica_and_envoy_units_verify(tmp_path) -> None:  # type: ignore[n
     analyze = shutil.which("systemd-analyze")
     if analyze is None:
         pytest.skip("systemd-analyze is not installed")
-    root = Path(__file__).resolve().parents[1] / "systemd"
+    root = Path(__file__).resolve().parents[2] / "systemd"
     binaries = {"/opt/cbd/bin/cbd": Path(sys.executable).with_name("cbd"), "/opt/cbd/bin/envoy": envoy_binary()}
     for source, name in (("cbd@.service", "cbd@0.service"), ("cbd-envoy.service", "cbd-envoy.service")):
         unit = (root / source).read_text()

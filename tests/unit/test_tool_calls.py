@@ -26,7 +26,7 @@ from cbd.server.tool_calls import (
     parse_tools,
     render_messages,
 )  # fmt: skip
-from test_grammar import walk
+from grammar_cases import walk
 
 WEATHER = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12},
                                             "unit": {"enum": ["C", "F"]}}, "required": ["city", "unit"]}  # fmt: skip

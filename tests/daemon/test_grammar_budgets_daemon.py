@@ -11,10 +11,10 @@ import time
 
 import grpc
 import pytest
-from test_grammar_budgets import COMPILE_BOMB, MASK_BOMB
 
 from cbd_client import CbdError, Client
 from daemon_process import DaemonProcess
+from grammar_cases import COMPILE_BOMB, MASK_BOMB
 
 pytestmark = pytest.mark.slow
 ASK = [{"role": "user", "content": "Write something."}]

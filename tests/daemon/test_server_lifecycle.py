@@ -180,9 +180,9 @@ def test_systemd_unit_verifies(tmp_path) -> None:  # type: ignore[no-untyped-def
     analyze = shutil.which("systemd-analyze")
     if analyze is None:
         pytest.skip("systemd-analyze is not installed")
-    # Everything but the executable's path, on any host; tests/test_service_install.py verifies the unit
+    # Everything but the executable's path, on any host; tests/daemon/test_service_install.py verifies the unit
     # unmodified after the documented install puts /opt/cbd/bin/cbd in place.
-    unit = (Path(__file__).parents[1] / "systemd" / "cbd.service").read_text()
+    unit = (Path(__file__).parents[2] / "systemd" / "cbd.service").read_text()
     assert "ExecStart=/opt/cbd/bin/cbd serve\n" in unit
     cbd = Path(sys.executable).with_name("cbd")  # this environment's entry point stands in for /opt/cbd/bin/cbd
     path = tmp_path / "cbd.service"

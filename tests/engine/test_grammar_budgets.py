@@ -6,7 +6,6 @@ its outcomes."""
 from __future__ import annotations
 
 import asyncio
-import json
 
 import pytest
 
@@ -15,20 +14,8 @@ from cbd.engine.sampling_params import SamplingParams
 from cbd.engine.sequence import FinishReason
 from cbd.errors import InvalidRequest
 from cbd.ipc.grammar_pool import CompileBudget, GrammarPool
+from grammar_cases import COMPILE_BOMB, MASK_BOMB, schema_bomb
 from helpers import checked_step, make_core, run_all
-
-# Ambiguous: the matcher's work per token grows with the length of the run of "a" (about cubically).
-MASK_BOMB = 'root ::= x{700} "."\nx ::= x x | "a"'
-# Counted repetitions in alternation: the compile grows with the square of the count, so 60 branches of
-# ~5000 take minutes (one branch ~3 s on a 2-core CI host), far past every compile budget the tests set
-# (at most 10 s) on any machine: what refuses them is the budget, never the machine being slow.
-COMPILE_BOMB = "|".join(f"[a-z]{{1,{5000 + i}}}x{i}" for i in range(60))
-
-
-def schema_bomb(tag: str) -> str:
-    """A JSON schema within every static bound whose compile takes minutes (its pattern is
-    COMPILE_BOMB); `tag`, in its description, makes each one distinct, so no cache answers it."""
-    return json.dumps({"type": "string", "description": tag, "pattern": COMPILE_BOMB})
 
 
 def test_a_grammar_over_its_mask_budget_ends_with_an_error_while_a_greedy_stream_advances(
