@@ -4,7 +4,7 @@ Decode: `triton_attention.decode` (kernel + merge) for one layer of the 8B shape
 heads, head_dim 128, block size 16, shuffled block tables), ten calls captured in a CUDA graph and
 replayed; µs per call and the KV bytes read per second. Policies: programs per SM / least keys per
 range / most ranges ("old": the cap of 16 ranges, every range active, before ranges followed each
-context). FP8 rows also vary the widening (w: `FP8_WIDEN`, see `_online_softmax_block`) and the keys
+context). FP8 rows also vary the widening (w: `FP8_WIDEN`, see `online_softmax_block`) and the keys
 per loop step (kf: x 64). Extend: a whole prefill of L tokens in chunks, the extend kernel's ms per layer summed over
 the chunks, and its causal attention FLOP rate, for several `Tile`s (rows, keys per step, warps, stages).
 The module's knobs are set per row and restored at the end.
@@ -22,12 +22,13 @@ import torch
 
 from cbd.model import kv_format
 from cbd.model import triton_attention as ta
+from cbd.model import triton_extend as te
 from cbd.model.attention import BatchLayout, layout_from_lists
 
 H, HKV, D, BS = 32, 8, 128, 16
-WIDEN_MODES = (3, 2, 1, 0)  # ta.FP8_WIDEN: how e4m3 tiles are widened (see _online_softmax_block)
+WIDEN_MODES = (3, 2, 1, 0)  # ta.FP8_WIDEN: how e4m3 tiles are widened (see online_softmax_block)
 POLICIES = [("old", 3, 1, 16), ("4/256/64", 4, 256, 64), ("8/256/64", 8, 256, 64), ("3/128/64", 3, 128, 64)]
-T = ta.Tile
+T = te.Tile
 BF16_TILES = [T(64, 64, 4, 2), T(128, 64, 4, 3), T(128, 32, 4, 3), T(128, 64, 4, 4), T(64, 64, 4, 3), T(128, 64, 8, 3)]
 FP8_TILES = [
     T(64, 128, 4, 2),
@@ -128,11 +129,11 @@ def sweep_extend() -> None:
                 ta.FP8_WIDEN = widen
                 line = f"{length:>6}/{chunk:<5} " + (f"fp8 w={widen}" if fp8 else "bf16")
                 for tile in FP8_TILES if fp8 else BF16_TILES:
-                    ta.LONG_TILE = ta.LONG_TILE_FP8 = tile
+                    te.LONG_TILE = te.LONG_TILE_FP8 = tile
 
                     def prefill(kv=kv, lays=lays, qs=qs) -> None:  # type: ignore[no-untyped-def]
                         for q, lay in zip(qs, lays):
-                            ta.extend(q, kv, lay.block_tables, lay.query_start, lay.context_lens, lay.max_query_len,
+                            te.extend(q, kv, lay.block_tables, lay.query_start, lay.context_lens, lay.max_query_len,
                                       BS, D**-0.5)  # fmt: skip
 
                     ms = eager_ms(prefill)
@@ -144,8 +145,8 @@ def sweep_extend() -> None:
 
 def main() -> None:
     which = sys.argv[1] if len(sys.argv) > 1 else "both"
-    knobs = (ta.PROGRAMS_PER_SM, ta.MIN_SPLIT, ta.MAX_SPLITS, ta.FP8_WIDEN, ta.DECODE_FP8_KEYS_FACTOR, ta.LONG_TILE,
-             ta.LONG_TILE_FP8)  # fmt: skip
+    knobs = (ta.PROGRAMS_PER_SM, ta.MIN_SPLIT, ta.MAX_SPLITS, ta.FP8_WIDEN, ta.DECODE_FP8_KEYS_FACTOR, te.LONG_TILE,
+             te.LONG_TILE_FP8)  # fmt: skip
     try:
         if which in ("both", "decode"):
             sweep_decode()
@@ -154,8 +155,8 @@ def main() -> None:
         if which in ("both", "extend"):
             sweep_extend()
     finally:
-        (ta.PROGRAMS_PER_SM, ta.MIN_SPLIT, ta.MAX_SPLITS, ta.FP8_WIDEN, ta.DECODE_FP8_KEYS_FACTOR, ta.LONG_TILE,
-         ta.LONG_TILE_FP8) = knobs  # fmt: skip
+        (ta.PROGRAMS_PER_SM, ta.MIN_SPLIT, ta.MAX_SPLITS, ta.FP8_WIDEN, ta.DECODE_FP8_KEYS_FACTOR, te.LONG_TILE,
+         te.LONG_TILE_FP8) = knobs  # fmt: skip
 
 
 if __name__ == "__main__":

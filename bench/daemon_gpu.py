@@ -47,7 +47,8 @@ from cbd.config import EngineConfig  # noqa: E402
 from cbd.engine.engine import Engine  # noqa: E402
 from cbd.engine.sampling_params import SamplingParams  # noqa: E402
 from cbd_client import Client  # noqa: E402
-from daemon_process import DaemonProcess, free_port  # noqa: E402
+from cbd_client.address import free_port  # noqa: E402
+from daemon_process import DaemonProcess  # noqa: E402
 
 OUT = Path(os.environ.get("OUT", "."))
 SHAPE = dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,

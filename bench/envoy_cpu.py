@@ -23,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from cluster import Cluster  # noqa: E402
 from grpc_cpu import messages, through_grpc  # noqa: E402
 
-from daemon_process import free_port  # noqa: E402
+from cbd_client.address import free_port  # noqa: E402
 
 
 def main() -> None:

@@ -103,13 +103,12 @@ def _advance(
 ) -> None:
     """Accept a random allowed token, preferring one after which more than the stop token may follow
     (so that short grammars such as json_object are walked further than `{}`)."""
+    ahead = torch.zeros(2, mask.shape[1], dtype=mask.dtype)  # row 1: the mask after the token (state unchanged)
     for _ in range(20):
         token = rng.choice(allowed)
-        assert state.accept(token)
-        state.fill(mask, 0)
-        if any(t not in stops for t in _allowed(mask, vocab)):
-            return
-        state.rollback(1)
+        state.fill_drafted(ahead, 0, [token])
+        if any(t not in stops for t in _allowed(ahead[1:], vocab)):
+            break
     assert state.accept(token)
 
 

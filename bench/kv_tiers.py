@@ -121,7 +121,7 @@ def run(core: EngineCore, system: list[int], agents: list[Agent], new_tokens: in
         "computed_prompt_tokens": prompt_tokens - cached_tokens,
         "offloaded_blocks": host.num_offloaded_blocks if host else 0,
         "restored_blocks": host.num_restored_blocks if host else 0,
-        "session_evictions": core.sessions.num_evictions,
+        "session_evictions": core.sessions.eviction.num_evictions,
         "preemptions": core.scheduler.num_preemptions,
         "answers": [a.answers for a in agents],
     }
@@ -134,8 +134,8 @@ def run(core: EngineCore, system: list[int], agents: list[Agent], new_tokens: in
 def restore_bandwidth(core: EngineCore, blocks: int) -> dict:
     """GB/s of the engine's copier restoring `blocks` blocks (host -> GPU, scattered GPU ids), and of one
     plain pinned host -> device copy of the same bytes, both timed with CUDA events."""
-    copier = core.copier
-    assert copier is not None and torch.cuda.is_available()
+    assert core.host_tier is not None and torch.cuda.is_available()
+    copier = core.host_tier.copier
     blocks = min(blocks, copier.host.shape[0], core.block_manager.num_blocks)
     gpu_ids = random.Random(0).sample(range(core.block_manager.num_blocks), blocks)
     host_ids = list(range(blocks))

@@ -27,7 +27,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
 from grpc_cpu import messages, through_grpc  # noqa: E402
 
-from daemon_process import DaemonProcess, free_port  # noqa: E402
+from cbd_client.address import free_port  # noqa: E402
+from daemon_process import DaemonProcess  # noqa: E402
 
 
 async def through_gateway(url: str, prompts: list, new_tokens: int) -> float:

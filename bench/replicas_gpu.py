@@ -37,7 +37,8 @@ from cluster import Cluster  # noqa: E402
 from daemon_gpu import build_checkpoint  # noqa: E402
 
 from cbd_client import AsyncClient  # noqa: E402
-from daemon_process import DaemonProcess, free_port  # noqa: E402
+from cbd_client.address import free_port  # noqa: E402
+from daemon_process import DaemonProcess  # noqa: E402
 
 
 async def agents_run(address: str, args: argparse.Namespace) -> dict:

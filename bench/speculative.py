@@ -204,7 +204,7 @@ def gpu(args: argparse.Namespace) -> None:
                               enable_prefix_caching=False)  # fmt: skip
         core = EngineCore(loaded, config)
         core.warm_up()
-        core.scheduler.draft_backoff = False
+        core.scheduler.speculator.backoff = False
         row = {}
         graphs = core.runner.graphs
         assert graphs is not None and graphs.queries, "no verifying graphs were captured"
@@ -216,8 +216,8 @@ def gpu(args: argparse.Namespace) -> None:
             + [(f"k={k_eager} eager", _FixedDrafter(k_eager), k_eager)]
         ):
             graphs.queries = [] if label.endswith("eager") else queries  # no verifying graph: eager steps
-            core.scheduler.drafter = drafter
-            core.scheduler.num_speculative_tokens = k if drafter is not None else 0
+            core.scheduler.speculator.drafter = drafter
+            core.scheduler.speculator.num_speculative_tokens = k if drafter is not None else 0
             prompts = [[rng.randrange(100, 120000) for _ in range(args.prompt_len)] for _ in range(batch)]
             params = SamplingParams(max_tokens=1000, temperature=0.0, ignore_eos=True)
             requests = [core.add_request(p, params) for p in prompts]

@@ -15,7 +15,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -27,15 +26,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from envoy import bootstrap  # noqa: E402
 
+from cbd_client.address import free_port  # noqa: E402
+
 
 def envoy_binary() -> str | None:
     return shutil.which("envoy") or next((str(p) for p in (Path(sys.executable).parent / "envoy",) if p.exists()), None)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Cluster:
@@ -53,7 +48,7 @@ class Cluster:
         self.addresses = [f"unix:{directory}/cbd-{i}.sock" for i in range(replicas)]
         self.replicas: list[subprocess.Popen] = []
         self.envoy: subprocess.Popen | None = None
-        self.admin_port = _free_port()
+        self.admin_port = free_port()
 
     def start_replica(self, i: int) -> subprocess.Popen:
         env = dict(os.environ)

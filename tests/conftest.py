@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 
 from cbd.model.loader import LoadedModel, load_model
-from daemon_process import DaemonProcess
+from daemon_process import DaemonFactory, DaemonProcess, serving
 
 torch.set_num_threads(max(1, min(2, torch.get_num_threads())))
 
@@ -17,7 +19,7 @@ def gpu_available() -> bool:
     return torch.cuda.is_available()
 
 
-def pytest_collection_modifyitems(config, items):  # type: ignore[no-untyped-def]
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     skip = pytest.mark.skip(reason="needs a CUDA device")
     for item in items:
         if "gpu" in item.keywords and not gpu_available():
@@ -64,7 +66,7 @@ def build_tiny_checkpoint(directory: Path, kind: str, seed: int = 0, tie: bool =
 
 
 @pytest.fixture(scope="session")
-def tiny_checkpoint(tmp_path_factory):  # type: ignore[no-untyped-def]
+def tiny_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Path]:
     cache: dict[tuple[str, bool], Path] = {}
 
     def make(kind: str = "llama", tie: bool = False) -> Path:
@@ -77,7 +79,7 @@ def tiny_checkpoint(tmp_path_factory):  # type: ignore[no-untyped-def]
 
 
 @pytest.fixture(scope="session")
-def tiny_loaded(tiny_checkpoint) -> LoadedModel:  # type: ignore[no-untyped-def]
+def tiny_loaded(tiny_checkpoint: Callable[..., Path]) -> LoadedModel:
     return load_model(str(tiny_checkpoint("llama")))
 
 
@@ -88,14 +90,14 @@ def default_model() -> LoadedModel:
 
 
 @pytest.fixture(scope="session")
-def default_hf(default_model):  # type: ignore[no-untyped-def]
+def default_hf(default_model: LoadedModel) -> Any:
     from transformers import AutoModelForCausalLM
 
     return AutoModelForCausalLM.from_pretrained(default_model.checkpoint_dir, dtype=torch.float32).eval()
 
 
 @pytest.fixture(scope="session")
-def compiler():  # type: ignore[no-untyped-def]
+def compiler() -> Any:
     """A grammar compiler for the embedded model's tokenizer (the model's weights are not loaded)."""
     from transformers import AutoTokenizer
 
@@ -107,16 +109,45 @@ def compiler():  # type: ignore[no-untyped-def]
 
 
 @pytest.fixture()
-def tiny_daemon(tiny_checkpoint, tmp_path):  # type: ignore[no-untyped-def]
-    """Start real daemons serving the tiny llama checkpoint (flags, env); all are stopped at the end."""
+def tiny_daemon(tiny_checkpoint: Callable[..., Path], tmp_path: Path) -> Iterator[DaemonFactory]:
+    """Start real daemons serving the tiny llama checkpoint (flags, env, socket_name); all are stopped at the end."""
+    factory = DaemonFactory(tmp_path, str(tiny_checkpoint("llama")))
+    yield factory
+    factory.stop_all()
 
-    def start(*flags: str, env: dict[str, str] | None = None) -> DaemonProcess:
-        d = DaemonProcess(tmp_path / "cbd.sock", "--model", str(tiny_checkpoint("llama")), *flags, env=env)
-        d.wait_serving(120)
-        started.append(d)
-        return d
 
-    started: list[DaemonProcess] = []
-    yield start
-    for d in started:
-        d.stop()
+@pytest.fixture(scope="session")
+def shared_tiny_daemon(
+    tiny_checkpoint: Callable[..., Path], tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[DaemonProcess]:
+    """One daemon on the tiny llama checkpoint with the default flags, shared by every test that only calls it."""
+    with serving(tmp_path_factory.mktemp("shared-tiny"), model=str(tiny_checkpoint("llama"))) as d:
+        yield d
+
+
+MiB = 1 << 20
+SHARED_DAEMON_FLAGS = ("--max-message-bytes", str(64 * MiB))
+
+
+@pytest.fixture(scope="session")
+def shared_daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DaemonProcess]:
+    """One daemon on the embedded default model, shared by the whole run: every test that only calls it
+    (no flags of its own, no auth, nothing killed or restarted). Its gRPC message limit is 64 MiB, so that
+    a prompt's own bound (not the message size) is what refuses big prompts (tests/daemon/test_prompt_bounds.py)."""
+    with serving(tmp_path_factory.mktemp("shared-default"), *SHARED_DAEMON_FLAGS) as d:
+        yield d
+
+
+@pytest.fixture(scope="session")
+def tenant_daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DaemonProcess]:
+    """The default model behind two bearer tokens (two tenants, gateway_stack.TOKEN and OTHER_TOKEN), shared by
+    the agent-API modules: each puts its own gateway (and state directory) in front of it."""
+    from gateway_stack import start_daemon
+
+    tmp = tmp_path_factory.mktemp("shared-tenants")
+    d = start_daemon(tmp)
+    try:
+        d.wait_serving()
+        yield d
+    finally:
+        assert d.stop() == 0, d.log()[-4000:]

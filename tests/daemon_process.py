@@ -1,24 +1,22 @@
-"""Start a real `cbd serve` process on a temporary unix socket and watch its health and its processes."""
+"""Start a real `cbd serve` process on a temporary unix socket and watch its health and its processes.
+
+`serving()` is the one way a fixture starts a daemon it shares (module or session scope): it waits until the
+daemon serves and, at the end, asserts that it stopped cleanly. Tests that kill, drain or signal their daemon
+start their own through conftest's `tiny_daemon` factory, which only stops what is still running."""
 
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-
-
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that nothing listens on now."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def children(pid: int) -> list[int]:
@@ -115,6 +113,41 @@ class DaemonProcess:
     def log(self) -> str:
         self._log.flush()
         return self.log_path.read_text()
+
+
+class DaemonFactory:
+    """Starts real daemons (`cbd serve`) serving one checkpoint, each on its own socket in one directory, and
+    stops every one still running at the end: the one factory behind every test that needs a daemon of its
+    own (one that changes flags, kills, drains, signals or restarts it)."""
+
+    def __init__(self, directory: Path, model: str | None) -> None:
+        self.directory, self.model = directory, model
+        self.started: list[DaemonProcess] = []
+
+    def __call__(self, *flags: str, env: dict[str, str] | None = None, socket_name: str = "cbd.sock") -> DaemonProcess:
+        model = ("--model", self.model) if self.model else ()
+        d = DaemonProcess(self.directory / socket_name, *model, *flags, env=env)
+        self.started.append(d)
+        d.wait_serving(120 if self.model else 300)
+        return d
+
+    def stop_all(self) -> None:
+        for d in self.started:
+            d.stop()
+
+
+@contextmanager
+def serving(
+    directory: Path, *flags: str, model: str | None = None, env: dict[str, str] | None = None, timeout: float = 300.0
+) -> Iterator[DaemonProcess]:
+    """A daemon on `directory`/cbd.sock (`model`: a checkpoint; None: the embedded default model), serving
+    until the block ends; it must then exit 0 (a shared daemon that crashed fails its fixture's last user)."""
+    d = DaemonProcess(directory / "cbd.sock", *(("--model", model) if model else ()), *flags, env=env)
+    try:
+        d.wait_serving(timeout)
+        yield d
+    finally:
+        assert d.stop() == 0, d.log()[-4000:]
 
 
 class BackgroundStream:

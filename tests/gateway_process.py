@@ -10,7 +10,7 @@ from pathlib import Path
 
 import httpx
 
-from daemon_process import free_port
+from cbd_client.address import free_port
 
 
 class GatewayProcess:

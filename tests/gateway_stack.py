@@ -1,12 +1,16 @@
 """A real daemon (the embedded model, two bearer tokens: two tenants) and a real `cbd openai` gateway
-in front of it, with its state directory in a temporary folder: the agent API tests' stack."""
+in front of it, with its state directory in a temporary folder: the agent API tests' stack.
+
+The daemon is conftest's session-wide `tenant_daemon` unless the module restarts it (then it is the stack's own);
+the gateway and its state directory are always the module's own."""
 
 from __future__ import annotations
 
 from collections.abc import Iterator
 from pathlib import Path
 
-from daemon_process import DaemonProcess, free_port
+from cbd_client.address import free_port
+from daemon_process import DaemonProcess
 from gateway_process import GatewayProcess
 
 TOKEN = "alice-token"
@@ -14,8 +18,8 @@ OTHER_TOKEN = "bob-token"
 
 
 class Stack:
-    def __init__(self, daemon: DaemonProcess, tmp: Path) -> None:
-        self.daemon, self.tmp = daemon, tmp
+    def __init__(self, daemon: DaemonProcess, tmp: Path, owns_daemon: bool) -> None:
+        self.daemon, self.tmp, self.owns_daemon = daemon, tmp, owns_daemon
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.gateway: GatewayProcess | None = None
@@ -37,22 +41,27 @@ class Stack:
 
     def restart_daemon(self) -> None:
         """Stop the daemon (its sessions and prefix cache go with it) and serve again on the same address."""
+        assert self.owns_daemon, "the shared daemon is not restarted: use stack(tmp) for a daemon of the module's own"
         assert self.daemon.stop() == 0, self.daemon.log()
         self.daemon = start_daemon(self.tmp)
         self.daemon.wait_serving()
 
 
 def start_daemon(tmp: Path) -> DaemonProcess:
+    """A daemon (not yet serving) behind the two tokens, its socket and token file in `tmp`."""
+    (tmp / "tokens").write_text(f"alice {TOKEN}\nbob {OTHER_TOKEN}\n")
     return DaemonProcess(tmp / "cbd.sock", "--auth-token-file", str(tmp / "tokens"))
 
 
-def stack(tmp: Path) -> Iterator[Stack]:
-    (tmp / "tokens").write_text(f"alice {TOKEN}\nbob {OTHER_TOKEN}\n")
-    s = Stack(start_daemon(tmp), tmp)
+def stack(tmp: Path, daemon: DaemonProcess | None = None) -> Iterator[Stack]:
+    """A gateway in `tmp` over `daemon` (the shared tenant daemon), or over a daemon of its own (None)."""
+    s = Stack(daemon or start_daemon(tmp), tmp, owns_daemon=daemon is None)
     try:
-        s.daemon.wait_serving()
+        if s.owns_daemon:
+            s.daemon.wait_serving()
         s.start_gateway()
         yield s
     finally:
         s.stop_gateway()
-        assert s.daemon.stop() == 0, s.daemon.log()
+        if s.owns_daemon:
+            assert s.daemon.stop() == 0, s.daemon.log()

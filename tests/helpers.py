@@ -1,7 +1,13 @@
 """Test helpers: build an EngineCore, step it with the block manager's invariants checked after every
-step, drive it to completion, and compare greedy outputs with transformers."""
+step, drive it to completion, and compare greedy outputs with transformers; how many examples a fuzz test
+draws; waiting for a condition with a bound (never sleep-then-assert)."""
 
 from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable
+from typing import TypeVar
 
 import torch
 
@@ -12,6 +18,16 @@ from cbd.engine.sampling_params import SamplingParams
 from cbd.model.loader import LoadedModel
 
 NEAR_TIE = 1e-4
+T = TypeVar("T")
+# CI (CI=true, as .ci/run is run) keeps the fuzz tests' thorough counts; a local run draws fewer by default.
+THOROUGH = os.environ.get("CI", "").lower() in ("1", "true", "yes")
+
+
+def fuzz_examples(variable: str, thorough: int, quick: int) -> int:
+    """A fuzz test's example count: the environment variable `variable` if set, else `thorough` in CI and
+    `quick` elsewhere (the tests derandomize hypothesis: a count always draws the same examples)."""
+    value = os.environ.get(variable)
+    return int(value) if value else thorough if THOROUGH else quick
 
 
 def make_core(loaded: LoadedModel, **overrides) -> EngineCore:  # type: ignore[no-untyped-def]
@@ -85,3 +101,15 @@ def assert_greedy_matches(core: EngineCore, hf_model, prompt: list[int], ours: l
             f"diverged at new token {i}: ours {a} vs transformers {b}, top-2 gaps {our_gap:.2e} / {hf_gap:.2e}"
         )
         return
+
+
+def poll_until(condition: Callable[[], T | None], timeout: float = 30.0, every: float = 0.05, what: str = "") -> T:
+    """The first truthy value of `condition()`, polled until `timeout` seconds have passed (then AssertionError
+    naming `what`): the bound says how long a test may wait, not how fast the daemon must be."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = condition()
+        if value:
+            return value
+        assert time.monotonic() < deadline, f"still not true after {timeout}s: {what}"
+        time.sleep(every)

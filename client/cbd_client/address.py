@@ -1,8 +1,9 @@
-"""Where the daemon listens by default; shared by the daemon and the client."""
+"""Where the daemon listens by default; shared by the daemon and the client (and a free TCP port for tools)."""
 
 from __future__ import annotations
 
 import os
+import socket
 
 
 def default_address() -> str:
@@ -27,3 +28,10 @@ def tls_credentials(ca: str, cert: str | None = None, key: str | None = None):
             return f.read()
 
     return grpc.ssl_channel_credentials(read(ca), read(key), read(cert))
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on now (for tests, benchmarks and deploy/cluster.py)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

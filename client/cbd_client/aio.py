@@ -8,20 +8,22 @@ async with AsyncClient() as client:
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Callable
-from typing import Any
+import contextlib
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
+from typing import Any, TypeVar
 
 import grpc
 
-from cbd_client import _convert, readiness
-from cbd_client._convert import Prompt
+from cbd_client import calls, readiness, replies
 from cbd_client.address import default_address, tls_credentials
 from cbd_client.errors import CbdError
-from cbd_client.routing import Routes
+from cbd_client.routing import Routes, affinity_key, with_affinity
 from cbd_client.session import AsyncSession
-from cbd_client.types import Completion, Delta, ModelInfo, SessionInfo, Stats
+from cbd_client.types import Completion, Delta, ModelInfo, Prompt, SessionInfo, Stats
 from cbd_client.v1 import cbd_pb2 as pb
 from cbd_client.v1.cbd_pb2_grpc import CbdStub
+
+R = TypeVar("R")
 
 
 class AsyncClient:
@@ -54,19 +56,11 @@ class AsyncClient:
         timeout: float | None = None,
         **options: Any,
     ) -> Completion:
-        builder = _convert.CompletionBuilder(n)
-        request = _convert.generate_request(prompt, n, options)
-        key = request.session_id or options.get("affinity")
-        call = self._stub.Generate(
-            request, timeout=timeout or self.timeout, metadata=_convert.with_affinity(self._metadata, key, self._routes)
-        )
-        try:
-            async for response in call:
+        """As Client.generate."""
+        builder = replies.CompletionBuilder(n)
+        async with contextlib.aclosing(self._responses(calls.generate(prompt, n, options), timeout)) as responses:
+            async for response in responses:
                 builder.add(response)
-        except grpc.RpcError as e:
-            raise CbdError.from_rpc(e) from None
-        finally:
-            await self._learn(key, call)
         return builder.result()
 
     async def stream(
@@ -78,31 +72,20 @@ class AsyncClient:
         **options: Any,
     ) -> AsyncIterator[Delta]:
         """Yield deltas as they arrive; closing the iterator early cancels the request on the daemon."""
-        request = _convert.generate_request(prompt, n, options)
-        key = request.session_id or options.get("affinity")
-        call = self._stub.Generate(
-            request, timeout=timeout or self.timeout, metadata=_convert.with_affinity(self._metadata, key, self._routes)
-        )
-        try:
-            async for response in call:
-                for delta in _convert.deltas(response):
+        async with contextlib.aclosing(self._responses(calls.generate(prompt, n, options), timeout)) as responses:
+            async for response in responses:
+                for delta in replies.deltas(response):
                     yield delta
-        except grpc.RpcError as e:
-            raise CbdError.from_rpc(e) from None
-        finally:
-            call.cancel()
-            await self._learn(key, call)
 
     async def tokenize(self, prompt: str | list[dict[str, str]], allow_special_tokens: bool = False) -> list[int]:
-        request = pb.TokenizeRequest(allow_special_tokens=allow_special_tokens)
-        _convert.set_prompt(request, prompt)
-        return list((await self._call(self._stub.Tokenize, request)).token_ids)
+        """As Client.tokenize."""
+        return await self._run(calls.tokenize(prompt, allow_special_tokens))
 
     async def model_info(self) -> ModelInfo:
-        return _convert.model_info(await self._call(self._stub.GetModelInfo, pb.GetModelInfoRequest()))
+        return await self._run(calls.model_info())
 
     async def stats(self) -> Stats:
-        return _convert.stats(await self._call(self._stub.GetStats, pb.GetStatsRequest()))
+        return await self._run(calls.stats())
 
     async def session(
         self, prefix: Prompt | None = None, ttl: float | None = None, session_id: str | None = None,
@@ -110,35 +93,26 @@ class AsyncClient:
         priority: str | None = None,
     ) -> AsyncSession:  # fmt: skip
         """As Client.session."""
-        sid = session_id or _convert.new_session_id()
-        request = _convert.open_session_request(prefix, ttl, sid, expected_idle_ms, retention, priority)
-        info = _convert.session_info(await self._call(self._stub.OpenSession, request, sid))
+        info = await self._run(calls.open_session(prefix, ttl, session_id, expected_idle_ms, retention, priority))
         return AsyncSession(self, info, prefix, ttl, recover)
 
     async def get_session(self, session_id: str, tenant: str = "") -> SessionInfo:
         """As Client.get_session."""
-        request = pb.GetSessionRequest(session_id=session_id, tenant=tenant)
-        return _convert.session_info(await self._call(self._stub.GetSession, request, session_id))
+        return await self._run(calls.get_session(session_id, tenant))
 
     async def list_sessions(self, all_tenants: bool = False) -> list[SessionInfo]:
         """As Client.list_sessions."""
-        reply = await self._call(self._stub.ListSessions, pb.ListSessionsRequest(all_tenants=all_tenants))
-        return [_convert.session_info(s) for s in reply.sessions]
+        return await self._run(calls.list_sessions(all_tenants))
 
     async def fork_session(
         self, session_id: str, candidate: int | None = None, ttl: float | None = None, new_session_id: str | None = None
     ) -> SessionInfo:
         """As Client.fork_session."""
-        request = pb.ForkSessionRequest(session_id=session_id, ttl_seconds=ttl or 0.0,
-                                        new_session_id=new_session_id or _convert.fork_session_id(session_id))  # fmt: skip
-        if candidate is not None:
-            request.candidate = candidate
-        return _convert.session_info(await self._call(self._stub.ForkSession, request, session_id))
+        return await self._run(calls.fork_session(session_id, candidate, ttl, new_session_id))
 
     async def close_session(self, session_id: str, tenant: str = "") -> None:
         """As Client.close_session."""
-        request = pb.CloseSessionRequest(session_id=session_id, tenant=tenant)
-        await self._call(self._stub.CloseSession, request, session_id)
+        await self._run(calls.close_session(session_id, tenant))
 
     async def wait_ready(self, timeout: float = 120.0, on_wait: Callable[[str], None] | None = None) -> ModelInfo:
         """As Client.wait_ready: fail at once where no daemon listens, wait while one is loading."""
@@ -162,16 +136,33 @@ class AsyncClient:
     async def __aexit__(self, *exc: object) -> None:
         await self.close()
 
-    async def _call(self, method, request, session_id: str | None = None):
-        call = method(
-            request, timeout=self.timeout, metadata=_convert.with_affinity(self._metadata, session_id, self._routes)
-        )
+    async def _run(self, call: calls.Unary[R]) -> R:
+        metadata = with_affinity(self._metadata, call.key, self._routes)
+        rpc = getattr(self._stub, call.method)(call.request, timeout=self.timeout, metadata=metadata)
         try:
-            return await call
+            response = await rpc
         except grpc.RpcError as e:
             raise CbdError.from_rpc(e) from None
         finally:
-            await self._learn(session_id, call)
+            await self._learn(call.key, rpc)
+        return call.result(response)
+
+    async def _responses(
+        self, call: calls.Generate, timeout: float | None
+    ) -> AsyncGenerator[pb.GenerateResponse, None]:
+        """The call's responses; closing the iterator early cancels the call on the daemon."""
+        rpc = self._stub.Generate(
+            call.request, timeout=timeout or self.timeout,
+            metadata=with_affinity(self._metadata, call.key, self._routes),
+        )  # fmt: skip
+        try:
+            async for response in rpc:
+                yield response
+        except grpc.RpcError as e:
+            raise CbdError.from_rpc(e) from None
+        finally:
+            rpc.cancel()  # a no-op once the stream has ended
+            await self._learn(call.key, rpc)
 
     async def _learn(self, key: str | None, call: Any) -> None:
         """Remember the replica a proxy named in the call's response headers for its affinity key."""
@@ -180,4 +171,4 @@ class AsyncClient:
                 metadata = [*((await call.initial_metadata()) or ()), *((await call.trailing_metadata()) or ())]
             except (grpc.RpcError, asyncio.CancelledError):
                 return
-            self._routes.learn(_convert.affinity_key(key), metadata)
+            self._routes.learn(affinity_key(key), metadata)

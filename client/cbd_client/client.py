@@ -18,21 +18,23 @@ be away after the turn, e.g. while a tool runs) and retention= "low" | "normal" 
 
 from __future__ import annotations
 
+import contextlib
 import time
-from collections.abc import Callable, Iterator
-from typing import Any
+from collections.abc import Callable, Generator, Iterator
+from typing import Any, TypeVar
 
 import grpc
 
-from cbd_client import _convert, readiness
-from cbd_client._convert import Prompt
+from cbd_client import calls, readiness, replies
 from cbd_client.address import default_address, tls_credentials
 from cbd_client.errors import CbdError
-from cbd_client.routing import Routes
+from cbd_client.routing import Routes, affinity_key, with_affinity
 from cbd_client.session import Session
-from cbd_client.types import Completion, Delta, ModelInfo, SessionInfo, Stats
+from cbd_client.types import Completion, Delta, ModelInfo, Prompt, SessionInfo, Stats
 from cbd_client.v1 import cbd_pb2 as pb
 from cbd_client.v1.cbd_pb2_grpc import CbdStub
+
+R = TypeVar("R")
 
 
 class Client:
@@ -67,20 +69,10 @@ class Client:
     ) -> Completion:
         """Run to completion and return every candidate. options: request_id, session_id, parent_candidate,
         tools, tool_choice, response_format and the sampling keywords (see the module docstring)."""
-        builder = _convert.CompletionBuilder(n)
-        request = _convert.generate_request(prompt, n, options)
-        key = request.session_id or options.get("affinity")
-        call = self._stub.Generate(
-            request, timeout=timeout or self.timeout, metadata=_convert.with_affinity(self._metadata, key, self._routes)
-        )
-        try:
-            for response in call:
+        builder = replies.CompletionBuilder(n)
+        with contextlib.closing(self._responses(calls.generate(prompt, n, options), timeout)) as responses:
+            for response in responses:
                 builder.add(response)
-        except grpc.RpcError as e:
-            raise CbdError.from_rpc(e) from None
-        finally:
-            call.cancel()  # a no-op once the stream has ended; otherwise (interrupted) learning must not wait
-            self._learn(key, call)
         return builder.result()
 
     def stream(
@@ -92,31 +84,19 @@ class Client:
         **options: Any,
     ) -> Iterator[Delta]:
         """Yield deltas as they arrive; leaving the loop early cancels the request on the daemon."""
-        request = _convert.generate_request(prompt, n, options)
-        key = request.session_id or options.get("affinity")
-        call = self._stub.Generate(
-            request, timeout=timeout or self.timeout, metadata=_convert.with_affinity(self._metadata, key, self._routes)
-        )
-        try:
-            for response in call:
-                yield from _convert.deltas(response)
-        except grpc.RpcError as e:
-            raise CbdError.from_rpc(e) from None
-        finally:
-            call.cancel()  # a no-op once the stream has ended
-            self._learn(key, call)
+        with contextlib.closing(self._responses(calls.generate(prompt, n, options), timeout)) as responses:
+            for response in responses:
+                yield from replies.deltas(response)
 
     def tokenize(self, prompt: str | list[dict[str, str]], allow_special_tokens: bool = False) -> list[int]:
         """allow_special_tokens: special-token strings in a text prompt become their tokens (raw mode)."""
-        request = pb.TokenizeRequest(allow_special_tokens=allow_special_tokens)
-        _convert.set_prompt(request, prompt)
-        return list(self._call(self._stub.Tokenize, request).token_ids)
+        return self._run(calls.tokenize(prompt, allow_special_tokens))
 
     def model_info(self) -> ModelInfo:
-        return _convert.model_info(self._call(self._stub.GetModelInfo, pb.GetModelInfoRequest()))
+        return self._run(calls.model_info())
 
     def stats(self) -> Stats:
-        return _convert.stats(self._call(self._stub.GetStats, pb.GetStatsRequest()))
+        return self._run(calls.stats())
 
     def session(
         self, prefix: Prompt | None = None, ttl: float | None = None, session_id: str | None = None,
@@ -129,36 +109,27 @@ class Client:
         re-open it elsewhere and retry the turn (see session.py). expected_idle_ms, retention: retention
         hints ("low" | "normal" | "high"; see the proto's SessionInfo.kv_tier); turns take them too.
         priority: the class its turns are scheduled in ("interactive" | "batch"), unless a turn says."""
-        sid = session_id or _convert.new_session_id()
-        request = _convert.open_session_request(prefix, ttl, sid, expected_idle_ms, retention, priority)
-        info = _convert.session_info(self._call(self._stub.OpenSession, request, sid))
+        info = self._run(calls.open_session(prefix, ttl, session_id, expected_idle_ms, retention, priority))
         return Session(self, info, prefix, ttl, recover)
 
     def get_session(self, session_id: str, tenant: str = "") -> SessionInfo:
         """tenant: the admin token only, another tenant's session (see the proto's Tenants)."""
-        request = pb.GetSessionRequest(session_id=session_id, tenant=tenant)
-        return _convert.session_info(self._call(self._stub.GetSession, request, session_id))
+        return self._run(calls.get_session(session_id, tenant))
 
     def list_sessions(self, all_tenants: bool = False) -> list[SessionInfo]:
         """The caller's open sessions (every tenant's: the admin token with all_tenants)."""
-        reply = self._call(self._stub.ListSessions, pb.ListSessionsRequest(all_tenants=all_tenants))
-        return [_convert.session_info(s) for s in reply.sessions]
+        return self._run(calls.list_sessions(all_tenants))
 
     def fork_session(
         self, session_id: str, candidate: int | None = None, ttl: float | None = None, new_session_id: str | None = None
     ) -> SessionInfo:
         """A new session continuing this one; its id (default: this one's affinity key + a suffix) keeps it
         on the same daemon behind a proxy."""
-        request = pb.ForkSessionRequest(session_id=session_id, ttl_seconds=ttl or 0.0,
-                                        new_session_id=new_session_id or _convert.fork_session_id(session_id))  # fmt: skip
-        if candidate is not None:
-            request.candidate = candidate
-        return _convert.session_info(self._call(self._stub.ForkSession, request, session_id))
+        return self._run(calls.fork_session(session_id, candidate, ttl, new_session_id))
 
     def close_session(self, session_id: str, tenant: str = "") -> None:
         """tenant: as get_session's."""
-        request = pb.CloseSessionRequest(session_id=session_id, tenant=tenant)
-        self._call(self._stub.CloseSession, request, session_id)
+        self._run(calls.close_session(session_id, tenant))
 
     def wait_ready(self, timeout: float = 120.0, on_wait: Callable[[str], None] | None = None) -> ModelInfo:
         """Block until the daemon is up and warm. No daemon at the address (no socket file, connection
@@ -184,19 +155,35 @@ class Client:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def _call(self, method, request, session_id: str | None = None):
-        metadata = _convert.with_affinity(self._metadata, session_id, self._routes)
+    def _run(self, call: calls.Unary[R]) -> R:
+        metadata = with_affinity(self._metadata, call.key, self._routes)
         try:
-            response, call = method.with_call(request, timeout=self.timeout, metadata=metadata)
+            response, rpc = getattr(self._stub, call.method).with_call(
+                call.request, timeout=self.timeout, metadata=metadata
+            )
         except grpc.RpcError as e:
-            self._learn(session_id, e)
+            self._learn(call.key, e)
             raise CbdError.from_rpc(e) from None
-        self._learn(session_id, call)
-        return response
+        self._learn(call.key, rpc)
+        return call.result(response)
+
+    def _responses(self, call: calls.Generate, timeout: float | None) -> Generator[pb.GenerateResponse, None, None]:
+        """The call's responses; closing the iterator early cancels the call on the daemon."""
+        rpc = self._stub.Generate(
+            call.request, timeout=timeout or self.timeout,
+            metadata=with_affinity(self._metadata, call.key, self._routes),
+        )  # fmt: skip
+        try:
+            yield from rpc
+        except grpc.RpcError as e:
+            raise CbdError.from_rpc(e) from None
+        finally:
+            rpc.cancel()  # a no-op once the stream has ended; otherwise (interrupted) learning must not wait
+            self._learn(call.key, rpc)
 
     def _learn(self, key: str | None, call: Any) -> None:
         """Remember the replica a proxy named in the call's response headers for its affinity key."""
         if key and hasattr(call, "initial_metadata"):
             # An error answer has no headers of its own: the proxy's header comes with the trailers then.
-            self._routes.learn(_convert.affinity_key(key), [*(call.initial_metadata() or ()),
-                                                            *(call.trailing_metadata() or ())])  # fmt: skip
+            self._routes.learn(affinity_key(key), [*(call.initial_metadata() or ()),
+                                                   *(call.trailing_metadata() or ())])  # fmt: skip

@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import grpc
 
-# The daemon's retry hint on RESOURCE_EXHAUSTED, in gRPC's standard trailer (gRFC A6).
-_PUSHBACK_KEY = "grpc-retry-pushback-ms"
+from cbd_client.contract import RETRY_PUSHBACK_HEADER
 
 
 class CbdError(Exception):
@@ -35,7 +34,7 @@ def _retry_after(error: grpc.RpcError) -> float | None:
     except Exception:  # noqa: BLE001 - a call without trailers has no hint
         return None
     for key, value in metadata or ():
-        if key == _PUSHBACK_KEY:
+        if key == RETRY_PUSHBACK_HEADER:  # the daemon's retry hint on RESOURCE_EXHAUSTED
             try:
                 return max(0, int(value)) / 1000
             except (TypeError, ValueError):

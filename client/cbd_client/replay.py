@@ -16,7 +16,8 @@ from typing import TypeVar
 import grpc
 
 from cbd_client.errors import CbdError
-from cbd_client.types import Candidate, Completion, Delta, ToolCall, ToolCallDelta
+from cbd_client.replies import add_delta
+from cbd_client.types import Candidate, Completion, Delta, ToolCallDelta
 
 _Piece = TypeVar("_Piece", str, tuple[int, ...])
 
@@ -76,15 +77,7 @@ class Replay:
         else:
             fresh = replace(delta, token_ids=tuple(tokens), text=str(text), logprobs=logprobs,
                             tool_calls=tuple(calls), finish_reason=finish, usage=delta.usage if finish else None)  # fmt: skip
-        c.token_ids += fresh.token_ids
-        c.text += fresh.text
-        c.logprobs += fresh.logprobs
-        c.finish_reason = finish or c.finish_reason
-        c.usage = fresh.usage or c.usage
-        for t in calls:
-            if t.index == len(c.tool_calls):
-                c.tool_calls.append(ToolCall(t.id, t.name))
-            c.tool_calls[t.index].arguments += t.arguments
+        add_delta(c, fresh)
         return fresh
 
     def completion(self) -> Completion:

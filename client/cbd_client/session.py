@@ -13,86 +13,54 @@ turn with n > 1 the next turn continues from the candidate given to `choose` (or
 
 from __future__ import annotations
 
+import asyncio
+import time
 from collections.abc import AsyncIterator, Iterator
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
-import grpc
-
-from cbd_client._convert import Prompt
 from cbd_client.errors import CbdError
 from cbd_client.replay import Replay
-from cbd_client.transcript import Transcript
-from cbd_client.types import Completion, Delta, SessionInfo
-
-if TYPE_CHECKING:
-    from cbd_client.aio import AsyncClient
-    from cbd_client.client import Client
+from cbd_client.session_state import SessionState
+from cbd_client.types import Completion, Delta, Prompt, SessionInfo
 
 
-# Answers the daemon gives before a turn starts: the session is as it was, so the choice still holds.
-_REFUSALS = frozenset({
-    grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.INVALID_ARGUMENT,
-    grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.NOT_FOUND,
-})  # fmt: skip
+class _Client(Protocol):
+    """What a Session needs of its client (cbd_client.Client; declared here so that the client module,
+    which makes sessions, is imported by no one below it)."""
+
+    def generate(self, prompt: Prompt, *, n: int = 1, **options: Any) -> Completion: ...
+    def stream(self, prompt: Prompt, *, n: int = 1, **options: Any) -> Iterator[Delta]: ...
+    def session(self, prefix: Prompt | None = None, ttl: float | None = None) -> Session: ...
+    def fork_session(self, session_id: str, candidate: int | None = None, ttl: float | None = None) -> SessionInfo: ...
+    def get_session(self, session_id: str) -> SessionInfo: ...
+    def close_session(self, session_id: str) -> None: ...
 
 
-# A session whose daemon is gone: NOT_FOUND from another daemon, or UNAVAILABLE from a proxy meanwhile.
-_LOST = frozenset({grpc.StatusCode.NOT_FOUND, grpc.StatusCode.UNAVAILABLE})
-RECOVERY_ATTEMPTS = 20
-RECOVERY_PAUSE = 0.25  # seconds between attempts (a proxy takes a health-check interval to eject a daemon)
+class _AsyncClient(Protocol):
+    """What an AsyncSession needs of its client (cbd_client.AsyncClient)."""
+
+    async def generate(self, prompt: Prompt, *, n: int = 1, **options: Any) -> Completion: ...
+    def stream(self, prompt: Prompt, *, n: int = 1, **options: Any) -> AsyncIterator[Delta]: ...
+    async def session(self, prefix: Prompt | None = None, ttl: float | None = None) -> AsyncSession: ...
+    async def fork_session(
+        self, session_id: str, candidate: int | None = None, ttl: float | None = None
+    ) -> SessionInfo: ...
+    async def get_session(self, session_id: str) -> SessionInfo: ...
+    async def close_session(self, session_id: str) -> None: ...
 
 
-class _ChosenCandidate:
-    """The candidate `choose` picked; used by the next turn, kept if the daemon refuses that turn.
-
-    recover=True: the session keeps a Transcript, and a turn that finds the session lost (its daemon gone
-    behind a proxy: NOT_FOUND or UNAVAILABLE) re-opens it from the transcript under a new id (so on a live
-    daemon) and runs the turn there (send and stream alike); without it such a turn raises the CbdError."""
-
-    def __init__(self, prefix: Prompt | None = None, ttl: float | None = None, recover: bool = False) -> None:
-        self._parent: int | None = None
-        self._ttl = ttl
-        self.transcript = Transcript(prefix) if recover else None
-        self.recoveries = 0  # how many times the session was re-opened elsewhere
-
-    def _lost(self, error: CbdError, attempt: int) -> bool:
-        return self.transcript is not None and error.code in _LOST and attempt < RECOVERY_ATTEMPTS
-
-    def choose(self, candidate: int) -> None:
-        """The candidate of the last (n > 1) turn that the next turn continues; the others are released then."""
-        self._parent = candidate
-
-    def _take_parent(self, explicit: int | None) -> int | None:
-        parent = explicit if explicit is not None else self._parent
-        self._parent = None
-        return parent
-
-    def _stream_broke(
-        self, error: CbdError, attempt: int, replay: Replay, parent: int | None, explicit: int | None
-    ) -> bool:
-        """A streamed turn's call failed: True if the answer is whole anyway (lost after every candidate's
-        last delta: nothing to run again; the transcript has it for the next turn), False if the session
-        is lost and is to be re-opened; otherwise the error is raised."""
-        if not self._lost(error, attempt):
-            self._refused(parent, explicit, error, replay.started)
-            raise error
-        return replay.finished
-
-    def _refused(self, parent: int | None, explicit: int | None, error: CbdError, streamed: bool) -> None:
-        if explicit is None and not streamed and error.code in _REFUSALS and self._parent is None:
-            self._parent = parent  # a refused turn (e.g. retried after RESOURCE_EXHAUSTED) keeps the choice
+RECOVERY_PAUSE = 0.25  # seconds between re-open attempts (a proxy takes a health-check interval to eject a daemon)
 
 
-class Session(_ChosenCandidate):
+class Session(SessionState):
     def __init__(
-        self, client: Client, info: SessionInfo, prefix: Prompt | None = None, ttl: float | None = None,
+        self, client: _Client, info: SessionInfo, prefix: Prompt | None = None, ttl: float | None = None,
         recover: bool = False,
     ) -> None:  # fmt: skip
-        super().__init__(prefix, ttl, recover)
+        super().__init__(info, prefix, ttl, recover)
         self.client = client
-        self.session_id = info.session_id
 
-    def send(self, prompt: Prompt, *, n: int = 1, parent_candidate: int | None = None, **sampling) -> Completion:
+    def send(self, prompt: Prompt, *, n: int = 1, parent_candidate: int | None = None, **sampling: Any) -> Completion:
         """One turn, run to completion. With n > 1, call `choose` before the next turn."""
         parent = self._take_parent(parent_candidate)
         attempt = 0
@@ -102,32 +70,16 @@ class Session(_ChosenCandidate):
                                                   **sampling)  # fmt: skip
                 break
             except CbdError as e:
-                if not self._lost(e, attempt):
-                    self._refused(parent, parent_candidate, e, streamed=False)
-                    raise
+                self._failed(e, attempt, parent, parent_candidate)
                 attempt += 1
                 self._reopen(parent)
                 parent = None  # the chosen candidate is in the re-opened session's history now
-        if self.transcript is not None:
-            self.transcript.continue_from(parent)
-            self.transcript.turn(prompt, completion)
+        self._record(prompt, parent, completion)
         return completion
 
-    def _reopen(self, parent: int | None) -> None:
-        """The session is lost: open it again from the transcript (the chosen candidate included)."""
-        import time
-
-        assert self.transcript is not None
-        self.transcript.continue_from(parent)
-        time.sleep(RECOVERY_PAUSE)
-        try:
-            self.session_id = self.client.session(self.transcript.as_prefix(), self._ttl).session_id
-            self.recoveries += 1
-        except CbdError as e:
-            if e.code not in _LOST:
-                raise
-
-    def stream(self, prompt: Prompt, *, n: int = 1, parent_candidate: int | None = None, **sampling) -> Iterator[Delta]:
+    def stream(
+        self, prompt: Prompt, *, n: int = 1, parent_candidate: int | None = None, **sampling: Any
+    ) -> Iterator[Delta]:
         """One turn, streamed. With recover=True a lost session is re-opened from the transcript and the
         turn run again there; the caller still sees one stream (see replay.py: what was already streamed
         must come out the same, as greedy or seeded sampling does, else the turn fails with ABORTED)."""
@@ -145,14 +97,22 @@ class Session(_ChosenCandidate):
                         yield fresh
                 break
             except CbdError as e:
-                if self._stream_broke(e, attempt, replay, parent, parent_candidate):
+                if self._failed(e, attempt, parent, parent_candidate, replay):
                     break
                 attempt += 1
                 self._reopen(parent)
                 parent = None  # the chosen candidate is in the re-opened session's history now
-        if self.transcript is not None:
-            self.transcript.continue_from(parent)
-            self.transcript.turn(prompt, replay.completion())
+        self._record(prompt, parent, replay.completion())
+
+    def _reopen(self, parent: int | None) -> None:
+        prefix = self._reopen_from(parent)
+        time.sleep(RECOVERY_PAUSE)
+        try:
+            session_id = self.client.session(prefix, self._ttl).session_id
+        except CbdError as e:
+            self._reopened(None, e)
+        else:
+            self._reopened(session_id, None)
 
     def fork(self, candidate: int | None = None, ttl: float | None = None) -> Session:
         """A new session continuing from this one (or from a pending candidate), sharing its KV copy-on-write."""
@@ -173,16 +133,17 @@ class Session(_ChosenCandidate):
         self.close()
 
 
-class AsyncSession(_ChosenCandidate):
+class AsyncSession(SessionState):
     def __init__(
-        self, client: AsyncClient, info: SessionInfo, prefix: Prompt | None = None, ttl: float | None = None,
+        self, client: _AsyncClient, info: SessionInfo, prefix: Prompt | None = None, ttl: float | None = None,
         recover: bool = False,
     ) -> None:  # fmt: skip
-        super().__init__(prefix, ttl, recover)
+        super().__init__(info, prefix, ttl, recover)
         self.client = client
-        self.session_id = info.session_id
 
-    async def send(self, prompt: Prompt, *, n: int = 1, parent_candidate: int | None = None, **sampling) -> Completion:
+    async def send(
+        self, prompt: Prompt, *, n: int = 1, parent_candidate: int | None = None, **sampling: Any
+    ) -> Completion:
         """As Session.send (with recover=True, a lost session is re-opened from the transcript)."""
         parent = self._take_parent(parent_candidate)
         attempt = 0
@@ -193,32 +154,15 @@ class AsyncSession(_ChosenCandidate):
                 )
                 break
             except CbdError as e:
-                if not self._lost(e, attempt):
-                    self._refused(parent, parent_candidate, e, streamed=False)
-                    raise
+                self._failed(e, attempt, parent, parent_candidate)
                 attempt += 1
                 await self._reopen(parent)
                 parent = None  # the chosen candidate is in the re-opened session's history now
-        if self.transcript is not None:
-            self.transcript.continue_from(parent)
-            self.transcript.turn(prompt, completion)
+        self._record(prompt, parent, completion)
         return completion
 
-    async def _reopen(self, parent: int | None) -> None:
-        import asyncio
-
-        assert self.transcript is not None
-        self.transcript.continue_from(parent)
-        await asyncio.sleep(RECOVERY_PAUSE)
-        try:
-            self.session_id = (await self.client.session(self.transcript.as_prefix(), self._ttl)).session_id
-            self.recoveries += 1
-        except CbdError as e:
-            if e.code not in _LOST:
-                raise
-
     async def stream(
-        self, prompt: Prompt, *, n: int = 1, parent_candidate: int | None = None, **sampling
+        self, prompt: Prompt, *, n: int = 1, parent_candidate: int | None = None, **sampling: Any
     ) -> AsyncIterator[Delta]:
         """As Session.stream (with recover=True, a lost session is re-opened and the turn replayed)."""
         parent = self._take_parent(parent_candidate)
@@ -234,14 +178,22 @@ class AsyncSession(_ChosenCandidate):
                         yield fresh
                 break
             except CbdError as e:
-                if self._stream_broke(e, attempt, replay, parent, parent_candidate):
+                if self._failed(e, attempt, parent, parent_candidate, replay):
                     break
                 attempt += 1
                 await self._reopen(parent)
                 parent = None
-        if self.transcript is not None:
-            self.transcript.continue_from(parent)
-            self.transcript.turn(prompt, replay.completion())
+        self._record(prompt, parent, replay.completion())
+
+    async def _reopen(self, parent: int | None) -> None:
+        prefix = self._reopen_from(parent)
+        await asyncio.sleep(RECOVERY_PAUSE)
+        try:
+            session_id = (await self.client.session(prefix, self._ttl)).session_id
+        except CbdError as e:
+            self._reopened(None, e)
+        else:
+            self._reopened(session_id, None)
 
     async def fork(self, candidate: int | None = None, ttl: float | None = None) -> AsyncSession:
         fork = AsyncSession(self.client, await self.client.fork_session(self.session_id, candidate, ttl))

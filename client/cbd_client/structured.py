@@ -19,7 +19,6 @@ from cbd_client.errors import invalid_argument
 from cbd_client.v1 import cbd_pb2 as pb
 
 _MODES = {"auto": pb.TOOL_CHOICE_MODE_AUTO, "none": pb.TOOL_CHOICE_MODE_NONE, "required": pb.TOOL_CHOICE_MODE_REQUIRED}
-_FORMAT_KINDS = ("json_schema", "json_object", "regex", "grammar")
 
 
 def _json_text(value: Any, what: str) -> str:

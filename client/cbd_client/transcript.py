@@ -10,8 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from cbd_client._convert import Prompt
-from cbd_client.types import Candidate, Completion
+from cbd_client.types import Candidate, Completion, Prompt
 
 
 class Transcript:

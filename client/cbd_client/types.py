@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+
+# A prompt: a str is text, a list of ints token ids, a list of {"role", "content"} dicts a chat.
+Prompt = str | Sequence[int] | Sequence[dict[str, str]]
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,4 +1,5 @@
-"""The `cbd` command: `cbd openai` runs the gateway without importing the daemon; the rest is the daemon's."""
+"""The `cbd` command: `cbd openai` runs the gateway without importing the daemon (here, its only
+dispatch; the daemon's parser lists it for --help only); the rest is the daemon's (server/app.py)."""
 
 from __future__ import annotations
 

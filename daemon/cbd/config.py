@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, fields
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
-import torch
+if TYPE_CHECKING:  # torch only where a device or dtype is made: the frontend process imports no torch
+    import torch
 
 T = TypeVar("T")
 
@@ -135,8 +136,8 @@ class EngineConfig:
             raise ValueError(f"max_queued_requests must be >= 1, got {self.max_queued_requests}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
-        if self.dtype not in _DTYPES:
-            raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {self.dtype!r}")
+        if self.dtype not in _DTYPE_NAMES:
+            raise ValueError(f"dtype must be one of {sorted(_DTYPE_NAMES)}, got {self.dtype!r}")
         if self.overlap not in ("auto", "on", "off"):
             raise ValueError(f"overlap must be 'auto', 'on' or 'off', got {self.overlap!r}")
         if self.speculative not in ("auto", "ngram", "off"):
@@ -198,6 +199,8 @@ class EngineConfig:
         return self.num_threads or len(os.sched_getaffinity(0))
 
     def torch_device(self) -> torch.device:
+        import torch
+
         if self.device == "auto":
             return torch.device("cuda" if torch.cuda.is_available() else "cpu")
         return torch.device(self.device)
@@ -206,9 +209,11 @@ class EngineConfig:
         return self.overlap == "on" or (self.overlap == "auto" and device.type == "cuda")
 
     def torch_dtype(self) -> torch.dtype:
+        import torch
+
         if self.dtype == "auto":
             return torch.float32 if self.torch_device().type == "cpu" else torch.bfloat16
-        return _DTYPES[self.dtype]
+        return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[self.dtype]
 
 
 def config_from_dict(cls: type[T], values: dict[str, Any], label: str) -> T:
@@ -237,12 +242,7 @@ def _has_type(value: Any, annotation: str) -> bool:
     return isinstance(value, str)
 
 
-_DTYPES: dict[str, torch.dtype] = {
-    "auto": torch.float32,
-    "float32": torch.float32,
-    "bfloat16": torch.bfloat16,
-    "float16": torch.float16,
-}
+_DTYPE_NAMES = ("auto", "float32", "bfloat16", "float16")
 
 
 def physical_memory() -> int:

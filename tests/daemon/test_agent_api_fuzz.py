@@ -145,8 +145,8 @@ def message_bodies(draw: Any) -> Any:
 
 
 @pytest.fixture(scope="module")
-def gw(tmp_path_factory):  # type: ignore[no-untyped-def]
-    yield from stack(tmp_path_factory.mktemp("agentfuzz"))
+def gw(tmp_path_factory, tenant_daemon):  # type: ignore[no-untyped-def]
+    yield from stack(tmp_path_factory.mktemp("agentfuzz"), tenant_daemon)
 
 
 def _one_line(message: Any) -> None:

@@ -8,15 +8,15 @@ import asyncio
 import socket
 import subprocess
 import sys
-import time
 from concurrent import futures
+from pathlib import Path
 
 import grpc
 import pytest
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from cbd_client import AsyncClient, CbdError, Client
-from daemon_process import DaemonProcess
+from cbd_client import AsyncClient, CbdError, Client, readiness
+from daemon_process import DaemonFactory, DaemonProcess
 
 CLIENT = [sys.executable, "-m", "cbd_client.cli"]
 
@@ -27,24 +27,25 @@ def run_client(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[s
 
 def test_no_socket_fails_at_once_naming_the_address(tmp_path) -> None:  # type: ignore[no-untyped-def]
     address = f"unix:{tmp_path / 'none.sock'}"
-    started = time.monotonic()
+    # At once: the command's bound (60 s) is below the 120 s it would wait for a loading daemon, and it never
+    # says it waits.
     proc = run_client("--address", address, "hi")
-    assert time.monotonic() - started < 20  # the interpreter's start-up, not a 120 s wait
-    assert proc.returncode == 1 and proc.stdout == ""
+    assert proc.returncode == 1 and proc.stdout == "" and "waiting" not in proc.stderr
     assert proc.stderr.count("\n") == 1 and address in proc.stderr and "cbd serve" in proc.stderr, proc.stderr
+    said: list[str] = []
     with pytest.raises(CbdError) as info, Client(address) as client:
-        client.wait_ready(120)
-    assert info.value.code == grpc.StatusCode.UNAVAILABLE
+        client.wait_ready(120, on_wait=said.append)
+    assert info.value.code == grpc.StatusCode.UNAVAILABLE and said == []  # failed, never waited
 
 
 def test_refused_connection_fails_at_once(tmp_path) -> None:  # type: ignore[no-untyped-def]
     path = tmp_path / "stale.sock"
     with socket.socket(socket.AF_UNIX) as s:
         s.bind(str(path))  # the file exists, nothing listens
-    started = time.monotonic()
+    said: list[str] = []
     with pytest.raises(CbdError) as info, Client(f"unix:{path}") as client:
-        client.wait_ready(120)
-    assert time.monotonic() - started < 10
+        client.wait_ready(120, on_wait=said.append)
+    assert said == []  # at once: the first refused connection ends the wait (a wait would have been announced)
     assert info.value.code == grpc.StatusCode.UNAVAILABLE and "no cbd daemon answers" in info.value.details
 
     async def wait_async() -> None:
@@ -55,21 +56,45 @@ def test_refused_connection_fails_at_once(tmp_path) -> None:  # type: ignore[no-
         asyncio.run(wait_async())
 
 
-def test_a_loading_daemon_is_waited_for_and_the_wait_is_announced(tmp_path) -> None:  # type: ignore[no-untyped-def]
+class TickingClock:
+    """Stands in for the `time` module inside cbd_client.readiness only: each reading is one poll later."""
+
+    def __init__(self) -> None:
+        self.start = self.now = 1000.0
+
+    def monotonic(self) -> float:
+        self.now += readiness.POLL_SECONDS
+        return self.now
+
+
+class CountingHealth(health.HealthServicer):
+    def __init__(self) -> None:
+        super().__init__()
+        self.checks = 0
+
+    def Check(self, request, context):  # type: ignore[no-untyped-def]  # noqa: N802 - the gRPC method's name
+        self.checks += 1
+        return super().Check(request, context)
+
+
+def test_a_loading_daemon_is_waited_for_and_the_wait_is_announced(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     # A daemon listens before it has loaded its model and answers health NOT_SERVING meanwhile.
     server = grpc.server(futures.ThreadPoolExecutor(2))
-    servicer = health.HealthServicer()
+    servicer = CountingHealth()
     servicer.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
     health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
     address = f"unix:{tmp_path / 'loading.sock'}"
     server.add_insecure_port(address)
     server.start()
+    clock = TickingClock()
+    monkeypatch.setattr(readiness, "time", clock)
     try:
         said: list[str] = []
-        started = time.monotonic()
         with pytest.raises(CbdError) as info, Client(address) as client:
             client.wait_ready(1.5, on_wait=said.append)
-        assert time.monotonic() - started >= 1.5
+        assert clock.now - clock.start >= 1.5 and servicer.checks >= 2  # it waited its whole timeout, polling
         assert info.value.code == grpc.StatusCode.DEADLINE_EXCEEDED and "still not ready" in info.value.details
         assert len(said) == 1 and address in said[0] and "loading" in said[0]
     finally:
@@ -100,39 +125,29 @@ def test_bad_input_is_cbd_error_invalid_argument_before_any_call(tmp_path, promp
 
 
 def test_a_single_stop_string_is_one_string_not_its_characters(tmp_path) -> None:  # type: ignore[no-untyped-def]
-    from cbd_client import _convert
+    from cbd_client import calls
 
-    assert list(_convert.generate_request("hi", 1, {"stop": "\n\n"}).sampling.stop) == ["\n\n"]
-
-
-def test_cli_prints_one_line_for_daemon_refusals_and_answers_on_stdout(tiny_checkpoint, tmp_path) -> None:  # type: ignore[no-untyped-def]
-    d = DaemonProcess(tmp_path / "cbd.sock", "--model", str(tiny_checkpoint("llama")))
-    try:
-        d.wait_serving(120)
-        for args, needle in (
-            (["--max-tokens", "-1", "hi"], "max_tokens must be a non-negative integer"),
-            (["--stop", "", "--raw", "hi"], "stop strings must not be empty"),
-            (["--raw", "-n", "100", "hi"], "INVALID_ARGUMENT"),
-            (["-n", "0", "hi"], "n must be at least 1, got 0"),
-        ):
-            proc = run_client("--address", d.address, *args)
-            assert proc.returncode == 1 and proc.stdout == "", (args, proc.stdout, proc.stderr)
-            assert "Traceback" not in proc.stderr and proc.stderr.count("\n") == 1 and needle in proc.stderr, (
-                proc.stderr
-            )
-        ok = run_client("--address", d.address, "stats")  # the answer alone on stdout, nothing on stderr
-        assert ok.returncode == 0 and '"uptime_seconds"' in ok.stdout and ok.stderr == "", ok.stderr
-    finally:
-        d.stop()
+    assert list(calls.generate_request("hi", 1, {"stop": "\n\n"}).sampling.stop) == ["\n\n"]
 
 
-def test_threads_setting_is_used_and_logged(tiny_checkpoint, tmp_path) -> None:  # type: ignore[no-untyped-def]
-    d = DaemonProcess(tmp_path / "cbd.sock", "--model", str(tiny_checkpoint("llama")), "--num-threads", "1")
-    try:
-        d.wait_serving(120)
-        assert "1 intra-op threads" in d.log()
-    finally:
-        d.stop()
+def test_cli_prints_one_line_for_daemon_refusals_and_answers_on_stdout(shared_tiny_daemon: DaemonProcess) -> None:
+    address = shared_tiny_daemon.address
+    for args, needle in (
+        (["--max-tokens", "-1", "hi"], "max_tokens must be a non-negative integer"),
+        (["--stop", "", "--raw", "hi"], "stop strings must not be empty"),
+        (["--raw", "-n", "100", "hi"], "INVALID_ARGUMENT"),
+        (["-n", "0", "hi"], "n must be at least 1, got 0"),
+    ):
+        proc = run_client("--address", address, *args)
+        assert proc.returncode == 1 and proc.stdout == "", (args, proc.stdout, proc.stderr)
+        assert "Traceback" not in proc.stderr and proc.stderr.count("\n") == 1 and needle in proc.stderr, proc.stderr
+    ok = run_client("--address", address, "stats")  # the answer alone on stdout, nothing on stderr
+    assert ok.returncode == 0 and '"uptime_seconds"' in ok.stdout and ok.stderr == "", ok.stderr
+
+
+def test_threads_setting_is_used_and_logged(tiny_daemon: DaemonFactory) -> None:
+    d = tiny_daemon("--num-threads", "1")
+    assert "1 intra-op threads" in d.log()
 
 
 class _Refusal(grpc.RpcError):

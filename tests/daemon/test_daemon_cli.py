@@ -8,13 +8,14 @@ import signal
 import socket
 import subprocess
 import sys
-import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
 from cbd_client import Client
-from daemon_process import DaemonProcess
+from daemon_process import DaemonFactory, DaemonProcess
+from helpers import poll_until
 
 PROMPT = list(range(2, 40))
 CBD = [sys.executable, "-m", "cbd.server.app"]
@@ -34,25 +35,10 @@ def assert_one_clear_line(proc: subprocess.CompletedProcess[str], *needles: str)
         assert needle in lines[0], lines[0]
 
 
-@pytest.fixture()
-def tiny(tiny_checkpoint, tmp_path):  # type: ignore[no-untyped-def]
-    started: list[DaemonProcess] = []
-
-    def start(*flags: str, socket_name: str = "cbd.sock") -> DaemonProcess:
-        d = DaemonProcess(tmp_path / socket_name, "--model", str(tiny_checkpoint("llama")), *flags)
-        d.wait_serving(120)
-        started.append(d)
-        return d
-
-    yield start
-    for d in started:
-        d.stop()
-
-
 def test_a_second_daemon_on_the_same_socket_is_refused_and_the_first_keeps_serving(
-    tiny, tiny_checkpoint, tmp_path
-) -> None:  # type: ignore[no-untyped-def]
-    first = tiny()
+    tiny_daemon: DaemonFactory, tiny_checkpoint: Callable[..., Path], tmp_path: Path
+) -> None:
+    first = tiny_daemon()
     second = run_cbd("serve", "--listen", first.address, "--model", str(tiny_checkpoint("llama")))
     assert second.returncode == 78, second.stderr
     assert f"pid {first.process.pid}" in second.stderr and "already serves" in second.stderr
@@ -62,12 +48,14 @@ def test_a_second_daemon_on_the_same_socket_is_refused_and_the_first_keeps_servi
     assert not (tmp_path / "cbd.sock").exists() and not (tmp_path / "cbd.sock.lock").exists()
 
 
-def test_a_second_daemon_on_the_same_tcp_port_is_refused(tiny, tiny_checkpoint, tmp_path) -> None:  # type: ignore[no-untyped-def]
+def test_a_second_daemon_on_the_same_tcp_port_is_refused(
+    tiny_daemon: DaemonFactory, tiny_checkpoint: Callable[..., Path], tmp_path: Path
+) -> None:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     address = f"127.0.0.1:{port}"
-    first = tiny("--listen", f"unix:{tmp_path / 'cbd.sock'},{address}")
+    first = tiny_daemon("--listen", f"unix:{tmp_path / 'cbd.sock'},{address}")
     second = run_cbd("serve", "--listen", address, "--model", str(tiny_checkpoint("llama")))
     assert second.returncode == 78 and "port is in use" in second.stderr, second.stderr
     for _ in range(5):  # every connection reaches the first daemon: the port is not shared
@@ -181,18 +169,22 @@ def test_stop_by_pid_file_refuses_a_process_that_is_not_cbd(tmp_path) -> None:  
         sleeper.kill()
 
 
-def test_sighup_drains_and_a_second_signal_exits_at_once_leaving_no_socket(tiny, tmp_path) -> None:  # type: ignore[no-untyped-def]
-    d = tiny(socket_name="hup.sock")
+def test_sighup_drains_and_a_second_signal_exits_at_once_leaving_no_socket(
+    tiny_daemon: DaemonFactory, tmp_path: Path
+) -> None:
+    d = tiny_daemon(socket_name="hup.sock")
     d.process.send_signal(signal.SIGHUP)
     assert d.process.wait(60) == 0
     assert not (tmp_path / "hup.sock").exists()
 
-    d = tiny("--shutdown-grace", "60", socket_name="twice.sock")
+    d = tiny_daemon("--shutdown-grace", "60", socket_name="twice.sock")
     with Client(d.address, timeout=120) as client:
         stream = client.stream(PROMPT, max_tokens=400, ignore_eos=True)
         next(stream)  # a live request keeps the first signal's drain waiting
         d.process.send_signal(signal.SIGTERM)
-        time.sleep(0.5)
+        # The first signal was taken once health turns NOT_SERVING (the drain has begun): only then is the
+        # next one a second signal.
+        poll_until(lambda: d.health() == "NOT_SERVING", 60, what="the first SIGTERM starts the drain")
         d.process.send_signal(signal.SIGTERM)
         assert d.process.wait(30) == 1
         stream.close()

@@ -14,7 +14,7 @@ import pytest
 from cbd_client import CbdError, Client
 from cbd_client.v1 import cbd_pb2 as pb
 from cbd_client.v1 import cbd_pb2_grpc
-from daemon_process import alive, children
+from daemon_process import DaemonProcess, alive, children
 
 PROMPT = list(range(2, 40))
 
@@ -70,6 +70,21 @@ def test_the_engine_process_dies_with_the_daemon(tiny_daemon) -> None:  # type: 
                 pass
 
 
+def test_a_sigkilled_daemon_leaves_neither_its_engine_process_nor_its_socket_directory(tiny_daemon) -> None:  # type: ignore[no-untyped-def]
+    d = tiny_daemon()
+    engine = d.engine_pid()
+    argv = Path(f"/proc/{engine}/cmdline").read_bytes().split(b"\0")
+    sockets = Path(argv[argv.index(b"--commands") + 1].decode().removeprefix("ipc://")).parent
+    assert sockets.name.startswith("cbd-engine-")
+    assert "libtorch" not in Path(f"/proc/{d.process.pid}/maps").read_text()  # the frontend has no torch loaded
+    d.process.kill()
+    deadline = time.monotonic() + 30
+    while (alive(engine) or sockets.exists()) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not alive(engine), "the engine process outlived the daemon"
+    assert not sockets.exists(), f"{sockets} was left behind"
+
+
 def test_sigterm_stops_both_processes_cleanly(tiny_daemon) -> None:  # type: ignore[no-untyped-def]
     d = tiny_daemon()
     engine = d.engine_pid()
@@ -81,11 +96,13 @@ def test_sigterm_stops_both_processes_cleanly(tiny_daemon) -> None:  # type: ign
     assert leftovers == []
 
 
-def test_a_client_that_reads_slowly_neither_stalls_the_engine_nor_loses_tokens(tiny_daemon) -> None:  # type: ignore[no-untyped-def]
+def test_a_client_that_reads_slowly_neither_stalls_the_engine_nor_loses_tokens(
+    shared_tiny_daemon: DaemonProcess,
+) -> None:
     """A stream whose reader stops reading: while it reads nothing, another client's request runs to the
     end and the engine finishes the slow request too (its outputs wait in the frontend); once it reads
     again it gets every token, the same as a fast reader's, several per message (merged)."""
-    d = tiny_daemon()
+    d = shared_tiny_daemon
     new_tokens = 400  # the tiny model holds 512 positions
     release = threading.Event()
 

@@ -32,6 +32,7 @@ from pydantic_ai.settings import ModelSettings
 from pydantic_ai.tools import ToolDefinition
 from pydantic_ai.usage import UsageLimits
 
+from daemon_process import DaemonProcess
 from gateway_stack import TOKEN, Stack, stack
 
 pytestmark = pytest.mark.slow
@@ -55,8 +56,8 @@ class Secret(BaseModel):
 
 
 @pytest.fixture(scope="module")
-def gw(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
-    yield from stack(tmp_path_factory.mktemp("frameworks"))
+def gw(tmp_path_factory: pytest.TempPathFactory, tenant_daemon: DaemonProcess) -> Iterator[Stack]:
+    yield from stack(tmp_path_factory.mktemp("frameworks"), tenant_daemon)
 
 
 def stored_input(gw: Stack, response_id: str) -> list[dict[str, Any]]:

@@ -3,7 +3,7 @@
 Every generated request must end either in a valid stream (every candidate finishes, usage is
 reported) or in a clean error status from a small allowed set; the daemon must never crash or hang,
 leak KV blocks, and it must serve a normal request afterwards. CBD_FUZZ_EXAMPLES sets the number of
-requests (default 10,000; raise it for a longer run).
+requests (default 10,000 in CI, 1,000 elsewhere: helpers.fuzz_examples; raise it for a longer run).
 
 A second run against the embedded model (which has a tokenizer, so chat and grammars are real) sends
 hostile shapes: deeply nested schemas, compile bombs, ambiguous grammars whose masks grow expensive,
@@ -13,7 +13,8 @@ control-token strings in messages, and ids far over their bound (CBD_FUZZ_HOSTIL
 from __future__ import annotations
 
 import json
-import os
+from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import grpc
 import pytest
@@ -25,11 +26,12 @@ from hypothesis import strategies as st  # noqa: E402
 from cbd_client import Client  # noqa: E402
 from cbd_client.v1 import cbd_pb2 as pb  # noqa: E402
 from cbd_client.v1.cbd_pb2_grpc import CbdStub  # noqa: E402
-from daemon_process import DaemonProcess  # noqa: E402
+from daemon_process import DaemonProcess, serving  # noqa: E402
 from grammar_cases import MASK_BOMB, schema_bomb  # noqa: E402
+from helpers import fuzz_examples  # noqa: E402
 
-EXAMPLES = int(os.environ.get("CBD_FUZZ_EXAMPLES", "10000"))
-HOSTILE_EXAMPLES = int(os.environ.get("CBD_FUZZ_HOSTILE_EXAMPLES", "40"))
+EXAMPLES = fuzz_examples("CBD_FUZZ_EXAMPLES", thorough=10_000, quick=1_000)
+HOSTILE_EXAMPLES = fuzz_examples("CBD_FUZZ_HOSTILE_EXAMPLES", thorough=40, quick=40)
 ALLOWED = {
     grpc.StatusCode.INVALID_ARGUMENT,  # bad input
     grpc.StatusCode.RESOURCE_EXHAUSTED,  # over a cap
@@ -164,14 +166,12 @@ def hostile_requests(draw):  # type: ignore[no-untyped-def]
 
 
 @pytest.fixture(scope="module")
-def fuzz_daemon(tiny_checkpoint, tmp_path_factory):  # type: ignore[no-untyped-def]
-    d = DaemonProcess(tmp_path_factory.mktemp("fuzz") / "cbd.sock", "--model", str(tiny_checkpoint("llama")),
-                      "--num-kv-blocks", "256", "--max-model-len", "64")  # fmt: skip
-    try:
-        d.wait_serving(120)
+def fuzz_daemon(
+    tiny_checkpoint: Callable[..., Path], tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[DaemonProcess]:
+    flags = ("--num-kv-blocks", "256", "--max-model-len", "64")
+    with serving(tmp_path_factory.mktemp("fuzz"), *flags, model=str(tiny_checkpoint("llama"))) as d:
         yield d
-    finally:
-        assert d.stop() == 0, d.log()[-4000:]
 
 
 def fuzz(address: str, requests: st.SearchStrategy, examples: int) -> dict[str, int]:

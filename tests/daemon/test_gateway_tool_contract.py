@@ -6,6 +6,7 @@ an omitted max_tokens (checked on the converted request: a reply up to the conte
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from typing import Any
 
 import anthropic
@@ -14,6 +15,7 @@ import openai
 import pytest
 
 from cbd.gateway.requests import MAX_TOKENS, chat_call, completion_call
+from daemon_process import DaemonProcess
 from gateway_stack import TOKEN, Stack, stack
 
 WEATHER = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20}}, "required": ["city"]}
@@ -29,8 +31,8 @@ SAMPLED = {"temperature": 1.0, "seed": 7}
 
 
 @pytest.fixture(scope="module")
-def gw(tmp_path_factory):  # type: ignore[no-untyped-def]
-    yield from stack(tmp_path_factory.mktemp("tool-contract"))
+def gw(tmp_path_factory: pytest.TempPathFactory, tenant_daemon: DaemonProcess) -> Iterator[Stack]:
+    yield from stack(tmp_path_factory.mktemp("tool-contract"), tenant_daemon)
 
 
 def oai(gw: Stack) -> Any:

@@ -7,34 +7,36 @@ from __future__ import annotations
 
 import json
 import threading
-import time
+from collections.abc import Iterator
 
 import grpc
 import pytest
 
 from cbd_client import CbdError, Client
-from daemon_process import DaemonProcess
+from daemon_process import DaemonProcess, serving
 from grammar_cases import COMPILE_BOMB, MASK_BOMB
+from helpers import poll_until
 
 pytestmark = pytest.mark.slow
 ASK = [{"role": "user", "content": "Write something."}]
 
 
 @pytest.fixture(scope="module")
-def client(tmp_path_factory):  # type: ignore[no-untyped-def]
-    d = DaemonProcess(
-        tmp_path_factory.mktemp("cbd") / "cbd.sock",
-        "--grammar-compile-timeout", "8", "--grammar-compile-workers", "1", "--grammar-mask-budget-ms", "1",
-    )  # fmt: skip
-    try:
-        d.wait_serving()
-        with Client(d.address, timeout=300) as c:
-            yield c
-    finally:
-        assert d.stop() == 0, d.log()
+def daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DaemonProcess]:
+    flags = ("--grammar-compile-timeout", "8", "--grammar-compile-workers", "1", "--grammar-mask-budget-ms", "1")
+    with serving(tmp_path_factory.mktemp("cbd"), *flags) as d:
+        yield d
 
 
-def test_a_compile_past_its_budget_is_refused_while_a_plain_request_is_answered(client) -> None:  # type: ignore[no-untyped-def]
+@pytest.fixture(scope="module")
+def client(daemon: DaemonProcess) -> Iterator[Client]:
+    with Client(daemon.address, timeout=300) as c:
+        yield c
+
+
+def test_a_compile_past_its_budget_is_refused_while_a_plain_request_is_answered(
+    daemon: DaemonProcess, client: Client
+) -> None:
     failure: list[CbdError] = []
 
     def bomb() -> None:
@@ -45,7 +47,8 @@ def test_a_compile_past_its_budget_is_refused_while_a_plain_request_is_answered(
 
     thread = threading.Thread(target=bomb)
     thread.start()
-    time.sleep(1.0)  # let the bomb reach its worker first (its compile is refused only after 8 s)
+    # The bomb has reached its worker once one runs (its compile is refused only after 8 s).
+    poll_until(daemon.grammar_worker_pids, 60, what="the bomb's compile worker")
     try:
         plain = client.generate("Hello", max_tokens=4, temperature=0.0)
         still_compiling = thread.is_alive()  # the plain request did not wait for the compile

@@ -15,9 +15,10 @@ import grpc
 import pytest
 
 from cbd_client import CbdError, Client
+from cbd_client.address import free_port
 from cbd_client.v1 import cbd_pb2 as pb
 from cbd_client.v1.cbd_pb2_grpc import CbdStub
-from daemon_process import BackgroundStream, DaemonProcess, alive, free_port, rss_bytes
+from daemon_process import BackgroundStream, DaemonProcess, alive, rss_bytes
 from grammar_cases import MASK_BOMB, schema_bomb
 
 pytestmark = pytest.mark.slow

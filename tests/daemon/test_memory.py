@@ -13,7 +13,7 @@ import pytest
 from cbd import allocator
 from cbd.server.memory import resident_bytes
 from cbd_client import AsyncClient, CbdError
-from daemon_process import free_port
+from cbd_client.address import free_port
 
 MIB = 1 << 20
 

@@ -3,6 +3,7 @@ embedded model, two tenants' tokens) and a real `cbd openai` gateway in front of
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Any
 
 import anthropic
@@ -12,6 +13,7 @@ import pytest
 
 from cbd.gateway.agentic.conversations import Conversations
 from cbd_client import Client
+from daemon_process import DaemonProcess
 from gateway_stack import TOKEN, Stack, stack
 
 WEATHER = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20}}, "required": ["city"]}
@@ -21,8 +23,8 @@ GREEDY = {"extra_body": {"temperature": 0}}  # the current anthropic package sen
 
 
 @pytest.fixture(scope="module")
-def gw(tmp_path_factory):
-    yield from stack(tmp_path_factory.mktemp("messages"))
+def gw(tmp_path_factory: pytest.TempPathFactory, tenant_daemon: DaemonProcess) -> Iterator[Stack]:
+    yield from stack(tmp_path_factory.mktemp("messages"), tenant_daemon)
 
 
 def client(gw: Stack, token: str = TOKEN) -> Any:  # Any: the SDK's request types name its own models only

@@ -11,7 +11,7 @@ from collections.abc import Callable
 from prometheus_client import CollectorRegistry, Counter
 
 from cbd.server.metrics_http import MAX_HEAD_BYTES, MetricsEndpoint
-from daemon_process import free_port
+from cbd_client.address import free_port
 
 SCRAPE = b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n"
 

@@ -30,14 +30,11 @@ MiB = 1 << 20
 
 
 @pytest.fixture(scope="module")
-def daemon(tmp_path_factory):  # type: ignore[no-untyped-def]
-    # A gRPC limit above 20 MB, so that the prompt bound (not the message size) is what refuses big prompts.
-    d = DaemonProcess(tmp_path_factory.mktemp("cbd") / "cbd.sock", "--max-message-bytes", str(64 * MiB))
-    try:
-        d.wait_serving()
-        yield d
-    finally:
-        assert d.stop() == 0, d.log()
+def daemon(shared_daemon: DaemonProcess) -> DaemonProcess:
+    # The shared daemon's gRPC limit is above 20 MB, so that the prompt bound (not the message size) is what
+    # refuses big prompts.
+    assert "--max-message-bytes" in shared_daemon.process.args and str(64 * MiB) in shared_daemon.process.args
+    return shared_daemon
 
 
 @pytest.fixture()

@@ -11,6 +11,7 @@ import os
 import re
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -37,17 +38,15 @@ def test_readme_has_python_blocks() -> None:
 
 
 @pytest.fixture(scope="module")
-def stack(tmp_path_factory):  # type: ignore[no-untyped-def]
-    tmp = tmp_path_factory.mktemp("readme")
-    daemon = DaemonProcess(tmp / "cbd.sock")
-    gateway = GatewayProcess(daemon.address, tmp / "gateway.log")
+def stack(
+    tmp_path_factory: pytest.TempPathFactory, shared_daemon: DaemonProcess
+) -> Iterator[tuple[DaemonProcess, GatewayProcess]]:
+    gateway = GatewayProcess(shared_daemon.address, tmp_path_factory.mktemp("readme") / "gateway.log")
     try:
-        daemon.wait_serving()
         gateway.wait_serving()
-        yield daemon, gateway
+        yield shared_daemon, gateway
     finally:
         gateway.stop()
-        assert daemon.stop() == 0, daemon.log()
 
 
 @pytest.mark.parametrize("line,code", python_blocks(), ids=[f"line{n}" for n, _ in python_blocks()])

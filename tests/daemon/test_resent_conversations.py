@@ -5,6 +5,7 @@ of the whole conversation on the daemon as the oracle."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Any
 
 import anthropic
@@ -14,9 +15,10 @@ import pytest
 
 from cbd.gateway.agentic.conversations import Conversations
 from cbd_client import Client
-from cbd_client._convert import set_prompt
+from cbd_client.calls import set_prompt
 from cbd_client.v1 import cbd_pb2 as pb
 from cbd_client.v1.cbd_pb2_grpc import CbdStub
+from daemon_process import DaemonProcess
 from gateway_stack import OTHER_TOKEN, TOKEN, Stack, stack
 
 QUESTIONS = ["Name a fruit.", "Name a colour.", "Name an animal.", "Name a country."]
@@ -24,8 +26,8 @@ MAX_TOKENS = 12
 
 
 @pytest.fixture(scope="module")
-def gw(tmp_path_factory):
-    yield from stack(tmp_path_factory.mktemp("resent"))
+def gw(tmp_path_factory: pytest.TempPathFactory, tenant_daemon: DaemonProcess) -> Iterator[Stack]:
+    yield from stack(tmp_path_factory.mktemp("resent"), tenant_daemon)
 
 
 def sessions_of(gw: Stack, token: str) -> set[str]:

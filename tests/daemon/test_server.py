@@ -16,13 +16,8 @@ FRANCE = [{"role": "user", "content": "What is the capital of France?"}]
 
 
 @pytest.fixture(scope="module")
-def daemon(tmp_path_factory):  # type: ignore[no-untyped-def]
-    d = DaemonProcess(tmp_path_factory.mktemp("cbd") / "cbd.sock")
-    try:
-        d.wait_serving()
-        yield d
-    finally:
-        assert d.stop() == 0, d.log()
+def daemon(shared_daemon: DaemonProcess) -> DaemonProcess:
+    return shared_daemon
 
 
 @pytest.fixture()

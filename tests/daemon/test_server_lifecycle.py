@@ -4,17 +4,35 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import grpc
 import pytest
 
 from cbd_client import CbdError, Client
+from daemon_process import DaemonProcess, serving
+from helpers import poll_until
 
 PROMPT = list(range(2, 40))
 
 
-def test_full_queue_is_resource_exhausted(tiny_daemon) -> None:  # type: ignore[no-untyped-def]
-    d = tiny_daemon("--max-queued-requests", "1")
+def wait_idle(client: Client) -> None:
+    """Until the daemon holds no live request (a closed stream's seat comes back once its cancel arrives)."""
+    poll_until(lambda: client.stats().live_requests == 0, 30, what="no live request left")
+
+
+@pytest.fixture(scope="module")
+def one_seat(tiny_checkpoint: Callable[..., Path], tmp_path_factory: pytest.TempPathFactory) -> Iterator[DaemonProcess]:
+    """A daemon that admits one live request; each test leaves it idle."""
+    with serving(
+        tmp_path_factory.mktemp("one-seat"), "--max-queued-requests", "1", model=str(tiny_checkpoint("llama"))
+    ) as d:
+        yield d
+
+
+def test_full_queue_is_resource_exhausted(one_seat: DaemonProcess) -> None:
+    d = one_seat
     with Client(d.address, timeout=60) as client:
         stream = client.stream(PROMPT, max_tokens=400, ignore_eos=True)
         next(stream)
@@ -23,11 +41,13 @@ def test_full_queue_is_resource_exhausted(tiny_daemon) -> None:  # type: ignore[
         assert info.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED and "limit is 1" in info.value.details
         assert info.value.retry_after is not None and 0.05 <= info.value.retry_after <= 30  # the pushback trailer
         stream.close()
+        wait_idle(client)
 
 
-def test_a_refused_session_turn_keeps_the_chosen_candidate(tiny_daemon) -> None:  # type: ignore[no-untyped-def]
-    d = tiny_daemon("--max-queued-requests", "1")
+def test_a_refused_session_turn_keeps_the_chosen_candidate(one_seat: DaemonProcess) -> None:
+    d = one_seat
     with Client(d.address, timeout=60) as client, client.session(PROMPT) as session:
+        wait_idle(client)
         session.send([5, 6, 7], n=2, max_tokens=4, temperature=0.9, seed=3)
         session.choose(1)
         blocker = client.stream(PROMPT, max_tokens=400, ignore_eos=True)
@@ -36,7 +56,7 @@ def test_a_refused_session_turn_keeps_the_chosen_candidate(tiny_daemon) -> None:
             session.send([8, 9], max_tokens=3)
         assert info.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
         blocker.close()
-        time.sleep(0.3)
+        wait_idle(client)  # the seat is free again
         reply = session.send([8, 9], max_tokens=3, ignore_eos=True)  # retried: still continues candidate 1
         assert len(reply.candidates[0].token_ids) == 3 and session.info().pending_candidates == 0
 
@@ -89,11 +109,10 @@ def test_systemd_notify_status_ready_watchdog_and_stopping(tiny_daemon, tmp_path
         assert d.process.wait(30) == 0
 
 
-def test_unix_socket_is_group_only(tiny_daemon, tmp_path) -> None:  # type: ignore[no-untyped-def]
+def test_unix_socket_is_group_only(shared_tiny_daemon: DaemonProcess) -> None:
     import stat
 
-    tiny_daemon()
-    mode = stat.S_IMODE((tmp_path / "cbd.sock").stat().st_mode)
+    mode = stat.S_IMODE(Path(shared_tiny_daemon.address.removeprefix("unix:")).stat().st_mode)
     assert mode == 0o660
 
 
@@ -192,16 +211,16 @@ def test_systemd_unit_verifies(tmp_path) -> None:  # type: ignore[no-untyped-def
     assert proc.returncode == 0 and not problems, proc.stdout + proc.stderr
 
 
-def test_one_json_log_line_per_request_without_prompt_text(tiny_daemon) -> None:  # type: ignore[no-untyped-def]
+def test_one_json_log_line_per_request_without_prompt_text(shared_tiny_daemon: DaemonProcess) -> None:
     import json
 
-    d = tiny_daemon()
+    d = shared_tiny_daemon
     with Client(d.address, timeout=60) as client:
         client.generate(PROMPT, max_tokens=3, ignore_eos=True, request_id="req-log-1")
         stream = client.stream(PROMPT, max_tokens=400, ignore_eos=True, request_id="req-log-2")
         next(stream)
         stream.close()  # cancelled mid-stream: its line still counts its prompt
-    time.sleep(0.5)
+    poll_until(lambda: '"req-log-2"' in d.log(), 30, what="the cancelled request's log line")
     records = [json.loads(line) for line in d.log().splitlines() if line.startswith("{")]
     assert records and all("event" in r and "level" in r and "timestamp" in r for r in records)
     lines = [r for r in records if r.get("logger") == "cbd.request" and r.get("request_id") == "req-log-1"]
@@ -294,10 +313,17 @@ def test_sigterm_lets_eight_running_streams_finish_and_refuses_new_calls(tiny_da
             assert time.monotonic() < deadline
             time.sleep(0.01)
         d.process.terminate()
-        time.sleep(0.3)
-        with pytest.raises(CbdError) as info:
-            probe.generate(PROMPT, max_tokens=2)
-        assert info.value.code == grpc.StatusCode.UNAVAILABLE
+
+        def refused() -> CbdError | None:
+            """A new call's error once the daemon has taken the signal (None: served, the signal not yet taken)."""
+            try:
+                probe.generate(PROMPT, max_tokens=2)
+            except CbdError as exc:
+                return exc
+            return None
+
+        error = poll_until(refused, 30, what="a new call is refused after SIGTERM")
+        assert error.code == grpc.StatusCode.UNAVAILABLE
     for t in threads:
         t.join(120)
     assert d.process.wait(60) == 0, d.log()
@@ -382,7 +408,7 @@ def test_limits_on_queued_tokens_stop_lists_and_message_size(tiny_daemon) -> Non
         assert info.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED and "retry" in info.value.details
         assert info.value.retry_after is not None
         stream.close()
-        time.sleep(0.3)
+        wait_idle(client)  # its queued tokens are released
         assert len(client.generate(PROMPT, max_tokens=2, ignore_eos=True).candidates[0].token_ids) == 2
         for kw, match in ((dict(stop_token_ids=list(range(65))), "at most 64 ids"),):
             with pytest.raises(CbdError) as info:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Iterator
 
 import grpc
 import jsonschema
@@ -25,14 +26,9 @@ ASK = [{"role": "user", "content": "What is the weather in Paris right now?"}]
 
 
 @pytest.fixture(scope="module")
-def client(tmp_path_factory):  # type: ignore[no-untyped-def]
-    d = DaemonProcess(tmp_path_factory.mktemp("cbd") / "cbd.sock")
-    try:
-        d.wait_serving()
-        with Client(d.address, timeout=300) as c:
-            yield c
-    finally:
-        assert d.stop() == 0, d.log()
+def client(shared_daemon: DaemonProcess) -> Iterator[Client]:
+    with Client(shared_daemon.address, timeout=300) as c:
+        yield c
 
 
 def check_calls(candidate, names: set[str]) -> None:  # type: ignore[no-untyped-def]

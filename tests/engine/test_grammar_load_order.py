@@ -9,14 +9,14 @@ import threading
 from concurrent.futures import Future
 from typing import Any
 
+from cbd.engine import api
 from cbd.engine.grammar import CompiledGrammar, GrammarKind, GrammarSpec
 from cbd.engine.outputs import RequestOutput
 from cbd.engine.sampling_params import SamplingParams
-from cbd.ipc import wire
 from cbd.ipc.endpoint import Endpoint
 
 SPEC = GrammarSpec(GrammarKind.REGEX, "[a-z]+")
-PARAMS = wire.params_to_wire(SamplingParams(max_tokens=2))
+PARAMS = api.WireParams.of(SamplingParams(max_tokens=2))
 
 
 class _Recorder:
@@ -37,7 +37,7 @@ class _Recorder:
             self.loaded.add(spec)
         return CompiledGrammar(spec, object(), serialized)
 
-    def submit(self, prompt: list[int], params: SamplingParams, request_id: str, on_output: Any) -> str:
+    def enqueue(self, prompt: list[int], params: SamplingParams, request_id: str, on_output: Any) -> str:
         self.calls.append(f"submit {request_id}")
         return request_id
 
@@ -47,16 +47,17 @@ class _Recorder:
         self.calls.append(f"turn {session_id} {request_id}")
         return _done(request_id)
 
-    def get_session(self, session_id: str) -> Future:
-        self.calls.append(f"get {session_id}")
-        return _done(session_id)
-
-    def close_session(self, session_id: str) -> Future:
-        self.calls.append(f"close {session_id}")
+    def ask(self, question: api.Question) -> Future:
+        if isinstance(question, api.GetSession):
+            self.calls.append(f"get {question.session_id}")
+            return _done(question.session_id)
+        assert isinstance(question, api.CloseSession)
+        self.calls.append(f"close {question.session_id}")
         return _done(True)
 
-    def touch_session(self, session_id: str) -> None:
-        self.calls.append(f"touch {session_id}")
+    def tell(self, command: api.Tell) -> None:
+        assert isinstance(command, api.TouchSession)
+        self.calls.append(f"touch {command.session_id}")
 
     def abort(self, request_id: str) -> None:
         self.calls.append(f"abort {request_id}")
@@ -73,11 +74,11 @@ class _Outbox:
     def output(self, out: RequestOutput) -> None:
         self.outputs.append(out)
 
-    def reply(self, call_id: int, value: Any = None, error: BaseException | None = None) -> None:
-        self.replies[call_id] = error if error is not None else value
+    def refuse(self, call_id: int, error: BaseException) -> None:
+        self.replies[call_id] = error
 
-    def reply_when_done(self, call_id: int, future: Future) -> None:
-        future.add_done_callback(lambda f: self.reply(call_id, f.result()))
+    def reply_when_done(self, call_id: int, future: Future, answer: Any) -> None:
+        future.add_done_callback(lambda f: self.replies.__setitem__(call_id, f.result()))
 
 
 def _done(value: Any) -> Future:
@@ -86,8 +87,8 @@ def _done(value: Any) -> Future:
     return future
 
 
-def _turn(call_id: int, request_id: str, session_id: str, grammar: GrammarSpec | None) -> wire.AddTurn:
-    return wire.AddTurn(call_id, request_id, session_id, [5, 6], False, None, PARAMS, grammar,
+def _turn(call_id: int, request_id: str, session_id: str, grammar: GrammarSpec | None) -> api.AddTurn:
+    return api.AddTurn(call_id, request_id, session_id, [5, 6], False, None, PARAMS, grammar,
                         compiled_grammar=None if grammar is None else "{}")  # fmt: skip
 
 
@@ -104,10 +105,10 @@ def test_a_sessions_later_commands_wait_behind_its_turn_whose_grammar_loads() ->
     endpoint, engine, outbox = _endpoint()
     endpoint.apply(_turn(1, "t1", "s", SPEC))  # its grammar loads
     endpoint.apply(_turn(2, "t2", "s", None))  # sent after t1: must not overtake it
-    endpoint.apply(wire.TouchSession("s"))
-    endpoint.apply(wire.GetSession(3, "s"))
-    endpoint.apply(wire.CloseSession(4, "s"))
-    endpoint.apply(wire.AddRequest("r", [5, 6], PARAMS, None))  # of no session: starts at once
+    endpoint.apply(api.TouchSession("s"))
+    endpoint.apply(api.Ask(3, api.GetSession("s")))
+    endpoint.apply(api.Ask(4, api.CloseSession("s")))
+    endpoint.apply(api.AddRequest("r", [5, 6], PARAMS, None))  # of no session: starts at once
     endpoint.apply(_turn(5, "u1", "other", None))  # another session: starts at once
     # apply() hands a command that need not wait to the engine at once; the loader is held on engine.release
     assert engine.calls == ["submit r", "turn other u1"]
@@ -118,17 +119,17 @@ def test_a_sessions_later_commands_wait_behind_its_turn_whose_grammar_loads() ->
     ]  # fmt: skip
     assert outbox.replies == {1: "t1", 2: "t2", 3: "s", 4: True, 5: "u1"}
     assert not endpoint.loads.waiting("s")
-    endpoint.apply(wire.GetSession(6, "s"))  # nothing waits any more: applied at once
+    endpoint.apply(api.Ask(6, api.GetSession("s")))  # nothing waits any more: applied at once
     assert engine.calls[-1] == "get s" and outbox.replies[6] == "s"
 
 
 def test_an_abort_while_the_grammar_loads_ends_the_request_and_the_session_goes_on() -> None:
     endpoint, engine, outbox = _endpoint()
-    endpoint.apply(wire.AddRequest("r", [5, 6], PARAMS, SPEC, "{}"))
+    endpoint.apply(api.AddRequest("r", [5, 6], PARAMS, SPEC, "{}"))
     endpoint.apply(_turn(1, "t1", "s", SPEC))
     endpoint.apply(_turn(2, "t2", "s", None))
-    endpoint.apply(wire.Abort("r"))
-    endpoint.apply(wire.Abort("t1"))
+    endpoint.apply(api.Abort("r"))
+    endpoint.apply(api.Abort("t1"))
     engine.release.set()
     _drain(endpoint)
     assert engine.calls == ["load", "turn s t2"]  # neither aborted request reached the engine; no abort owed

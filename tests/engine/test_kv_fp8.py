@@ -94,7 +94,7 @@ def test_sessions_and_the_host_tier_on_fp8_keep_every_answer(tiny_loaded) -> Non
     tiered = make_core(tiny_loaded, block_size=4, num_kv_blocks=40, num_host_kv_blocks=400, kv_cache_dtype="fp8")
     got, computed = _play(tiered, scripts)
     assert got == want and computed == ideal
-    assert tiered.scheduler.num_restored_blocks > 0
+    assert tiered.host_tier is not None and tiered.host_tier.num_restored_blocks > 0
 
 
 def test_a_session_and_its_fork_on_fp8_equal_stateless_fp8_runs(tiny_loaded) -> None:  # type: ignore[no-untyped-def]

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from cbd.engine.core import EngineCore
-from cbd.engine.kv_copier import KvCopier
+from cbd.engine.kv.copier import KvCopier
 from cbd.engine.sampling_params import SamplingParams
 from cbd.engine.sessions import RETENTION_HIGH, RETENTION_LOW
 from cbd.engine.streams import DeviceStreams
@@ -55,7 +55,7 @@ def _play(core: EngineCore, scripts: list[list[list[int]]]) -> tuple[list[list[l
         core.sessions.close(sid)
     core.check_integrity()
     assert core.block_manager.num_used_blocks == 0
-    assert core.host_pool is None or core.host_pool.num_used_blocks == 0
+    assert core.host_tier is None or core.host_tier.pool.num_used_blocks == 0
     return answers, computed
 
 
@@ -70,14 +70,15 @@ def test_a_host_tier_that_fits_the_agents_restores_instead_of_recomputing(tiny_l
         _play(dropped, scripts),
     )
     assert got == want and again == want
-    assert tiered.sessions.num_offloaded_blocks > 0 and tiered.scheduler.num_restored_blocks > 0
+    assert tiered.host_tier is not None
+    assert tiered.host_tier.num_offloaded_blocks > 0 and tiered.host_tier.num_restored_blocks > 0
     assert tiered.sessions.hits["host"] > 0
     # Restored, not recomputed: the prompt tokens computed are the ideal run's (a restored turn also
     # recomputes nothing the resident one would not), far fewer than when evicted KV is released.
     assert tiered_computed == ideal_computed, (tiered_computed, ideal_computed)
     assert dropped_computed > 2 * ideal_computed
-    assert tiered.host_tier_stats is not None and tiered.stats().host is not None
-    assert tiered.stats().host.num_restored_tokens == tiered.scheduler.num_restored_tokens > 0  # type: ignore[union-attr]
+    assert tiered.stats().host is not None
+    assert tiered.stats().host.num_restored_tokens == tiered.host_tier.num_restored_tokens > 0  # type: ignore[union-attr]
 
 
 def test_a_host_tier_too_small_spills_to_recompute_with_the_same_answers(tiny_loaded) -> None:
@@ -86,12 +87,13 @@ def test_a_host_tier_too_small_spills_to_recompute_with_the_same_answers(tiny_lo
     small = make_core(tiny_loaded, block_size=4, num_kv_blocks=40, num_host_kv_blocks=14)
     got, _ = _play(small, scripts)  # checks that nothing is left in either pool
     assert got == want
-    assert small.sessions.num_offloaded_blocks > 0 and small.sessions.num_host_evictions > 0
+    assert small.host_tier is not None
+    assert small.host_tier.num_offloaded_blocks > 0 and small.host_tier.num_host_evictions > 0
 
 
 def _pressure(core: EngineCore) -> None:
     """Make the engine need one block more than is free (idle sessions must give some up)."""
-    core.sessions.evict(core.block_manager.num_free_blocks + 1)
+    core.sessions.eviction.evict(core.block_manager.num_free_blocks + 1)
 
 
 def test_retention_hints_set_the_order_in_which_sessions_leave_the_gpu(tiny_loaded) -> None:
@@ -115,7 +117,7 @@ def test_retention_hints_set_the_order_in_which_sessions_leave_the_gpu(tiny_load
     # A turn's hint holds after the turn: b says it will be back at once, a stays away.
     _turn(core, ids["b"], [5, 6, 7], expected_idle=0.0)
     _turn(core, ids["a"], [5, 6, 7], expected_idle=60.0)
-    assert [s.session_id for s in core.sessions.eviction_order([core.sessions.get(ids["a"]),
+    assert [s.session_id for s in core.sessions.eviction.order([core.sessions.get(ids["a"]),
                                                                  core.sessions.get(ids["b"])])] == [ids["a"], ids["b"]]  # fmt: skip
 
 
@@ -133,24 +135,24 @@ def _assert_empty(core: EngineCore) -> None:
         checked_step(core)
     core.check_integrity()
     assert core.block_manager.num_used_blocks == 0
-    assert core.host_pool is not None and core.host_pool.num_used_blocks == 0
+    assert core.host_tier is not None and core.host_tier.pool.num_used_blocks == 0
 
 
 def test_abort_during_restore_close_after_offload_and_expiry_leave_nothing(tiny_loaded) -> None:
     core = make_core(tiny_loaded, block_size=4, num_kv_blocks=200, num_host_kv_blocks=400)
-    tier = core.scheduler.host_tier
+    tier = core.host_tier
     assert tier is not None
     # Abort while the restore is in flight (the copy is held incomplete).
     sid, _ = _offloaded_session(core)
-    tier.is_done = lambda ticket, block: False  # type: ignore[method-assign]
+    tier.copier.is_done = lambda ticket, block: False  # type: ignore[method-assign]
     request = core.add_session_turn(sid, [7, 8, 9], GREEDY)
     checked_step(core)
-    assert len(core.scheduler.restoring) == 1
-    restoring_blocks = list(core.scheduler.restoring[0].seq.block_table)
+    assert len(tier.restoring) == 1
+    restoring_blocks = list(tier.restoring[0].seq.block_table)
     core.abort_request(request.request_id)
-    assert not core.scheduler.restoring
+    assert not tier.restoring
     assert all(b in core.block_manager.fences for b in restoring_blocks)  # reuse waits for the copy
-    del tier.is_done
+    del tier.copier.is_done
     core.sessions.close(sid)
     _assert_empty(core)
     # Close right after the offload; expiry of an offloaded session.
@@ -167,19 +169,19 @@ def test_failed_copies_fall_back_to_recompute_with_the_same_answer(tiny_loaded) 
         core = make_core(tiny_loaded, block_size=4, num_kv_blocks=200, num_host_kv_blocks=400)
         sid = core.sessions.open().session_id
         _turn(core, sid, list(range(2, 32)))
-        assert core.copier is not None
+        assert core.host_tier is not None
 
         def broken(*args: object) -> int:
             raise RuntimeError("copy failed")
 
         if fail == "offload":
-            core.copier.offload = broken  # type: ignore[method-assign]
+            core.host_tier.copier.offload = broken  # type: ignore[method-assign]
 
         _pressure(core)
         tier = core.sessions.info(core.sessions.get(sid)).tier
         assert tier == ("recompute" if fail == "offload" else "host")
         if fail == "restore":
-            core.copier.restore = broken  # type: ignore[method-assign]
+            core.host_tier.copier.restore = broken  # type: ignore[method-assign]
         answer, prompt, cached = _turn(core, sid, [40, 41, 42])
         if fail is None:
             assert cached > 0
@@ -215,7 +217,7 @@ def test_the_overlap_loop_restores_with_the_same_answers(tiny_loaded, overlap: s
     want, _ = _play(make_core(tiny_loaded, block_size=4, num_kv_blocks=512, num_host_kv_blocks=0), scripts)
     core = make_core(tiny_loaded, block_size=4, num_kv_blocks=40, num_host_kv_blocks=400, overlap=overlap)
     got, _ = _play(core, scripts)
-    assert got == want and core.scheduler.num_restored_blocks > 0
+    assert got == want and core.host_tier is not None and core.host_tier.num_restored_blocks > 0
 
 
 def test_through_the_daemon_tiers_hints_stats_and_metrics(tiny_daemon) -> None:  # type: ignore[no-untyped-def]
@@ -224,9 +226,9 @@ def test_through_the_daemon_tiers_hints_stats_and_metrics(tiny_daemon) -> None: 
     import grpc
 
     from cbd_client import CbdError, Client
+    from cbd_client.address import free_port
     from cbd_client.v1 import cbd_pb2 as pb
     from cbd_client.v1 import cbd_pb2_grpc
-    from daemon_process import free_port
 
     port = free_port()
     d = tiny_daemon("--block-size", "4", "--num-kv-blocks", "40", "--num-host-kv-blocks", "400",
@@ -275,11 +277,11 @@ def test_a_prefix_sessions_share_is_on_the_host_once(tiny_loaded) -> None:
     for i, sid in enumerate(ids):
         _turn(core, sid, [50 + i] * 6)
     held = [core.sessions.info(core.sessions.get(sid)).resident_blocks for sid in ids]
-    core.sessions.evict(core.block_manager.num_blocks)  # everything idle leaves the GPU
+    core.sessions.eviction.evict(core.block_manager.num_blocks)  # everything idle leaves the GPU
     host = [core.sessions.info(core.sessions.get(sid)).host_blocks for sid in ids]
     assert host == held and all(h > 10 for h in host)
-    assert core.host_pool is not None
-    assert core.host_pool.num_used_blocks == sum(held) - 2 * 10  # the 10 shared blocks once, not three times
+    assert core.host_tier is not None
+    assert core.host_tier.pool.num_used_blocks == sum(held) - 2 * 10  # the 10 shared blocks once, not three times
     answers = [_turn(core, sid, [7, 8])[0] for sid in ids]  # restored: answers as if they had stayed
     fresh = make_core(tiny_loaded, block_size=4, num_kv_blocks=200, num_host_kv_blocks=0)
     fresh_ids = [fresh.sessions.open(token_ids=system).session_id for _ in range(3)]

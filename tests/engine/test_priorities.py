@@ -135,9 +135,9 @@ def test_through_the_daemon_priorities_tenants_from_tokens_and_metrics(tiny_daem
     import grpc
 
     from cbd_client import CbdError, Client
+    from cbd_client.address import free_port
     from cbd_client.v1 import cbd_pb2 as pb
     from cbd_client.v1 import cbd_pb2_grpc
-    from daemon_process import free_port
 
     tokens = tmp_path / "tokens"
     tokens.write_text("# name token\nalice tok-a\nbob tok-b\n")

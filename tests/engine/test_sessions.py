@@ -6,6 +6,7 @@ The oracle is a stateless engine (prefix caching off) fed the whole history ever
 from __future__ import annotations
 
 import random
+import time
 
 import pytest
 
@@ -137,7 +138,7 @@ def test_eviction_under_a_small_pool_keeps_every_answer(tiny_loaded) -> None:
     roomy = make_core(tiny_loaded, block_size=4, num_kv_blocks=512)
     tight = make_core(tiny_loaded, block_size=4, num_kv_blocks=40)
     assert play(tight) == play(roomy)
-    assert tight.sessions.num_evictions > 0 and roomy.sessions.num_evictions == 0
+    assert tight.sessions.eviction.num_evictions > 0 and roomy.sessions.eviction.num_evictions == 0
 
 
 @pytest.mark.slow
@@ -236,25 +237,44 @@ def test_concurrent_turns_of_sessions_that_pin_most_of_the_pool_all_finish(tiny_
     assert tight.scheduler.num_preemptions > 0
 
 
-def test_a_session_whose_turns_are_refused_for_now_does_not_expire(tiny_loaded) -> None:  # type: ignore[no-untyped-def]
-    """Admission refusing a turn (RESOURCE_EXHAUSTED) counts as use: the client is retrying, not gone."""
-    import time
+class AheadClock:
+    """Stands in for the `time` module inside the session table only: the real clock plus what the test
+    has advanced it by. Never behind the real clock, so the engine loop's own expiry pass (which reads the
+    real clock) cannot expire a session early; only the test's advances age it."""
 
+    def __init__(self) -> None:
+        self.offset = 0.0
+
+    def monotonic(self) -> float:
+        return time.monotonic() + self.offset
+
+
+def test_a_session_whose_turns_are_refused_for_now_does_not_expire(tiny_loaded, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """Admission refusing a turn (RESOURCE_EXHAUSTED) counts as use: the client is retrying, not gone."""
     from cbd.config import EngineConfig
+    from cbd.engine import session_manager
     from cbd.engine.engine import Engine
     from cbd.errors import CapacityExceeded
 
+    clock = AheadClock()
+    monkeypatch.setattr(session_manager, "time", clock)
     engine = Engine(EngineConfig(block_size=4, num_kv_blocks=256, max_queued_requests=1), loaded=tiny_loaded)
+
+    def expire() -> list[str]:  # the engine's expiry pass, by the session table's clock
+        return engine.call(lambda core: core.sessions.expire()).result(timeout=10)
+
     try:
         session = engine.open_session(ttl=1.2).result(timeout=10)
         engine.admission.reserve("seat-holder", 3)  # the one seat is taken
         for _ in range(8):  # 2.4 s of refusals, twice the TTL
             with pytest.raises(CapacityExceeded):
                 engine.submit_turn(session.session_id, TurnInput([8, 9]), GREEDY)
-            time.sleep(0.3)
+            clock.offset += 0.3
+        assert expire() == []
         assert engine.get_session(session.session_id).result(timeout=10).session_id == session.session_id
         engine.admission.release("seat-holder")
-        time.sleep(2.5)  # left alone, it expires
+        clock.offset += 2.5  # left alone, it expires
+        assert expire() == [session.session_id]
         with pytest.raises(UnknownSession):
             engine.get_session(session.session_id).result(timeout=10)
     finally:

@@ -14,9 +14,9 @@ import pytest
 import torch
 
 from cbd.engine.core import EngineCore
-from cbd.engine.drafter import NgramDrafter, NgramIndex
 from cbd.engine.sampling_params import SamplingParams
 from cbd.engine.sequence import Request, Sequence
+from cbd.engine.spec.drafter import NgramDrafter, NgramIndex
 from helpers import checked_step, make_core, run_all
 
 CODE = """def load(path):
@@ -238,7 +238,7 @@ def test_sampled_tokens_at_verified_positions_follow_the_model(tiny_checkpoint, 
     for mode in ("off", "ngram"):
         core = make_core(tiny_loaded, speculative=mode, num_kv_blocks=2048, max_num_seqs=64)
         if mode == "ngram":
-            core.scheduler.drafter = _FixedDrafter(draft)
+            core.scheduler.speculator.drafter = _FixedDrafter(draft)
         params = [SamplingParams(max_tokens=3, temperature=temperature, seed=s, ignore_eos=True) for s in range(seeds)]
         runs[mode] = [tuple(r["tokens"][0]) for r in run_all(core, [prompt] * seeds, params)]
         if mode == "ngram":
@@ -261,7 +261,7 @@ def test_drafts_use_only_what_the_step_leaves_over(tiny_loaded) -> None:  # type
     for mode in ("off", "ngram"):
         core = make_core(tiny_loaded, speculative=mode, block_size=4, num_kv_blocks=8, enable_prefix_caching=False)
         if mode == "ngram":
-            core.scheduler.drafter = _FixedDrafter(7)
+            core.scheduler.speculator.drafter = _FixedDrafter(7)
         runs[mode] = [r["tokens"] for r in run_all(core, prompts, params)]
         assert core.scheduler.num_preemptions == 0, mode
         assert core.block_manager.num_used_blocks == 0

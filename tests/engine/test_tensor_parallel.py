@@ -93,7 +93,7 @@ def test_two_nccl_ranks_equal_one_gpu(tiny_checkpoint) -> None:
 
 @pytest.mark.parametrize("overlap", ["off", "on"])
 def test_two_gloo_ranks_sample_constrained_rows_like_one_process(tiny_checkpoint, overlap: str) -> None:
-    """Workers get the token masks (with the step, or in a SampleStep when sampling is deferred): a batch of
+    """Workers get the token masks (a SampleStep after the step's RunStep, in both modes): a batch of
     constrained and unconstrained rows gives rank 0's tokens, equal to one process's."""
     import re
 

@@ -136,8 +136,8 @@ def test_speculation_with_verifying_graphs_equals_no_speculation(tiny_checkpoint
     off = [r["tokens"][0] for r in run_all(off_core, prompts, params)]
     core = make_core(loaded, block_size=16, speculative="ngram", kv_cache_dtype=kv_cache_dtype)
     core.warm_up()
-    core.scheduler.drafter = _OracleDrafter({tuple(p): t for p, t in zip(prompts, off)})
-    core.scheduler.draft_backoff = False
+    core.scheduler.speculator.drafter = _OracleDrafter({tuple(p): t for p, t in zip(prompts, off)})
+    core.scheduler.speculator.backoff = False
     on = [r["tokens"][0] for r in run_all(core, prompts, params)]
     assert core.block_manager.num_used_blocks == 0
     stats = core.stats().speculation

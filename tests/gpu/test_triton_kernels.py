@@ -30,7 +30,7 @@ elif os.environ.get("TRITON_INTERPRET") == "1":
 else:
     pytest.skip("needs CUDA or TRITON_INTERPRET=1", allow_module_level=True)
 
-from cbd.model import kv_format, ops, triton_attention, triton_ops  # noqa: E402
+from cbd.model import kv_format, ops, triton_attention, triton_extend, triton_ops  # noqa: E402
 from cbd.model.attention import layout_from_lists, reference_metadata  # noqa: E402
 
 DTYPES = [torch.float32, torch.bfloat16] if DEVICE == "cuda" else [torch.float32]
@@ -109,7 +109,7 @@ def test_extend_kernel_matches_reference(dtype, block_size, heads, window, head_
     for query_lens, context_lens in cases:
         kv, layout = _paged_case(rng, block_size, num_kv_heads, head_dim, dtype, query_lens, context_lens)
         q = torch.randn(sum(query_lens), num_heads, head_dim, device=DEVICE).to(dtype)
-        ours = triton_attention.extend(
+        ours = triton_extend.extend(
             q, kv, layout.block_tables, layout.query_start, layout.context_lens, layout.max_query_len, block_size,
             scale, window,
         )  # fmt: skip
@@ -231,7 +231,7 @@ def test_fp8_extend_kernel_matches_reference(dtype, window, widen, monkeypatch) 
     pool, held = _fp8(kv.float())
     q = torch.randn(sum(query_lens), num_heads, head_dim, device=DEVICE).to(dtype)
     scale = head_dim**-0.5
-    ours = triton_attention.extend(
+    ours = triton_extend.extend(
         q, pool, layout.block_tables, layout.query_start, layout.context_lens, layout.max_query_len, block_size,
         scale, window,
     )  # fmt: skip
@@ -305,7 +305,7 @@ def test_extend_over_long_contexts(context) -> None:
     kv, layout = _paged_case(rng, block_size, num_kv_heads, head_dim, torch.bfloat16, query_lens, context_lens)
     q = torch.randn(sum(query_lens), num_heads, head_dim, device=DEVICE).to(torch.bfloat16)
     scale = head_dim**-0.5
-    ours = triton_attention.extend(
+    ours = triton_extend.extend(
         q, kv, layout.block_tables, layout.query_start, layout.context_lens, layout.max_query_len, block_size, scale
     )  # fmt: skip
     ref = reference_metadata(layout, block_size).attend(q.float(), kv.float(), scale)

@@ -10,6 +10,8 @@ from cbd.errors import CapacityExceeded, InvalidRequest
 
 
 class FakeClock:
+    """Stands in for the `time` module inside cbd.engine.admission only (the process's clock is untouched)."""
+
     def __init__(self) -> None:
         self.now = 100.0
 
@@ -18,9 +20,9 @@ class FakeClock:
 
 
 @pytest.fixture()
-def clock(monkeypatch):  # type: ignore[no-untyped-def]
+def clock(monkeypatch: pytest.MonkeyPatch) -> FakeClock:
     fake = FakeClock()
-    monkeypatch.setattr(admission_module.time, "monotonic", fake.monotonic)
+    monkeypatch.setattr(admission_module, "time", fake)  # the module's own name for its clock
     return fake
 
 
@@ -54,7 +56,7 @@ def test_token_cap_counts_prompt_tokens_and_duplicate_ids_are_invalid() -> None:
     assert (a.num_live, a.num_tokens) == (0, 0)
 
 
-def test_retry_hint_is_the_time_for_enough_requests_to_finish(clock) -> None:  # type: ignore[no-untyped-def]
+def test_retry_hint_is_the_time_for_enough_requests_to_finish(clock: FakeClock) -> None:
     a = Admission(max_requests=10, max_tokens=10**6)
     for i in range(21):  # 20 finishes over 2 s: 10 per second
         a.reserve(f"old{i}", 5)
@@ -80,7 +82,7 @@ def test_retry_hint_is_the_time_for_enough_requests_to_finish(clock) -> None:  #
     assert info.value.retry_after == pytest.approx(0.5 * (2.45 / 2.0), rel=0.01)  # the rate fell meanwhile
 
 
-def test_retry_hint_is_bounded(clock) -> None:  # type: ignore[no-untyped-def]
+def test_retry_hint_is_bounded(clock: FakeClock) -> None:
     a = Admission(max_requests=1, max_tokens=10**6)
     a.reserve("x", 1)
     with pytest.raises(CapacityExceeded) as info:  # nothing finished yet: a default second

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import itertools
 
-from cbd.engine.block_manager import BlockManager
+from cbd.engine.kv.blocks import BlockManager
 from cbd.engine.sampling_params import SamplingParams
 from cbd.engine.sequence import Request, Sequence
 

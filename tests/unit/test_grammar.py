@@ -43,13 +43,13 @@ def test_json_object_regex_and_ebnf(compiler) -> None:  # type: ignore[no-untype
             assert check(text), (spec, text)
 
 
-def test_forked_states_continue_independently(compiler) -> None:  # type: ignore[no-untyped-def]
+def test_states_of_one_grammar_continue_independently(compiler) -> None:  # type: ignore[no-untyped-def]
+    """As the candidates of a fan-out do: each has its own state of the request's one compiled grammar."""
     grammar = compiler.compile(GrammarSpec(GrammarKind.JSON_SCHEMA, json.dumps(SCHEMAS["flat"])))
-    state = grammar.new_state()
+    state, twin = grammar.new_state(), grammar.new_state()
     prefix = compiler.info.decoded_vocab
     for token in [t for t in range(compiler.vocab_size) if prefix[t] == b'{"'][:1]:
-        assert state.accept(token)
-    twin = state.fork()
+        assert state.accept(token) and twin.accept(token)
     a, b = walk(state, compiler, 1), walk(twin, compiler, 2)
     assert state.finished and twin.finished and a != b
     assert twin.num_accepted == len(b) + 1 and state.num_accepted == len(a) + 1

@@ -1,9 +1,10 @@
 """Engine: runs an EngineCore in its own thread behind a thread-safe inbox of typed commands.
 
-Callers use the named methods from any thread (submit, session turns and lifecycle, abort, stats,
-model facts); each puts one command (commands.py) in the inbox, and the engine thread applies the
-queued commands between steps, so an abort frees the request's blocks before the next step is
-scheduled. Answers are plain types, through a Future where the engine thread must compute them.
+Callers use the methods from any thread (submit, session turns, `ask` with any of the API's questions
+and `tell` with its tells, abort, stats, model facts); each puts one command (inbox.py) in the inbox, and
+the engine thread applies the queued commands between steps, so an abort frees the request's blocks
+before the next step is scheduled. Answers come through a Future, of the type the question's reply
+declares (api.py). The named session methods validate what they can here, then ask.
 Outputs are delivered by calling each request's `on_output` in the engine thread: it must be quick
 and must not block (the gRPC server hands them to its event loop with call_soon_threadsafe).
 """
@@ -17,10 +18,11 @@ import uuid
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import replace
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from cbd.config import EngineConfig
-from cbd.engine import commands as cmd
+from cbd.engine import api
+from cbd.engine import inbox as cmd
 from cbd.engine.admission import Admission
 from cbd.engine.core import EngineCore
 from cbd.engine.engine_loop import EngineLoop
@@ -157,6 +159,14 @@ class Engine:
         shutdown has begun."""
         self._check_running()
         self.core.validate(prompt_token_ids, params)
+        return self.enqueue(prompt_token_ids, params, request_id, on_output)
+
+    def enqueue(
+        self, prompt_token_ids: list[int], params: SamplingParams, request_id: str | None = None,
+        on_output: OutputCallback | None = None,
+    ) -> str:  # fmt: skip
+        """Queue a request its caller validated (validate() or the same rule with this model's facts: the
+        engine process's frontend did), so that a request is validated once. Raises as submit does."""
         live = self._reserve(request_id, len(prompt_token_ids), on_output, params)
         self._send(cmd.AddRequest(live, prompt_token_ids, params))
         return live.request_id
@@ -176,7 +186,7 @@ class Engine:
         try:
             live = self._reserve(request_id, len(turn.token_ids), on_output, params)
         except CapacityExceeded:  # refused for now; the session must not expire while its client retries
-            self._send(cmd.TouchSession(session_id))
+            self._send(api.TouchSession(session_id))
             raise
         future: Future[str] = Future()
         # A caller that gives up before the engine thread took the turn cancels the future; the
@@ -199,28 +209,33 @@ class Engine:
         tokens = list(token_ids or [])
         if tokens:
             validate_session_prefix(tokens, self.core.loaded.spec.vocab_size, self.core.max_model_len)
-        return self._ask(
-            lambda f: cmd.OpenSession(ttl, tokens, chat, f, session_id, expected_idle, retention, priority)
-        )
+        return self.ask(api.OpenSession(ttl, tokens, chat, session_id, expected_idle, retention, priority))
 
     def close_session(self, session_id: str) -> Future[None]:
-        return self._ask(lambda f: cmd.CloseSession(session_id, f))
+        return self.ask(api.CloseSession(session_id))
 
     def get_session(self, session_id: str) -> Future[SessionInfo]:
-        return self._ask(lambda f: cmd.GetSession(session_id, f))
+        return self.ask(api.GetSession(session_id))
 
     def list_sessions(self) -> Future[list[SessionInfo]]:
-        return self._ask(lambda f: cmd.ListSessions(f))
+        return self.ask(api.ListSessions())
 
     def fork_session(
         self, session_id: str, candidate: int | None = None, ttl: float | None = None,
         new_session_id: str | None = None,
     ) -> Future[SessionInfo]:  # fmt: skip
-        return self._ask(lambda f: cmd.ForkSession(session_id, candidate, ttl, f, new_session_id))
+        return self.ask(api.ForkSession(session_id, candidate, ttl, new_session_id))
 
     def touch_session(self, session_id: str) -> None:
         """The session's client is still there: its idle TTL starts over."""
-        self._send(cmd.TouchSession(session_id))
+        self.tell(api.TouchSession(session_id))
+
+    def ask(self, question: api.Question) -> Future[Any]:
+        """Any of the API's questions; the future gets its answer or the error that refused it."""
+        return self._ask(lambda f: cmd.Asked(question, f))
+
+    def tell(self, command: api.Tell) -> None:
+        self._send(command)
 
     def call(self, fn: Callable[[EngineCore], T]) -> Future[T]:
         """Tests and tools: run fn(core) in the engine thread between steps. The server never does."""
@@ -239,14 +254,14 @@ class Engine:
 
     def abort(self, request_id: str) -> None:
         """Abort a request if it is still live; its blocks are freed before the next step."""
-        self._send(cmd.Abort(request_id))
+        self._send(api.Abort(request_id))
 
     def stats(self) -> EngineStats:
         return replace(self._loop.stats, grammar_cache_bytes=self._grammars.cached_bytes)
 
     def reset_prefix_cache(self) -> None:
         """Drop every reusable prefix that no live request holds (applied before the next step)."""
-        self._send(cmd.ResetPrefixCache())
+        self._send(api.ResetPrefixCache())
 
     @property
     def num_live_requests(self) -> int:
@@ -268,7 +283,7 @@ class Engine:
     def shutdown(self, timeout: float | None = 30.0) -> None:
         """Stop the loop; live requests finish with reason ABORT."""
         self._stopping = True
-        self._send(cmd.Stop())
+        self._send(api.Stop())
         self._thread.join(timeout)
 
     def _check_running(self) -> None:

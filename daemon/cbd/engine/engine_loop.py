@@ -1,6 +1,7 @@
 """The engine thread: applies the inbox's typed commands between steps and runs the core's steps.
 
-Every command is dispatched by type to one handler here. Outputs reach each request's callback
+Every command is dispatched by type to one handler here: the API's questions (api.py) through
+`_questions`, which answers each with its result or its error, the rest through `_handlers`. Outputs reach each request's callback
 through its live record when the loop calls `core.deliver()`: after a step, only once the stats
 snapshot has been refreshed (a caller that saw its request finish then reads stats without it). Besides
 steps, the loop expires idle sessions once a second (it wakes for that even when idle), keeps the
@@ -21,14 +22,16 @@ from typing import Any, TypeVar
 
 from cbd.allocator import IdleTrim
 from cbd.config import EngineConfig
-from cbd.engine import commands as cmd
+from cbd.engine import api
+from cbd.engine import inbox as cmd
 from cbd.engine.admission import Admission
 from cbd.engine.core import EngineCore
 from cbd.engine.core_share import CoreShare
 from cbd.engine.faults import FaultPlan, is_device_fault
 from cbd.engine.live import LiveRequest
-from cbd.engine.outputs import CandidateDelta, EngineStats, RequestOutput
+from cbd.engine.outputs import EngineStats, ended
 from cbd.engine.sequence import FinishReason
+from cbd.engine.sessions import SessionInfo
 from cbd.errors import EngineStopped
 from cbd.lifetime import name_os_thread
 from cbd.model.loader import LoadedModel, load_model
@@ -63,13 +66,15 @@ class EngineLoop:
         self._faults = FaultPlan.from_env()
         self._trim = IdleTrim(config.idle_trim_seconds)
         self._cores: CoreShare | None = None  # adapts the CPU thread count (num_threads 0 on CPU)
-        self._handlers: dict[type, Callable] = {
-            cmd.AddRequest: self._add_request, cmd.AddTurn: self._add_turn, cmd.Abort: self._abort,
-            cmd.OpenSession: self._open_session, cmd.CloseSession: self._close_session,
-            cmd.GetSession: self._get_session, cmd.ListSessions: self._list_sessions,
-            cmd.ForkSession: self._fork_session,
-            cmd.TouchSession: self._touch_session, cmd.ResetPrefixCache: self._reset_prefix_cache,
-            cmd.RunInEngine: self._run_in_engine,
+        self._handlers: dict[type, Callable[[Any], None]] = {
+            cmd.AddRequest: self._add_request, cmd.AddTurn: self._add_turn, cmd.Asked: self._asked,
+            cmd.RunInEngine: self._run_in_engine, api.Abort: self._abort, api.TouchSession: self._touch_session,
+            api.ResetPrefixCache: self._reset_prefix_cache,
+        }  # fmt: skip
+        self._questions: dict[type, Callable[[Any], Any]] = {
+            api.OpenSession: self._open_session, api.CloseSession: self._close_session,
+            api.GetSession: self._get_session, api.ListSessions: self._list_sessions,
+            api.ForkSession: self._fork_session,
         }  # fmt: skip
 
     def run(self, loaded: LoadedModel | None) -> None:
@@ -180,7 +185,7 @@ class EngineLoop:
                 command = self._inbox.get_nowait()
             except queue.Empty:
                 return True
-            if type(command) is cmd.Stop:
+            if type(command) is api.Stop:
                 return False
             handlers[type(command)](command)
 
@@ -202,37 +207,38 @@ class EngineLoop:
         else:
             c.future.set_result(c.live.request_id)
 
-    def _abort(self, c: cmd.Abort) -> None:
+    def _abort(self, c: api.Abort) -> None:
         live = self.admission.get(c.request_id)
         if live is not None and live.request is not None:
             self.core.abort_request(c.request_id)
             self.core.deliver()
 
-    def _open_session(self, c: cmd.OpenSession) -> None:
+    def _asked(self, c: cmd.Asked) -> None:
+        _answer(c.future, lambda: self._questions[type(c.question)](c.question))
+
+    def _open_session(self, q: api.OpenSession) -> SessionInfo:
         sessions = self.core.sessions
-        _answer(c.future, lambda: sessions.info(
-            sessions.open(c.ttl, c.token_ids, c.chat, c.session_id, c.expected_idle, c.retention, c.priority)
-        ))  # fmt: skip
+        return sessions.info(
+            sessions.open(q.ttl, q.token_ids, q.chat, q.session_id, q.expected_idle, q.retention, q.priority)
+        )
 
-    def _close_session(self, c: cmd.CloseSession) -> None:
-        _answer(c.future, lambda: self.core.sessions.close(c.session_id))
+    def _close_session(self, q: api.CloseSession) -> None:
+        self.core.sessions.close(q.session_id)
 
-    def _get_session(self, c: cmd.GetSession) -> None:
+    def _get_session(self, q: api.GetSession) -> SessionInfo:
+        return self.core.sessions.info(self.core.sessions.get(q.session_id))
+
+    def _list_sessions(self, q: api.ListSessions) -> list[SessionInfo]:
+        return [self.core.sessions.info(s) for s in self.core.sessions.sessions.values()]
+
+    def _fork_session(self, q: api.ForkSession) -> SessionInfo:
         sessions = self.core.sessions
-        _answer(c.future, lambda: sessions.info(sessions.get(c.session_id)))
+        return sessions.info(sessions.fork(q.session_id, q.candidate, q.ttl, q.new_session_id))
 
-    def _list_sessions(self, c: cmd.ListSessions) -> None:
-        sessions = self.core.sessions
-        _answer(c.future, lambda: [sessions.info(s) for s in sessions.sessions.values()])
-
-    def _fork_session(self, c: cmd.ForkSession) -> None:
-        sessions = self.core.sessions
-        _answer(c.future, lambda: sessions.info(sessions.fork(c.session_id, c.candidate, c.ttl, c.new_session_id)))
-
-    def _touch_session(self, c: cmd.TouchSession) -> None:
+    def _touch_session(self, c: api.TouchSession) -> None:
         self.core.sessions.touch(c.session_id)
 
-    def _reset_prefix_cache(self, c: cmd.ResetPrefixCache) -> None:
+    def _reset_prefix_cache(self, c: api.ResetPrefixCache) -> None:
         log.info("prefix cache reset: %d blocks dropped", self.core.block_manager.reset_prefix_cache())
 
     def _run_in_engine(self, c: cmd.RunInEngine) -> None:
@@ -243,9 +249,8 @@ class EngineLoop:
         self.admission.release(live.request_id)
         if live.on_output is None:
             return
-        deltas = [CandidateDelta(i, [], "", None, reason) for i in range(n)]
         try:
-            live.on_output(RequestOutput(live.request_id, deltas, True, None))
+            live.on_output(ended(live.request_id, n, reason))
         except Exception:
             log.exception("output callback for %s failed", live.request_id)
 

@@ -2,8 +2,9 @@
 
 Why xgrammar: it compiles JSON schemas, regexes, EBNF grammars and structural tags (free text with
 triggered, schema-constrained tool calls) to a token-level automaton with a precomputed mask cache, so
-filling one sequence's next-token bitmask takes microseconds on the host; its matchers fork (fan-out
-candidates) and roll back; and it applies a batch of bitmasks to logits on the CPU or the GPU.
+filling one sequence's next-token bitmask takes microseconds on the host; its matchers roll back (drafts
+are checked and masked without moving the state); and it applies a batch of bitmasks to logits on the CPU
+or the GPU. Every candidate of a fan-out has its own state of the request's one compiled grammar.
 
 Threads: `GrammarCompiler.compile` and `load` are thread-safe and are called off the engine thread (the
 request waits, not the batch). In the daemon, `compile` runs only in the frontend's compile workers
@@ -21,13 +22,14 @@ import threading
 from collections import OrderedDict
 from dataclasses import dataclass
 from enum import Enum
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from cbd.engine.schema_check import load_schema
 from cbd.engine.tag_formats import JSON_SEPARATORS, expand
 from cbd.errors import InvalidRequest
+
+if TYPE_CHECKING:  # tensors only pass through here: the frontend imports this module without torch
+    import torch
 
 MAX_GRAMMAR_BYTES = 64 * 1024  # a schema, regex, grammar or tool set larger than this is refused
 MAX_CACHED_GRAMMAR_BYTES = 256 * 2**20  # compiled grammars kept at most (xgrammar's own size estimate)
@@ -207,11 +209,11 @@ class GrammarState:
 
     __slots__ = ("grammar", "_matcher", "num_accepted", "slow_steps")
 
-    def __init__(self, grammar: CompiledGrammar, matcher: Any = None) -> None:
+    def __init__(self, grammar: CompiledGrammar) -> None:
         import xgrammar as xgr
 
         self.grammar = grammar
-        self._matcher = matcher if matcher is not None else xgr.GrammarMatcher(grammar.compiled)
+        self._matcher = xgr.GrammarMatcher(grammar.compiled)
         self.num_accepted = 0
         self.slow_steps = 0  # consecutive steps whose mask took longer than its budget
 
@@ -234,15 +236,6 @@ class GrammarState:
     def finished(self) -> bool:
         """The grammar is complete and its stop token was accepted: nothing more may follow."""
         return bool(self._matcher.is_terminated())
-
-    def fork(self) -> GrammarState:
-        state = GrammarState(self.grammar, self._matcher.fork())
-        state.num_accepted = self.num_accepted
-        return state
-
-    def rollback(self, num_tokens: int) -> None:
-        self._matcher.rollback(num_tokens)
-        self.num_accepted -= num_tokens
 
     def valid_prefix(self, tokens: list[int]) -> int:
         """How many of `tokens` (drafts) the grammar accepts in a row without reaching its end (the

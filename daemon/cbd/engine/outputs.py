@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import bisect
+from collections.abc import Collection
 from dataclasses import dataclass, field
 
 from cbd.engine.sequence import FinishReason
@@ -41,6 +42,10 @@ class RequestOutput:
     queue_seconds: float | None = None  # on the first output: from submission to first being scheduled
     priority: int | None = None  # on the first output: the class it is scheduled in (sampling_params.PRIORITY_*)
     error: str | None = None  # with finish reason ERROR: why, when it is the request's doing ("grammar too expensive")
+    # On the last output of a session's turn: whether the turn became the session's history (every candidate
+    # ended STOP or LENGTH). The engine's rule, carried so that the frontend's chat log never re-derives it;
+    # None on other outputs, and on a turn that ended without the engine (its process gone): not ok.
+    turn_ok: bool | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -111,6 +116,14 @@ class SpeculationStats:
     num_accepted_tokens: int = 0  # of those, kept (each saved one step of its sequence)
 
 
+def ended(request_id: str, n: int, reason: FinishReason, done: Collection[int] = ()) -> RequestOutput:
+    """The last output of a request that ends where it stands (refused, never started, or its engine is
+    gone): every candidate of `n` not already `done` ends with `reason`. The one rule for ending a request
+    from outside the step."""
+    deltas = [CandidateDelta(i, [], "", None, reason) for i in range(n) if i not in done]
+    return RequestOutput(request_id, deltas, True, None)
+
+
 def merge_deltas(deltas: list[CandidateDelta]) -> list[CandidateDelta]:
     """Consecutive deltas as one per candidate (in first-seen order): tokens, text and logprobs
     concatenated; the last finish reason and usage. A step that keeps drafts moves a candidate by
@@ -148,6 +161,8 @@ def merge_outputs(outputs: list[RequestOutput]) -> RequestOutput:
     usage = next((o.usage for o in reversed(outputs) if o.usage is not None), None)
     finished = any(o.finished for o in outputs)
     error = next((o.error for o in reversed(outputs) if o.error is not None), None)
+    turn_ok = next((o.turn_ok for o in reversed(outputs) if o.turn_ok is not None), None)
     return RequestOutput(
-        last.request_id, sorted(merged, key=lambda d: d.index), finished, usage, queue_seconds, priority, error
-    )
+        last.request_id, sorted(merged, key=lambda d: d.index), finished, usage, queue_seconds, priority, error,
+        turn_ok,
+    )  # fmt: skip

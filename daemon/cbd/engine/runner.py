@@ -7,7 +7,9 @@ see kv_format.py; the last block is a scratch block
 that padded graph rows write to), the attention backend, the decode CUDA graphs and the three
 streams. `launch` stages the step (double-buffered) and enqueues on the compute stream:
 copy-on-write block copies, carry-over, forward, sampling; then the d2h copy of the sampled tokens.
-It returns at once; `wait` blocks on that copy's event.
+It returns at once; `wait` blocks on that copy's event. A step with constrained rows (`meta.masked`)
+takes one more call: `launch` enqueues its forward only, and `sample_masked(step, masks)` its sampling
+under the rows' token masks, once the caller has filled them (the one way masks reach the sampler).
 
 Carry-over: a sequence scheduled while its previous token is still being sampled by the step in
 flight has input id 0 there; it is filled on the GPU from that step's sampled-token tensor
@@ -39,7 +41,7 @@ from cbd.model.llama import CausalLM
 
 @dataclass(slots=True)
 class PendingSample:
-    """A launched forward whose sampling waits for token masks (`sample_masked`)."""
+    """A launched forward whose sampling waits for its rows' token masks (`sample_masked`)."""
 
     logits: torch.Tensor  # [R, V] the rows to sample
     tensors: StepTensors
@@ -178,15 +180,14 @@ class ModelRunner:
     @torch.inference_mode()
     def launch(self, batch: StepBatch) -> InflightStep:
         """Stage and enqueue one packed step; returns at once. Tensor-parallel workers get the same
-        step first and run it on their shards (rank 0 and workers alike call this). With
-        `batch.defer_sample` only the forward is enqueued; `sample_masked` enqueues the sampling."""
+        step first and run it on their shards (rank 0 and workers alike call this). With constrained
+        rows (`batch.meta.masked`) only the forward is enqueued; `sample_masked` enqueues the sampling."""
         if self.broadcast is not None:
             self.broadcast(RunStep(batch))
         meta = batch.meta
         staged = self.stager.stage(batch.packed)
         t = staged.tensors
         s = self.streams
-        masks = self.masks.stage(batch.masks) if batch.masks is not None else None
         with s.on(s.compute):
             s.wait(s.compute, staged.slot.h2d_done)
             timing = self._start_timing()
@@ -199,29 +200,29 @@ class ModelRunner:
                 if t.row_logits is not None:
                     logits = logits.index_select(0, t.row_logits)
                 logits = logits[: meta.num_rows]
-                if batch.defer_sample:
+                if meta.masked:
                     self._end_timing(timing)
                     return InflightStep(
                         meta.num_rows, None, None, None, [staged], PendingSample(logits, t, meta, staged)
                     )
-        return self._sample(logits if meta.num_rows else None, t, meta, staged, masks, timing)
+        return self._sample(logits if meta.num_rows else None, t, meta, staged, None, timing)
 
     @torch.inference_mode()
     def sample_masked(self, step: InflightStep, masks: torch.Tensor) -> None:
-        """Enqueue the deferred sampling of `step` under `masks` (from mask_buffer, filled by the caller)."""
+        """Enqueue the sampling of a launched step with constrained rows under `masks` (from mask_buffer,
+        filled by the caller; rows without a grammar all ones)."""
         if self.broadcast is not None:
             self.broadcast(SampleStep(masks))
         pending, step.pending = step.pending, None
         assert pending is not None
         staged_masks = self.masks.stage(masks)
-        done = self._sample(pending.logits, pending.tensors, pending.meta, pending.staged, staged_masks, None, True)
+        done = self._sample(pending.logits, pending.tensors, pending.meta, pending.staged, staged_masks, None)
         step.sampled, step.host, step.done = done.sampled, done.host, done.done
         step.keep += done.keep
 
     def _sample(
         self, logits: torch.Tensor | None, t: StepTensors, meta: StepMeta, staged: StagedStep,
         masks: tuple[torch.Tensor, torch.cuda.Event | None] | None, timing: tuple | None,
-        time_after_masks: bool = False,
     ) -> InflightStep:  # fmt: skip
         """On the compute stream: mask, sample, release the staged inputs; then the d2h copy of the tokens."""
         s = self.streams
@@ -230,8 +231,7 @@ class ModelRunner:
             if logits is not None:
                 if masks is not None:
                     s.wait(s.compute, masks[1])
-                    if time_after_masks:  # a deferred sampling: the wait for its masks is not busy time
-                        timing = self._start_timing()
+                    timing = self._start_timing()  # after the forward's: the wait for the masks is not busy time
                     logits = self.masks.apply(logits, masks[0])
                 result = sample(logits, _sampling_batch(t, meta))
             self.stager.release(staged)

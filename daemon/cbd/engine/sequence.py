@@ -24,6 +24,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from cbd.engine.kv.host_pool import HostCopy
 from cbd.engine.sampling_params import SamplingParams
 
 PLACEHOLDER = -1  # a token id still being sampled on the device
@@ -52,12 +53,12 @@ class Sequence:
     status: SequenceStatus = SequenceStatus.WAITING
     num_computed_tokens: int = 0
     block_table: list[int] = field(default_factory=list)
-    # A session turn whose history's KV is on the host tier: references on the host blocks and the
-    # tokens they cover; the scheduler restores them when it admits the sequence (then None).
-    host_prefix: tuple[list[int], int] | None = None
-    # After a restore, until the sequence runs: the host blocks it came from (kept, so that setting it
+    # A session turn whose history's KV is on the host tier (or a sequence set aside there): the host
+    # tier restores it when the scheduler admits the sequence (then None). See kv/host_tier.py.
+    host_prefix: HostCopy | None = None
+    # After a restore, until the sequence runs: the host copy it came from (kept, so that setting it
     # aside again frees its GPU blocks without copying anything back).
-    host_backup: tuple[list[int], int] | None = None
+    host_backup: HostCopy | None = None
     # Chained hashes of this sequence's full blocks, computed lazily; index i covers block i.
     block_hashes: list[int] = field(default_factory=list)
     pending_forks: int = 0
@@ -66,7 +67,7 @@ class Sequence:
     final_in_flight: bool = False  # the token in flight is its last (length limit): schedule no more
     finish_reason: FinishReason | None = None
     num_draft: int = 0  # draft tokens being verified, right before the placeholder
-    draft_index: Any = None  # the drafter's index of this sequence's n-grams (engine/drafter.py)
+    draft_index: Any = None  # the drafter's index of this sequence's n-grams (engine/spec/drafter.py)
     draft_retry_step: int = 0  # overlap mode: the step from which drafting is tried again after misses
     draft_misses: int = 0  # consecutive speculative steps with no draft or none accepted
     draft_len: int = 0  # drafts to ask for next (0: the scheduler's starting length)

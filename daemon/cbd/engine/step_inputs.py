@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from cbd.engine.scheduler import StepPlan
+from cbd.engine.sched.plan import StepPlan
 from cbd.engine.streams import DeviceStreams
 
 
@@ -66,6 +66,9 @@ class StepMeta:
     max_logprobs: int | None  # None: no row wants logprobs
     queries: int = 1  # > 1: a verifying graph's step, every sequence padded to this many tokens
     num_decodes: int = 0  # leading sequences with one new token each (running decodes come first)
+    # Some row samples under a grammar: launch runs the forward only, and the sampling waits for the rows'
+    # token masks (runner.sample_masked; engine/token_masks.py). Without one, launch samples at once.
+    masked: bool = False
 
 
 @dataclass(slots=True)
@@ -75,10 +78,6 @@ class StepBatch:
     packed: PackedStep
     meta: StepMeta
     block_copies: list[tuple[int, int]]  # (src, dst) KV block copies before the forward
-    # Constrained rows (engine/token_masks.py): their host bitmask, when known at launch (sync mode); or,
-    # in overlap mode, defer_sample: the forward runs now and sampling waits for runner.sample_masked.
-    masks: torch.Tensor | None = None
-    defer_sample: bool = False
 
 
 @dataclass(slots=True)
@@ -260,5 +259,6 @@ def pack_step(
         any_min_p=any(not p.greedy and p.min_p > 0.0 for p in params),
         max_logprobs=max(wanted) if wanted else None, queries=queries,
         num_decodes=next((i for i, n in enumerate(query_lens[:num_seqs]) if n != 1), num_seqs),
+        masked=plan.constrained,
     )  # fmt: skip
     return StepBatch(packed, meta, plan.block_copies)

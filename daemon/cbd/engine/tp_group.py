@@ -118,7 +118,7 @@ def _worker_main(rank: int, world: int, port: int, values: dict[str, Any]) -> No
             previous = step
         elif type(message) is SampleStep:
             assert previous is not None and previous.pending is not None
-            runner.sample_masked(previous, message.masks)  # as rank 0 samples: same masks, same tokens
+            runner.sample_masked(previous, message.masks)  # the step's constrained rows: same masks, same tokens
         elif type(message) is WarmUp:
             runner.warm_up()
         elif type(message) is StopWorkers:

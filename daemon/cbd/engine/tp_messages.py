@@ -1,4 +1,8 @@
-"""Messages from rank 0 to the tensor-parallel workers: one small dataclass each, dispatched by type."""
+"""Messages from rank 0 to the tensor-parallel workers: one small dataclass each, dispatched by type.
+
+Per step: a `RunStep`, then, only when the step has constrained rows, a `SampleStep` with their masks
+(rank 0 sends it once its grammars know the rows' masks); the worker samples at once otherwise.
+"""
 
 from __future__ import annotations
 
@@ -33,7 +37,8 @@ class RunStep:
 
 @dataclass(slots=True)
 class SampleStep:
-    """The token masks of the step whose sampling was deferred (constrained rows in overlap mode)."""
+    """The token masks of the last RunStep, sent when it has constrained rows (`StepMeta.masked`): the
+    worker samples that step under them, as rank 0 does. The one way masks reach a worker."""
 
     masks: torch.Tensor  # [rows, ceil(vocab / 32)] int32 on the host
 

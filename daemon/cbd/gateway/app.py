@@ -40,8 +40,8 @@ from cbd.gateway.requests import Call, chat_call, chat_message, completion_call
 from cbd.gateway.responses.store import StoreSettings
 from cbd.gateway.sessions import SessionMap
 from cbd.gateway.streams import first, rest, settled_when_dropped, unless_gone
-from cbd_client._convert import with_affinity
 from cbd_client.errors import CbdError
+from cbd_client.routing import with_affinity
 from cbd_client.v1 import cbd_pb2 as pb
 from cbd_client.v1 import cbd_pb2_grpc
 

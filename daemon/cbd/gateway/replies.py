@@ -14,15 +14,15 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from cbd_client.contract import FINISH_REASON_NAME, FinishReason
 from cbd_client.v1 import cbd_pb2 as pb
 
-FINISH = {
-    pb.FINISH_REASON_STOP: "stop",
-    pb.FINISH_REASON_LENGTH: "length",
-    pb.FINISH_REASON_TOOL_CALLS: "tool_calls",
-    pb.FINISH_REASON_ABORT: "abort",  # the daemon shut down before the reply was complete
-    pb.FINISH_REASON_ERROR: "error",
-}
+
+def finish_reason(value: pb.FinishReason, default: FinishReason | None = None) -> str | None:
+    """The API's finish_reason of a candidate's (the contract's names; "abort": the daemon shut down
+    before the reply was complete)."""
+    name = FINISH_REASON_NAME.get(value, default)
+    return None if name is None else name.value
 
 
 def usage(u: pb.Usage | None) -> dict[str, Any] | None:
@@ -67,7 +67,7 @@ class Choice:
         if c.logprobs:
             self.logprobs.extend(chat_logprobs(c) if chat else list(c.logprobs))
         if c.finish_reason:
-            self.finish_reason = FINISH.get(c.finish_reason, "stop")
+            self.finish_reason = finish_reason(c.finish_reason, FinishReason.STOP)
 
     def message(self) -> dict[str, Any]:
         """The assistant message (as the API returns it, and as a client sends it back)."""
@@ -129,12 +129,12 @@ class Reply:
                     call["function"]["name"] = t.name
             delta["tool_calls"] = list(calls.values())
         logprobs = {"content": chat_logprobs(c)} if self.logprobs is not None and c.logprobs else None
-        finish = FINISH.get(c.finish_reason) if c.finish_reason else None
+        finish = finish_reason(c.finish_reason) if c.finish_reason else None
         choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
         return {**self._head(), "object": "chat.completion.chunk", "choices": [choice]}
 
     def _text_chunk(self, index: int, c: pb.CandidateDelta) -> dict[str, Any]:
-        finish = FINISH.get(c.finish_reason) if c.finish_reason else None
+        finish = finish_reason(c.finish_reason) if c.finish_reason else None
         logprobs = _legacy_logprobs(list(c.logprobs)) if self.logprobs is not None else None
         return {
             **self._head(),

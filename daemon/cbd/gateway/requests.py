@@ -20,14 +20,14 @@ from typing import Any
 from cbd.gateway import checks
 from cbd.gateway.errors import ApiError, bad_request
 from cbd.gateway.sessions import SessionKey
-from cbd_client._convert import set_prompt
+from cbd_client.calls import set_prompt
+from cbd_client.contract import MAX_LOGPROBS
 from cbd_client.errors import CbdError
 from cbd_client.structured import set_response_format, set_tools
 from cbd_client.v1 import cbd_pb2 as pb
 
 _ROLES = {"developer": "system"}
 _KNOWN_ROLES = ("system", "developer", "user", "assistant", "tool")
-MAX_TOP_LOGPROBS = 20
 MAX_TOKENS = (1 << 31) - 1  # an omitted chat max_tokens: generation ends at the context length
 COMPLETIONS_MAX_TOKENS = 16  # the legacy completions API's default
 
@@ -54,11 +54,11 @@ def chat_call(body: dict[str, Any], session_header: str | None, owner: str = "")
     _refuse_unsupported(body)
     logprobs = None
     if body.get("logprobs"):
-        logprobs = _int(body, "top_logprobs", 0, 0, MAX_TOP_LOGPROBS)
+        logprobs = _int(body, "top_logprobs", 0, 0, MAX_LOGPROBS)
     elif body.get("top_logprobs") is not None:
         raise bad_request("top_logprobs needs logprobs: true", "top_logprobs")
     request = _request(body, logprobs)
-    _convert(lambda: set_prompt(request, normal))
+    checked(lambda: set_prompt(request, normal))
     tools = body.get("tools")
     tool_choice = body.get("tool_choice")
     if tools is not None:
@@ -66,7 +66,7 @@ def chat_call(body: dict[str, Any], session_header: str | None, owner: str = "")
     checks.tool_choice(tool_choice)
     parallel = checks.flag(body, "parallel_tool_calls", True)
     if tools:
-        _convert(lambda: set_tools(request, tools, tool_choice, parallel))
+        checked(lambda: set_tools(request, tools, tool_choice, parallel))
     elif tool_choice not in (None, "none", "auto"):
         raise bad_request("tool_choice needs tools", "tool_choice")
     response_format = body.get("response_format")
@@ -79,7 +79,7 @@ def chat_call(body: dict[str, Any], session_header: str | None, owner: str = "")
         if kind == "json_schema" and not isinstance(response_format.get("json_schema"), dict):
             raise bad_request("response_format.json_schema must be an object holding the schema", "response_format")
         if kind != "text":  # text: no grammar
-            _convert(lambda: set_response_format(request, response_format))
+            checked(lambda: set_response_format(request, response_format))
     key = body.get("cbd_session") or session_header
     if key is not None and not isinstance(key, str):
         raise bad_request("cbd_session must be a string", "cbd_session")
@@ -109,14 +109,14 @@ def completion_call(body: dict[str, Any], max_prompts: int = 256) -> Call:
     n = _int(body, "n", 1, 1, (1 << 16) - 1)
     if _int(body, "best_of", n, 1, (1 << 16) - 1) != n:
         raise bad_request("best_of other than n is not supported", "best_of")
-    logprobs = None if body.get("logprobs") is None else _int(body, "logprobs", 0, 0, MAX_TOP_LOGPROBS)
+    logprobs = None if body.get("logprobs") is None else _int(body, "logprobs", 0, 0, MAX_LOGPROBS)
     requests = []
     for p in prompts:
         max_tokens = body.get("max_tokens")
         request = _request(
             {**body, "max_tokens": COMPLETIONS_MAX_TOKENS if max_tokens is None else max_tokens}, logprobs
         )
-        _convert(lambda r=request, p=p: set_prompt(r, p))
+        checked(lambda r=request, p=p: set_prompt(r, p))
         requests.append(request)
     return Call(requests, n, _stream(body), _include_usage(body), logprobs)
 
@@ -223,7 +223,7 @@ def _float(body: dict[str, Any], name: str) -> float:
         raise bad_request(f"{name} must be a number within a float's range", name) from None
 
 
-def _convert(fn: Any) -> None:
+def checked(fn: Any) -> None:
     """The client library's conversions raise CbdError(INVALID_ARGUMENT); here that is a 400."""
     try:
         fn()

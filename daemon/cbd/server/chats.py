@@ -5,7 +5,8 @@ conversation; the messages live here, one `ChatLog` per chat session, and are to
 event loop's thread. A chat turn is rendered and submitted in one synchronous step (no await
 between reading the transcript and queueing the turn), and the log refuses a second turn until the
 first has ended, so a turn never renders a stale history. What the turn did to the session is
-decided by the engine's answers alone, whether or not the caller is still listening:
+decided by the engine's answers alone (its last output's `turn_ok`), whether or not the caller is still
+listening:
 
   refused (the engine did not take it)      nothing changes
   ended, every candidate STOP / LENGTH      n = 1: the reply joins the conversation;
@@ -22,10 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from cbd.engine.outputs import RequestOutput
-from cbd.engine.sequence import FinishReason
 from cbd.errors import SessionBusy
-
-_OK = (FinishReason.STOP, FinishReason.LENGTH)
 
 
 @dataclass(slots=True)
@@ -35,7 +33,6 @@ class ChatTurn:
     n: int
     from_branch: bool  # base is a pending candidate's conversation (the engine adopts it at once)
     replies: dict[int, list[int]] = field(default_factory=dict)  # candidate -> streamed token ids
-    finishes: dict[int, FinishReason] = field(default_factory=dict)
 
 
 @dataclass(slots=True)
@@ -94,16 +91,13 @@ class ChatLogs:
         for d in out.candidates:
             if d.token_ids:
                 turn.replies.setdefault(d.index, []).extend(d.token_ids)
-            if d.finish_reason is not None:
-                turn.finishes[d.index] = d.finish_reason
         if not out.finished:
             return
         log = self.logs.get(session_id)
         if log is None or log.turn is not turn:
             return  # closed or expired meanwhile
         log.turn = None
-        ok = len(turn.finishes) == turn.n and all(r in _OK for r in turn.finishes.values())
-        if not ok:
+        if not out.turn_ok:  # the engine's verdict (RequestOutput.turn_ok): the history is what it says
             if turn.from_branch:
                 log.messages, log.branches = turn.base, []
             self._drop_if_empty(session_id, log)

@@ -11,14 +11,13 @@ from cbd.engine.sequence import FinishReason
 from cbd.errors import InvalidRequest
 from cbd.server.tool_call_parser import ToolCallDelta, ToolCallParser
 from cbd.server.tool_calls import CallFormat
+from cbd_client import contract
 from cbd_client.v1 import cbd_pb2 as pb
 
-_FINISH = {
+# The engine's finish reasons carry the contract's names (a reason the contract lacks fails here, at import).
+_FINISH: dict[FinishReason | None, pb.FinishReason] = {
     None: pb.FINISH_REASON_UNSPECIFIED,
-    FinishReason.STOP: pb.FINISH_REASON_STOP,
-    FinishReason.LENGTH: pb.FINISH_REASON_LENGTH,
-    FinishReason.ABORT: pb.FINISH_REASON_ABORT,
-    FinishReason.ERROR: pb.FINISH_REASON_ERROR,
+    **{r: contract.FINISH_REASON_PROTO[contract.FinishReason(r.value)] for r in FinishReason},
 }
 
 

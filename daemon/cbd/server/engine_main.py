@@ -1,8 +1,8 @@
 """The engine process's entry: `python -m cbd.server.engine_main` (started by the daemon, never by hand).
 
 It logs like the daemon (same format and destination), ignores the termination signals that reach the
-whole process group or service (the daemon drains first, then sends Stop), dies with the daemon, and
-serves the engine until told to stop (ipc/endpoint.py).
+whole process group or service (the daemon drains first, then sends Stop), dies with the daemon (leaving
+no socket directory behind: ipc/channel.py), and serves the engine until told to stop (ipc/endpoint.py).
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ import sys
 import torch
 
 from cbd.config import EngineConfig
+from cbd.ipc.channel import connect
 from cbd.ipc.endpoint import serve
 from cbd.lifetime import die_with_parent
 from cbd.server import memory
@@ -26,7 +27,6 @@ log = logging.getLogger("cbd.engine")
 
 
 def main(argv: list[str] | None = None) -> int:
-    die_with_parent()
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
         signal.signal(sig, signal.SIG_IGN)
     parser = argparse.ArgumentParser(prog="cbd-engine", description=__doc__.splitlines()[0])
@@ -38,7 +38,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--log-file", default="")
     parser.add_argument("--parent", type=int, default=0, help="the daemon's pid (exit at once if it is gone)")
     args = parser.parse_args(argv)
+    # Connected first, and the socket directory removed, before asking to die with the daemon: a SIGKILL
+    # from then on leaves nothing behind, and a daemon that dies before is seen here (ipc/channel.py).
+    channel = connect(args.commands, args.events, args.parent)
+    if channel is None:
+        return 1
+    die_with_parent()
     if args.parent and os.getppid() != args.parent:
+        channel.close()
         return 1  # the daemon died before this process could ask to die with it
     configure_logging(args.log_level, log_file=args.log_file or None)
     config = EngineConfig.from_dict(json.loads(args.config_json))
@@ -46,7 +53,7 @@ def main(argv: list[str] | None = None) -> int:
     threads = config.intra_op_threads()
     torch.set_num_threads(threads)
     log.info("engine process %d: %d intra-op threads", os.getpid(), threads)
-    return serve(config, args.commands, args.events, args.warmup)
+    return serve(config, channel, args.warmup)
 
 
 if __name__ == "__main__":

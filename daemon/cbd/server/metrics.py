@@ -11,6 +11,7 @@ from prometheus_client.registry import Collector
 from cbd.engine.outputs import RESTORE_SECONDS_BUCKETS, EngineStats, HostTierStats, RequestOutput
 from cbd.engine.sampling_params import PRIORITY_BATCH
 from cbd.server.memory import resident_bytes
+from cbd_client.contract import KvTier, Priority
 
 _LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 
@@ -104,8 +105,8 @@ def _host_tier(h: HostTierStats) -> Iterator[GaugeMetricFamily | CounterMetricFa
     )  # fmt: skip
     hits = CounterMetricFamily("cbd_session_turns_by_tier", "Session turns by where their history's KV was.",
                                labels=["tier"])  # fmt: skip
-    for tier in ("gpu", "host", "recompute"):
-        hits.add_metric([tier], h.session_hits.get(tier, 0))
+    for tier in (KvTier.GPU, KvTier.HOST, KvTier.RECOMPUTE):
+        hits.add_metric([tier.value], h.session_hits.get(tier, 0))
     yield hits
     cumulative, buckets = 0, []
     for bound, count in zip((*RESTORE_SECONDS_BUCKETS, float("inf")), h.restore_buckets, strict=True):
@@ -119,7 +120,7 @@ def _host_tier(h: HostTierStats) -> Iterator[GaugeMetricFamily | CounterMetricFa
 
 def priority_label(priority: int | None) -> str:
     """The bounded label of a priority class."""
-    return "batch" if priority == PRIORITY_BATCH else "interactive"
+    return (Priority.BATCH if priority == PRIORITY_BATCH else Priority.INTERACTIVE).value
 
 
 class Metrics:

@@ -9,10 +9,8 @@ from __future__ import annotations
 import grp
 from pathlib import Path
 
-import torch
-
 from cbd.config import EngineConfig, physical_memory
-from cbd.model.loader import default_gguf_path
+from cbd.model.files import default_gguf_path
 from cbd.server.auth import read_tokens
 from cbd.server.settings import ServerConfig
 
@@ -64,6 +62,8 @@ def _check_model(model: str | None) -> None:
 def _check_device(engine: EngineConfig) -> None:
     if not engine.device.startswith("cuda"):
         return
+    import torch  # only for a CUDA device: the frontend otherwise never imports torch
+
     if not torch.cuda.is_available():
         build = "a CPU-only build" if torch.version.cuda is None else f"built for CUDA {torch.version.cuda}"
         raise ValueError(

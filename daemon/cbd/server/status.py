@@ -19,10 +19,10 @@ from cbd.errors import (
     PermissionDenied,
     SessionBusy,
     SessionExists,
-    Unimplemented,
     UnknownRequest,
     UnknownSession,
 )
+from cbd_client.contract import RETRY_PUSHBACK_HEADER
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -38,7 +38,6 @@ _CODES: list[tuple[type[BaseException], grpc.StatusCode]] = [
     (SessionExists, grpc.StatusCode.ALREADY_EXISTS),
     (PermissionDenied, grpc.StatusCode.PERMISSION_DENIED),
     (EngineFailure, grpc.StatusCode.INTERNAL),
-    (Unimplemented, grpc.StatusCode.UNIMPLEMENTED),
 ]
 
 
@@ -49,11 +48,6 @@ def status_of(exc: BaseException) -> tuple[grpc.StatusCode, str]:
     return grpc.StatusCode.INTERNAL, f"internal error: {type(exc).__name__}: {exc}"
 
 
-# gRPC's own name for a server's "retry after this many milliseconds" hint (gRFC A6); cbd_client reads
-# it into CbdError.retry_after, and grpc's built-in retry policy honours it.
-RETRY_PUSHBACK_KEY = "grpc-retry-pushback-ms"
-
-
 async def abort(context: grpc.aio.ServicerContext, exc: Exception) -> None:
     """End the call with `exc`'s status (raises grpc.aio.AbortError)."""
     code, message = status_of(exc)
@@ -61,7 +55,7 @@ async def abort(context: grpc.aio.ServicerContext, exc: Exception) -> None:
         log.exception("unexpected error in a handler", exc_info=exc)
     trailers: tuple[tuple[str, str], ...] = ()
     if isinstance(exc, CapacityExceeded) and exc.retry_after is not None:
-        trailers = ((RETRY_PUSHBACK_KEY, str(max(1, round(exc.retry_after * 1000)))),)
+        trailers = ((RETRY_PUSHBACK_HEADER, str(max(1, round(exc.retry_after * 1000)))),)
     await context.abort(code, message, trailing_metadata=trailers)
 
 

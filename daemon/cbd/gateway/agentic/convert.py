@@ -6,7 +6,7 @@ import json
 from typing import Any
 
 from cbd.gateway.errors import bad_request
-from cbd.gateway.requests import MAX_TOKENS, _convert
+from cbd.gateway.requests import MAX_TOKENS, checked
 from cbd_client.structured import set_response_format, set_tools
 from cbd_client.v1 import cbd_pb2 as pb
 
@@ -49,12 +49,12 @@ def sampling(request: pb.GenerateRequest, body: dict[str, Any], max_tokens: int 
 def tools(request: pb.GenerateRequest, functions: list[dict[str, Any]], choice: Any, parallel: bool = True) -> None:
     """Functions as {name, description, parameters}; choice as the chat API's tool_choice; parallel false:
     at most one call."""
-    _convert(lambda: set_tools(request, functions, choice, parallel))
+    checked(lambda: set_tools(request, functions, choice, parallel))
 
 
 def response_format(request: pb.GenerateRequest, fmt: dict[str, Any]) -> None:
     """A chat-API response_format (json_object or json_schema)."""
-    _convert(lambda: set_response_format(request, fmt))
+    checked(lambda: set_response_format(request, fmt))
 
 
 def canonical_arguments(arguments: str) -> str:

@@ -29,10 +29,11 @@ from starlette.requests import Request
 
 from cbd.gateway.errors import from_cbd
 from cbd.gateway.limits import parse_json
-from cbd.gateway.requests import _convert
+from cbd.gateway.requests import checked
 from cbd.gateway.streams import first
-from cbd_client._convert import affinity_key, set_prompt, with_affinity
+from cbd_client.calls import set_prompt
 from cbd_client.errors import CbdError
+from cbd_client.routing import fork_session_id, with_affinity
 from cbd_client.v1 import cbd_pb2 as pb
 
 _FALL_BACK = (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.ABORTED)
@@ -80,8 +81,7 @@ class Turns:
 
     async def start(self, template: pb.GenerateRequest, plan: Plan, metadata: list[tuple[str, str]]) -> Started:
         if plan.fork_from is not None and plan.new_messages:
-            forked = await self._fork(plan.fork_from, f"{affinity_key(plan.fork_from)}.{uuid.uuid4().hex[:16]}",
-                                      metadata)  # fmt: skip
+            forked = await self._fork(plan.fork_from, fork_session_id(plan.fork_from), metadata)
             if forked is not None:
                 try:
                     stream, first = await self._generate(template, plan.new_messages, forked, plan, metadata)
@@ -151,7 +151,7 @@ class Turns:
         request = pb.GenerateRequest()
         request.CopyFrom(template)
         request.ClearField("input")
-        _convert(lambda: set_prompt(request, messages))
+        checked(lambda: set_prompt(request, messages))
         if session_id is not None:
             request.session_id = session_id
             request.retention = plan.retention

@@ -24,10 +24,10 @@ from cbd.gateway.agentic.resends import ResentTurn
 from cbd.gateway.agentic.turns import Started, json_body
 from cbd.gateway.errors import ApiError, from_cbd
 from cbd.gateway.messages.request import MessagesCall, parse
-from cbd.gateway.requests import _convert
+from cbd.gateway.requests import checked
 from cbd.gateway.responses.items import new_id
 from cbd.gateway.streams import rest, settled_when_dropped, unless_gone
-from cbd_client._convert import set_prompt
+from cbd_client.calls import set_prompt
 from cbd_client.errors import CbdError
 from cbd_client.v1 import cbd_pb2 as pb
 
@@ -81,7 +81,7 @@ class Messages:
     async def count_tokens(self, request: Request) -> Response:
         call = parse({"max_tokens": 1, **await json_body(request)})
         tokenize = pb.TokenizeRequest()
-        _convert(lambda: set_prompt(tokenize, call.messages))
+        checked(lambda: set_prompt(tokenize, call.messages))
         try:
             answer = await self.gateway.stub.Tokenize(tokenize, metadata=caller.metadata(request.headers), timeout=60)
         except grpc.aio.AioRpcError as exc:

@@ -1,7 +1,8 @@
-"""Host KV blocks: the second tier's accounting (ref counts and a free list; no tensors).
+"""Host KV blocks: the host tier's accounting (ref counts and a free list; no tensors), and
+`HostCopy`, the one record of a prefix's KV held on the host.
 
 A host block holds one GPU block's KV (every layer) in host memory; the copies themselves are the
-runner's (kv_copier.py). Sessions offloaded under GPU memory pressure hold references on their
+copier's (kv/copier.py). Sessions offloaded under GPU memory pressure hold references on their
 host blocks, and a turn being restored from them holds one more until its copy is enqueued.
 Blocks are handed out lowest id first, so the blocks of one offload are mostly contiguous and
 the copier moves them in few large copies. A full block is known by its prefix-cache hash (and
@@ -14,6 +15,17 @@ from __future__ import annotations
 
 import heapq
 from collections import Counter
+from dataclasses import dataclass
+
+
+@dataclass(slots=True)
+class HostCopy:
+    """The KV of a token prefix on the host: `block_ids[i]` holds tokens [i * block_size, (i + 1) *
+    block_size) of the first `num_tokens`. A record holds one reference on each of its blocks; whoever
+    holds it (a session's branch, a sequence, a restore) gives it back through `HostTier.release`."""
+
+    block_ids: list[int]
+    num_tokens: int
 
 
 class HostPool:
@@ -33,7 +45,7 @@ class HostPool:
     def num_used_blocks(self) -> int:
         return self.num_blocks - len(self._free)
 
-    def allocate(self, count: int) -> list[int] | None:
+    def _allocate(self, count: int) -> list[int] | None:
         """`count` blocks with one reference each, in ascending id order; None (and nothing taken) if
         the pool has fewer free."""
         if count > len(self._free):
@@ -48,7 +60,7 @@ class HostPool:
         None for a private one): the copy the host holds already, or a new block. Returns (host ids, the
         indices of the blocks to copy), or None (nothing taken) if the pool lacks room for the new ones."""
         found = [self._by_hash.get(k) if k is not None else None for k in keys]
-        fresh = self.allocate(sum(1 for f in found if f is None))
+        fresh = self._allocate(sum(1 for f in found if f is None))
         if fresh is None:
             return None
         ids: list[int] = []

@@ -4,7 +4,7 @@ Agents copy: a tool result quoted back, a file rewritten with one change, a path
 context. If the last n tokens of a sequence (n = 4, then 3, then 2) occurred before in it (prompt,
 session history, or its own output), the tokens that followed that earlier occurrence, most recent
 occurrence first, are proposed as the next tokens. The target model then checks them all in one step
-(`Scheduler`, speculative chunks) and keeps the longest run that it would have produced itself.
+(spec/speculator.py) and keeps the longest run that it would have produced itself.
 
 Cost: each sequence keeps an index {n-gram: position after its latest occurrence} of its last
 `WINDOW` tokens at most, extended incrementally as tokens are appended, by at most `STEP_BUDGET`
@@ -17,6 +17,7 @@ device work, no model.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from cbd.engine.sequence import Sequence
 
@@ -42,6 +43,12 @@ class NgramIndex:
                 if i + 1 >= n:
                     positions[tuple(tokens[i + 1 - n : i + 1])] = i + 1
         self.indexed = max(self.indexed, stop)
+
+
+class Drafter(Protocol):
+    def propose(self, seq: Sequence, k: int) -> list[int]:
+        """Up to k tokens likely to follow seq's (all known) tokens; [] when it has no guess."""
+        ...
 
 
 class NgramDrafter:

@@ -19,17 +19,12 @@ Offloads and restores are ordered among themselves by the one copy stream.
 from __future__ import annotations
 
 import itertools
-import logging
 import time
 
 import torch
 
-from cbd.engine.block_manager import BlockManager
-from cbd.engine.host_pool import HostPool
 from cbd.engine.streams import DeviceStreams
 from cbd.errors import SettingError
-
-log = logging.getLogger(__name__)
 
 
 class KvCopier:
@@ -56,7 +51,7 @@ class KvCopier:
         self.stream = torch.cuda.Stream(kv_caches.device) if streams.cuda else None
         self._tickets = itertools.count(1)
         self._events: dict[int, tuple[torch.cuda.Event, float, bool]] = {}  # incomplete: (event, start, restore)
-        self.restore_seconds: list[float] = []  # restores' start-to-completion times seen since the last drain
+        self._restore_seconds: list[float] = []  # restores' start-to-completion times seen since the last drain
 
     @staticmethod
     def block_bytes(kv_caches: torch.Tensor, block_size: int) -> int:
@@ -96,7 +91,7 @@ class KvCopier:
                 self._events[ticket] = (done, start, not to_host)
                 return ticket
         if not to_host:
-            self.restore_seconds.append(time.monotonic() - start)
+            self._restore_seconds.append(time.monotonic() - start)
         return ticket
 
     # ---- completion -----------------------------------------------------------------------------
@@ -112,7 +107,7 @@ class KvCopier:
             return False
         del self._events[ticket]
         if restore:
-            self.restore_seconds.append(time.monotonic() - start)
+            self._restore_seconds.append(time.monotonic() - start)
         return True
 
     def fence_compute(self, tickets: set[int]) -> None:
@@ -122,14 +117,9 @@ class KvCopier:
             if entry is not None and not entry[0].query():
                 self.streams.wait(self.streams.compute, entry[0])
 
-    def synchronize(self) -> None:
-        """Wait for every copy (shutdown, tests)."""
-        for ticket in list(self._events):
-            self.is_done(ticket, block=True)
-
     def drain_latencies(self) -> list[float]:
         """Restore latencies completed since the last call."""
-        out, self.restore_seconds = self.restore_seconds, []
+        out, self._restore_seconds = self._restore_seconds, []
         return out
 
 
@@ -142,45 +132,3 @@ def _runs(host_ids: list[int], limit: int) -> list[tuple[int, int]]:
             runs.append((first, i))
             first = i
     return runs
-
-
-class HostTierMoves:
-    """The host tier as the scheduler and the session manager use it (scheduler.HostTier): blocks
-    placed in the host pool (a full block the host holds already is shared, not copied again) and
-    copied by the copier."""
-
-    def __init__(self, pool: HostPool, copier: KvCopier, block_manager: BlockManager) -> None:
-        self.pool, self.copier, self.bm = pool, copier, block_manager
-
-    def keys(self, gpu_ids: list[int]) -> list[tuple[int, tuple[int, ...]] | None]:
-        """Content keys of GPU blocks: (prefix-cache hash, tokens) of a full committed block, else None."""
-        keys: list[tuple[int, tuple[int, ...]] | None] = []
-        for b in gpu_ids:
-            block = self.bm.blocks[b]
-            keys.append((block.hash, block.token_ids) if block.hash is not None else None)
-        return keys
-
-    def restore(self, host_ids: list[int], gpu_ids: list[int]) -> int:
-        return self.copier.restore(host_ids, gpu_ids)
-
-    def is_done(self, ticket: int, block: bool) -> bool:
-        return self.copier.is_done(ticket, block)
-
-    def release(self, host_ids: list[int]) -> None:
-        self.pool.release(host_ids)
-
-    def offload(self, gpu_ids: list[int]) -> tuple[list[int], int | None] | None:
-        """Host blocks holding these GPU blocks' KV, and the ticket of the copy that fills the new ones
-        (None: the host had them all); None if the pool lacks room or the copy failed (nothing taken)."""
-        placed = self.pool.place(self.keys(gpu_ids))
-        if placed is None:
-            return None
-        host_ids, copy = placed
-        if not copy:
-            return host_ids, None
-        try:
-            return host_ids, self.copier.offload([gpu_ids[i] for i in copy], [host_ids[i] for i in copy])
-        except Exception:
-            log.exception("offloading %d KV blocks to the host tier failed; they will be recomputed", len(copy))
-            self.pool.release(host_ids)
-            return None

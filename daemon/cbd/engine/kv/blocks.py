@@ -10,7 +10,7 @@ block always holds valid KV. Writes only go to positions >= num_computed_tokens,
 partial or a new block; a shared partial block is copied before the write (copy-on-write).
 A block whose KV is being copied to the host tier when it is freed carries a fence (the copy's
 ticket) until it is next allocated; the plan that allocates it collects the fence (`take_fences`),
-and the runner makes that step's writes wait for the copy.
+and that step's writes wait for the copy (`HostTier.fence_compute`, kv/host_tier.py).
 """
 
 from __future__ import annotations
@@ -117,10 +117,15 @@ class BlockManager:
 
     # ---- growth -----------------------------------------------------------------------------
     def can_append(self, seq: Sequence, num_new_tokens: int) -> bool:
-        return self._new_blocks_needed(seq, num_new_tokens) <= self.num_free_blocks
+        return self.blocks_needed_for(seq, num_new_tokens) <= self.num_free_blocks
 
     def blocks_needed_for(self, seq: Sequence, num_new_tokens: int) -> int:
-        return self._new_blocks_needed(seq, num_new_tokens)
+        """Fresh blocks `append(seq, num_new_tokens)` takes: new ones, plus a copy of a shared partial one."""
+        needed = max(0, self.blocks_needed(seq.num_computed_tokens + num_new_tokens) - len(seq.block_table))
+        first = seq.num_computed_tokens // self.block_size
+        if first < len(seq.block_table) and self.blocks[seq.block_table[first]].ref_count > 1:
+            needed += 1
+        return needed
 
     def append(self, seq: Sequence, num_new_tokens: int) -> list[tuple[int, int]]:
         """Make seq's table cover its next num_new_tokens positions; returns (src, dst) block copies."""
@@ -209,13 +214,6 @@ class BlockManager:
             assert not wrong, f"ref counts differ from their holders (block: (refs, holders)): {wrong}"
 
     # ---- internals --------------------------------------------------------------------------
-    def _new_blocks_needed(self, seq: Sequence, num_new_tokens: int) -> int:
-        needed = max(0, self.blocks_needed(seq.num_computed_tokens + num_new_tokens) - len(seq.block_table))
-        first = seq.num_computed_tokens // self.block_size
-        if first < len(seq.block_table) and self.blocks[seq.block_table[first]].ref_count > 1:
-            needed += 1
-        return needed
-
     def _allocate(self) -> int:
         if self.free_ids:
             block_id = self.free_ids.pop()

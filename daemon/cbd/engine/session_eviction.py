@@ -1,0 +1,109 @@
+"""SessionEviction: which idle sessions' KV leaves the GPU under memory pressure, and where it goes.
+
+Idle sessions yield to running requests: when the pool runs short, idle sessions' KV leaves the GPU
+in eviction order (`order`: retention LOW, NORMAL, HIGH; within one, the session expected back last
+goes first). With a host tier it is copied there (`HostTier.offload`); the next turn's sequence takes
+references on the copy and the scheduler restores it before its prefill. Without one, or when the
+host pool is full of sessions due back sooner, it is released: the tokens stay, and the next turn
+recomputes, reviving whatever the prefix cache still holds. Host copies are evicted in the same
+order, to recompute (`HostTier.evict`). The tier does the copies and counts them; this class only
+picks the sessions. Engine-thread only.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING
+
+from cbd.engine.kv.blocks import BlockManager
+from cbd.engine.sessions import Branch, Session
+
+if TYPE_CHECKING:
+    from cbd.engine.kv.host_tier import HostTier
+
+
+class SessionEviction:
+    def __init__(self, sessions: dict[str, Session], block_manager: BlockManager, host_tier: HostTier | None) -> None:
+        """sessions: the session manager's table (shared, not copied)."""
+        self.sessions = sessions
+        self.bm = block_manager
+        self.host_tier = host_tier
+        self.num_evictions = 0  # sessions whose KV left the GPU
+
+    def order(self, sessions: list[Session], now: float | None = None) -> list[Session]:
+        """Which sessions leave a tier first: retention LOW, then NORMAL, then HIGH; within a class, the
+        one expected back last (`Session.next_use`) first."""
+        now = now if now is not None else time.monotonic()
+        return sorted(sessions, key=lambda s: (s.retention, -s.next_use(now)))
+
+    def evict(self, blocks_needed: int, include_busy: bool = False) -> int:
+        """Move sessions' KV off the GPU in eviction order until blocks_needed are free: idle sessions
+        only, or also those with a turn in flight (the turn's sequence keeps its own references, so
+        this frees only what nothing running needs; the session recomputes later). An idle session's
+        KV goes to the host tier when there is one and it has room (after evicting host-resident
+        sessions that come before it in the same order); otherwise it is released. Returns the
+        blocks freed."""
+        freed = 0
+        now = time.monotonic()
+        order = self.order([s for s in self.sessions.values() if include_busy or s.busy is None], now)
+        for rank, session in enumerate(order):
+            if self.bm.num_free_blocks >= blocks_needed:
+                break
+            if not any(b.block_table for b in session.branches_and_self()):
+                continue
+            before = self.bm.num_free_blocks
+            for b in session.branches_and_self():
+                b.draft_index = None  # idle long enough to leave the GPU: its drafter index goes too
+                if b.block_table and not (session.busy is None and self._offload(b, order[:rank])):
+                    self.bm.release(b.block_table)
+                    b.block_table, b.num_computed = [], 0
+            freed += self.bm.num_free_blocks - before
+            self.num_evictions += 1
+        return freed
+
+    def offload_ahead(self, free_target: int) -> None:
+        """With a host tier: copy idle sessions' KV to it, in eviction order, until free_target GPU blocks
+        are free (or no idle session is left on the GPU, or the host pool has no room). Called after a
+        step is launched, so that the copies run while the GPU computes and the blocks they free are
+        ready (their fences passed) by the time a later step needs them; never releases KV to recompute."""
+        tier = self.host_tier
+        if tier is None or self.bm.num_free_blocks >= free_target:
+            return
+        for session in self.order([s for s in self.sessions.values() if s.busy is None]):
+            if self.bm.num_free_blocks >= free_target:
+                break
+            branches = [b for b in session.branches_and_self() if b.block_table]
+            if not branches:
+                continue
+            if sum(tier.blocks_to_copy(b.block_table) for b in branches) > tier.num_free_blocks:
+                break  # proactively, only into free host blocks
+            for b in branches:
+                b.draft_index = None
+                self._offload(b, [])
+            self.num_evictions += 1
+
+    def _offload(self, branch: Branch, before: list[Session]) -> bool:
+        """Copy a branch's GPU blocks to the host tier and free them (fenced until the copy is done);
+        False if there is no tier or no room in it, even after evicting the host copies of sessions in
+        `before` (those that come before this one in eviction order)."""
+        tier = self.host_tier
+        if tier is None:
+            return False
+
+        def make_room(count: int) -> None:
+            for other in before:
+                if tier.num_free_blocks >= count:
+                    break
+                copies = [b.host for b in other.branches_and_self() if b.host is not None]
+                if other.busy is None and copies:
+                    tier.evict(copies)
+                    for b in other.branches_and_self():
+                        b.host = None
+
+        copy = tier.offload(branch.block_table, branch.num_computed, make_room)
+        if copy is None:  # no room, or the copy failed: the caller releases the KV (the next turn recomputes)
+            return False
+        self.bm.release(branch.block_table)
+        branch.host = copy
+        branch.block_table, branch.num_computed = [], 0
+        return True

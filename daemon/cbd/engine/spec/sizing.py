@@ -1,0 +1,40 @@
+"""Speculation's settings turned into what the engine is built with: the speculator, and the verifying
+CUDA graphs (batch sizes and query counts) to capture at warm-up.
+
+Verifying steps get graphs up to the batch where speculation runs: "auto"'s cap; with "ngram" at least 8;
+never beyond 32 (each (batch, queries) graph keeps its own logits rows). Queries are 1 + drafts
+(cuda_graphs.verify_queries).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from cbd.config import EngineConfig
+from cbd.engine.cuda_graphs import verify_queries
+from cbd.engine.kv.blocks import BlockManager
+from cbd.engine.spec.drafter import NgramDrafter
+from cbd.engine.spec.speculator import Speculator
+
+
+@dataclass(frozen=True, slots=True)
+class VerifyGraphs:
+    batch: int  # verifying graphs up to this batch (0: none)
+    queries: tuple[int, ...]  # ... for these query counts
+
+
+def verify_graphs(config: EngineConfig, graph_batch: int) -> VerifyGraphs:
+    """graph_batch: the decode graphs' largest batch (0: no CUDA graphs, so no verifying graphs either)."""
+    batch = 0
+    if config.speculative == "auto":
+        batch = min(graph_batch, config.speculative_max_batch, 32)
+    elif config.speculative == "ngram":
+        batch = min(graph_batch, max(config.speculative_max_batch, 8), 32)
+    return VerifyGraphs(batch, verify_queries(config.num_speculative_tokens) if batch else ())
+
+
+def new_speculator(config: EngineConfig, block_manager: BlockManager, max_model_len: int) -> Speculator:
+    """The speculator for these settings ("off": one without a drafter, which never drafts)."""
+    drafter = NgramDrafter() if config.speculative != "off" else None
+    max_batch = config.speculative_max_batch if config.speculative == "auto" else None
+    return Speculator(block_manager, max_model_len, drafter, config.num_speculative_tokens, max_batch)
