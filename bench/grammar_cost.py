@@ -24,7 +24,7 @@ from typing import Any
 import torch
 from transformers import AutoTokenizer
 
-from cbd.engine.grammar import GrammarCompiler, GrammarKind, GrammarSpec
+from cbd.engine.grammar.matcher import GrammarCompiler, GrammarKind, GrammarSpec
 from cbd.model.loader import resolve_checkpoint
 from cbd.server.tool_calls import HERMES, Tool, ToolChoice, ToolChoiceMode, grammar_for
 

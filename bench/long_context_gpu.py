@@ -37,7 +37,7 @@ from overlap_gpu import build_hf  # noqa: E402
 
 from cbd.config import EngineConfig  # noqa: E402
 from cbd.engine.core import EngineCore  # noqa: E402
-from cbd.engine.runner import ModelRunner  # noqa: E402
+from cbd.engine.device.runner import ModelRunner  # noqa: E402
 from cbd.engine.sampling_params import SamplingParams  # noqa: E402
 from cbd.model.llama import CausalLM  # noqa: E402
 from cbd.model.loader import model_from_hf  # noqa: E402

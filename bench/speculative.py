@@ -104,7 +104,7 @@ def _generate(
 
 
 def cpu(args: argparse.Namespace) -> None:
-    from cbd.engine.grammar import GrammarCompiler, GrammarKind, GrammarSpec
+    from cbd.engine.grammar.matcher import GrammarCompiler, GrammarKind, GrammarSpec
     from cbd.model.loader import load_model
 
     loaded = load_model(None, pack_cpu_gemm=True)

@@ -23,7 +23,7 @@ from structured_gpu import SCHEMA  # noqa: E402
 
 from cbd.config import EngineConfig  # noqa: E402
 from cbd.engine.core import EngineCore  # noqa: E402
-from cbd.engine.grammar import GrammarCompiler, GrammarKind, GrammarSpec  # noqa: E402
+from cbd.engine.grammar.matcher import GrammarCompiler, GrammarKind, GrammarSpec  # noqa: E402
 from cbd.engine.sampling_params import SamplingParams  # noqa: E402
 from cbd.model.loader import load_model  # noqa: E402
 

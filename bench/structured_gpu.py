@@ -25,7 +25,7 @@ import torch
 sys.path.insert(0, os.path.dirname(__file__))
 from overlap_gpu import SHAPE, make_core  # noqa: E402
 
-from cbd.engine.grammar import GrammarCompiler, GrammarKind, GrammarSpec  # noqa: E402
+from cbd.engine.grammar.matcher import GrammarCompiler, GrammarKind, GrammarSpec  # noqa: E402
 from cbd.engine.sampling_params import SamplingParams  # noqa: E402
 from cbd.model.loader import model_from_hf  # noqa: E402
 

@@ -101,7 +101,7 @@ def compiler() -> Any:
     """A grammar compiler for the embedded model's tokenizer (the model's weights are not loaded)."""
     from transformers import AutoTokenizer
 
-    from cbd.engine.grammar import GrammarCompiler
+    from cbd.engine.grammar.matcher import GrammarCompiler
     from cbd.model.loader import resolve_checkpoint
 
     tokenizer = AutoTokenizer.from_pretrained(resolve_checkpoint(None))

@@ -7,7 +7,7 @@ import json
 
 import torch
 
-from cbd.engine.grammar import GrammarCompiler, GrammarState, apply_bitmask
+from cbd.engine.grammar.matcher import GrammarCompiler, GrammarState, apply_bitmask
 
 SCHEMAS = {
     "flat": {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},

@@ -9,7 +9,7 @@ import asyncio
 
 import pytest
 
-from cbd.engine.grammar import GrammarKind, GrammarSpec, LazyGrammarCompiler
+from cbd.engine.grammar.matcher import GrammarKind, GrammarSpec, LazyGrammarCompiler
 from cbd.engine.sampling_params import SamplingParams
 from cbd.engine.sequence import FinishReason
 from cbd.errors import InvalidRequest
@@ -121,8 +121,8 @@ def test_six_bombs_compile_at_most_k_at_once_and_each_is_refused_naming_its_limi
 
 
 def test_the_engines_grammar_cache_is_bounded_in_bytes(compiler, monkeypatch) -> None:  # type: ignore[no-untyped-def]
-    from cbd.engine import grammar as grammar_module
-    from cbd.engine.grammar import GrammarCompiler
+    from cbd.engine.grammar import matcher as grammar_module
+    from cbd.engine.grammar.matcher import GrammarCompiler
 
     fresh = GrammarCompiler(None, compiler.vocab_size, (), info=compiler.info, max_threads=1)
     specs = [GrammarSpec(GrammarKind.REGEX, f"[a-z]{{1,{40 + i}}}") for i in range(6)]

@@ -10,7 +10,7 @@ from concurrent.futures import Future
 from typing import Any
 
 from cbd.engine import api
-from cbd.engine.grammar import CompiledGrammar, GrammarKind, GrammarSpec
+from cbd.engine.grammar.matcher import CompiledGrammar, GrammarKind, GrammarSpec
 from cbd.engine.outputs import RequestOutput
 from cbd.engine.sampling_params import SamplingParams
 from cbd.ipc.endpoint import Endpoint

@@ -11,10 +11,10 @@ import pytest
 import torch
 
 from cbd.engine.core import EngineCore
+from cbd.engine.device.streams import DeviceStreams
 from cbd.engine.kv.copier import KvCopier
 from cbd.engine.sampling_params import SamplingParams
-from cbd.engine.sessions import RETENTION_HIGH, RETENTION_LOW
-from cbd.engine.streams import DeviceStreams
+from cbd.engine.sessions.records import RETENTION_HIGH, RETENTION_LOW
 from helpers import checked_step, make_core
 
 GREEDY = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)

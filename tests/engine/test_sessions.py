@@ -12,7 +12,7 @@ import pytest
 
 from cbd.engine.core import EngineCore
 from cbd.engine.sampling_params import SamplingParams
-from cbd.engine.sessions import TurnInput
+from cbd.engine.sessions.records import TurnInput
 from cbd.errors import InvalidRequest, SessionBusy, UnknownSession
 from helpers import checked_step, make_core, run_all
 
@@ -252,8 +252,8 @@ class AheadClock:
 def test_a_session_whose_turns_are_refused_for_now_does_not_expire(tiny_loaded, monkeypatch) -> None:  # type: ignore[no-untyped-def]
     """Admission refusing a turn (RESOURCE_EXHAUSTED) counts as use: the client is retrying, not gone."""
     from cbd.config import EngineConfig
-    from cbd.engine import session_manager
     from cbd.engine.engine import Engine
+    from cbd.engine.sessions import manager as session_manager
     from cbd.errors import CapacityExceeded
 
     clock = AheadClock()

@@ -276,7 +276,7 @@ def test_the_overlap_loop_speculates_synchronously_with_the_same_outputs(default
     synchronously in a speculating step) and a fan-out; and speculation does happen."""
     import json
 
-    from cbd.engine.grammar import GrammarCompiler, GrammarKind, GrammarSpec
+    from cbd.engine.grammar.matcher import GrammarCompiler, GrammarKind, GrammarSpec
 
     compiler = GrammarCompiler(default_model.tokenizer, default_model.spec.vocab_size, default_model.eos_token_ids)
     schema = {"type": "object", "properties": {"path": {"type": "string"}}, "required": ["path"]}
@@ -305,7 +305,7 @@ def test_grammar_constrained_drafts_are_checked_and_equal_without_speculation(de
     parse, and drafts were kept."""
     import json
 
-    from cbd.engine.grammar import GrammarCompiler, GrammarKind, GrammarSpec
+    from cbd.engine.grammar.matcher import GrammarCompiler, GrammarKind, GrammarSpec
 
     compiler = GrammarCompiler(default_model.tokenizer, default_model.spec.vocab_size, default_model.eos_token_ids)
     schema = {"type": "object", "properties": {"status": {"type": "string"}, "path": {"type": "string"},
@@ -340,7 +340,7 @@ def test_verifying_graph_layout_gives_the_same_outputs(default_model, prompts) -
     batch to a bucket, padding's K/V sent to the scratch block), run eagerly on the CPU: the same
     greedy tokens, logprobs included, as without speculation, with a block size that puts padding
     past the end of a block; the graphs' forward served every verifying step."""
-    from cbd.engine.cuda_graphs import DecodeGraphs, verify_queries
+    from cbd.engine.device.cuda_graphs import DecodeGraphs, verify_queries
 
     params = SamplingParams(max_tokens=40, temperature=0.0, logprobs=2)
     for batch in ([prompts["copy"], prompts["quote"], prompts["plain"]], [prompts["copy"]]):

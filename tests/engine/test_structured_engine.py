@@ -10,7 +10,7 @@ import json
 import jsonschema
 import pytest
 
-from cbd.engine.grammar import GrammarCompiler, GrammarKind, GrammarSpec
+from cbd.engine.grammar.matcher import GrammarCompiler, GrammarKind, GrammarSpec
 from cbd.engine.sampling_params import SamplingParams
 from grammar_cases import SCHEMAS
 from helpers import make_core, run_all

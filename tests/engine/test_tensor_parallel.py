@@ -97,7 +97,7 @@ def test_two_gloo_ranks_sample_constrained_rows_like_one_process(tiny_checkpoint
     constrained and unconstrained rows gives rank 0's tokens, equal to one process's."""
     import re
 
-    from cbd.engine.grammar import GrammarCompiler, GrammarKind, GrammarSpec
+    from cbd.engine.grammar.matcher import GrammarCompiler, GrammarKind, GrammarSpec
 
     compiler = GrammarCompiler(None, 256, (1,), encoded_vocab=[bytes([i]) for i in range(256)])
     grammar = compiler.compile(GrammarSpec(GrammarKind.REGEX, "[a-z]{12}"))

@@ -12,8 +12,8 @@ import jsonschema
 import pytest
 import xgrammar as xgr
 
-from cbd.engine.grammar import GrammarKind
-from cbd.engine.tag_formats import expand, format_element
+from cbd.engine.grammar.matcher import GrammarKind
+from cbd.engine.grammar.tag_formats import expand, format_element
 from cbd.errors import InvalidRequest
 from cbd.server.structured import structure
 from cbd.server.tool_call_parser import ToolCallParser

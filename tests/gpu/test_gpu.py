@@ -202,7 +202,7 @@ def test_constrained_and_unconstrained_rows_in_one_cuda_graph_batch(tiny_checkpo
     tokens they sample in a run without any grammar; the constrained ones match their regex."""
     import re
 
-    from cbd.engine.grammar import GrammarCompiler, GrammarKind, GrammarSpec
+    from cbd.engine.grammar.matcher import GrammarCompiler, GrammarKind, GrammarSpec
 
     vocab = [bytes([i]) for i in range(256)]  # the tiny model's 256 ids as single bytes; id 1 is its EOS
     compiler = GrammarCompiler(None, 256, (1,), encoded_vocab=vocab)

@@ -9,7 +9,7 @@ import re
 import jsonschema
 import pytest
 
-from cbd.engine.grammar import MAX_GRAMMAR_BYTES, GrammarKind, GrammarSpec
+from cbd.engine.grammar.matcher import MAX_GRAMMAR_BYTES, GrammarKind, GrammarSpec
 from cbd.errors import InvalidRequest
 from grammar_cases import SCHEMAS, walk
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from cbd.engine.sampler import SamplingBatch, sample, uniform_noise
+from cbd.engine.device.sampler import SamplingBatch, sample, uniform_noise
 
 
 def batch(n: int, **values) -> SamplingBatch:  # type: ignore[no-untyped-def]

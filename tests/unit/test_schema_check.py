@@ -8,8 +8,8 @@ import json
 
 import pytest
 
-from cbd.engine.grammar import GrammarKind, GrammarSpec
-from cbd.engine.schema_check import FORMATS, MAX_SCHEMA_DEPTH, check_schema, load_schema
+from cbd.engine.grammar.matcher import GrammarKind, GrammarSpec
+from cbd.engine.grammar.schema_check import FORMATS, MAX_SCHEMA_DEPTH, check_schema, load_schema
 from cbd.errors import InvalidRequest
 from cbd.server.tool_calls import parse_tools
 from grammar_cases import SCHEMAS, SEARCH, WEATHER
@@ -121,7 +121,7 @@ def test_every_allowed_keyword_is_enforced_by_the_compiled_grammar(compiler, sch
 
 
 def test_the_allow_list_is_what_the_enforcement_test_covers() -> None:
-    from cbd.engine import schema_check
+    from cbd.engine.grammar import schema_check as schema_check
 
     assert {k for schema, _ in ENFORCED for k in schema} == schema_check._ENFORCED
 

@@ -26,10 +26,10 @@ from typing import Union
 import msgspec
 
 from cbd import errors
-from cbd.engine.grammar import CompiledGrammar, GrammarSpec
+from cbd.engine.grammar.matcher import CompiledGrammar, GrammarSpec
 from cbd.engine.outputs import EngineStats, ModelFacts, RequestOutput
 from cbd.engine.sampling_params import SamplingParams
-from cbd.engine.sessions import SessionInfo
+from cbd.engine.sessions.records import SessionInfo
 
 # ---- replies and errors --------------------------------------------------------------------------
 

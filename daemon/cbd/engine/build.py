@@ -15,14 +15,14 @@ from dataclasses import dataclass
 from typing import Any
 
 from cbd.config import EngineConfig
+from cbd.engine.device.runner import ModelRunner
+from cbd.engine.device.tp_messages import Setup
 from cbd.engine.kv.blocks import BlockManager
 from cbd.engine.kv.host_tier import HostTier
-from cbd.engine.runner import ModelRunner
 from cbd.engine.sched.scheduler import Scheduler
 from cbd.engine.sequence import Sequence
-from cbd.engine.session_manager import SessionManager
+from cbd.engine.sessions.manager import SessionManager
 from cbd.engine.spec.sizing import new_speculator, verify_graphs
-from cbd.engine.tp_messages import Setup
 from cbd.model import blas
 from cbd.model.loader import LoadedModel
 

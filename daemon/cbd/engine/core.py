@@ -33,19 +33,19 @@ from typing import Any
 from cbd.config import EngineConfig
 from cbd.engine.admission import Admission
 from cbd.engine.build import build_parts
+from cbd.engine.device.runner import InflightStep
+from cbd.engine.device.step_inputs import pack_step
 from cbd.engine.emitter import Emitter
-from cbd.engine.grammar_masks import GrammarMasks
+from cbd.engine.grammar.masks import GrammarMasks
 from cbd.engine.kv.host_pool import HostCopy
 from cbd.engine.live import LiveRequest, OutputCallback
 from cbd.engine.output_processor import OutputProcessor
 from cbd.engine.outputs import EngineStats, RequestOutput
-from cbd.engine.runner import InflightStep
 from cbd.engine.sampling_params import SamplingParams, validate_request
 from cbd.engine.sched.plan import StepPlan
 from cbd.engine.sequence import FinishReason, Request, Sequence
-from cbd.engine.sessions import TurnInput
+from cbd.engine.sessions.records import TurnInput
 from cbd.engine.stats import StatsReader
-from cbd.engine.step_inputs import pack_step
 from cbd.errors import UnknownRequest
 from cbd.model.loader import LoadedModel
 

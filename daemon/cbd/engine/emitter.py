@@ -18,14 +18,14 @@ from __future__ import annotations
 import logging
 
 from cbd.engine.admission import Admission
+from cbd.engine.device.runner import SampledTokens
 from cbd.engine.live import LiveRequest
 from cbd.engine.output_processor import OutputProcessor
 from cbd.engine.outputs import CandidateDelta, RequestOutput, TokenLogprob, Usage, merge_deltas
-from cbd.engine.runner import SampledTokens
 from cbd.engine.sched.plan import SampleRow, StepPlan
 from cbd.engine.sched.scheduler import Scheduler
 from cbd.engine.sequence import FinishReason, Request, Sequence
-from cbd.engine.session_manager import SessionManager
+from cbd.engine.sessions.manager import SessionManager
 
 log = logging.getLogger(__name__)
 

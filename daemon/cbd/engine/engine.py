@@ -26,12 +26,12 @@ from cbd.engine import inbox as cmd
 from cbd.engine.admission import Admission
 from cbd.engine.core import EngineCore
 from cbd.engine.engine_loop import EngineLoop
-from cbd.engine.grammar import CompiledGrammar, GrammarSpec, LazyGrammarCompiler
+from cbd.engine.grammar.matcher import CompiledGrammar, GrammarSpec, LazyGrammarCompiler
 from cbd.engine.live import LiveRequest, OutputCallback
 from cbd.engine.outputs import EngineStats, ModelFacts
 from cbd.engine.request_stream import Completion, RequestStream
 from cbd.engine.sampling_params import PRIORITY_BATCH, SamplingParams, validate_session_prefix
-from cbd.engine.sessions import RETENTION_NORMAL, SessionInfo, TurnInput
+from cbd.engine.sessions.records import RETENTION_NORMAL, SessionInfo, TurnInput
 from cbd.errors import CapacityExceeded, EngineStopped
 from cbd.model.loader import LoadedModel
 

@@ -31,7 +31,7 @@ from cbd.engine.faults import FaultPlan, is_device_fault
 from cbd.engine.live import LiveRequest
 from cbd.engine.outputs import EngineStats, ended
 from cbd.engine.sequence import FinishReason
-from cbd.engine.sessions import SessionInfo
+from cbd.engine.sessions.records import SessionInfo
 from cbd.errors import EngineStopped
 from cbd.lifetime import name_os_thread
 from cbd.model.loader import LoadedModel, load_model
@@ -83,7 +83,7 @@ class EngineLoop:
         try:
             c = self.config
             if c.tensor_parallel_size > 1:
-                from cbd.engine.tp_group import TensorParallelGroup
+                from cbd.engine.device.tp_group import TensorParallelGroup
 
                 self._tp = TensorParallelGroup(c)  # spawns ranks 1.. and joins them as rank 0
                 loaded = load_model(

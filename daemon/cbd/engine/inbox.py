@@ -15,7 +15,7 @@ from typing import Any, Union
 from cbd.engine import api
 from cbd.engine.live import LiveRequest
 from cbd.engine.sampling_params import SamplingParams
-from cbd.engine.sessions import TurnInput
+from cbd.engine.sessions.records import TurnInput
 
 
 @dataclass(slots=True)

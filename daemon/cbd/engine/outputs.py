@@ -65,7 +65,7 @@ class EngineStats:
     gpu_busy: float | None = None  # device busy fraction of the recent steps (CUDA only)
     host: HostTierStats | None = None  # None: no host tier
     speculation: SpeculationStats | None = None
-    grammar_cache_bytes: int = 0  # compiled grammars the engine keeps (engine/grammar.py's byte bound)
+    grammar_cache_bytes: int = 0  # compiled grammars the engine keeps (engine/grammar/matcher.py's byte bound)
 
 
 # Upper bounds (seconds) of the buckets of the host tier's restore-latency histogram.

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 from cbd.errors import InvalidRequest
 
 if TYPE_CHECKING:
-    from cbd.engine.grammar import CompiledGrammar
+    from cbd.engine.grammar.matcher import CompiledGrammar
 
 MAX_LOGPROBS = 20
 MAX_STOP_STRINGS = 16
@@ -37,7 +37,7 @@ class SamplingParams:
     logprobs: int | None = None  # top-N alternatives per token; 0 returns only the chosen token's logprob
     n: int = 1
     skip_special_tokens: bool = True
-    # Every candidate's reply is held to this grammar (constrained decoding; see engine/grammar.py). Once
+    # Every candidate's reply is held to this grammar (constrained decoding; see engine/grammar/matcher.py). Once
     # the grammar is complete the candidate stops (finish reason stop), ignore_eos notwithstanding.
     grammar: CompiledGrammar | None = None
     # Scheduling: PRIORITY_INTERACTIVE or PRIORITY_BATCH; None: the session's class for a turn, else

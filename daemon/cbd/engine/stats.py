@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import time
 
+from cbd.engine.device.runner import ModelRunner
 from cbd.engine.kv.host_tier import HostTier
 from cbd.engine.outputs import EngineStats, SpeculationStats
-from cbd.engine.runner import ModelRunner
 from cbd.engine.sched.scheduler import Scheduler
-from cbd.engine.session_manager import SessionManager
+from cbd.engine.sessions.manager import SessionManager
 
 
 class StatsReader:

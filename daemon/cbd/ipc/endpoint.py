@@ -26,11 +26,11 @@ from cbd.config import EngineConfig
 from cbd.engine import api
 from cbd.engine.admission import Admission
 from cbd.engine.engine import Engine
-from cbd.engine.grammar import GrammarSpec
+from cbd.engine.grammar.matcher import GrammarSpec
 from cbd.engine.outputs import RequestOutput, ended
 from cbd.engine.sampling_params import SamplingParams
 from cbd.engine.sequence import FinishReason
-from cbd.engine.sessions import TurnInput
+from cbd.engine.sessions.records import TurnInput
 from cbd.errors import EngineStopped, InvalidRequest, SettingError, UnknownRequest
 from cbd.ipc.channel import EngineChannel
 from cbd.ipc.grammar_loads import GrammarLoads

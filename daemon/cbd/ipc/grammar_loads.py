@@ -21,7 +21,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
 from cbd.engine.engine import Engine
-from cbd.engine.grammar import GrammarSpec
+from cbd.engine.grammar.matcher import GrammarSpec
 
 log = logging.getLogger(__name__)
 

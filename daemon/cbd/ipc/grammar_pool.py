@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import Any
 
-from cbd.engine.grammar import CompiledGrammar, GrammarSpec, LazyGrammarCompiler
+from cbd.engine.grammar.matcher import CompiledGrammar, GrammarSpec, LazyGrammarCompiler
 from cbd.errors import EngineFailure, InvalidRequest
 
 log = logging.getLogger(__name__)

@@ -32,7 +32,7 @@ def main(fd: int) -> int:
     info_json, vocab_size, stop_token_ids, memory_bytes = conn.recv()
     import xgrammar as xgr
 
-    from cbd.engine.grammar import GrammarCompiler, GrammarKind, GrammarSpec
+    from cbd.engine.grammar.matcher import GrammarCompiler, GrammarKind, GrammarSpec
     from cbd.errors import InvalidRequest
 
     info = xgr.TokenizerInfo.deserialize_json(info_json)

@@ -28,12 +28,12 @@ import zmq
 
 from cbd.config import EngineConfig
 from cbd.engine import api
-from cbd.engine.grammar import CompiledGrammar, GrammarSpec, LazyGrammarCompiler
+from cbd.engine.grammar.matcher import CompiledGrammar, GrammarSpec, LazyGrammarCompiler
 from cbd.engine.live import OutputCallback
 from cbd.engine.outputs import EngineStats, ModelFacts
 from cbd.engine.sampling_params import SamplingParams, validate_request, validate_session_prefix
 from cbd.engine.sequence import FinishReason
-from cbd.engine.sessions import RETENTION_NORMAL, SessionInfo, TurnInput
+from cbd.engine.sessions.records import RETENTION_NORMAL, SessionInfo, TurnInput
 from cbd.errors import CapacityExceeded, EngineFailure, EngineStopped
 from cbd.ipc.engine_process import EngineProcess
 from cbd.ipc.frontend_requests import FrontendRequests

@@ -11,12 +11,12 @@ from __future__ import annotations
 
 import re
 
-from cbd.engine.sessions import check_client_session_id
+from cbd.engine.sessions.records import check_client_session_id
 from cbd.errors import InvalidRequest
 from cbd_client.v1 import cbd_pb2 as pb
 
 MAX_REQUEST_ID_CHARS = 128
-MAX_SESSION_ID_CHARS = 128  # engine/sessions.py's rule
+MAX_SESSION_ID_CHARS = 128  # engine/sessions/records.py's rule
 # No '/': a request id is namespaced as TENANT/ID (server/tenancy.py); no spaces or control characters.
 _REQUEST_ID = re.compile(r"[A-Za-z0-9._~:-]+")
 PROMPT_CHARS_PER_TOKEN = 32
@@ -32,7 +32,7 @@ def check_request_id(request_id: str) -> None:
 
 
 def check_session_id(session_id: str, field: str = "session_id") -> None:
-    """A session id a call names, by the rule of the ids a client may propose (engine/sessions.py)."""
+    """A session id a call names, by the rule of the ids a client may propose (engine/sessions/records.py)."""
     if not session_id:
         return
     try:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from cbd.config import EngineConfig
-from cbd.engine.grammar import MAX_GRAMMAR_BYTES
+from cbd.engine.grammar.matcher import MAX_GRAMMAR_BYTES
 from cbd.engine.outputs import EngineStats, ModelFacts
 from cbd.engine.sampling_params import MAX_CANDIDATES, MAX_LOGPROBS, MAX_STOP_STRINGS
 from cbd.server.prompts import PromptEncoder

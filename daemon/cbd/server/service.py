@@ -17,7 +17,7 @@ from cbd.engine.sampling_params import (
     PRIORITY_INTERACTIVE,
 )
 from cbd.engine.sequence import FinishReason
-from cbd.engine.sessions import (
+from cbd.engine.sessions.records import (
     RETENTION_NORMAL,
     check_client_session_id,
 )

@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 from cbd.engine.sampling_params import PRIORITY_BATCH
-from cbd.engine.sessions import RETENTION_HIGH, RETENTION_LOW, RETENTION_NORMAL, SessionInfo
+from cbd.engine.sessions.records import RETENTION_HIGH, RETENTION_LOW, RETENTION_NORMAL, SessionInfo
 from cbd.errors import InvalidRequest
 from cbd.server.tenancy import split_key
 from cbd_client.v1 import cbd_pb2 as pb

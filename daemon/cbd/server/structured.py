@@ -10,9 +10,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from cbd.engine.grammar import GrammarKind, GrammarSpec
-from cbd.engine.schema_check import load_schema
-from cbd.engine.tag_formats import format_element
+from cbd.engine.grammar.matcher import GrammarKind, GrammarSpec
+from cbd.engine.grammar.schema_check import load_schema
+from cbd.engine.grammar.tag_formats import format_element
 from cbd.errors import InvalidRequest
 from cbd.server.tool_calls import (
     MAX_TOOL_NAME_CHARS,
@@ -85,5 +85,5 @@ def _format_spec(fmt: pb.ResponseFormat, kind: str) -> GrammarSpec:
 
 
 def _format_element(spec: GrammarSpec) -> dict[str, Any]:
-    """The format as a structural-tag element; its EBNF is made where the tag compiles (engine/tag_formats.py)."""
+    """The format as a structural-tag element; its EBNF is made where the tag compiles (engine/grammar/tag_formats.py)."""
     return format_element(spec.kind.value, spec.source)

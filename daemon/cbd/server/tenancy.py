@@ -9,7 +9,7 @@ existed gets (no oracle for guessing ids). Client-chosen request ids are namespa
 is the prefix cache (`SamplingParams.cache_scope`). The admin token (`--admin-token-name`) may name
 another tenant's namespace (GetSession and CloseSession `tenant`) and list every tenant's sessions.
 
-Tenant names and client ids never contain '/' (server/auth.py, engine/sessions.py), so a key splits back
+Tenant names and client ids never contain '/' (server/auth.py, engine/sessions/records.py), so a key splits back
 into its two parts unambiguously.
 """
 

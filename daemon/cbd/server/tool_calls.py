@@ -20,8 +20,8 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
 
-from cbd.engine.grammar import MAX_GRAMMAR_BYTES, GrammarKind, GrammarSpec
-from cbd.engine.schema_check import load_schema
+from cbd.engine.grammar.matcher import MAX_GRAMMAR_BYTES, GrammarKind, GrammarSpec
+from cbd.engine.grammar.schema_check import load_schema
 from cbd.errors import InvalidRequest
 
 MAX_TOOLS = 128

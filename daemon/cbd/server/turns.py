@@ -14,7 +14,7 @@ from typing import Any
 
 from cbd.engine.outputs import RequestOutput
 from cbd.engine.sampling_params import SamplingParams
-from cbd.engine.sessions import TurnInput
+from cbd.engine.sessions.records import TurnInput
 from cbd.errors import InvalidRequest
 from cbd.ipc.remote import RemoteEngine
 from cbd.server.chats import ChatLogs

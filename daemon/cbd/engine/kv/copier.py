@@ -23,7 +23,7 @@ import time
 
 import torch
 
-from cbd.engine.streams import DeviceStreams
+from cbd.engine.device.streams import DeviceStreams
 from cbd.errors import SettingError
 
 

@@ -29,12 +29,12 @@ from dataclasses import dataclass, replace
 import torch
 
 from cbd.config import EngineConfig
+from cbd.engine.device.streams import DeviceStreams
 from cbd.engine.kv.blocks import BlockManager
 from cbd.engine.kv.copier import KvCopier
 from cbd.engine.kv.host_pool import HostCopy, HostPool
 from cbd.engine.outputs import HostTierStats
 from cbd.engine.sequence import Sequence
-from cbd.engine.streams import DeviceStreams
 from cbd.errors import SettingError
 
 log = logging.getLogger(__name__)

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from cbd.config import EngineConfig
-from cbd.engine.cuda_graphs import verify_queries
+from cbd.engine.device.cuda_graphs import verify_queries
 from cbd.engine.kv.blocks import BlockManager
 from cbd.engine.spec.drafter import NgramDrafter
 from cbd.engine.spec.speculator import Speculator

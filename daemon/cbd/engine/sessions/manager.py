@@ -22,8 +22,8 @@ from cbd.engine.kv.blocks import BlockManager
 from cbd.engine.kv.host_pool import HostCopy
 from cbd.engine.sampling_params import PRIORITY_BATCH, PRIORITY_INTERACTIVE
 from cbd.engine.sequence import Request, Sequence
-from cbd.engine.session_eviction import SessionEviction
-from cbd.engine.sessions import (
+from cbd.engine.sessions.eviction import SessionEviction
+from cbd.engine.sessions.records import (
     RETENTION_NORMAL,
     Branch,
     Session,

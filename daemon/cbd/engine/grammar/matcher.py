@@ -24,8 +24,8 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import TYPE_CHECKING, Any
 
-from cbd.engine.schema_check import load_schema
-from cbd.engine.tag_formats import JSON_SEPARATORS, expand
+from cbd.engine.grammar.schema_check import load_schema
+from cbd.engine.grammar.tag_formats import JSON_SEPARATORS, expand
 from cbd.errors import InvalidRequest
 
 if TYPE_CHECKING:  # tensors only pass through here: the frontend imports this module without torch

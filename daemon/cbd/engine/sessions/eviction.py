@@ -16,7 +16,7 @@ import time
 from typing import TYPE_CHECKING
 
 from cbd.engine.kv.blocks import BlockManager
-from cbd.engine.sessions import Branch, Session
+from cbd.engine.sessions.records import Branch, Session
 
 if TYPE_CHECKING:
     from cbd.engine.kv.host_tier import HostTier

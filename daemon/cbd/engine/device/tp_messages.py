@@ -11,7 +11,7 @@ from typing import Union
 
 import torch
 
-from cbd.engine.step_inputs import StepBatch
+from cbd.engine.device.step_inputs import StepBatch
 
 
 @dataclass(slots=True)

@@ -23,8 +23,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from cbd.engine.device.streams import DeviceStreams
 from cbd.engine.sched.plan import StepPlan
-from cbd.engine.streams import DeviceStreams
 
 
 @dataclass(slots=True)
@@ -67,7 +67,7 @@ class StepMeta:
     queries: int = 1  # > 1: a verifying graph's step, every sequence padded to this many tokens
     num_decodes: int = 0  # leading sequences with one new token each (running decodes come first)
     # Some row samples under a grammar: launch runs the forward only, and the sampling waits for the rows'
-    # token masks (runner.sample_masked; engine/token_masks.py). Without one, launch samples at once.
+    # token masks (runner.sample_masked; engine/device/token_masks.py). Without one, launch samples at once.
     masked: bool = False
 
 

@@ -21,7 +21,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from cbd.config import EngineConfig
-from cbd.engine.tp_messages import RunStep, SampleStep, Setup, StopWorkers, WarmUp, WorkerMessage
+from cbd.engine.device.tp_messages import RunStep, SampleStep, Setup, StopWorkers, WarmUp, WorkerMessage
 from cbd.lifetime import die_with_parent
 
 log = logging.getLogger(__name__)
@@ -82,7 +82,7 @@ class TensorParallelGroup:
 
 
 def _worker_main(rank: int, world: int, port: int, values: dict[str, Any]) -> None:
-    from cbd.engine.runner import ModelRunner
+    from cbd.engine.device.runner import ModelRunner
     from cbd.model import blas
     from cbd.model.loader import load_model
 

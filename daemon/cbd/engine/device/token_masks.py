@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from cbd.engine.streams import DeviceStreams
+from cbd.engine.device.streams import DeviceStreams
 
 
 class TokenMasks:

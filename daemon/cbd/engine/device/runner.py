@@ -27,12 +27,12 @@ from dataclasses import dataclass, field
 
 import torch
 
-from cbd.engine.cuda_graphs import DecodeGraphs
-from cbd.engine.sampler import SampleResult, SamplingBatch, sample
-from cbd.engine.step_inputs import InputStager, StagedStep, StepBatch, StepMeta, StepTensors
-from cbd.engine.streams import DeviceStreams
-from cbd.engine.token_masks import TokenMasks
-from cbd.engine.tp_messages import RunStep, SampleStep, WarmUp, WorkerMessage
+from cbd.engine.device.cuda_graphs import DecodeGraphs
+from cbd.engine.device.sampler import SampleResult, SamplingBatch, sample
+from cbd.engine.device.step_inputs import InputStager, StagedStep, StepBatch, StepMeta, StepTensors
+from cbd.engine.device.streams import DeviceStreams
+from cbd.engine.device.token_masks import TokenMasks
+from cbd.engine.device.tp_messages import RunStep, SampleStep, WarmUp, WorkerMessage
 from cbd.model import kv_format
 from cbd.model.attention import BatchLayout, slot_mapping
 from cbd.model.attention_backends import AttentionBackend, select_backend
