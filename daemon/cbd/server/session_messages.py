@@ -7,6 +7,7 @@ from cbd.engine.sampling_params import PRIORITY_BATCH
 from cbd.engine.sessions.records import RETENTION_HIGH, RETENTION_LOW, RETENTION_NORMAL, SessionInfo
 from cbd.errors import InvalidRequest
 from cbd.server.tenancy import split_key
+from cbd_client.contract import KV_TIER_PROTO, KvTier
 from cbd_client.v1 import cbd_pb2 as pb
 
 
@@ -27,7 +28,7 @@ def session_info(info: SessionInfo) -> pb.SessionInfo:
         busy=info.busy,
         ttl_seconds=info.ttl or 0.0,
         is_chat=info.is_chat,
-        kv_tier=KV_TIERS[info.tier],
+        kv_tier=KV_TIER_PROTO[KvTier(info.tier)],
         host_blocks=info.host_blocks,
         expected_idle_ms=None if info.expected_idle is None else min(2**32 - 1, round(info.expected_idle * 1000)),
         retention={RETENTION_LOW: pb.RETENTION_LOW, RETENTION_HIGH: pb.RETENTION_HIGH}.get(
@@ -35,9 +36,6 @@ def session_info(info: SessionInfo) -> pb.SessionInfo:
         ),
         priority=pb.PRIORITY_BATCH if info.priority == PRIORITY_BATCH else pb.PRIORITY_INTERACTIVE,
     )
-
-
-KV_TIERS = {"none": pb.KV_TIER_NONE, "gpu": pb.KV_TIER_GPU, "host": pb.KV_TIER_HOST, "recompute": pb.KV_TIER_RECOMPUTE}
 
 
 def retention(value: int) -> int | None:
