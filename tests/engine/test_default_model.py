@@ -118,15 +118,19 @@ def test_threaded_engine_streams_aborts_and_reports_stats(default_model, chat_pr
         engine.shutdown()
 
 
-def test_converted_checkpoint_is_cached_and_reused(default_model) -> None:  # type: ignore[no-untyped-def]
-    import time
-
+def test_converted_checkpoint_is_cached_and_reused(default_model, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    from cbd.model import loader
     from cbd.model.loader import resolve_checkpoint
 
     directory = default_model.checkpoint_dir
     for name in ("config.json", "model.safetensors", "tokenizer.json", "generation_config.json"):
         assert (directory / name).exists(), name
     assert not list(directory.parent.glob(".convert-*"))  # no half-written entries left behind
-    start = time.perf_counter()
+    weights = (directory / "model.safetensors").stat().st_mtime_ns
+
+    def no_second_conversion(name: str) -> None:  # a conversion starts by reporting its progress
+        raise AssertionError(f"{name} converted again")
+
+    monkeypatch.setattr(loader, "_Progress", no_second_conversion)
     assert resolve_checkpoint(None) == directory
-    assert time.perf_counter() - start < 1.0  # a stat and a path check, no second conversion
+    assert (directory / "model.safetensors").stat().st_mtime_ns == weights
