@@ -35,6 +35,13 @@ class EngineConfig:
     host_kv_gib: float | None = None
     # Host KV tier size in blocks; None sizes it from host_kv_gib.
     num_host_kv_blocks: int | None = None
+    # Directory of session files: open sessions are saved there at shutdown and, once idle, in the background,
+    # and listed again when a daemon starts on it (their KV read back on their next turn); one daemon per
+    # directory. None: sessions are not saved (a restart loses them). The service sets /var/lib/cbd/sessions.
+    disk_kv_dir: str | None = None
+    # GiB of session files in disk_kv_dir at most: a session that would go over it is saved with its token ids
+    # only (its KV is recomputed on its next turn); 0: sessions are not saved.
+    disk_kv_gib: float = 64.0
     # Sequences (candidates) running at once.
     max_num_seqs: int = 128
     # Token budget of one engine step; longer prefills are split into chunks that fit.
@@ -124,6 +131,8 @@ class EngineConfig:
             raise ValueError(f"kv_cache_dtype must be 'auto' or 'fp8', got {self.kv_cache_dtype!r}")
         if self.host_kv_gib is not None and not self.host_kv_gib >= 0:
             raise ValueError(f"host_kv_gib must be >= 0, got {self.host_kv_gib}")
+        if not self.disk_kv_gib >= 0:
+            raise ValueError(f"disk_kv_gib must be >= 0, got {self.disk_kv_gib}")
         if self.num_host_kv_blocks is not None and self.num_host_kv_blocks < 0:
             raise ValueError(f"num_host_kv_blocks must be >= 0, got {self.num_host_kv_blocks}")
         if self.max_num_seqs < 1:

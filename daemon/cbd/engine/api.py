@@ -27,7 +27,7 @@ import msgspec
 
 from cbd import errors
 from cbd.engine.grammar.matcher import CompiledGrammar, GrammarSpec
-from cbd.engine.outputs import EngineStats, ModelFacts, RequestOutput
+from cbd.engine.outputs import EngineStats, ModelFacts, RequestOutput, SaveReport
 from cbd.engine.sampling_params import SamplingParams
 from cbd.engine.sessions.records import SessionInfo
 
@@ -117,7 +117,27 @@ class Refused(msgspec.Struct, tag=True, array_like=True):
     error: Failure
 
 
-Reply = Union[SessionReply, SessionsReply, TurnAccepted, Done, Refused]
+class SavedReply(msgspec.Struct, tag=True, array_like=True):
+    """Answers SaveSessions."""
+
+    call_id: int
+    report: SaveReport
+
+    def value(self) -> SaveReport:
+        return self.report
+
+
+class NotesReply(msgspec.Struct, tag=True, array_like=True):
+    """Answers SavedNotes."""
+
+    call_id: int
+    notes: dict[str, bytes]
+
+    def value(self) -> dict[str, bytes]:
+        return self.notes
+
+
+Reply = Union[SessionReply, SessionsReply, TurnAccepted, Done, SavedReply, NotesReply, Refused]
 
 
 # ---- requests -------------------------------------------------------------------------------------
@@ -222,7 +242,27 @@ class ForkSession(msgspec.Struct, tag=True, array_like=True):
         return SessionReply(call_id, info)
 
 
-Question = Union[OpenSession, CloseSession, GetSession, ListSessions, ForkSession]
+class SaveSessions(msgspec.Struct, tag=True, array_like=True):
+    """Save sessions to their files (engine/sessions/checkpoints.py), with the frontend's changed notes.
+    seconds: save every changed session, with KV within that many seconds (at shutdown); None: queue the
+    changed sessions idle for at least idle_for seconds (in the background). Without a disk tier: nothing."""
+
+    notes: dict[str, bytes]
+    seconds: float | None
+    idle_for: float = 0.0
+
+    def reply(self, call_id: int, report: SaveReport) -> Reply:
+        return SavedReply(call_id, report)
+
+
+class SavedNotes(msgspec.Struct, tag=True, array_like=True):
+    """The notes of the sessions restored at start (the frontend's chat transcripts)."""
+
+    def reply(self, call_id: int, notes: dict[str, bytes]) -> Reply:
+        return NotesReply(call_id, notes)
+
+
+Question = Union[OpenSession, CloseSession, GetSession, ListSessions, ForkSession, SaveSessions, SavedNotes]
 
 
 class TouchSession(msgspec.Struct, tag=True, array_like=True):

@@ -18,9 +18,11 @@ from cbd.config import EngineConfig
 from cbd.engine.device.runner import ModelRunner
 from cbd.engine.device.tp_messages import Setup
 from cbd.engine.kv.blocks import BlockManager
+from cbd.engine.kv.disk_tier import DiskTier
 from cbd.engine.kv.host_tier import HostTier
 from cbd.engine.sched.scheduler import Scheduler
 from cbd.engine.sequence import Sequence
+from cbd.engine.sessions.checkpoints import SessionCheckpoints
 from cbd.engine.sessions.manager import SessionManager
 from cbd.engine.spec.sizing import new_speculator, verify_graphs
 from cbd.model import blas
@@ -34,6 +36,7 @@ class CoreParts:
     runner: ModelRunner
     host_tier: HostTier | None
     sessions: SessionManager
+    checkpoints: SessionCheckpoints | None  # sessions saved to disk_kv_dir (None: not saved)
     scheduler: Scheduler
     overlap: bool  # keep one step in flight (see core.py)
     free_target: int  # with a host tier, idle sessions are copied out while fewer GPU blocks are free
@@ -60,6 +63,8 @@ def build_parts(
     if tp_group is None:
         host_tier = HostTier.from_config(config, runner.kv_caches, runner.streams, block_manager, block_bytes)
     sessions = SessionManager(block_manager, config.max_sessions, config.session_ttl, host_tier)
+    disk = DiskTier.from_config(config, loaded, runner.kv_caches, host_tier)
+    checkpoints = SessionCheckpoints(sessions, disk) if disk is not None else None
     scheduler = Scheduler(
         block_manager, config.max_num_seqs, config.max_num_batched_tokens, reclaim=sessions.eviction.evict,
         max_model_len=max_model_len, new_fork=new_fork, host_tier=host_tier,
@@ -71,5 +76,13 @@ def build_parts(
     overlap = config.overlap_enabled(runner.device)
     scheduler.speculator.backoff = overlap  # there, a step that finds no draft costs a synchronous step
     return CoreParts(
-        max_model_len, block_manager, runner, host_tier, sessions, scheduler, overlap, max(1, num_blocks // 20)
+        max_model_len,
+        block_manager,
+        runner,
+        host_tier,
+        sessions,
+        checkpoints,
+        scheduler,
+        overlap,
+        max(1, num_blocks // 20),
     )

@@ -74,6 +74,7 @@ class EngineCore:
         self.max_model_len = parts.max_model_len
         self.block_manager, self.runner, self.host_tier = parts.block_manager, parts.runner, parts.host_tier
         self.sessions, self.scheduler, self.overlap = parts.sessions, parts.scheduler, parts.overlap
+        self.checkpoints = parts.checkpoints
         self._free_target = parts.free_target
         self.live = live if live is not None else Admission.unbounded()
         processor = OutputProcessor(loaded.tokenizer, loaded.eos_token_ids, self.max_model_len, detokenize)
@@ -81,7 +82,10 @@ class EngineCore:
         self.grammar_masks = GrammarMasks(
             self.runner.mask_buffer, config.grammar_mask_budget_ms, config.grammar_mask_budget_steps
         )
-        self._stats = StatsReader(self.scheduler, self.sessions, self.host_tier, self.runner)
+        self._stats = StatsReader(
+            self.scheduler, self.sessions, self.host_tier, self.runner,
+            self.checkpoints.disk if self.checkpoints is not None else None,
+        )  # fmt: skip
         self._inflight: _Launched | None = None
         self._seq_ids = itertools.count()
         self._request_ids = itertools.count()

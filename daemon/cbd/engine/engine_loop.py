@@ -29,7 +29,7 @@ from cbd.engine.core import EngineCore
 from cbd.engine.core_share import CoreShare
 from cbd.engine.faults import FaultPlan, is_device_fault
 from cbd.engine.live import LiveRequest
-from cbd.engine.outputs import EngineStats, ended
+from cbd.engine.outputs import EngineStats, SaveReport, ended
 from cbd.engine.sequence import FinishReason
 from cbd.engine.sessions.records import SessionInfo
 from cbd.errors import EngineStopped
@@ -74,7 +74,8 @@ class EngineLoop:
         self._questions: dict[type, Callable[[Any], Any]] = {
             api.OpenSession: self._open_session, api.CloseSession: self._close_session,
             api.GetSession: self._get_session, api.ListSessions: self._list_sessions,
-            api.ForkSession: self._fork_session,
+            api.ForkSession: self._fork_session, api.SaveSessions: self._save_sessions,
+            api.SavedNotes: self._saved_notes,
         }  # fmt: skip
 
     def run(self, loaded: LoadedModel | None) -> None:
@@ -96,6 +97,8 @@ class EngineLoop:
                 )
             self.core = EngineCore(loaded, self.config, self._tp, self.admission, self.detokenize)
             self.core.warm_up()  # CUDA graphs are captured before the engine reports started
+            if self.core.checkpoints is not None:  # saved sessions are listed before the engine reports started
+                self.core.checkpoints.restore()
             self.stats = self.core.stats()
             if c.num_threads == 0 and c.tensor_parallel_size == 1 and self.core.runner.device.type == "cpu":
                 self._cores = CoreShare(os.sched_getaffinity(0), (os.getpid(), os.getppid()))
@@ -165,6 +168,8 @@ class EngineLoop:
             future = getattr(command, "future", None)
             if future is not None and future.set_running_or_notify_cancel():
                 future.set_exception(EngineStopped("the engine is shutting down"))
+        if core.checkpoints is not None:
+            core.checkpoints.disk.close()  # writes queued before the Stop complete
         self.stats = core.stats()
         self._step_end()
         if self._tp is not None:
@@ -234,6 +239,18 @@ class EngineLoop:
     def _fork_session(self, q: api.ForkSession) -> SessionInfo:
         sessions = self.core.sessions
         return sessions.info(sessions.fork(q.session_id, q.candidate, q.ttl, q.new_session_id))
+
+    def _save_sessions(self, q: api.SaveSessions) -> SaveReport:
+        checkpoints = self.core.checkpoints
+        if checkpoints is None:
+            return SaveReport()
+        checkpoints.take_notes(q.notes)
+        if q.seconds is not None:
+            return checkpoints.save_all(q.seconds)
+        return SaveReport(num_saved=checkpoints.save_idle(q.idle_for))
+
+    def _saved_notes(self, q: api.SavedNotes) -> dict[str, bytes]:
+        return self.core.checkpoints.notes() if self.core.checkpoints is not None else {}
 
     def _touch_session(self, c: api.TouchSession) -> None:
         self.core.sessions.touch(c.session_id)

@@ -64,6 +64,7 @@ class EngineStats:
     num_priority_preemptions: int = 0  # of num_preemptions, those made for a more urgent request
     gpu_busy: float | None = None  # device busy fraction of the recent steps (CUDA only)
     host: HostTierStats | None = None  # None: no host tier
+    disk: DiskTierStats | None = None  # None: no disk tier (no --disk-kv-dir)
     speculation: SpeculationStats | None = None
     grammar_cache_bytes: int = 0  # compiled grammars the engine keeps (engine/grammar/matcher.py's byte bound)
 
@@ -92,6 +93,38 @@ class HostTierStats:
     def observe_restore(self, seconds: float) -> None:
         self.restore_buckets[bisect.bisect_left(RESTORE_SECONDS_BUCKETS, seconds)] += 1
         self.restore_seconds_sum += seconds
+
+
+@dataclass(slots=True)
+class DiskTierStats:
+    """Session files (engine/kv/disk_tier.py): the directory, what was written and read (cumulative)."""
+
+    cap_bytes: int = 0
+    num_files: int = 0
+    bytes_on_disk: int = 0
+    num_files_written: int = 0
+    num_kv_files_written: int = 0  # of those, with KV (the rest: token ids only)
+    num_write_errors: int = 0  # writes that failed (disk full): the old file stays
+    bytes_written: int = 0
+    write_seconds_sum: float = 0.0
+    num_kv_loads: int = 0  # branches whose KV came back from a file
+    num_kv_load_failures: int = 0  # branches whose saved KV was damaged: recomputed
+    bytes_read: int = 0
+    load_seconds_sum: float = 0.0
+    num_sessions_restored: int = 0  # sessions listed again at start
+    num_sessions_lost: int = 0  # saved sessions that could not be listed again (damaged, another model)
+    num_checkpoints: int = 0  # drain-time checkpoints
+    last_checkpoint_seconds: float = 0.0  # how long the last one took
+
+
+@dataclass(slots=True)
+class SaveReport:
+    """What saving sessions did (engine/sessions/checkpoints.py)."""
+
+    num_saved: int = 0  # files written (or queued, in the background)
+    num_with_kv: int = 0  # of those, with their KV (the rest: token ids only)
+    num_failed: int = 0  # not saved (the disk refused the write: the last file stays)
+    seconds: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import time
 
 from cbd.engine.device.runner import ModelRunner
+from cbd.engine.kv.disk_tier import DiskTier
 from cbd.engine.kv.host_tier import HostTier
 from cbd.engine.outputs import EngineStats, SpeculationStats
 from cbd.engine.sched.scheduler import Scheduler
@@ -18,8 +19,10 @@ from cbd.engine.sessions.manager import SessionManager
 
 class StatsReader:
     def __init__(
-        self, scheduler: Scheduler, sessions: SessionManager, host_tier: HostTier | None, runner: ModelRunner
-    ) -> None:
+        self, scheduler: Scheduler, sessions: SessionManager, host_tier: HostTier | None, runner: ModelRunner,
+        disk: DiskTier | None = None,
+    ) -> None:  # fmt: skip
+        self.disk = disk
         self.scheduler = scheduler
         self.sessions = sessions
         self.host_tier = host_tier
@@ -45,6 +48,7 @@ class StatsReader:
             num_session_evictions=sessions.eviction.num_evictions,
             gpu_busy=self.gpu_busy(),
             host=self.host_tier.stats(sessions.hits) if self.host_tier is not None else None,
+            disk=self.disk.stats() if self.disk is not None else None,
             speculation=SpeculationStats(spec.num_speculative_steps, spec.num_draft_tokens, spec.num_accepted_tokens),
         )
 

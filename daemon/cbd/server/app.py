@@ -30,7 +30,7 @@ from cbd.engine.api import ErrorKind
 from cbd.ipc.engine_process import EngineStartFailed
 from cbd.ipc.remote import RemoteEngine
 from cbd.model.files import default_cache_dir
-from cbd.server import memory
+from cbd.server import memory, session_saving
 from cbd.server.auth import BearerTokenInterceptor, read_tokens
 from cbd.server.background import detach
 from cbd.server.background import stop as stop_daemon
@@ -124,7 +124,8 @@ async def serve(
         loop.add_signal_handler(sig, on_signal)
 
     engine = None
-    watchdog = trimmer = None
+    watchdog = trimmer = saver = None
+    saving = engine_config.disk_kv_dir is not None and engine_config.disk_kv_gib > 0
     try:
         load = asyncio.ensure_future(
             RemoteEngine.start(engine_config, _engine_program(server_config), server_config.warmup)
@@ -137,10 +138,16 @@ async def serve(
         if not stop.is_set():
             engine = _loaded(load)
             service.attach(engine)
+            if saving:
+                await session_saving.restore_transcripts(engine, service.chats)
             await _set_health(health_servicer, health_pb2.HealthCheckResponse.SERVING)
             sd_notify(f"READY=1\nSTATUS=serving {engine.facts.name}")
             log.info("serving %s (engine process %d)", engine.facts.name, engine.pid)
             watchdog = asyncio.ensure_future(_watch(engine, health_servicer, server_config.stall_seconds, stop))
+            if saving:
+                saver = asyncio.ensure_future(
+                    session_saving.save_in_background(engine, service.chats, server_config.session_save_idle)
+                )
             trimmer = asyncio.ensure_future(
                 memory.trim_when_idle(lambda: engine.num_live_requests, engine_config.idle_trim_seconds)
             )
@@ -149,13 +156,15 @@ async def serve(
         if engine is not None or stop.is_set():
             log.info("shutting down: no new requests; %.1fs for live ones", server_config.shutdown_grace)
         sd_notify("STOPPING=1\nSTATUS=draining")
-        for task in (watchdog, trimmer):
+        for task in (watchdog, trimmer, saver):
             if task is not None:
                 task.cancel()
         await _set_health(health_servicer, health_pb2.HealthCheckResponse.NOT_SERVING)
         service.detach()  # new calls get UNAVAILABLE
         if engine is not None:
             await engine.drain(server_config.shutdown_grace)
+            if saving and engine.fatal is None:
+                await session_saving.save_at_shutdown(engine, service.chats, server_config.session_save_seconds)
             await engine.shutdown()  # what is left finishes with ABORT, streamed out
         await server.stop(5.0)
         if metrics_server is not None:

@@ -15,10 +15,15 @@ listening:
                                             becomes the history, as it does in the engine)
 
 Replies are decoded here from the streamed token ids (EOS dropped, special tokens skipped).
+
+With session files (`--disk-kv-dir`) a chat's transcript is saved with its session as the session's
+note (`notes`: the logs changed since they were last handed over, as JSON) and comes back from the
+notes of the sessions restored at start (`restore`).
 """
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -48,6 +53,7 @@ class ChatLogs:
         self.tokenizer = tokenizer
         self.eos_token_ids = frozenset(eos_token_ids)
         self.logs: dict[str, ChatLog] = {}
+        self._noted: dict[str, bytes] = {}  # the note each log had when it was last handed over
 
     def open(self, session_id: str, messages: list[dict]) -> None:
         self.logs[session_id] = ChatLog(list(messages))
@@ -55,6 +61,24 @@ class ChatLogs:
     def forget(self, session_id: str) -> None:
         """The session was closed or expired."""
         self.logs.pop(session_id, None)
+        self._noted.pop(session_id, None)
+
+    def notes(self) -> dict[str, bytes]:
+        """Each chat's transcript (messages and pending candidates' conversations) that changed since the
+        last call, as its session's note; a turn in flight is not in it (the session is saved as before it)."""
+        changed = {}
+        for session_id, log in self.logs.items():
+            note = json.dumps({"messages": log.messages, "branches": log.branches}, separators=(",", ":")).encode()
+            if self._noted.get(session_id) != note:
+                changed[session_id] = self._noted[session_id] = note
+        return changed
+
+    def restore(self, notes: dict[str, bytes]) -> None:
+        """The transcripts of sessions restored from their files at start."""
+        for session_id, note in notes.items():
+            saved = json.loads(note)
+            self.logs[session_id] = ChatLog(saved["messages"], saved["branches"])
+            self._noted[session_id] = note
 
     def conversation(self, session_id: str, candidate: int | None) -> list[dict] | None:
         """The conversation a fork continues (None: not a chat session)."""

@@ -25,6 +25,12 @@ class ServerConfig:
     listen: str = ""
     # Seconds in-flight streams get to finish on shutdown before they are aborted.
     shutdown_grace: float = 10.0
+    # Seconds the shutdown gives to saving sessions (with disk_kv_dir) once live requests have ended; a session
+    # not saved with its KV by then is saved with its token ids only (its KV is recomputed on its next turn).
+    session_save_seconds: float = 30.0
+    # With disk_kv_dir, a session that changed and has been idle this many seconds is saved in the background,
+    # so that a crash loses only the turns since.
+    session_save_idle: float = 30.0
     # Run one short generation before reporting SERVING.
     warmup: bool = True
     # DEBUG, INFO, WARNING or ERROR.
@@ -71,6 +77,8 @@ class ServerConfig:
     def __post_init__(self) -> None:
         if self.shutdown_grace < 0:
             raise ValueError(f"shutdown_grace must be >= 0, got {self.shutdown_grace}")
+        if not self.session_save_seconds >= 0 or not self.session_save_idle >= 0:
+            raise ValueError("session_save_seconds and session_save_idle must be >= 0")
         if not 0 <= self.metrics_port < 65536:
             raise ValueError(f"metrics_port must be in [0, 65535], got {self.metrics_port}")
         if self.metrics_max_connections < 1:

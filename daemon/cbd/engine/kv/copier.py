@@ -110,6 +110,11 @@ class KvCopier:
             self._restore_seconds.append(time.monotonic() - start)
         return True
 
+    def wait_all(self) -> None:
+        """Wait for every copy issued so far (before the host reads or writes host blocks itself)."""
+        if self.stream is not None:
+            self.stream.synchronize()
+
     def fence_compute(self, tickets: set[int]) -> None:
         """Make the compute stream wait for these copies (a step is about to overwrite their GPU blocks)."""
         for ticket in tickets:

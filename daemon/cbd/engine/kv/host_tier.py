@@ -121,6 +121,21 @@ class HostTier:
             self.pool.release(copy.block_ids)
         self.num_host_evictions += 1
 
+    def read_blocks(self, host_ids: list[int]) -> torch.Tensor:
+        """A copy of host blocks' KV `[blocks, layers, block_size, *slot]` (a session file's segment)."""
+        self.copier.wait_all()  # an offload to these blocks may still be in flight
+        return self.copier.host[torch.tensor(host_ids, dtype=torch.int64)]
+
+    def write_blocks(self, blocks: torch.Tensor, num_tokens: int) -> HostCopy | None:
+        """New host blocks holding `blocks` (read from a session file); None if the pool lacks room."""
+        placed = self.pool.place([None] * blocks.shape[0])
+        if placed is None:
+            return None
+        host_ids, _ = placed
+        self.copier.wait_all()  # a restore issued from a block just freed may still read it
+        self.copier.host[torch.tensor(host_ids, dtype=torch.int64)] = blocks
+        return HostCopy(host_ids, num_tokens)
+
     # ---- sequences (the scheduler) ------------------------------------------------------------
     def set_aside(self, seq: Sequence) -> None:
         """Before seq's GPU blocks are freed (preempted, or making room): keep their KV on the host when

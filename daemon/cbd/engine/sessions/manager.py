@@ -53,7 +53,11 @@ class SessionManager:
         self.sessions: dict[str, Session] = {}
         self.eviction = SessionEviction(self.sessions, block_manager, host_tier)
         self._ids = itertools.count()
-        self.hits = {"gpu": 0, "host": 0, "recompute": 0}  # turns by where their history's KV was
+        self.hits = {"gpu": 0, "host": 0, "disk": 0, "recompute": 0}  # turns by where their history's KV was
+        # Set by SessionCheckpoints (sessions/checkpoints.py) when sessions are saved: a closed or
+        # expired session's file goes; a session's saved KV is read back before a turn or fork uses it.
+        self.on_closed: Callable[[Session], None] | None = None
+        self.read_back: Callable[[Session], None] | None = None
 
     # ---- lifecycle ----------------------------------------------------------------------------
     def open(
@@ -98,6 +102,8 @@ class SessionManager:
         session = self.get(session_id)
         del self.sessions[session_id]
         self._release(session)
+        if self.on_closed is not None:
+            self.on_closed(session)
 
     def fork(
         self, session_id: str, candidate: int | None = None, ttl: float | None = None, new_session_id: str | None = None
@@ -113,6 +119,7 @@ class SessionManager:
         if source.busy is not None:
             raise SessionBusy(f"session {session_id!r} has a turn in flight; fork it when the turn ends")
         base = self.pending_base(source, candidate, "candidate")
+        self._read_back(source)
         child = self.open(
             ttl if ttl is not None else source.ttl, base.token_ids, source.is_chat, new_session_id,
             retention=source.retention, priority=source.priority,
@@ -150,14 +157,18 @@ class SessionManager:
     def info(self, session: Session) -> SessionInfo:
         resident: set[int] = set()
         host: set[int] = set()
+        disk = 0
         for b in session.branches_and_self():
             resident.update(b.block_table)
             host.update(b.host.block_ids if b.host is not None else ())
-        tier = "gpu" if resident else "host" if host else "recompute" if session.token_ids else "none"
+            disk += -(-b.disk.num_tokens // self.bm.block_size) if b.disk is not None else 0
+        tier = (
+            "gpu" if resident else "host" if host else "disk" if disk else "recompute" if session.token_ids else "none"
+        )
         return SessionInfo(
             session.session_id, len(session.token_ids), len(resident), len(session.branches),
             session.idle_seconds(), session.busy is not None, session.ttl, session.is_chat, len(host), tier,
-            session.expected_idle, session.retention, session.priority,
+            session.expected_idle, session.retention, session.priority, disk,
         )  # fmt: skip
 
     # ---- turns --------------------------------------------------------------------------------
@@ -179,6 +190,7 @@ class SessionManager:
                 f"the conversation does not extend the {len(base.token_ids)} tokens of session {session.session_id!r}"
             )
         validate(prompt)
+        from_disk = self._read_back(session)
         if session.branches:
             assert turn.parent_candidate is not None  # pending_base refused it otherwise
             self._adopt(session, session.branches.pop(turn.parent_candidate))
@@ -195,7 +207,7 @@ class SessionManager:
             index = None
         if session.host is not None:  # the KV is on the host: the turn restores the common prefix's blocks
             assert self.host_tier is not None  # only a tier sets it
-            self.hits["host"] += 1
+            self.hits["disk" if from_disk else "host"] += 1
             computed = min(session.host.num_tokens, common, len(prompt) - 1)
             host = self.host_tier.share(session.host, computed) if computed else None
             return TurnStart(prompt, [], 0, host, index)
@@ -234,6 +246,7 @@ class SessionManager:
             self._release_branches(session)
             return
         session.is_chat = session.is_chat or session.turn_replaces  # a chat's first turn makes it a chat
+        session.num_turns += 1
         if len(session.branches) == 1:
             self._adopt(session, session.branches.pop())
 
@@ -257,6 +270,13 @@ class SessionManager:
         """Every host copy sessions hold (integrity checks)."""
         return [b.host for s in self.sessions.values() for b in s.branches_and_self() if b.host is not None]
 
+    def _read_back(self, session: Session) -> bool:
+        """Read a restored session's saved KV back (into the host tier) before it is used; True if it had some."""
+        if self.read_back is None or not any(b.disk is not None for b in session.branches_and_self()):
+            return False
+        self.read_back(session)
+        return True
+
     def _adopt(self, session: Session, branch: Branch) -> None:
         self.bm.release(session.block_table)
         self._drop_host(session)
@@ -265,7 +285,7 @@ class SessionManager:
             branch.block_table,
             branch.num_computed,
         )
-        session.host = branch.host
+        session.host, session.disk = branch.host, branch.disk
         session.draft_index = branch.draft_index
 
     def _release_branches(self, session: Session) -> None:
@@ -276,7 +296,7 @@ class SessionManager:
 
     def _release(self, session: Session) -> None:
         self.bm.release(session.block_table)
-        session.block_table, session.num_computed = [], 0
+        session.block_table, session.num_computed, session.disk = [], 0, None
         self._drop_host(session)
         self._release_branches(session)
 

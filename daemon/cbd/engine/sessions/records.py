@@ -3,8 +3,9 @@
 A `Session` holds its history's token ids (`Branch.token_ids`) and the KV that covers the first
 `num_computed` of them; a fan-out turn's candidates are kept as `branches` until the next turn picks
 the one that continues. Invariant: a branch's KV is in one tier at a time: on the GPU (`block_table`,
-shared block references), on the host (`host`, a `HostCopy` holding host block references), or
-neither (the next turn recomputes). The table of sessions and their turns are the `SessionManager`'s
+shared block references), on the host (`host`, a `HostCopy` holding host block references), only in
+the session's file (`disk`: restored at start, read back when a turn or fork needs it), or neither
+(the next turn recomputes). The table of sessions and their turns are the `SessionManager`'s
 (session_manager.py); which idle session's KV leaves the GPU first is `SessionEviction`'s
 (session_eviction.py). Engine-thread only.
 """
@@ -17,6 +18,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from cbd.engine.kv.disk_tier import DiskCopy
 from cbd.engine.kv.host_pool import HostCopy
 from cbd.engine.sequence import Request
 from cbd.errors import InvalidRequest
@@ -33,6 +35,7 @@ class Branch:
     block_table: list[int] = field(default_factory=list)  # resident KV for token_ids[:num_computed]
     num_computed: int = 0
     host: HostCopy | None = None  # or its KV is on the host tier (never both: one tier at a time)
+    disk: DiskCopy | None = None  # or only in a session file, not read back yet (a session restored at start)
     # The speculative drafter's n-gram index of token_ids (engine/spec/drafter.py), handed to the next turn's
     # sequence so that a long history is not indexed again each turn; None: that turn builds it.
     draft_index: Any = None
@@ -54,6 +57,10 @@ class Session(Branch):
     expected_idle: float | None = None
     retention: int = 0
     priority: int = 0  # its turns' scheduling class unless a turn says otherwise (sampling_params.PRIORITY_*)
+    # Saving (sessions/checkpoints.py): turns ended so far, the number its file holds, the frontend's note.
+    num_turns: int = 0
+    num_turns_saved: int = -1
+    note: bytes = b""
 
     def branches_and_self(self) -> list[Branch]:
         return [self, *self.branches]
@@ -90,11 +97,13 @@ class SessionInfo:
     ttl: float | None
     is_chat: bool
     host_blocks: int = 0
-    # Where its KV is: "gpu" (some on the GPU), "host" (only on the host), "recompute" (none kept), "none" (no tokens).
+    # Where its KV is: "gpu" (some on the GPU), "host" (only on the host), "disk" (only in its session
+    # file), "recompute" (none kept), "none" (no tokens).
     tier: str = "none"
     expected_idle: float | None = None
     retention: int = RETENTION_NORMAL
     priority: int = 0
+    disk_blocks: int = 0
 
 
 @dataclass(slots=True)

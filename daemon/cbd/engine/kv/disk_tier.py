@@ -1,0 +1,271 @@
+"""DiskTier: session files in a directory one daemon owns, written off the engine thread.
+
+The engine thread takes a snapshot of what a session holds (its token ids, settings, and its KV
+gathered from the GPU pool or the host pool into a host tensor) and hands it to the tier's writer
+thread, which writes the session file (kv/session_files.py) and keeps the directory under its cap
+(`--disk-kv-gib`: a file that would go over it is written with token ids only). Removals go through
+the same thread, so a session closed after a save never comes back from a late write. Reading back
+is the engine thread's: a branch's KV segment is read, checked, and placed in the host pool, from
+where the scheduler restores it like any host copy (kv/host_tier.py); without a host tier, or room
+in it, the branch is recomputed.
+
+The directory is held with an exclusive lock (`lock` in it) for the daemon's life, so a second
+daemon pointed at it refuses to start instead of taking over sessions that are still served; the
+lock goes with the process, however it ends.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import hashlib
+import json
+import logging
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO, Any
+
+import torch
+
+from cbd.config import EngineConfig
+from cbd.engine.kv import session_files as files
+from cbd.engine.kv.host_pool import HostCopy
+from cbd.engine.kv.host_tier import HostTier
+from cbd.engine.outputs import DiskTierStats
+from cbd.errors import SettingError
+from cbd.model.loader import LoadedModel
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class DiskCopy:
+    """A branch's KV in a session file (segment `branch` of the file at `path`, segments from `start`)."""
+
+    path: Path
+    start: int
+    branch: files.SavedBranch
+
+    @property
+    def num_tokens(self) -> int:
+        return self.branch.kv_tokens
+
+
+class DiskTier:
+    def __init__(
+        self, directory: Path, cap_bytes: int, fingerprint: files.Fingerprint, kv_caches: torch.Tensor,
+        block_size: int, host_tier: HostTier | None,
+    ) -> None:  # fmt: skip
+        self.directory = directory
+        self.cap_bytes = cap_bytes
+        self.fingerprint = fingerprint
+        self.block_size = block_size
+        self.host_tier = host_tier
+        # KV is saved and read back through the host tier; without one (tensor parallelism: each rank holds
+        # a shard) files hold token ids only.
+        self.keeps_kv = host_tier is not None
+        self._lock = _hold_directory(directory)
+        layers, slots, *slot_shape = kv_caches.shape
+        self._gpu = kv_caches.view(layers, slots // block_size, block_size, *slot_shape)  # [layers, blocks, bs, *slot]
+        self._block_shape = (layers, block_size, *slot_shape)
+        self._dtype = kv_caches.dtype
+        self._writer = ThreadPoolExecutor(1, thread_name_prefix="cbd-disk")
+        self._count = threading.Lock()  # the stats, written by the writer thread
+        self._stats = DiskTierStats(cap_bytes=cap_bytes)
+        self._sizes: dict[str, int] = {}  # file name -> bytes, the writer thread's view of the directory
+        left = files.remove_temporaries(directory)
+        if left:
+            log.info("removed %d unfinished session files from %s", left, directory)
+        for path in directory.glob(f"*{files.SUFFIX}"):
+            self._sizes[path.name] = path.stat().st_size
+
+    @classmethod
+    def from_config(
+        cls, config: EngineConfig, loaded: LoadedModel, kv_caches: torch.Tensor, host_tier: HostTier | None
+    ) -> DiskTier | None:
+        if config.disk_kv_dir is None or not config.disk_kv_gib:
+            return None
+        return cls(
+            Path(config.disk_kv_dir).expanduser(), int(config.disk_kv_gib * 2**30), fingerprint(loaded, config, kv_caches),
+            kv_caches, config.block_size, host_tier,
+        )  # fmt: skip
+
+    # ---- writing (the engine thread snapshots, the writer thread writes) ---------------------------
+    def gather_gpu(self, block_ids: list[int]) -> torch.Tensor:
+        """The KV of GPU blocks as a host tensor `[blocks, layers, block_size, *slot]`. Blocks a session
+        holds are not written by any step (its KV is complete and shared blocks are immutable)."""
+        index = torch.tensor(block_ids, dtype=torch.int64, device=self._gpu.device)
+        return self._gpu.index_select(1, index).transpose(0, 1).to("cpu").contiguous()
+
+    def gather_host(self, copy: HostCopy) -> torch.Tensor:
+        assert self.host_tier is not None  # only a host tier makes host copies
+        return self.host_tier.read_blocks(copy.block_ids)
+
+    def write(self, saved: files.SavedSession, segments: list[torch.Tensor]) -> Future[bool]:
+        """Write a session's file on the writer thread; the future says whether its KV was kept (False:
+        token ids only, for the cap). A write that fails (disk full) leaves the old file and raises."""
+        return self._writer.submit(self._write, saved, segments)
+
+    def remove(self, key: str) -> Future[None]:
+        """Delete a session's file (after any write queued before)."""
+        return self._writer.submit(self._remove, files.file_name(key))
+
+    def flush(self, timeout: float | None) -> bool:
+        """Wait for every write queued so far; False if `timeout` passed first."""
+        try:
+            self._writer.submit(lambda: None).result(timeout)
+            return True
+        except TimeoutError:
+            return False
+
+    def close(self) -> None:
+        self._writer.shutdown(wait=True)
+        self._lock.close()
+
+    def _write(self, saved: files.SavedSession, segments: list[torch.Tensor]) -> bool:
+        name = files.file_name(saved.key)
+        views = [memoryview(t.view(torch.uint8).reshape(-1).numpy()) for t in segments]  # raw bytes, no copy
+        need = sum(v.nbytes for v in views)
+        others = sum(self._sizes.values()) - self._sizes.get(name, 0)
+        if views and others + need > self.cap_bytes:
+            views = []
+            for b in saved.branches:
+                b.kv_tokens = 0
+        start = time.monotonic()
+        try:
+            size = files.write(self.directory / name, saved, views)
+        except OSError:
+            with self._count:
+                self._stats.num_write_errors += 1
+            raise
+        self._sizes[name] = size
+        with self._count:
+            s = self._stats
+            s.num_files_written += 1
+            s.num_kv_files_written += bool(views)
+            s.bytes_written += size
+            s.write_seconds_sum += time.monotonic() - start
+        return bool(views)
+
+    def _remove(self, name: str) -> None:
+        self._sizes.pop(name, None)
+        with contextlib.suppress(FileNotFoundError):
+            (self.directory / name).unlink()
+
+    # ---- reading (the engine thread) ---------------------------------------------------------------
+    def saved_sessions(self) -> list[tuple[Path, files.SavedSession, int]]:
+        """Every session file of the same model: (path, header, segments' start). Files that cannot be
+        used at all are logged in one line each and removed."""
+        found = []
+        for path in sorted(self.directory.glob(f"*{files.SUFFIX}")):
+            try:
+                saved, start = files.read_header(path)
+            except (files.DamagedFile, OSError) as exc:
+                log.warning("session file %s is not used: %s", path.name, exc)
+                self._remove(path.name)
+                self._count_lost()
+                continue
+            if saved.fingerprint.model != self.fingerprint.model:
+                log.warning("session file %s is not used: it was saved by another model", path.name)
+                self._remove(path.name)
+                self._count_lost()
+                continue
+            if saved.fingerprint.kv != self.fingerprint.kv:
+                log.warning("session %s: its saved KV has another layout; its tokens are recomputed", saved.key)
+                for b in saved.branches:
+                    b.kv_tokens = 0
+            found.append((path, saved, start))
+        return found
+
+    def load(self, copy: DiskCopy) -> HostCopy | None:
+        """Read a branch's KV into the host pool (None: damaged, or no host tier or room; it recomputes)."""
+        if self.host_tier is None:
+            return None
+        start = time.monotonic()
+        try:
+            data = files.read_segment(copy.path, copy.start, copy.branch)
+        except OSError as exc:
+            log.warning("session file %s: its KV cannot be read (%s); it is recomputed", copy.path.name, exc)
+            data = None
+        num_blocks = -(-copy.num_tokens // self.block_size)
+        if data is None or len(data) != num_blocks * self._block_bytes():
+            if data is None:
+                log.warning("session file %s: its KV is damaged (checksum); it is recomputed", copy.path.name)
+            self._count_load(0, start, failed=True)
+            return None
+        blocks = torch.frombuffer(data, dtype=torch.uint8).view(self._dtype).view(num_blocks, *self._block_shape)
+        host = self.host_tier.write_blocks(blocks, copy.num_tokens)
+        if host is not None:
+            self._count_load(len(data), start, failed=False)
+        return host
+
+    def stats(self) -> DiskTierStats:
+        with self._count:
+            s = self._stats
+            s.num_files, s.bytes_on_disk = len(self._sizes), sum(self._sizes.values())
+            return DiskTierStats(**{f: getattr(s, f) for f in DiskTierStats.__dataclass_fields__})
+
+    def count_restored(self, num_sessions: int, num_lost: int) -> None:
+        with self._count:
+            self._stats.num_sessions_restored += num_sessions
+            self._stats.num_sessions_lost += num_lost
+
+    def count_checkpoint(self, seconds: float) -> None:
+        with self._count:
+            self._stats.num_checkpoints += 1
+            self._stats.last_checkpoint_seconds = seconds
+
+    def _count_lost(self) -> None:
+        with self._count:
+            self._stats.num_sessions_lost += 1
+
+    def _count_load(self, size: int, start: float, failed: bool) -> None:
+        with self._count:
+            s = self._stats
+            s.num_kv_loads += not failed
+            s.num_kv_load_failures += failed
+            s.bytes_read += size
+            s.load_seconds_sum += time.monotonic() - start
+
+    def _block_bytes(self) -> int:
+        n = 1
+        for d in self._block_shape:
+            n *= d
+        return n * self._gpu.element_size()
+
+
+def fingerprint(loaded: LoadedModel, config: EngineConfig, kv_caches: torch.Tensor) -> files.Fingerprint:
+    """What a saved session's tokens and KV depend on (see session_files.Fingerprint)."""
+    weights = sorted(
+        (p.name, p.stat().st_size, p.stat().st_mtime_ns)
+        for p in loaded.checkpoint_dir.iterdir()
+        if p.suffix in (".safetensors", ".bin", ".gguf")
+    )  # fmt: skip
+    spec: dict[str, Any] = {f: getattr(loaded.spec, f) for f in loaded.spec.__dataclass_fields__}
+    model = {"name": loaded.name, "dir": str(loaded.checkpoint_dir.resolve()), "weights": weights, "spec": spec}
+    kv = {"dtype": str(kv_caches.dtype), "format": config.kv_cache_dtype, "block_size": config.block_size,
+          "tp": config.tensor_parallel_size, "shape": list(kv_caches.shape[2:]), "layers": kv_caches.shape[0]}  # fmt: skip
+    return files.Fingerprint(_digest(model), _digest(kv))
+
+
+def _digest(value: dict[str, Any]) -> str:
+    return hashlib.sha256(json.dumps(value, sort_keys=True, default=str).encode()).hexdigest()
+
+
+def _hold_directory(directory: Path) -> IO[str]:
+    try:
+        directory.mkdir(parents=True, exist_ok=True, mode=0o700)
+        lock = open(directory / "lock", "a+")  # noqa: SIM115 (held for the daemon's life)
+    except OSError as exc:
+        raise SettingError(f"disk_kv_dir {str(directory)!r}: {exc.strerror or exc}") from None
+    try:
+        fcntl.flock(lock.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        lock.close()
+        raise SettingError(
+            f"disk_kv_dir {str(directory)!r} is in use by another cbd daemon; give each daemon its own"
+        ) from None
+    return lock

@@ -1,0 +1,168 @@
+"""SessionCheckpoints: sessions saved to their files (kv/disk_tier.py) and listed again at start.
+
+When a session is saved, its file holds what a restarted daemon needs to go on as if it had never
+stopped: the history's and pending candidates' token ids, their KV (from the GPU or the host tier),
+the settings (TTL and idle time, retention, priority, chat or not; the tenant is part of the key),
+and the frontend's note (a chat's transcript). A session is saved again only when it changed since
+(a turn ended, or its note changed).
+
+  drain (`save_all`)         every changed session, with its KV while the deadline allows, with its
+                             token ids only after it (its KV is recomputed later, never lost)
+  background (`save_idle`)   changed sessions idle for at least `idle_for`, no turn in flight; the
+                             write is queued to the disk tier's thread (a crash loses the turns since)
+  start (`restore`)          every file of this model becomes a session again at once, idle for as
+                             long as it was plus the downtime (one whose TTL ran out meanwhile is
+                             removed); its KV stays in the file (`Branch.disk`) until a turn or a fork
+                             needs it (`read_back`: into the host tier, restored from there)
+  close, expiry              the file is removed
+
+Engine-thread only (the writes themselves are the disk tier's thread's).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+
+import torch
+
+from cbd.engine.kv import session_files as files
+from cbd.engine.kv.disk_tier import DiskCopy, DiskTier
+from cbd.engine.outputs import SaveReport
+from cbd.engine.sessions.manager import SessionManager
+from cbd.engine.sessions.records import Branch, Session
+
+log = logging.getLogger(__name__)
+
+
+class SessionCheckpoints:
+    def __init__(self, sessions: SessionManager, disk: DiskTier) -> None:
+        self.sessions = sessions
+        self.disk = disk
+        sessions.on_closed = self._closed
+        sessions.read_back = self.read_back
+
+    # ---- saving ---------------------------------------------------------------------------------
+    def take_notes(self, notes: dict[str, bytes]) -> None:
+        """The frontend's notes (chat transcripts) of sessions whose note changed."""
+        for key, note in notes.items():
+            session = self.sessions.sessions.get(key)
+            if session is not None and session.note != note:
+                session.note = note
+                session.num_turns_saved = -1
+
+    def save_all(self, seconds: float) -> SaveReport:
+        """Save every changed session, with its KV until `seconds` have passed, then token ids only."""
+        start = time.monotonic()
+        deadline = start + seconds
+        report = SaveReport()
+        for session in sorted(self._changed(), key=lambda s: s.last_used, reverse=True):
+            with_kv = time.monotonic() < deadline
+            try:
+                kept = self._save(session, with_kv).result()
+            except OSError as exc:
+                log.warning("session %s could not be saved: %s", session.session_id, exc)
+                report.num_failed += 1
+                continue
+            report.num_saved += 1
+            report.num_with_kv += kept
+        report.seconds = time.monotonic() - start
+        self.disk.count_checkpoint(report.seconds)
+        log.info(
+            "saved %d sessions in %.2f s (%d with KV, %d token ids only, %d failed)", report.num_saved,
+            report.seconds, report.num_with_kv, report.num_saved - report.num_with_kv, report.num_failed,
+        )  # fmt: skip
+        return report
+
+    def save_idle(self, idle_for: float) -> int:
+        """Queue the saving of changed sessions idle for at least `idle_for` seconds; returns how many."""
+        now = time.monotonic()
+        due = [s for s in self._changed() if s.busy is None and s.idle_seconds(now) >= idle_for]
+        for session in due:
+            self._save(session, True).add_done_callback(lambda f, key=session.session_id: _log_failure(f, key))
+        return len(due)
+
+    def _changed(self) -> list[Session]:
+        return [s for s in self.sessions.sessions.values() if s.num_turns_saved != s.num_turns]
+
+    def _save(self, session: Session, with_kv: bool):  # -> Future[bool]
+        branches: list[files.SavedBranch] = []
+        segments: list[torch.Tensor] = []
+        for b in session.branches_and_self():
+            kv_tokens, kv = self._kv(b) if with_kv else (0, None)
+            branches.append(files.SavedBranch(list(b.token_ids), kv_tokens))
+            if kv is not None:
+                segments.append(kv)
+        saved = files.SavedSession(
+            self.disk.fingerprint, session.session_id, session.ttl, session.idle_seconds(), time.time(),
+            session.is_chat, session.expected_idle, session.retention, session.priority, session.note, branches,
+        )  # fmt: skip
+        session.num_turns_saved = session.num_turns
+        return self.disk.write(saved, segments)
+
+    def _kv(self, b: Branch) -> tuple[int, torch.Tensor | None]:
+        """The KV a branch holds, as a host tensor of whole blocks, and how many tokens it covers."""
+        if not self.disk.keeps_kv:
+            return 0, None
+        if b.block_table and b.num_computed:
+            computed = min(b.num_computed, len(b.token_ids))
+            return computed, self.disk.gather_gpu(b.block_table[: -(-computed // self.disk.block_size)])
+        if b.host is not None:
+            return b.host.num_tokens, self.disk.gather_host(b.host)
+        return 0, None  # none kept (or only in an older file, which an unchanged session keeps)
+
+    # ---- restoring ------------------------------------------------------------------------------
+    def restore(self) -> list[str]:
+        """List every saved session of this model again (their KV stays on disk); returns their keys."""
+        now_wall, now = time.time(), time.monotonic()
+        restored: list[str] = []
+        lost = 0
+        for path, saved, start in self.disk.saved_sessions():
+            idle = saved.idle_seconds + max(0.0, now_wall - saved.saved_at)
+            if saved.ttl is not None and math.isfinite(saved.ttl) and idle > saved.ttl:
+                log.info("session %s expired while the daemon was down", saved.key)
+                self.disk.remove(saved.key)
+                continue
+            if len(self.sessions.sessions) >= self.sessions.max_sessions:
+                log.warning(
+                    "session %s is not restored: max_sessions (%d) are open", saved.key, self.sessions.max_sessions
+                )
+                lost += 1
+                continue
+            first, *rest = [self._branch(path, start, b) for b in saved.branches]
+            session = Session(
+                first.token_ids, disk=first.disk, session_id=saved.key, ttl=saved.ttl, is_chat=saved.is_chat,
+                branches=rest, last_used=now - idle, expected_idle=saved.expected_idle, retention=saved.retention,
+                priority=saved.priority, num_turns=0, num_turns_saved=0, note=saved.note,
+            )  # fmt: skip
+            self.sessions.sessions[saved.key] = session
+            restored.append(saved.key)
+        self.disk.count_restored(len(restored), lost)
+        if restored:
+            log.info("restored %d saved sessions from %s", len(restored), self.disk.directory)
+        return restored
+
+    @staticmethod
+    def _branch(path, start: int, saved: files.SavedBranch) -> Branch:  # noqa: ANN001
+        return Branch(saved.token_ids, disk=DiskCopy(path, start, saved) if saved.kv_tokens else None)
+
+    def notes(self) -> dict[str, bytes]:
+        """The notes of the sessions that have one (the frontend's transcripts, at its start)."""
+        return {key: s.note for key, s in self.sessions.sessions.items() if s.note}
+
+    def read_back(self, session: Session) -> None:
+        """Before a turn or a fork: read the session's saved KV into the host tier (or recompute it)."""
+        for b in session.branches_and_self():
+            if b.disk is not None:
+                b.host = self.disk.load(b.disk)
+                b.disk = None
+
+    def _closed(self, session: Session) -> None:
+        self.disk.remove(session.session_id)
+
+
+def _log_failure(future, key: str) -> None:  # noqa: ANN001
+    exc = future.exception()
+    if exc is not None:
+        log.warning("session %s could not be saved: %s", key, exc)

@@ -1,0 +1,234 @@
+"""Sessions saved to their files and listed again by a new engine on the same directory: the next turns
+answer exactly as an engine that never stopped, with their KV read back from the files (not recomputed);
+damaged files, another KV layout, a full disk and TTLs that ran out while down cost recomputing, never
+a wrong answer. The oracle: the same sessions on an engine without session files, never restarted."""
+
+from __future__ import annotations
+
+import logging
+import random
+import time
+from pathlib import Path
+
+import pytest
+
+from cbd.engine.core import EngineCore
+from cbd.engine.kv import session_files as files
+from cbd.engine.kv.disk_tier import DiskTier
+from cbd.engine.sampling_params import SamplingParams
+from cbd.errors import SettingError
+from helpers import checked_step, make_core
+
+GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+FAN = SamplingParams(max_tokens=5, temperature=1.0, seed=3, n=2)
+SIZES = {"block_size": 4, "num_kv_blocks": 512, "num_host_kv_blocks": 400}
+
+
+def _turn(core: EngineCore, key: str, tokens: list[int], params: SamplingParams = GREEDY, **kw) -> tuple[list, int]:
+    """One turn to its end: (each candidate's tokens, cached prompt tokens)."""
+    request = core.add_session_turn(key, tokens, params, **kw)
+    answers: dict[int, list[int]] = {}
+    cached = -1
+    while core.has_work():
+        for out in checked_step(core):
+            if out.request_id == request.request_id:
+                for d in out.candidates:
+                    answers.setdefault(d.index, []).extend(d.token_ids)
+                cached = out.usage.cached_prompt_tokens if out.finished and out.usage else cached
+    return [answers[i] for i in sorted(answers)], cached
+
+
+def _script(seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(2, 256) for _ in range(rng.randrange(9, 30))] for _ in range(3)]
+
+
+def _first_turns(core: EngineCore) -> list[str]:
+    """Six sessions with two greedy turns each (one with a pending fan-out), and two forks."""
+    keys = []
+    for i in range(6):
+        key = core.sessions.open(session_id=f"t{i % 2}/agent-{i}", ttl=600 + i, retention=i % 3 - 1).session_id
+        script = _script(i)
+        _turn(core, key, script[0])
+        _turn(core, key, script[1], FAN if i == 5 else GREEDY)
+        keys.append(key)
+    for i in (0, 3):
+        keys.append(core.sessions.fork(keys[i], new_session_id=f"t{i % 2}/fork-{i}").session_id)
+    return keys
+
+
+def _third_turns(core: EngineCore, keys: list[str]) -> list[tuple[list, int]]:
+    out = []
+    for j, key in enumerate(keys):
+        script = _script(j if j < 6 else (0, 3)[j - 6])
+        out.append(_turn(core, key, script[2], parent_candidate=1 if j == 5 else None))
+    return out
+
+
+def _saved(tiny_loaded, directory: Path, **overrides) -> EngineCore:  # noqa: ANN001
+    """An engine that runs the first turns, saves every session and stops (its directory lock released)."""
+    core = make_core(tiny_loaded, disk_kv_dir=str(directory), **{**SIZES, **overrides})
+    _first_turns(core)
+    assert core.checkpoints is not None
+    report = core.checkpoints.save_all(60.0)
+    assert report.num_saved == 8 and report.num_failed == 0
+    core.checkpoints.disk.close()
+    return core
+
+
+def _restarted(tiny_loaded, directory: Path, **overrides) -> EngineCore:  # noqa: ANN001
+    core = make_core(tiny_loaded, disk_kv_dir=str(directory), **{**SIZES, **overrides})
+    assert core.checkpoints is not None
+    core.checkpoints.restore()
+    return core
+
+
+@pytest.fixture()
+def oracle(tiny_loaded) -> list[tuple[list, int]]:  # noqa: ANN001
+    core = make_core(tiny_loaded, **SIZES)
+    return _third_turns(core, _first_turns(core))
+
+
+def test_restored_sessions_answer_as_if_never_stopped_with_their_kv_from_disk(tiny_loaded, tmp_path, oracle) -> None:
+    saved = _saved(tiny_loaded, tmp_path)
+    before = {s.session_id: saved.sessions.info(s) for s in saved.sessions.sessions.values()}
+    core = _restarted(tiny_loaded, tmp_path)
+    infos = {s.session_id: core.sessions.info(s) for s in core.sessions.sessions.values()}
+    assert set(infos) == set(before)
+    for key, info in infos.items():  # settings and histories are back; the KV is on disk until used
+        was = before[key]
+        assert (info.num_tokens, info.ttl, info.retention, info.pending_candidates) == (
+            was.num_tokens, was.ttl, was.retention, was.pending_candidates,
+        )  # fmt: skip
+        assert info.tier == "disk" and info.disk_blocks > 0 and info.resident_blocks == 0
+    got = _third_turns(core, list(before))
+    assert [answers for answers, _ in got] == [answers for answers, _ in oracle]
+    # The KV came from the files: every third turn reused at least what a never-stopped engine reused (a
+    # fork's turn may find more in the prefix cache: its source's turn had the same prompt).
+    assert all(cached >= want > 0 for (_, cached), (_, want) in zip(got, oracle)), (got, oracle)
+    assert core.sessions.hits["disk"] == 8 and core.sessions.hits["recompute"] == 0
+    stats = core.stats().disk
+    assert stats is not None and stats.num_sessions_restored == 8 and stats.num_kv_loads >= 8
+    assert stats.num_kv_load_failures == 0 and stats.num_sessions_lost == 0
+    for key in list(core.sessions.sessions):
+        core.sessions.close(key)
+    assert core.checkpoints is not None and core.checkpoints.disk.flush(10)
+    assert not list(tmp_path.glob(f"*{files.SUFFIX}"))  # closing a session removes its file
+    core.check_integrity()
+    assert core.block_manager.num_used_blocks == 0 and core.host_tier is not None
+    assert core.host_tier.pool.num_used_blocks == 0
+
+
+def _rewrite(path: Path, change) -> None:  # noqa: ANN001
+    """Rewrite a session file with its header changed by `change` (its KV segments kept)."""
+    saved, start = files.read_header(path)
+    segments = [files.read_segment(path, start, b) for b in saved.branches if b.kv_tokens]
+    change(saved)
+    files.write(path, saved, [s for s in segments if s is not None])
+
+
+def test_damaged_files_and_another_kv_layout_recompute_with_the_same_answers(
+    tiny_loaded, tmp_path, oracle, caplog
+) -> None:  # fmt: skip
+    _saved(tiny_loaded, tmp_path)
+    paths = {k: tmp_path / files.file_name(k) for k in ("t0/agent-0", "t1/agent-1", "t0/agent-2", "t1/agent-3")}
+    data = bytearray(paths["t0/agent-0"].read_bytes())
+    data[-3] ^= 0xFF  # a flipped bit in its KV
+    paths["t0/agent-0"].write_bytes(bytes(data))
+    with open(paths["t1/agent-1"], "r+b") as f:  # truncated in its KV
+        f.truncate(paths["t1/agent-1"].stat().st_size - 100)
+    _rewrite(paths["t0/agent-2"], lambda s: setattr(s, "fingerprint", files.Fingerprint(s.fingerprint.model, "x")))
+    header = bytearray(paths["t1/agent-3"].read_bytes())
+    header[20] ^= 0xFF  # its header: the session cannot come back at all
+    paths["t1/agent-3"].write_bytes(bytes(header))
+    with caplog.at_level(logging.WARNING):
+        core = _restarted(tiny_loaded, tmp_path)
+        assert "t1/agent-3" not in core.sessions.sessions and len(core.sessions.sessions) == 7
+        keys = [k for k in _keys() if k != "t1/agent-3"]
+        got = dict(zip(keys, _third_turns_of(core, keys)))
+    want = dict(zip(_keys(), oracle))
+    for key, (answers, cached) in got.items():
+        assert answers == want[key][0], key
+        if key in ("t0/agent-0", "t1/agent-1", "t0/agent-2"):
+            assert cached == 0, key  # recomputed
+        else:
+            assert cached >= want[key][1] > 0, key
+    log = caplog.text
+    assert log.count("its KV is damaged") == 2 and "another layout" in log
+    assert files.file_name("t1/agent-3") in log and "header" in log
+    stats = core.stats().disk
+    assert stats is not None and stats.num_kv_load_failures == 2 and stats.num_sessions_lost == 1
+
+
+def _keys() -> list[str]:
+    return [f"t{i % 2}/agent-{i}" for i in range(6)] + ["t0/fork-0", "t1/fork-3"]
+
+
+def _third_turns_of(core: EngineCore, keys: list[str]) -> list[tuple[list, int]]:
+    every = _keys()
+    out = []
+    for key in keys:
+        j = every.index(key)
+        script = _script(j if j < 6 else (0, 3)[j - 6])
+        out.append(_turn(core, key, script[2], parent_candidate=1 if j == 5 else None))
+    return out
+
+
+def test_a_disk_cap_saves_token_ids_only_and_the_answers_stay(tiny_loaded, tmp_path, oracle) -> None:
+    saved = _saved(tiny_loaded, tmp_path, disk_kv_gib=4096 / 2**30)  # 4 KiB: less than one session's KV
+    stats = saved.stats().disk
+    assert stats is not None and stats.num_files_written == 8 and stats.num_kv_files_written == 0
+    assert not list(tmp_path.glob(".*.tmp"))
+    core = _restarted(tiny_loaded, tmp_path)
+    got = _third_turns(core, _keys())
+    assert [a for a, _ in got] == [a for a, _ in oracle]
+    assert all(cached == 0 for _, cached in got[:6])  # (the forks' turns find their sources' in the prefix cache)
+    assert core.sessions.hits["recompute"] == 8
+
+
+def test_a_failed_write_leaves_no_file_and_the_session_keeps_serving(tiny_loaded, tmp_path, monkeypatch) -> None:
+    core = make_core(tiny_loaded, disk_kv_dir=str(tmp_path), **SIZES)
+    key = core.sessions.open(session_id="full").session_id
+    _turn(core, key, _script(0)[0])
+
+    def full(*args, **kwargs):  # noqa: ANN002, ANN003
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr("os.fsync", full)
+    assert core.checkpoints is not None
+    report = core.checkpoints.save_all(10.0)
+    assert (report.num_saved, report.num_failed) == (0, 1)
+    monkeypatch.undo()
+    assert not list(tmp_path.glob(f"*{files.SUFFIX}")) and not list(tmp_path.glob(".*.tmp"))
+    assert _turn(core, key, _script(0)[1])[0]  # still served
+    stats = core.stats().disk
+    assert stats is not None and stats.num_write_errors == 1
+    core.checkpoints.disk.close()
+
+
+def test_a_ttl_that_ran_out_while_down_removes_the_session(tiny_loaded, tmp_path, caplog) -> None:
+    core = make_core(tiny_loaded, disk_kv_dir=str(tmp_path), **SIZES)
+    for key, ttl in (("short", 100.0), ("long", 1000.0)):
+        core.sessions.open(session_id=key, ttl=ttl)
+        _turn(core, key, _script(1)[0])
+    assert core.checkpoints is not None
+    core.checkpoints.save_all(10.0)
+    core.checkpoints.disk.close()
+    for key in ("short", "long"):  # as if the daemon had been down for 500 s since
+        _rewrite(tmp_path / files.file_name(key), lambda s: setattr(s, "saved_at", time.time() - 500))
+    with caplog.at_level(logging.INFO):
+        restarted = _restarted(tiny_loaded, tmp_path)
+    assert list(restarted.sessions.sessions) == ["long"]
+    assert 499 < restarted.sessions.sessions["long"].idle_seconds() < 1000
+    assert "session short expired while the daemon was down" in caplog.text
+    assert restarted.checkpoints is not None and restarted.checkpoints.disk.flush(10)
+    assert not (tmp_path / files.file_name("short")).exists()
+
+
+def test_one_daemon_per_directory(tiny_loaded, tmp_path) -> None:
+    core = make_core(tiny_loaded, disk_kv_dir=str(tmp_path), **SIZES)
+    with pytest.raises(SettingError, match="in use by another cbd daemon"):
+        make_core(tiny_loaded, disk_kv_dir=str(tmp_path), **SIZES)
+    assert core.checkpoints is not None
+    core.checkpoints.disk.close()
+    assert isinstance(make_core(tiny_loaded, disk_kv_dir=str(tmp_path), **SIZES).checkpoints.disk, DiskTier)  # type: ignore[union-attr]
