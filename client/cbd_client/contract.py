@@ -40,6 +40,7 @@ class KvTier(StrEnum):
     GPU = "gpu"
     HOST = "host"  # the host tier (offloaded while idle)
     RECOMPUTE = "recompute"  # released: the next turn prefills its history again
+    DISK = "disk"  # only in its session file (restored at start, not used since)
 
 
 FINISH_REASON_PROTO: dict[FinishReason, pb.FinishReason] = {
@@ -63,6 +64,7 @@ KV_TIER_PROTO: dict[KvTier, pb.KvTier] = {
     KvTier.GPU: pb.KV_TIER_GPU,
     KvTier.HOST: pb.KV_TIER_HOST,
     KvTier.RECOMPUTE: pb.KV_TIER_RECOMPUTE,
+    KvTier.DISK: pb.KV_TIER_DISK,
 }
 # The other way: a proto value to its name (UNSPECIFIED and unknown values are absent).
 FINISH_REASON_NAME = {v: k for k, v in FINISH_REASON_PROTO.items()}

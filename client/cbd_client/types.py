@@ -130,6 +130,19 @@ class Stats:
     draft_tokens: int = 0  # speculative decoding: draft tokens verified since start
     accepted_draft_tokens: int = 0  # of those, kept
     speculative_steps: int = 0  # sequence-steps that verified drafts
+    # Session files (--disk-kv-dir; see the proto's Stats for each)
+    session_files: int = 0
+    session_file_bytes: int = 0
+    session_files_written: int = 0
+    session_files_written_with_kv: int = 0
+    session_file_write_errors: int = 0
+    session_file_bytes_written: int = 0
+    session_file_bytes_read: int = 0
+    session_kv_reads: int = 0
+    session_kv_read_failures: int = 0
+    sessions_restored: int = 0
+    sessions_lost: int = 0
+    last_save_seconds: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -142,9 +155,10 @@ class SessionInfo:
     busy: bool
     ttl_seconds: float
     is_chat: bool
-    kv_tier: str = "none"  # where its KV is: "gpu", "host", "recompute" (released) or "none" (no tokens)
+    kv_tier: str = "none"  # where its KV is: "gpu", "host", "disk", "recompute" (released) or "none" (no tokens)
     host_blocks: int = 0  # KV blocks in the host tier
     expected_idle_ms: int | None = None  # the retention hints in force
     retention: str = "normal"  # "low" | "normal" | "high"
     priority: str = "interactive"  # its turns' class: "interactive" | "batch"
     tenant: str = ""  # the tenant that owns it ("" on a daemon without auth)
+    disk_blocks: int = 0  # KV blocks only in its session file (kv_tier "disk")

@@ -32,6 +32,7 @@ class KvTier(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     KV_TIER_GPU: _ClassVar[KvTier]
     KV_TIER_HOST: _ClassVar[KvTier]
     KV_TIER_RECOMPUTE: _ClassVar[KvTier]
+    KV_TIER_DISK: _ClassVar[KvTier]
 
 class FinishReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -55,6 +56,7 @@ KV_TIER_NONE: KvTier
 KV_TIER_GPU: KvTier
 KV_TIER_HOST: KvTier
 KV_TIER_RECOMPUTE: KvTier
+KV_TIER_DISK: KvTier
 FINISH_REASON_UNSPECIFIED: FinishReason
 FINISH_REASON_STOP: FinishReason
 FINISH_REASON_LENGTH: FinishReason
@@ -337,7 +339,7 @@ class GetStatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class Stats(_message.Message):
-    __slots__ = ("running", "waiting", "live_requests", "kv_blocks_total", "kv_blocks_used", "kv_blocks_free", "kv_blocks_cached", "uptime_seconds", "num_preemptions", "num_steps", "generated_tokens", "open_sessions", "session_evictions", "host_kv_blocks_total", "host_kv_blocks_used", "kv_blocks_offloaded", "kv_blocks_restored", "restored_prompt_tokens", "priority_preemptions", "draft_tokens", "accepted_draft_tokens", "speculative_steps")
+    __slots__ = ("running", "waiting", "live_requests", "kv_blocks_total", "kv_blocks_used", "kv_blocks_free", "kv_blocks_cached", "uptime_seconds", "num_preemptions", "num_steps", "generated_tokens", "open_sessions", "session_evictions", "host_kv_blocks_total", "host_kv_blocks_used", "kv_blocks_offloaded", "kv_blocks_restored", "restored_prompt_tokens", "priority_preemptions", "draft_tokens", "accepted_draft_tokens", "speculative_steps", "session_files", "session_file_bytes", "session_files_written", "session_files_written_with_kv", "session_file_write_errors", "session_file_bytes_written", "session_file_bytes_read", "session_kv_reads", "session_kv_read_failures", "sessions_restored", "sessions_lost", "last_save_seconds")
     RUNNING_FIELD_NUMBER: _ClassVar[int]
     WAITING_FIELD_NUMBER: _ClassVar[int]
     LIVE_REQUESTS_FIELD_NUMBER: _ClassVar[int]
@@ -360,6 +362,18 @@ class Stats(_message.Message):
     DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     ACCEPTED_DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     SPECULATIVE_STEPS_FIELD_NUMBER: _ClassVar[int]
+    SESSION_FILES_FIELD_NUMBER: _ClassVar[int]
+    SESSION_FILE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    SESSION_FILES_WRITTEN_FIELD_NUMBER: _ClassVar[int]
+    SESSION_FILES_WRITTEN_WITH_KV_FIELD_NUMBER: _ClassVar[int]
+    SESSION_FILE_WRITE_ERRORS_FIELD_NUMBER: _ClassVar[int]
+    SESSION_FILE_BYTES_WRITTEN_FIELD_NUMBER: _ClassVar[int]
+    SESSION_FILE_BYTES_READ_FIELD_NUMBER: _ClassVar[int]
+    SESSION_KV_READS_FIELD_NUMBER: _ClassVar[int]
+    SESSION_KV_READ_FAILURES_FIELD_NUMBER: _ClassVar[int]
+    SESSIONS_RESTORED_FIELD_NUMBER: _ClassVar[int]
+    SESSIONS_LOST_FIELD_NUMBER: _ClassVar[int]
+    LAST_SAVE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     running: int
     waiting: int
     live_requests: int
@@ -382,7 +396,19 @@ class Stats(_message.Message):
     draft_tokens: int
     accepted_draft_tokens: int
     speculative_steps: int
-    def __init__(self, running: _Optional[int] = ..., waiting: _Optional[int] = ..., live_requests: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., kv_blocks_free: _Optional[int] = ..., kv_blocks_cached: _Optional[int] = ..., uptime_seconds: _Optional[float] = ..., num_preemptions: _Optional[int] = ..., num_steps: _Optional[int] = ..., generated_tokens: _Optional[int] = ..., open_sessions: _Optional[int] = ..., session_evictions: _Optional[int] = ..., host_kv_blocks_total: _Optional[int] = ..., host_kv_blocks_used: _Optional[int] = ..., kv_blocks_offloaded: _Optional[int] = ..., kv_blocks_restored: _Optional[int] = ..., restored_prompt_tokens: _Optional[int] = ..., priority_preemptions: _Optional[int] = ..., draft_tokens: _Optional[int] = ..., accepted_draft_tokens: _Optional[int] = ..., speculative_steps: _Optional[int] = ...) -> None: ...
+    session_files: int
+    session_file_bytes: int
+    session_files_written: int
+    session_files_written_with_kv: int
+    session_file_write_errors: int
+    session_file_bytes_written: int
+    session_file_bytes_read: int
+    session_kv_reads: int
+    session_kv_read_failures: int
+    sessions_restored: int
+    sessions_lost: int
+    last_save_seconds: float
+    def __init__(self, running: _Optional[int] = ..., waiting: _Optional[int] = ..., live_requests: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., kv_blocks_free: _Optional[int] = ..., kv_blocks_cached: _Optional[int] = ..., uptime_seconds: _Optional[float] = ..., num_preemptions: _Optional[int] = ..., num_steps: _Optional[int] = ..., generated_tokens: _Optional[int] = ..., open_sessions: _Optional[int] = ..., session_evictions: _Optional[int] = ..., host_kv_blocks_total: _Optional[int] = ..., host_kv_blocks_used: _Optional[int] = ..., kv_blocks_offloaded: _Optional[int] = ..., kv_blocks_restored: _Optional[int] = ..., restored_prompt_tokens: _Optional[int] = ..., priority_preemptions: _Optional[int] = ..., draft_tokens: _Optional[int] = ..., accepted_draft_tokens: _Optional[int] = ..., speculative_steps: _Optional[int] = ..., session_files: _Optional[int] = ..., session_file_bytes: _Optional[int] = ..., session_files_written: _Optional[int] = ..., session_files_written_with_kv: _Optional[int] = ..., session_file_write_errors: _Optional[int] = ..., session_file_bytes_written: _Optional[int] = ..., session_file_bytes_read: _Optional[int] = ..., session_kv_reads: _Optional[int] = ..., session_kv_read_failures: _Optional[int] = ..., sessions_restored: _Optional[int] = ..., sessions_lost: _Optional[int] = ..., last_save_seconds: _Optional[float] = ...) -> None: ...
 
 class OpenSessionRequest(_message.Message):
     __slots__ = ("ttl_seconds", "text", "chat", "tokens", "session_id", "expected_idle_ms", "retention", "priority", "allow_special_tokens")
@@ -407,7 +433,7 @@ class OpenSessionRequest(_message.Message):
     def __init__(self, ttl_seconds: _Optional[float] = ..., text: _Optional[str] = ..., chat: _Optional[_Union[Chat, _Mapping]] = ..., tokens: _Optional[_Union[TokenIds, _Mapping]] = ..., session_id: _Optional[str] = ..., expected_idle_ms: _Optional[int] = ..., retention: _Optional[_Union[Retention, str]] = ..., priority: _Optional[_Union[Priority, str]] = ..., allow_special_tokens: _Optional[bool] = ...) -> None: ...
 
 class SessionInfo(_message.Message):
-    __slots__ = ("session_id", "num_tokens", "resident_blocks", "pending_candidates", "idle_seconds", "busy", "ttl_seconds", "is_chat", "kv_tier", "host_blocks", "expected_idle_ms", "retention", "priority", "tenant")
+    __slots__ = ("session_id", "num_tokens", "resident_blocks", "pending_candidates", "idle_seconds", "busy", "ttl_seconds", "is_chat", "kv_tier", "host_blocks", "expected_idle_ms", "retention", "priority", "tenant", "disk_blocks")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
     RESIDENT_BLOCKS_FIELD_NUMBER: _ClassVar[int]
@@ -422,6 +448,7 @@ class SessionInfo(_message.Message):
     RETENTION_FIELD_NUMBER: _ClassVar[int]
     PRIORITY_FIELD_NUMBER: _ClassVar[int]
     TENANT_FIELD_NUMBER: _ClassVar[int]
+    DISK_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     num_tokens: int
     resident_blocks: int
@@ -436,7 +463,8 @@ class SessionInfo(_message.Message):
     retention: Retention
     priority: Priority
     tenant: str
-    def __init__(self, session_id: _Optional[str] = ..., num_tokens: _Optional[int] = ..., resident_blocks: _Optional[int] = ..., pending_candidates: _Optional[int] = ..., idle_seconds: _Optional[float] = ..., busy: _Optional[bool] = ..., ttl_seconds: _Optional[float] = ..., is_chat: _Optional[bool] = ..., kv_tier: _Optional[_Union[KvTier, str]] = ..., host_blocks: _Optional[int] = ..., expected_idle_ms: _Optional[int] = ..., retention: _Optional[_Union[Retention, str]] = ..., priority: _Optional[_Union[Priority, str]] = ..., tenant: _Optional[str] = ...) -> None: ...
+    disk_blocks: int
+    def __init__(self, session_id: _Optional[str] = ..., num_tokens: _Optional[int] = ..., resident_blocks: _Optional[int] = ..., pending_candidates: _Optional[int] = ..., idle_seconds: _Optional[float] = ..., busy: _Optional[bool] = ..., ttl_seconds: _Optional[float] = ..., is_chat: _Optional[bool] = ..., kv_tier: _Optional[_Union[KvTier, str]] = ..., host_blocks: _Optional[int] = ..., expected_idle_ms: _Optional[int] = ..., retention: _Optional[_Union[Retention, str]] = ..., priority: _Optional[_Union[Priority, str]] = ..., tenant: _Optional[str] = ..., disk_blocks: _Optional[int] = ...) -> None: ...
 
 class CloseSessionRequest(_message.Message):
     __slots__ = ("session_id", "tenant")

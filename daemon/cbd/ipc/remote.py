@@ -281,10 +281,12 @@ class RemoteEngine:
     def reset_prefix_cache(self) -> None:
         self.tell(api.ResetPrefixCache())
 
-    def ask(self, question: api.Question) -> Future[Any]:
+    def ask(self, question: api.Question, draining: bool = False) -> Future[Any]:
         """Any of the API's questions; the future gets the value of its typed reply (SessionReply's info,
-        SessionsReply's infos, Done: None) or the error Refused carries."""
-        self._check_running()
+        SessionsReply's infos, Done: None) or the error Refused carries. draining: asked after `drain` too
+        (saving sessions at shutdown), as long as the engine process runs."""
+        if not draining or self.fatal is not None or self._process.exited.done():
+            self._check_running()
         future: Future[Any] = Future()
 
         def answered(reply: api.Reply) -> None:

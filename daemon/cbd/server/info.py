@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from cbd.config import EngineConfig
 from cbd.engine.grammar.matcher import MAX_GRAMMAR_BYTES
-from cbd.engine.outputs import EngineStats, ModelFacts
+from cbd.engine.outputs import DiskTierStats, EngineStats, ModelFacts
 from cbd.engine.sampling_params import MAX_CANDIDATES, MAX_LOGPROBS, MAX_STOP_STRINGS
 from cbd.server.prompts import PromptEncoder
 from cbd.server.tool_calls import MAX_TOOLS
@@ -60,4 +62,16 @@ def stats(s: EngineStats, live_requests: int, uptime: float) -> pb.Stats:
         draft_tokens=s.speculation.num_draft_tokens if s.speculation else 0,
         accepted_draft_tokens=s.speculation.num_accepted_tokens if s.speculation else 0,
         speculative_steps=s.speculation.num_steps if s.speculation else 0,
+        **(_session_files(s.disk) if s.disk else {}),
     )
+
+
+def _session_files(d: DiskTierStats) -> dict[str, Any]:
+    return {
+        "session_files": d.num_files, "session_file_bytes": d.bytes_on_disk,
+        "session_files_written": d.num_files_written, "session_files_written_with_kv": d.num_kv_files_written,
+        "session_file_write_errors": d.num_write_errors, "session_file_bytes_written": d.bytes_written,
+        "session_file_bytes_read": d.bytes_read, "session_kv_reads": d.num_kv_loads,
+        "session_kv_read_failures": d.num_kv_load_failures, "sessions_restored": d.num_sessions_restored,
+        "sessions_lost": d.num_sessions_lost, "last_save_seconds": d.last_checkpoint_seconds,
+    }  # fmt: skip

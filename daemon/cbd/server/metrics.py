@@ -8,7 +8,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector
 
-from cbd.engine.outputs import RESTORE_SECONDS_BUCKETS, EngineStats, HostTierStats, RequestOutput
+from cbd.engine.outputs import RESTORE_SECONDS_BUCKETS, DiskTierStats, EngineStats, HostTierStats, RequestOutput
 from cbd.engine.sampling_params import PRIORITY_BATCH
 from cbd.server.memory import resident_bytes
 from cbd_client.contract import KvTier, Priority
@@ -84,6 +84,8 @@ class _EngineCollector(Collector):
             )  # fmt: skip
         if s.host is not None:
             yield from _host_tier(s.host)
+        if s.disk is not None:
+            yield from _session_files(s.disk)
 
 
 def _host_tier(h: HostTierStats) -> Iterator[GaugeMetricFamily | CounterMetricFamily | HistogramMetricFamily]:
@@ -105,7 +107,7 @@ def _host_tier(h: HostTierStats) -> Iterator[GaugeMetricFamily | CounterMetricFa
     )  # fmt: skip
     hits = CounterMetricFamily("cbd_session_turns_by_tier", "Session turns by where their history's KV was.",
                                labels=["tier"])  # fmt: skip
-    for tier in (KvTier.GPU, KvTier.HOST, KvTier.RECOMPUTE):
+    for tier in (KvTier.GPU, KvTier.HOST, KvTier.DISK, KvTier.RECOMPUTE):
         hits.add_metric([tier.value], h.session_hits.get(tier, 0))
     yield hits
     cumulative, buckets = 0, []
@@ -116,6 +118,29 @@ def _host_tier(h: HostTierStats) -> Iterator[GaugeMetricFamily | CounterMetricFa
         "cbd_kv_restore_seconds", "From a restore's start to its completion as the engine saw it.",
         buckets=buckets, sum_value=h.restore_seconds_sum,
     )  # fmt: skip
+
+
+def _session_files(d: DiskTierStats) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
+    yield GaugeMetricFamily("cbd_session_files", "Session files in --disk-kv-dir.", value=d.num_files)
+    yield GaugeMetricFamily("cbd_session_file_bytes", "Bytes of session files in --disk-kv-dir.", value=d.bytes_on_disk)
+    for name, value, doc in (
+        ("session_files_written", d.num_files_written, "Session files written."),
+        ("session_files_written_with_kv", d.num_kv_files_written, "Session files written with their KV."),
+        ("session_file_write_errors", d.num_write_errors, "Session file writes that failed (the old file stays)."),
+        ("session_file_written_bytes", d.bytes_written, "Bytes of session files written."),
+        ("session_file_read_bytes", d.bytes_read, "Bytes of saved KV read back."),
+        ("session_kv_reads", d.num_kv_loads, "Saved KV read back for a turn or fork."),
+        ("session_kv_read_failures", d.num_kv_load_failures, "Saved KV that was damaged (recomputed)."),
+        ("sessions_restored", d.num_sessions_restored, "Sessions listed again from their files at start."),
+        ("sessions_lost", d.num_sessions_lost, "Saved sessions that could not be listed again."),
+    ):
+        yield CounterMetricFamily(f"cbd_{name}", doc, value=value)
+    yield CounterMetricFamily("cbd_session_file_write_seconds", "Seconds spent writing session files.",
+                              value=d.write_seconds_sum)  # fmt: skip
+    yield CounterMetricFamily("cbd_session_kv_read_seconds", "Seconds spent reading saved KV back.",
+                              value=d.load_seconds_sum)  # fmt: skip
+    yield GaugeMetricFamily("cbd_session_save_seconds", "How long the last shutdown's saving took.",
+                            value=d.last_checkpoint_seconds)  # fmt: skip
 
 
 def priority_label(priority: int | None) -> str:

@@ -30,6 +30,7 @@ def session_info(info: SessionInfo) -> pb.SessionInfo:
         is_chat=info.is_chat,
         kv_tier=KV_TIER_PROTO[KvTier(info.tier)],
         host_blocks=info.host_blocks,
+        disk_blocks=info.disk_blocks,
         expected_idle_ms=None if info.expected_idle is None else min(2**32 - 1, round(info.expected_idle * 1000)),
         retention={RETENTION_LOW: pb.RETENTION_LOW, RETENTION_HIGH: pb.RETENTION_HIGH}.get(
             info.retention, pb.RETENTION_NORMAL

@@ -38,7 +38,7 @@ async def save_in_background(engine: RemoteEngine, chats: ChatLogs, idle_for: fl
 
 async def save_at_shutdown(engine: RemoteEngine, chats: ChatLogs, seconds: float) -> SaveReport | None:
     try:
-        return await asyncio.wrap_future(engine.ask(api.SaveSessions(chats.notes(), seconds)))
+        return await asyncio.wrap_future(engine.ask(api.SaveSessions(chats.notes(), seconds), draining=True))
     except Exception as exc:
         log.error("saving sessions at shutdown failed: %s", exc)
         return None

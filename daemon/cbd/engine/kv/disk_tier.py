@@ -24,7 +24,6 @@ import logging
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
@@ -34,24 +33,12 @@ from cbd.config import EngineConfig
 from cbd.engine.kv import session_files as files
 from cbd.engine.kv.host_pool import HostCopy
 from cbd.engine.kv.host_tier import HostTier
+from cbd.engine.kv.session_files import DiskCopy
 from cbd.engine.outputs import DiskTierStats
 from cbd.errors import SettingError
 from cbd.model.loader import LoadedModel
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(slots=True)
-class DiskCopy:
-    """A branch's KV in a session file (segment `branch` of the file at `path`, segments from `start`)."""
-
-    path: Path
-    start: int
-    branch: files.SavedBranch
-
-    @property
-    def num_tokens(self) -> int:
-        return self.branch.kv_tokens
 
 
 class DiskTier:
@@ -127,7 +114,7 @@ class DiskTier:
 
     def _write(self, saved: files.SavedSession, segments: list[torch.Tensor]) -> bool:
         name = files.file_name(saved.key)
-        views = [memoryview(t.view(torch.uint8).reshape(-1).numpy()) for t in segments]  # raw bytes, no copy
+        views = [t.view(torch.uint8).reshape(-1).numpy().data for t in segments]  # raw bytes, no copy
         need = sum(v.nbytes for v in views)
         others = sum(self._sizes.values()) - self._sizes.get(name, 0)
         if views and others + need > self.cap_bytes:

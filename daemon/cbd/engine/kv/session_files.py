@@ -23,6 +23,7 @@ import os
 import struct
 import zlib
 from collections.abc import Iterable
+from dataclasses import dataclass
 from pathlib import Path
 
 import msgspec
@@ -64,6 +65,19 @@ class SavedSession(msgspec.Struct, array_like=True):
 
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(SavedSession)
+
+
+@dataclass(slots=True)
+class DiskCopy:
+    """A branch's KV in a session file (segment `branch` of the file at `path`, segments from `start`)."""
+
+    path: Path
+    start: int
+    branch: SavedBranch
+
+    @property
+    def num_tokens(self) -> int:
+        return self.branch.kv_tokens
 
 
 class DamagedFile(Exception):

@@ -28,7 +28,8 @@ import time
 import torch
 
 from cbd.engine.kv import session_files as files
-from cbd.engine.kv.disk_tier import DiskCopy, DiskTier
+from cbd.engine.kv.disk_tier import DiskTier
+from cbd.engine.kv.session_files import DiskCopy
 from cbd.engine.outputs import SaveReport
 from cbd.engine.sessions.manager import SessionManager
 from cbd.engine.sessions.records import Branch, Session

@@ -18,8 +18,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from cbd.engine.kv.disk_tier import DiskCopy
 from cbd.engine.kv.host_pool import HostCopy
+from cbd.engine.kv.session_files import DiskCopy
 from cbd.engine.sequence import Request
 from cbd.errors import InvalidRequest
 

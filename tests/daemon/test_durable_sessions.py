@@ -1,0 +1,107 @@
+"""Sessions that survive the daemon: saved at SIGTERM and in the background (`--disk-kv-dir`), listed again
+by the next daemon on the directory, their KV read back from disk on their next turn. The oracle: the same
+conversations on the shared daemon, which never restarted (greedy answers must be equal)."""
+
+from __future__ import annotations
+
+import signal
+from pathlib import Path
+
+import grpc
+import pytest
+
+from cbd_client import CbdError, Client
+from cbd_client.session import Session
+from cbd_client.v1 import cbd_pb2 as pb
+from cbd_client.v1.cbd_pb2_grpc import CbdStub
+from daemon_process import DaemonFactory, DaemonProcess, alive
+from helpers import poll_until
+
+GREEDY = {"max_tokens": 8, "temperature": 0.0}
+SYSTEM = [{"role": "system", "content": "You answer in one short sentence."}]
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture()
+def default_daemon(tmp_path: Path):  # noqa: ANN201
+    factory = DaemonFactory(tmp_path, None)
+    yield factory
+    factory.stop_all()
+
+
+def _user(i: int, turn: int) -> list[dict[str, str]]:
+    return [{"role": "user", "content": f"Agent {i}, step {turn}: name a {('colour', 'fruit', 'city')[turn % 3]}."}]
+
+
+class Agents:
+    """Six conversations (four chats, two plain-text histories) and two forks, on one daemon."""
+
+    def __init__(self, client: Client, tag: str) -> None:
+        self.sessions: list[Session] = []
+        for i in range(6):
+            prefix = SYSTEM if i < 4 else "You are a terse assistant.\n"
+            self.sessions.append(client.session(prefix, session_id=f"{tag}-agent-{i}", ttl=3600))
+
+    def turn(self, k: int) -> list[tuple[str, int]]:
+        """Turn k of every session: (its text, its cached prompt tokens)."""
+        out = []
+        for i, s in enumerate(self.sessions):
+            prompt = _user(i, k) if i in (0, 1, 2, 3, 6) else f"Step {k}: name a colour.\n"  # 6: a chat fork
+            c = s.send(prompt, **GREEDY)
+            out.append((c.text, c.usage.cached_prompt_tokens))
+        return out
+
+    def fork(self) -> None:
+        self.sessions += [self.sessions[0].fork(), self.sessions[4].fork()]
+
+
+def _restart_in_place(
+    old: DaemonProcess, start: DaemonFactory, flags: tuple[str, ...], how: signal.Signals
+) -> tuple[DaemonProcess, str]:
+    """Stop the daemon with `how`, start another on the same socket and flags; the old one's log too."""
+    engine = old.engine_pid()
+    old.process.send_signal(how)
+    code = old.process.wait(120)
+    log = old.log()
+    assert code == (0 if how == signal.SIGTERM else -signal.SIGKILL), log[-3000:]
+    poll_until(lambda: not alive(engine), 30, what="the engine process exits with the frontend")
+    return start(*flags), log
+
+
+def test_sessions_survive_sigterm_and_sigkill_answering_as_a_daemon_that_never_stopped(
+    default_daemon: DaemonFactory, shared_daemon: DaemonProcess, tmp_path: Path
+) -> None:  # fmt: skip
+    flags = ("--disk-kv-dir", str(tmp_path / "sessions"), "--session-save-idle")
+    d = default_daemon(*flags, "3600")  # nothing saved in the background: the shutdown saves it all
+    with Client(d.address) as client, Client(shared_daemon.address) as oracle_client:
+        agents, oracle = Agents(client, "durable"), Agents(oracle_client, "durable-oracle")
+        for k in (1, 2):
+            assert [t for t, _ in agents.turn(k)] == [t for t, _ in oracle.turn(k)]
+        agents.fork()
+        oracle.fork()
+        # SIGTERM: every session is saved with its KV while the daemon drains.
+        d, log = _restart_in_place(d, default_daemon, (*flags, "0.5"), signal.SIGTERM)
+        assert "saved 8 sessions" in log and "(8 with KV, 0 token ids only, 0 failed)" in log, log[-3000:]
+        with grpc.insecure_channel(d.address) as channel:
+            listed = CbdStub(channel).ListSessions(pb.ListSessionsRequest()).sessions
+        assert sorted(s.session_id for s in listed) == sorted(s.session_id for s in agents.sessions)
+        assert all(s.kv_tier == pb.KV_TIER_DISK and s.disk_blocks > 0 and s.resident_blocks == 0 for s in listed)
+        third, want = agents.turn(3), oracle.turn(3)
+        assert [t for t, _ in third] == [t for t, _ in want]
+        assert all(cached >= expected > 0 for (_, cached), (_, expected) in zip(third, want)), (third, want)
+        assert client.get_session(agents.sessions[0].session_id).kv_tier == "gpu"
+        stats = client.stats()
+        assert stats.sessions_restored == 8 and stats.session_kv_reads >= 8 and stats.session_kv_read_failures == 0
+        # SIGKILL once the background saving has caught up with the third turns: nothing is lost.
+        poll_until(lambda: client.stats().session_files_written >= 8, 60, what="the idle sessions are saved")
+        d, _ = _restart_in_place(d, default_daemon, (*flags, "0.5"), signal.SIGKILL)
+        fourth, want = agents.turn(4), oracle.turn(4)
+        assert [t for t, _ in fourth] == [t for t, _ in want]
+        assert all(cached >= expected > 0 for (_, cached), (_, expected) in zip(fourth, want)), (fourth, want)
+        for session in agents.sessions + oracle.sessions:
+            session.close()
+        with pytest.raises(CbdError) as gone:
+            client.get_session(agents.sessions[0].session_id)
+        assert gone.value.code == grpc.StatusCode.NOT_FOUND
+    d.stop()
+    assert not list((tmp_path / "sessions").glob("*.session"))  # closed sessions leave no file
