@@ -37,7 +37,8 @@ class EngineConfig:
     num_host_kv_blocks: int | None = None
     # Directory of session files: open sessions are saved there at shutdown and, once idle, in the background,
     # and listed again when a daemon starts on it (their KV read back on their next turn); one daemon per
-    # directory. None: sessions are not saved (a restart loses them). The service sets /var/lib/cbd/sessions.
+    # directory. None: $STATE_DIRECTORY/sessions under systemd (the service's StateDirectory=, /var/lib/cbd),
+    # else sessions are not saved (a restart loses them).
     disk_kv_dir: str | None = None
     # GiB of session files in disk_kv_dir at most: a session that would go over it is saved with its token ids
     # only (its KV is recomputed on its next turn); 0: sessions are not saved.
@@ -196,6 +197,16 @@ class EngineConfig:
     @classmethod
     def from_dict(cls, values: dict[str, object]) -> EngineConfig:
         return config_from_dict(cls, values, "engine config")
+
+    def session_dir(self) -> str | None:
+        """Where sessions are saved: disk_kv_dir, else the sessions folder of systemd's state directory; None
+        (not saved) without either, or with disk_kv_gib 0."""
+        if not self.disk_kv_gib:
+            return None
+        if self.disk_kv_dir is not None:
+            return self.disk_kv_dir
+        state = os.environ.get("STATE_DIRECTORY", "").split(":")[0]
+        return os.path.join(state, "sessions") if state else None
 
     def host_kv_bytes(self, gpu_pool_bytes: int) -> int:
         """The host tier's size: host_kv_gib, or by default a quarter of physical RAM (at most 64 GiB and

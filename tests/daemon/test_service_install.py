@@ -80,7 +80,7 @@ def test_the_service_starts_as_its_user_and_serves_on_the_documented_socket(inst
         os.chown(directory, account.pw_uid, account.pw_gid)
         directory.chmod(mode)
     env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": account.pw_dir, "RUNTIME_DIRECTORY": str(runtime),
-           "CACHE_DIRECTORY": str(cache), "NOTIFY_SOCKET": ""}  # fmt: skip
+           "CACHE_DIRECTORY": str(cache), "STATE_DIRECTORY": str(state), "NOTIFY_SOCKET": ""}  # fmt: skip
     for assignment in values.get("Environment", []):
         key, value = assignment.split("=", 1)
         env[key] = value
@@ -102,6 +102,8 @@ def test_the_service_starts_as_its_user_and_serves_on_the_documented_socket(inst
                 [{"role": "user", "content": "What is the capital of France?"}], max_tokens=16, temperature=0.0
             )
             assert "Paris" in reply.text
+            session = client.session([{"role": "system", "content": "Be brief."}], session_id="kept-across-restarts")
+            session.send([{"role": "user", "content": "Hi."}], max_tokens=4, temperature=0.0)
             _check_gateway_unit(user, group)
         st = sock.stat()
         assert stat.S_IMODE(st.st_mode) == 0o660 and st.st_gid == account.pw_gid and st.st_uid == account.pw_uid
@@ -110,6 +112,10 @@ def test_the_service_starts_as_its_user_and_serves_on_the_documented_socket(inst
         output = process.communicate(timeout=120)[0]
     assert process.returncode == 0, output
     assert not sock.exists()
+    # The open session was saved at the stop, in the state directory's sessions folder, as the service's user.
+    saved = list((state / "sessions").glob("*.session"))
+    assert len(saved) == 1 and saved[0].stat().st_uid == account.pw_uid, output
+    shutil.rmtree(state / "sessions")
 
 
 def _check_gateway_unit(user: str, group: str) -> None:

@@ -125,7 +125,7 @@ async def serve(
 
     engine = None
     watchdog = trimmer = saver = None
-    saving = engine_config.disk_kv_dir is not None and engine_config.disk_kv_gib > 0
+    saving = engine_config.session_dir() is not None
     try:
         load = asyncio.ensure_future(
             RemoteEngine.start(engine_config, _engine_program(server_config), server_config.warmup)

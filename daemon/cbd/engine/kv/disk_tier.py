@@ -73,10 +73,11 @@ class DiskTier:
     def from_config(
         cls, config: EngineConfig, loaded: LoadedModel, kv_caches: torch.Tensor, host_tier: HostTier | None
     ) -> DiskTier | None:
-        if config.disk_kv_dir is None or not config.disk_kv_gib:
+        directory = config.session_dir()
+        if directory is None:
             return None
         return cls(
-            Path(config.disk_kv_dir).expanduser(), int(config.disk_kv_gib * 2**30), fingerprint(loaded, config, kv_caches),
+            Path(directory).expanduser(), int(config.disk_kv_gib * 2**30), fingerprint(loaded, config, kv_caches),
             kv_caches, config.block_size, host_tier,
         )  # fmt: skip
 
