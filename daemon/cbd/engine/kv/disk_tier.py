@@ -57,8 +57,6 @@ class DiskTier:
         self._lock = _hold_directory(directory)
         layers, slots, *slot_shape = kv_caches.shape
         self._gpu = kv_caches.view(layers, slots // block_size, block_size, *slot_shape)  # [layers, blocks, bs, *slot]
-        self._block_shape = (layers, block_size, *slot_shape)
-        self._dtype = kv_caches.dtype
         self._writer = ThreadPoolExecutor(1, thread_name_prefix="cbd-disk")
         self._count = threading.Lock()  # the stats, written by the writer thread
         self._stats = DiskTierStats(cap_bytes=cap_bytes)
@@ -173,21 +171,23 @@ class DiskTier:
         if self.host_tier is None:
             return None
         start = time.monotonic()
-        try:
-            data = files.read_segment(copy.path, copy.start, copy.branch)
+        num_blocks = -(-copy.num_tokens // self.block_size)
+        host = self.host_tier.take_blocks(num_blocks, copy.num_tokens)
+        if host is None:
+            return None  # no room in the host pool now: recomputed
+        try:  # straight into the host blocks, one read per run of consecutive blocks
+            ok = files.read_segment_into(copy.path, copy.start, copy.branch, self.host_tier.block_buffers(host))
         except OSError as exc:
             log.warning("session file %s: its KV cannot be read (%s); it is recomputed", copy.path.name, exc)
-            data = None
-        num_blocks = -(-copy.num_tokens // self.block_size)
-        if data is None or len(data) != num_blocks * self._block_bytes():
-            if data is None:
+            ok = False
+        else:
+            if not ok:
                 log.warning("session file %s: its KV is damaged (checksum); it is recomputed", copy.path.name)
+        if not ok:
+            self.host_tier.release(host)
             self._count_load(0, start, failed=True)
             return None
-        blocks = torch.frombuffer(data, dtype=torch.uint8).view(self._dtype).view(num_blocks, *self._block_shape)
-        host = self.host_tier.write_blocks(blocks, copy.num_tokens)
-        if host is not None:
-            self._count_load(len(data), start, failed=False)
+        self._count_load(copy.branch.length, start, failed=False)
         return host
 
     def stats(self) -> DiskTierStats:
@@ -217,12 +217,6 @@ class DiskTier:
             s.num_kv_load_failures += failed
             s.bytes_read += size
             s.load_seconds_sum += time.monotonic() - start
-
-    def _block_bytes(self) -> int:
-        n = 1
-        for d in self._block_shape:
-            n *= d
-        return n * self._gpu.element_size()
 
 
 def fingerprint(loaded: LoadedModel, config: EngineConfig, kv_caches: torch.Tensor) -> files.Fingerprint:

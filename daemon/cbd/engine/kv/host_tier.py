@@ -126,15 +126,26 @@ class HostTier:
         self.copier.wait_all()  # an offload to these blocks may still be in flight
         return self.copier.host[torch.tensor(host_ids, dtype=torch.int64)]
 
-    def write_blocks(self, blocks: torch.Tensor, num_tokens: int) -> HostCopy | None:
-        """New host blocks holding `blocks` (read from a session file); None if the pool lacks room."""
-        placed = self.pool.place([None] * blocks.shape[0])
+    def take_blocks(self, count: int, num_tokens: int) -> HostCopy | None:
+        """`count` fresh host blocks for the caller to fill (a session file's KV, see `block_buffers`);
+        None if the pool lacks room."""
+        placed = self.pool.place([None] * count)
         if placed is None:
             return None
-        host_ids, _ = placed
         self.copier.wait_all()  # a restore issued from a block just freed may still read it
-        self.copier.host[torch.tensor(host_ids, dtype=torch.int64)] = blocks
-        return HostCopy(host_ids, num_tokens)
+        return HostCopy(placed[0], num_tokens)
+
+    def block_buffers(self, copy: HostCopy) -> list[memoryview]:
+        """Writable views of a copy's host blocks, one per run of consecutive ids, in order."""
+        ids = copy.block_ids
+        runs: list[memoryview] = []
+        first = 0
+        for i in range(1, len(ids) + 1):
+            if i == len(ids) or ids[i] != ids[i - 1] + 1:
+                run = self.copier.host[ids[first] : ids[i - 1] + 1]
+                runs.append(run.view(torch.uint8).reshape(-1).numpy().data)
+                first = i
+        return runs
 
     # ---- sequences (the scheduler) ------------------------------------------------------------
     def set_aside(self, seq: Sequence) -> None:

@@ -140,11 +140,27 @@ def read_header(path: Path) -> tuple[SavedSession, int]:
 def read_segment(path: Path, start: int, branch: SavedBranch) -> bytearray | None:
     """A branch's KV segment, or None when it is short or fails its checksum (the caller recomputes)."""
     data = bytearray(branch.length)
-    with open(path, "rb") as f:
+    return data if read_segment_into(path, start, branch, [memoryview(data)]) else None
+
+
+def read_segment_into(path: Path, start: int, branch: SavedBranch, buffers: list[memoryview]) -> bool:
+    """Read a branch's KV segment straight into `buffers` (in order, their sizes adding up to its length);
+    False when it is short or fails its checksum (the buffers then hold garbage)."""
+    if sum(b.nbytes for b in buffers) != branch.length:
+        return False
+    crc = 0
+    with open(path, "rb", buffering=0) as f:
         f.seek(start + branch.offset)
-        if f.readinto(data) != branch.length:
-            return None
-    return data if zlib.crc32(data) == branch.crc else None
+        for buffer in buffers:
+            view = buffer.cast("B")
+            done = 0
+            while done < len(view):
+                n = f.readinto(view[done:])
+                if not n:
+                    return False
+                done += n
+            crc = zlib.crc32(view, crc)
+    return crc == branch.crc
 
 
 def sync_directory(directory: Path) -> None:
