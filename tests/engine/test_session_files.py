@@ -7,17 +7,21 @@ from __future__ import annotations
 
 import logging
 import random
+import threading
 import time
 from pathlib import Path
 
 import pytest
 
+from cbd.config import EngineConfig
 from cbd.engine.core import EngineCore
+from cbd.engine.engine import Engine
 from cbd.engine.kv import session_files as files
 from cbd.engine.kv.disk_tier import DiskTier
 from cbd.engine.sampling_params import SamplingParams
+from cbd.engine.sessions.records import TurnInput
 from cbd.errors import SettingError
-from helpers import checked_step, make_core
+from helpers import checked_step, make_core, poll_until
 
 GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
 FAN = SamplingParams(max_tokens=5, temperature=1.0, seed=3, n=2)
@@ -232,3 +236,36 @@ def test_one_daemon_per_directory(tiny_loaded, tmp_path) -> None:
     assert core.checkpoints is not None
     core.checkpoints.disk.close()
     assert isinstance(make_core(tiny_loaded, disk_kv_dir=str(tmp_path), **SIZES).checkpoints.disk, DiskTier)  # type: ignore[union-attr]
+
+
+def test_a_turn_waits_for_its_kv_to_be_read_back_while_the_batch_goes_on(
+    tiny_loaded, tmp_path, oracle, monkeypatch
+) -> None:  # fmt: skip
+    _saved(tiny_loaded, tmp_path)
+    gate = threading.Event()
+    read = files.read_segment_into
+
+    def held(*args):  # noqa: ANN002
+        assert gate.wait(60)
+        return read(*args)
+
+    monkeypatch.setattr(files, "read_segment_into", held)  # the disk tier's reader thread waits at the gate
+    engine = Engine(EngineConfig(disk_kv_dir=str(tmp_path), **SIZES), loaded=tiny_loaded)
+    try:
+        outputs: list = []
+        accepted = engine.submit_turn("t0/agent-0", TurnInput(_script(0)[2]), GREEDY, on_output=outputs.append)
+        # Another request runs to its end while the turn waits for its session's KV.
+        (other,) = engine.generate([[5, 6, 7, 8, 9]], GREEDY)
+        assert len(other.candidates[0].token_ids) == GREEDY.max_tokens
+        assert not accepted.done() and not outputs
+        (info,) = [i for i in engine.list_sessions().result(10) if i.session_id == "t0/agent-0"]
+        assert info.tier == "disk"
+        gate.set()
+        accepted.result(30)
+        poll_until(lambda: outputs and outputs[-1].finished, 30, what="the turn ends")
+    finally:
+        gate.set()
+        engine.shutdown()
+    answer = [t for out in outputs for d in out.candidates for t in d.token_ids]
+    assert [answer] == oracle[0][0]
+    assert outputs[-1].usage.cached_prompt_tokens >= oracle[0][1] > 0

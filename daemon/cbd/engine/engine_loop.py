@@ -7,6 +7,12 @@ snapshot has been refreshed (a caller that saw its request finish then reads sta
 steps, the loop expires idle sessions once a second (it wakes for that even when idle), keeps the
 heartbeat that the daemon's watchdog and health read, and gives the heap's free pages back once it has
 been idle for `idle_trim_seconds` after work (cbd/allocator.py).
+
+A turn or fork of a session whose KV is still only in its file (restored at start) starts reading it
+back on the disk tier's reader thread and waits, with every later command about that session, in
+`_deferred` until the read has ended; meanwhile the loop goes on stepping the batch. Idle, the loop
+reads restored sessions back ahead of their turns while the host tier has room
+(sessions/checkpoints.py).
 """
 
 from __future__ import annotations
@@ -31,6 +37,7 @@ from cbd.engine.faults import FaultPlan, is_device_fault
 from cbd.engine.live import LiveRequest
 from cbd.engine.outputs import EngineStats, SaveReport, ended
 from cbd.engine.sequence import FinishReason
+from cbd.engine.sessions.checkpoints import SessionCheckpoints
 from cbd.engine.sessions.records import SessionInfo
 from cbd.errors import EngineStopped
 from cbd.lifetime import name_os_thread
@@ -66,6 +73,7 @@ class EngineLoop:
         self._faults = FaultPlan.from_env()
         self._trim = IdleTrim(config.idle_trim_seconds)
         self._cores: CoreShare | None = None  # adapts the CPU thread count (num_threads 0 on CPU)
+        self._deferred: dict[str, list[cmd.Command]] = {}  # session key -> its commands waiting for its KV
         self._handlers: dict[type, Callable[[Any], None]] = {
             cmd.AddRequest: self._add_request, cmd.AddTurn: self._add_turn, cmd.Asked: self._asked,
             cmd.RunInEngine: self._run_in_engine, api.Abort: self._abort, api.TouchSession: self._touch_session,
@@ -99,6 +107,7 @@ class EngineLoop:
             self.core.warm_up()  # CUDA graphs are captured before the engine reports started
             if self.core.checkpoints is not None:  # saved sessions are listed before the engine reports started
                 self.core.checkpoints.restore()
+                self.core.checkpoints.on_loaded = self._wake.set
             self.stats = self.core.stats()
             if c.num_threads == 0 and c.tensor_parallel_size == 1 and self.core.runner.device.type == "cpu":
                 self._cores = CoreShare(os.sched_getaffinity(0), (os.getpid(), os.getppid()))
@@ -134,6 +143,8 @@ class EngineLoop:
                         self.on_session_expired(session_id)
             if not self._drain_inbox():
                 break
+            if core.checkpoints is not None:
+                self._read_back(core.checkpoints)
             try:
                 if self._faults is not None and core.scheduler.has_work():
                     self._faults.before_step(core.num_steps)
@@ -156,11 +167,14 @@ class EngineLoop:
             self._step_end()
         core.fail_all(FinishReason.ABORT)
         core.deliver()
+        left = [c for commands in self._deferred.values() for c in commands]
+        self._deferred.clear()
         while True:  # commands that raced with shutdown: answer them rather than leave them hanging
             try:
-                command = self._inbox.get_nowait()
+                left.append(self._inbox.get_nowait())
             except queue.Empty:
                 break
+        for command in left:
             if isinstance(command, cmd.AddRequest):
                 self._reject(command.live, command.params.n, FinishReason.ABORT)
             elif isinstance(command, cmd.AddTurn):
@@ -192,7 +206,41 @@ class EngineLoop:
                 return True
             if type(command) is api.Stop:
                 return False
+            key = self._waits_for_kv(command)
+            if key is not None:
+                self._deferred.setdefault(key, []).append(command)
+                continue
             handlers[type(command)](command)
+
+    def _waits_for_kv(self, command: cmd.Command) -> str | None:
+        """The session whose KV reading back `command` waits for (starting it if needed), or None."""
+        checkpoints = self.core.checkpoints
+        if checkpoints is None:
+            return None
+        if isinstance(command, cmd.AddTurn):
+            key = command.session_id
+        elif isinstance(command, cmd.Asked) and isinstance(command.question, api.SESSION_ORDERED):
+            key = command.question.session_id
+        elif isinstance(command, api.TouchSession):
+            key = command.session_id
+        else:
+            return None
+        if key in self._deferred:  # behind its session's earlier commands
+            return key
+        uses_kv = isinstance(command, cmd.AddTurn) or (
+            isinstance(command, cmd.Asked) and isinstance(command.question, api.ForkSession)
+        )
+        if uses_kv and checkpoints.needs_load(key):
+            checkpoints.start_load(key)
+            return key
+        return None
+
+    def _read_back(self, checkpoints: SessionCheckpoints) -> None:
+        """Apply the commands of sessions whose KV has been read back; start reading the next one ahead."""
+        for key in checkpoints.completed():
+            for command in self._deferred.pop(key, []):
+                self._handlers[type(command)](command)
+        checkpoints.prefetch(lambda key: key in self._deferred)
 
     def _add_request(self, c: cmd.AddRequest) -> None:
         try:

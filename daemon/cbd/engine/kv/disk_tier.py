@@ -5,9 +5,10 @@ gathered from the GPU pool or the host pool into a host tensor) and hands it to 
 thread, which writes the session file (kv/session_files.py) and keeps the directory under its cap
 (`--disk-kv-gib`: a file that would go over it is written with token ids only). Removals go through
 the same thread, so a session closed after a save never comes back from a late write. Reading back
-is the engine thread's: a branch's KV segment is read, checked, and placed in the host pool, from
-where the scheduler restores it like any host copy (kv/host_tier.py); without a host tier, or room
-in it, the branch is recomputed.
+goes through the tier's reader thread: the engine thread takes fresh host blocks (`start_load`), the
+reader thread reads the branch's KV segment straight into them and checks it, and the engine thread
+hands them on (`finish_load`), from where the scheduler restores them like any host copy
+(kv/host_tier.py); a damaged segment, no host tier or no room in it: the branch is recomputed.
 
 The directory is held with an exclusive lock (`lock` in it) for the daemon's life, so a second
 daemon pointed at it refuses to start instead of taking over sessions that are still served; the
@@ -23,7 +24,9 @@ import json
 import logging
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
@@ -39,6 +42,15 @@ from cbd.errors import SettingError
 from cbd.model.loader import LoadedModel
 
 log = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class Load:
+    """A branch's KV being read into host blocks: `host` is held by the load until it is finished."""
+
+    copy: DiskCopy
+    host: HostCopy
+    future: Future[bool]
 
 
 class DiskTier:
@@ -58,6 +70,7 @@ class DiskTier:
         layers, slots, *slot_shape = kv_caches.shape
         self._gpu = kv_caches.view(layers, slots // block_size, block_size, *slot_shape)  # [layers, blocks, bs, *slot]
         self._writer = ThreadPoolExecutor(1, thread_name_prefix="cbd-disk")
+        self._reader = ThreadPoolExecutor(1, thread_name_prefix="cbd-disk-read")
         self._count = threading.Lock()  # the stats, written by the writer thread
         self._stats = DiskTierStats(cap_bytes=cap_bytes)
         self._sizes: dict[str, int] = {}  # file name -> bytes, the writer thread's view of the directory
@@ -108,6 +121,7 @@ class DiskTier:
             return False
 
     def close(self) -> None:
+        self._reader.shutdown(wait=True)
         self._writer.shutdown(wait=True)
         self._lock.close()
 
@@ -166,29 +180,47 @@ class DiskTier:
             found.append((path, saved, start))
         return found
 
-    def load(self, copy: DiskCopy) -> HostCopy | None:
-        """Read a branch's KV into the host pool (None: damaged, or no host tier or room; it recomputes)."""
+    def start_load(self, copy: DiskCopy, on_done: Callable[[], object] | None = None) -> Load | None:
+        """Start reading a branch's KV into fresh host blocks on the reader thread (`on_done` is called
+        there when it ends); None without a host tier or room in it (the branch is recomputed)."""
         if self.host_tier is None:
             return None
-        start = time.monotonic()
-        num_blocks = -(-copy.num_tokens // self.block_size)
-        host = self.host_tier.take_blocks(num_blocks, copy.num_tokens)
+        host = self.host_tier.take_blocks(-(-copy.num_tokens // self.block_size), copy.num_tokens)
         if host is None:
-            return None  # no room in the host pool now: recomputed
+            return None
+        future = self._reader.submit(self._read, copy, self.host_tier.block_buffers(host))
+        if on_done is not None:
+            future.add_done_callback(lambda _: on_done())
+        return Load(copy, host, future)
+
+    def finish_load(self, load: Load) -> HostCopy | None:
+        """A finished load's host copy (the caller holds it now), or None (damaged: its blocks released)."""
+        assert self.host_tier is not None and load.future.done()
+        if load.future.result():
+            return load.host
+        self.host_tier.release(load.host)
+        return None
+
+    def load(self, copy: DiskCopy) -> HostCopy | None:
+        """Read a branch's KV into the host pool now (None: damaged, or no host tier or room: recomputed)."""
+        load = self.start_load(copy)
+        if load is None:
+            return None
+        load.future.result()
+        return self.finish_load(load)
+
+    def _read(self, copy: DiskCopy, buffers: list[memoryview]) -> bool:
+        start = time.monotonic()
         try:  # straight into the host blocks, one read per run of consecutive blocks
-            ok = files.read_segment_into(copy.path, copy.start, copy.branch, self.host_tier.block_buffers(host))
+            ok = files.read_segment_into(copy.path, copy.start, copy.branch, buffers)
         except OSError as exc:
             log.warning("session file %s: its KV cannot be read (%s); it is recomputed", copy.path.name, exc)
             ok = False
         else:
             if not ok:
                 log.warning("session file %s: its KV is damaged (checksum); it is recomputed", copy.path.name)
-        if not ok:
-            self.host_tier.release(host)
-            self._count_load(0, start, failed=True)
-            return None
-        self._count_load(copy.branch.length, start, failed=False)
-        return host
+        self._count_load(copy.branch.length if ok else 0, start, failed=not ok)
+        return ok
 
     def stats(self) -> DiskTierStats:
         with self._count:

@@ -12,8 +12,14 @@ and the frontend's note (a chat's transcript). A session is saved again only whe
                              write is queued to the disk tier's thread (a crash loses the turns since)
   start (`restore`)          every file of this model becomes a session again at once, idle for as
                              long as it was plus the downtime (one whose TTL ran out meanwhile is
-                             removed); its KV stays in the file (`Branch.disk`) until a turn or a fork
-                             needs it (`read_back`: into the host tier, restored from there)
+                             removed); its KV stays in the file (`Branch.disk`)
+  read back                  into the host tier, on the disk tier's reader thread (`start_load`, then
+                             `completed` hands the host copies to the branches): the engine thread
+                             defers a session's commands meanwhile (engine_loop.py), so the turn waits
+                             and the batch does not. While the host tier has room, restored sessions
+                             are read back ahead of their turns, most recently used first (`prefetch`).
+                             A caller without that loop (an EngineCore used directly) reads back
+                             synchronously before the turn or fork (`read_back`)
   close, expiry              the file is removed
 
 Engine-thread only (the writes themselves are the disk tier's thread's).
@@ -24,11 +30,15 @@ from __future__ import annotations
 import logging
 import math
 import time
+from collections import deque
+from collections.abc import Callable
+from concurrent.futures import Future
 
 import torch
 
 from cbd.engine.kv import session_files as files
-from cbd.engine.kv.disk_tier import DiskTier
+from cbd.engine.kv.disk_tier import DiskTier, Load
+from cbd.engine.kv.host_pool import HostCopy
 from cbd.engine.kv.session_files import DiskCopy
 from cbd.engine.outputs import SaveReport
 from cbd.engine.sessions.manager import SessionManager
@@ -43,6 +53,9 @@ class SessionCheckpoints:
         self.disk = disk
         sessions.on_closed = self._closed
         sessions.read_back = self.read_back
+        self.on_loaded: Callable[[], object] | None = None  # called on the reader thread (wakes the loop)
+        self._loads: dict[str, list[tuple[Branch, Load]]] = {}  # session key -> its branches being read back
+        self._prefetch: list[str] = []  # restored sessions not yet read back, most recently used first
 
     # ---- saving ---------------------------------------------------------------------------------
     def take_notes(self, notes: dict[str, bytes]) -> None:
@@ -58,16 +71,24 @@ class SessionCheckpoints:
         start = time.monotonic()
         deadline = start + seconds
         report = SaveReport()
-        for session in sorted(self._changed(), key=lambda s: s.last_used, reverse=True):
-            with_kv = time.monotonic() < deadline
+        in_flight: deque[tuple[str, Future[bool]]] = deque()  # the next snapshot is taken while one is written
+
+        def settle(key: str, future: Future[bool]) -> None:
             try:
-                kept = self._save(session, with_kv).result()
+                kept = future.result()
             except OSError as exc:
-                log.warning("session %s could not be saved: %s", session.session_id, exc)
+                log.warning("session %s could not be saved: %s", key, exc)
                 report.num_failed += 1
-                continue
+                return
             report.num_saved += 1
             report.num_with_kv += kept
+
+        for session in sorted(self._changed(), key=lambda s: s.last_used, reverse=True):
+            in_flight.append((session.session_id, self._save(session, time.monotonic() < deadline)))
+            while len(in_flight) > 2:
+                settle(*in_flight.popleft())
+        while in_flight:
+            settle(*in_flight.popleft())
         report.seconds = time.monotonic() - start
         self.disk.count_checkpoint(report.seconds)
         log.info(
@@ -87,7 +108,7 @@ class SessionCheckpoints:
     def _changed(self) -> list[Session]:
         return [s for s in self.sessions.sessions.values() if s.num_turns_saved != s.num_turns]
 
-    def _save(self, session: Session, with_kv: bool):  # -> Future[bool]
+    def _save(self, session: Session, with_kv: bool) -> Future[bool]:
         branches: list[files.SavedBranch] = []
         segments: list[torch.Tensor] = []
         for b in session.branches_and_self():
@@ -140,6 +161,7 @@ class SessionCheckpoints:
             self.sessions.sessions[saved.key] = session
             restored.append(saved.key)
         self.disk.count_restored(len(restored), lost)
+        self._prefetch = sorted(restored, key=lambda k: self.sessions.sessions[k].last_used, reverse=True)
         if restored:
             log.info("restored %d saved sessions from %s", len(restored), self.disk.directory)
         return restored
@@ -158,6 +180,71 @@ class SessionCheckpoints:
             if b.disk is not None:
                 b.host = self.disk.load(b.disk)
                 b.disk = None
+
+    # ---- reading back on the reader thread ------------------------------------------------------------
+    def needs_load(self, key: str) -> bool:
+        """The session's KV (some branch's) is only in its file, or being read back."""
+        session = self.sessions.sessions.get(key)
+        return key in self._loads or (session is not None and any(b.disk for b in session.branches_and_self()))
+
+    def start_load(self, key: str) -> None:
+        """Start reading the session's KV back (unless under way); branches that cannot be (no host room)
+        are recomputed. `completed` names the session when it is done."""
+        session = self.sessions.sessions.get(key)
+        if key in self._loads or session is None:
+            return
+        pending = []
+        for b in session.branches_and_self():
+            if b.disk is not None:
+                load = self.disk.start_load(b.disk, self.on_loaded)
+                if load is None:
+                    b.disk = None  # recomputed
+                else:
+                    pending.append((b, load))
+        self._loads[key] = pending
+
+    def completed(self) -> list[str]:
+        """Sessions whose reading back has ended: their branches hold the host copies now (or recompute)."""
+        done = []
+        for key, pending in list(self._loads.items()):
+            if not all(load.future.done() for _, load in pending):
+                continue
+            del self._loads[key]
+            session = self.sessions.sessions.get(key)
+            for branch, load in pending:
+                host = self.disk.finish_load(load)
+                if session is None or branch.disk is not load.copy:  # closed or expired meanwhile
+                    if host is not None:
+                        assert self.disk.host_tier is not None
+                        self.disk.host_tier.release(host)
+                    continue
+                branch.host, branch.disk = host, None
+            done.append(key)
+        return done
+
+    def prefetch(self, busy: Callable[[str], bool]) -> None:
+        """Read the next restored session back ahead of its turn, one at a time, while the host tier keeps a
+        quarter free after it; `busy(key)`: the session has commands waiting (they start its load)."""
+        host = self.disk.host_tier
+        if self._loads or host is None:
+            return
+        while self._prefetch:
+            key = self._prefetch[0]
+            session = self.sessions.sessions.get(key)
+            if session is None or busy(key) or not any(b.disk for b in session.branches_and_self()):
+                self._prefetch.pop(0)
+                continue
+            need = sum(-(-b.disk.num_tokens // self.disk.block_size) for b in session.branches_and_self() if b.disk)
+            if host.num_free_blocks - need < host.pool.num_blocks // 4:
+                self._prefetch.clear()  # the rest are read back when their turns come
+                return
+            self._prefetch.pop(0)
+            self.start_load(key)
+            return
+
+    def load_copies(self) -> list[HostCopy]:
+        """Host copies held by reads in flight (integrity checks)."""
+        return [load.host for pending in self._loads.values() for _, load in pending]
 
     def _closed(self, session: Session) -> None:
         self.disk.remove(session.session_id)
