@@ -27,6 +27,7 @@ Engine-thread only (the writes themselves are the disk tier's thread's).
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import time
@@ -102,7 +103,7 @@ class SessionCheckpoints:
         now = time.monotonic()
         due = [s for s in self._changed() if s.busy is None and s.idle_seconds(now) >= idle_for]
         for session in due:
-            self._save(session, True).add_done_callback(lambda f, key=session.session_id: _log_failure(f, key))
+            self._save(session, True).add_done_callback(functools.partial(_log_failure, key=session.session_id))
         return len(due)
 
     def _changed(self) -> list[Session]:
@@ -250,7 +251,7 @@ class SessionCheckpoints:
         self.disk.remove(session.session_id)
 
 
-def _log_failure(future, key: str) -> None:  # noqa: ANN001
+def _log_failure(future: Future[bool], key: str) -> None:
     exc = future.exception()
     if exc is not None:
         log.warning("session %s could not be saved: %s", key, exc)
