@@ -105,14 +105,9 @@ def main() -> None:
     per_session = -(-(args.history + args.new + 8) // block)
     if args.gpu:
         sys.path.insert(0, str(Path(__file__).resolve().parent))
-        from overlap_gpu import build_hf
+        from overlap_gpu import loaded_8b
 
-        from cbd.model.loader import model_from_hf
-
-        hf = build_hf(32)
-        loaded = model_from_hf(hf, "cuda", torch.bfloat16, max_positions=max_len + 64)
-        del hf
-        torch.cuda.empty_cache()
+        loaded = loaded_8b(max_len + 64)
         base: dict = dict(device="cuda", dtype="bfloat16", max_num_batched_tokens=8192, max_num_seqs=64)
     else:
         from cbd.model.loader import load_model

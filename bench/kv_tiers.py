@@ -192,14 +192,9 @@ def main() -> None:
     max_len = args.system + args.history + args.turns * (args.tool + 20 + args.new_tokens) + 64
     if args.gpu:
         sys.path.insert(0, str(Path(__file__).resolve().parent))
-        from overlap_gpu import build_hf
+        from overlap_gpu import loaded_8b
 
-        from cbd.model.loader import model_from_hf
-
-        hf = build_hf(32)
-        loaded = model_from_hf(hf, "cuda", torch.bfloat16, max_positions=max_len + 64)
-        del hf
-        torch.cuda.empty_cache()
+        loaded = loaded_8b(max_len + 64)
         base: dict = dict(device="cuda", dtype="bfloat16", max_num_seqs=256, max_num_batched_tokens=8192,
                           cuda_graph_max_batch=256)  # fmt: skip
     else:

@@ -59,6 +59,17 @@ def build_hf(layers: int):  # type: ignore[no-untyped-def]
     return model.eval()
 
 
+def loaded_8b(max_positions: int):  # type: ignore[no-untyped-def]
+    """The 8B shape (random weights, bf16) as cbd's LoadedModel on CUDA; the transformers copy is freed."""
+    from cbd.model.loader import model_from_hf
+
+    hf = build_hf(32)
+    loaded = model_from_hf(hf, "cuda", torch.bfloat16, max_positions=max_positions)
+    del hf
+    torch.cuda.empty_cache()
+    return loaded
+
+
 # ---- cbd ------------------------------------------------------------------------------------
 def make_core(loaded: LoadedModel, overlap: str, max_seqs: int, max_len: int, blocks: int) -> EngineCore:
     config = EngineConfig(

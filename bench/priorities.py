@@ -140,14 +140,9 @@ def main() -> None:
     max_len = args.system + args.turns * (args.tool + 20 + args.new_tokens) + 64
     if args.gpu:
         sys.path.insert(0, str(Path(__file__).resolve().parent))
-        from overlap_gpu import build_hf
+        from overlap_gpu import loaded_8b
 
-        from cbd.model.loader import model_from_hf
-
-        hf = build_hf(32)
-        loaded = model_from_hf(hf, "cuda", torch.bfloat16, max_positions=max_len + 64)
-        del hf
-        torch.cuda.empty_cache()
+        loaded = loaded_8b(max_len + 64)
         config = EngineConfig(device="cuda", dtype="bfloat16", block_size=16, kv_cache_gib=40.0, max_num_seqs=256,
                               max_num_batched_tokens=8192, max_model_len=max_len, cuda_graph_max_batch=256,
                               host_kv_gib=0, attention_backend=args.attention_backend)  # fmt: skip
