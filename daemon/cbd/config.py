@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -43,6 +44,10 @@ class EngineConfig:
     # GiB of session files in disk_kv_dir at most: a session that would go over it is saved with its token ids
     # only (its KV is recomputed on its next turn); 0: sessions are not saved.
     disk_kv_gib: float = 64.0
+    # This daemon's folder in disk_kv_dir (letters, digits, . _ -): several daemons may share the directory,
+    # each holding its own sessions; "": named after the listen addresses (the same daemon restarted finds its
+    # folder again). A session a stopped daemon left there moves to the daemon that its next call reaches.
+    disk_kv_owner: str = ""
     # Sequences (candidates) running at once.
     max_num_seqs: int = 128
     # Token budget of one engine step; longer prefills are split into chunks that fit.
@@ -132,6 +137,8 @@ class EngineConfig:
             raise ValueError(f"kv_cache_dtype must be 'auto' or 'fp8', got {self.kv_cache_dtype!r}")
         if self.host_kv_gib is not None and not self.host_kv_gib >= 0:
             raise ValueError(f"host_kv_gib must be >= 0, got {self.host_kv_gib}")
+        if self.disk_kv_owner and not re.fullmatch(r"[A-Za-z0-9_][A-Za-z0-9._-]{0,127}", self.disk_kv_owner):
+            raise ValueError(f"disk_kv_owner must be 1-128 letters, digits and . _ -, got {self.disk_kv_owner!r}")
         if not self.disk_kv_gib >= 0:
             raise ValueError(f"disk_kv_gib must be >= 0, got {self.disk_kv_gib}")
         if self.num_host_kv_blocks is not None and self.num_host_kv_blocks < 0:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -260,3 +261,61 @@ def test_the_replica_and_envoy_units_verify(tmp_path) -> None:  # type: ignore[n
         proc = subprocess.run([analyze, "verify", str(path)], capture_output=True, text=True, timeout=60)
         problems = [line for line in (proc.stdout + proc.stderr).splitlines() if name in line]
         assert proc.returncode == 0 and not problems, proc.stdout + proc.stderr
+
+
+def test_a_drained_replicas_sessions_go_on_elsewhere_from_the_shared_session_directory(
+    tiny_checkpoint, tmp_path, shared_tiny_daemon
+) -> None:  # type: ignore[no-untyped-def]
+    import collections
+
+    shared = tmp_path / "sessions"
+    flags = ["--model", str(tiny_checkpoint("llama")), "--num-threads", "1", "--disk-kv-dir", str(shared),
+             "--session-save-idle", "3600"]  # fmt: skip
+    cluster = Cluster(3, f"127.0.0.1:{free_port()}", flags, tmp_path, health_interval=0.5)
+    greedy = dict(max_tokens=6, ignore_eos=True, temperature=0)
+    try:
+        cluster.start(timeout=300)
+        assert all(_routes_to_every_replica(cluster))
+        with Client(cluster.listen, timeout=60) as client, Client(shared_tiny_daemon.address) as oracle_client:
+            sessions = [client.session(PROMPT) for _ in range(9)]
+            oracles = [oracle_client.session(PROMPT) for _ in sessions]
+            for s, o in zip(sessions, oracles):
+                for t in TURNS_IN[:2]:
+                    assert s.send(t, **greedy).candidates[0].token_ids == o.send(t, **greedy).candidates[0].token_ids
+            holders = [_holder(cluster, s.session_id) for s in sessions]
+            drained = collections.Counter(holders).most_common(1)[0][0]
+            cluster.replicas[drained].terminate()  # SIGTERM: it saves its sessions in the shared directory
+            assert cluster.replicas[drained].wait(60) == 0
+            cluster.wait_healthy(2, 30)
+            while cluster.healthy() > 2:  # Envoy's health checks take it out
+                time.sleep(0.1)
+            for s, o in zip(sessions, oracles):
+                reply = s.send(TURNS_IN[2], **greedy)  # a moved session: taken over by the replica it reaches
+                assert reply.candidates[0].token_ids == o.send(TURNS_IN[2], **greedy).candidates[0].token_ids
+                # Its history's KV came from the file: only the turn's new tokens were computed.
+                assert reply.usage.prompt_tokens - reply.usage.cached_prompt_tokens <= len(TURNS_IN[2]) + 1, reply.usage
+            for s, held in zip(sessions, holders):  # one holder each: a live replica
+                owners = []
+                for i, address in enumerate(cluster.addresses):
+                    if i == drained:
+                        continue
+                    with Client(address, timeout=10) as direct:
+                        try:
+                            direct.get_session(s.session_id)
+                            owners.append(i)
+                        except CbdError:
+                            pass
+                assert len(owners) == 1 and (held == drained or owners == [held]), (owners, held, drained)
+            moved = sum(h == drained for h in holders)
+            taken = 0
+            for i, address in enumerate(cluster.addresses):
+                if i != drained:
+                    with Client(address, timeout=10) as direct:
+                        taken += direct.stats().sessions_restored
+            assert moved > 0 and taken == moved, (moved, taken)
+            for s, o in zip(sessions, oracles):
+                s.close()
+                o.close()
+    finally:
+        cluster.stop()
+    assert not list(shared.rglob("*.session"))  # closed sessions leave no file, wherever they were held

@@ -108,4 +108,4 @@ def test_sessions_survive_sigterm_and_sigkill_answering_as_a_daemon_that_never_s
             client.get_session(agents.sessions[0].session_id)
         assert gone.value.code == grpc.StatusCode.NOT_FOUND
     d.stop()
-    assert not list((tmp_path / "sessions").glob("*.session"))  # closed sessions leave no file
+    assert not list((tmp_path / "sessions").rglob("*.session"))  # closed sessions leave no file

@@ -16,11 +16,11 @@ import pytest
 from cbd.config import EngineConfig
 from cbd.engine.core import EngineCore
 from cbd.engine.engine import Engine
+from cbd.engine.kv import disk_tier
 from cbd.engine.kv import session_files as files
-from cbd.engine.kv.disk_tier import DiskTier
 from cbd.engine.sampling_params import SamplingParams
 from cbd.engine.sessions.records import TurnInput
-from cbd.errors import SettingError
+from cbd.errors import SettingError, UnknownSession
 from helpers import checked_step, make_core, poll_until
 
 GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
@@ -117,7 +117,7 @@ def test_restored_sessions_answer_as_if_never_stopped_with_their_kv_from_disk(ti
     for key in list(core.sessions.sessions):
         core.sessions.close(key)
     assert core.checkpoints is not None and core.checkpoints.disk.flush(10)
-    assert not list(tmp_path.glob(f"*{files.SUFFIX}"))  # closing a session removes its file
+    assert not list((tmp_path / "engine").glob(f"*{files.SUFFIX}"))  # closing a session removes its file
     core.check_integrity()
     assert core.block_manager.num_used_blocks == 0 and core.host_tier is not None
     assert core.host_tier.pool.num_used_blocks == 0
@@ -135,7 +135,9 @@ def test_damaged_files_and_another_kv_layout_recompute_with_the_same_answers(
     tiny_loaded, tmp_path, oracle, caplog
 ) -> None:  # fmt: skip
     _saved(tiny_loaded, tmp_path)
-    paths = {k: tmp_path / files.file_name(k) for k in ("t0/agent-0", "t1/agent-1", "t0/agent-2", "t1/agent-3")}
+    paths = {
+        k: tmp_path / "engine" / files.file_name(k) for k in ("t0/agent-0", "t1/agent-1", "t0/agent-2", "t1/agent-3")
+    }
     data = bytearray(paths["t0/agent-0"].read_bytes())
     data[-3] ^= 0xFF  # a flipped bit in its KV
     paths["t0/agent-0"].write_bytes(bytes(data))
@@ -182,7 +184,7 @@ def test_a_disk_cap_saves_token_ids_only_and_the_answers_stay(tiny_loaded, tmp_p
     saved = _saved(tiny_loaded, tmp_path, disk_kv_gib=4096 / 2**30)  # 4 KiB: less than one session's KV
     stats = saved.stats().disk
     assert stats is not None and stats.num_files_written == 8 and stats.num_kv_files_written == 0
-    assert not list(tmp_path.glob(".*.tmp"))
+    assert not list((tmp_path / "engine").glob(".*.tmp"))
     core = _restarted(tiny_loaded, tmp_path)
     got = _third_turns(core, _keys())
     assert [a for a, _ in got] == [a for a, _ in oracle]
@@ -203,7 +205,7 @@ def test_a_failed_write_leaves_no_file_and_the_session_keeps_serving(tiny_loaded
     report = core.checkpoints.save_all(10.0)
     assert (report.num_saved, report.num_failed) == (0, 1)
     monkeypatch.undo()
-    assert not list(tmp_path.glob(f"*{files.SUFFIX}")) and not list(tmp_path.glob(".*.tmp"))
+    assert not list((tmp_path / "engine").glob(f"*{files.SUFFIX}")) and not list((tmp_path / "engine").glob(".*.tmp"))
     assert _turn(core, key, _script(0)[1])[0]  # still served
     stats = core.stats().disk
     assert stats is not None and stats.num_write_errors == 1
@@ -219,23 +221,46 @@ def test_a_ttl_that_ran_out_while_down_removes_the_session(tiny_loaded, tmp_path
     core.checkpoints.save_all(10.0)
     core.checkpoints.disk.close()
     for key in ("short", "long"):  # as if the daemon had been down for 500 s since
-        _rewrite(tmp_path / files.file_name(key), lambda s: setattr(s, "saved_at", time.time() - 500))
+        _rewrite(tmp_path / "engine" / files.file_name(key), lambda s: setattr(s, "saved_at", time.time() - 500))
     with caplog.at_level(logging.INFO):
         restarted = _restarted(tiny_loaded, tmp_path)
     assert list(restarted.sessions.sessions) == ["long"]
     assert 499 < restarted.sessions.sessions["long"].idle_seconds() < 1000
     assert "session short expired while the daemon was down" in caplog.text
     assert restarted.checkpoints is not None and restarted.checkpoints.disk.flush(10)
-    assert not (tmp_path / files.file_name("short")).exists()
+    assert not (tmp_path / "engine" / files.file_name("short")).exists()
 
 
-def test_one_daemon_per_directory(tiny_loaded, tmp_path) -> None:
-    core = make_core(tiny_loaded, disk_kv_dir=str(tmp_path), **SIZES)
-    with pytest.raises(SettingError, match="in use by another cbd daemon"):
-        make_core(tiny_loaded, disk_kv_dir=str(tmp_path), **SIZES)
-    assert core.checkpoints is not None
-    core.checkpoints.disk.close()
-    assert isinstance(make_core(tiny_loaded, disk_kv_dir=str(tmp_path), **SIZES).checkpoints.disk, DiskTier)  # type: ignore[union-attr]
+def test_one_daemon_per_owner_and_a_stopped_owners_sessions_move_to_the_daemon_asked(
+    tiny_loaded, tmp_path, oracle, monkeypatch
+) -> None:  # fmt: skip
+    monkeypatch.setattr(disk_tier, "LOCK_WAIT", 0.2)
+    first = _saved(tiny_loaded, tmp_path, disk_kv_owner="a", disk_kv_gib=1.0)  # saved, then stopped
+    with pytest.raises(SettingError, match="holds the owner name 'b'"):
+        held = make_core(tiny_loaded, disk_kv_dir=str(tmp_path), disk_kv_owner="b", **SIZES)
+        make_core(tiny_loaded, disk_kv_dir=str(tmp_path), disk_kv_owner="b", **SIZES)
+    assert held.checkpoints is not None and first.checkpoints is not None
+    # A live owner's sessions are not taken: "c" asks for one while "a" is up again.
+    again = make_core(tiny_loaded, disk_kv_dir=str(tmp_path), disk_kv_owner="a", **SIZES)
+    taker = make_core(tiny_loaded, disk_kv_dir=str(tmp_path), disk_kv_owner="c", **SIZES)
+    with pytest.raises(UnknownSession):
+        taker.sessions.get("t0/agent-0")
+    assert again.checkpoints is not None
+    again.checkpoints.disk.close()
+    # "a" stopped: the daemon asked for its sessions takes each over (the file moves to its folder), once.
+    keys = _keys()
+    got = _third_turns_of(taker, keys[:3])
+    assert [a for a, _ in got] == [a for a, _ in oracle[:3]]
+    assert all(cached >= want > 0 for (_, cached), (_, want) in zip(got, oracle[:3]))
+    moved = {files.file_name(k) for k in keys[:3]}
+    assert {p.name for p in (tmp_path / "c").glob(f"*{files.SUFFIX}")} == moved
+    assert not moved & {p.name for p in (tmp_path / "a").glob(f"*{files.SUFFIX}")}
+    with pytest.raises(UnknownSession):  # "b" finds nothing left to take of what "c" holds
+        held.sessions.get(keys[0])
+    assert held.sessions.get(keys[3]).session_id == keys[3]  # but takes what "a" still had
+    for core in (held, taker):
+        assert core.checkpoints is not None
+        core.checkpoints.disk.close()
 
 
 def test_a_turn_waits_for_its_kv_to_be_read_back_while_the_batch_goes_on(

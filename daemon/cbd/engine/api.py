@@ -262,7 +262,19 @@ class SavedNotes(msgspec.Struct, tag=True, array_like=True):
         return NotesReply(call_id, notes)
 
 
-Question = Union[OpenSession, CloseSession, GetSession, ListSessions, ForkSession, SaveSessions, SavedNotes]
+class SessionNote(msgspec.Struct, tag=True, array_like=True):
+    """The note of one session (claimed from the shared session directory if another daemon left it there):
+    asked before a chat turn of a session whose transcript the frontend does not have."""
+
+    session_id: str
+
+    def reply(self, call_id: int, notes: dict[str, bytes]) -> Reply:
+        return NotesReply(call_id, notes)
+
+
+Question = Union[
+    OpenSession, CloseSession, GetSession, ListSessions, ForkSession, SaveSessions, SavedNotes, SessionNote
+]
 
 
 class TouchSession(msgspec.Struct, tag=True, array_like=True):
@@ -278,7 +290,7 @@ class ResetPrefixCache(msgspec.Struct, tag=True, array_like=True):
 Tell = Union[TouchSession, ResetPrefixCache]
 # Commands about one existing session: applied in order behind that session's turn whose grammar still
 # loads in the engine process (ipc/grammar_loads.py).
-SESSION_ORDERED = (CloseSession, GetSession, ForkSession, TouchSession)
+SESSION_ORDERED = (CloseSession, GetSession, ForkSession, TouchSession, SessionNote)
 
 
 class Ask(msgspec.Struct, tag=True, array_like=True):

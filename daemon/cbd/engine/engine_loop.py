@@ -83,7 +83,7 @@ class EngineLoop:
             api.OpenSession: self._open_session, api.CloseSession: self._close_session,
             api.GetSession: self._get_session, api.ListSessions: self._list_sessions,
             api.ForkSession: self._fork_session, api.SaveSessions: self._save_sessions,
-            api.SavedNotes: self._saved_notes,
+            api.SavedNotes: self._saved_notes, api.SessionNote: self._session_note,
         }  # fmt: skip
 
     def run(self, loaded: LoadedModel | None) -> None:
@@ -299,6 +299,9 @@ class EngineLoop:
 
     def _saved_notes(self, q: api.SavedNotes) -> dict[str, bytes]:
         return self.core.checkpoints.notes() if self.core.checkpoints is not None else {}
+
+    def _session_note(self, q: api.SessionNote) -> dict[str, bytes]:
+        return self.core.checkpoints.notes(q.session_id) if self.core.checkpoints is not None else {}
 
     def _touch_session(self, c: api.TouchSession) -> None:
         self.core.sessions.touch(c.session_id)

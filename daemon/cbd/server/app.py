@@ -126,6 +126,8 @@ async def serve(
     engine = None
     watchdog = trimmer = saver = None
     saving = engine_config.session_dir() is not None
+    if saving and not engine_config.disk_kv_owner:  # the same daemon restarted finds its folder again
+        engine_config = replace(engine_config, disk_kv_owner=session_saving.owner_name(server_config.addresses()))
     try:
         load = asyncio.ensure_future(
             RemoteEngine.start(engine_config, _engine_program(server_config), server_config.warmup)

@@ -76,6 +76,8 @@ class ChatLogs:
     def restore(self, notes: dict[str, bytes]) -> None:
         """The transcripts of sessions restored from their files at start."""
         for session_id, note in notes.items():
+            if session_id in self.logs:
+                continue
             saved = json.loads(note)
             self.logs[session_id] = ChatLog(saved["messages"], saved["branches"])
             self._noted[session_id] = note

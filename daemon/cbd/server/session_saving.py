@@ -11,7 +11,9 @@
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import logging
+import re
 
 from cbd.engine import api
 from cbd.engine.outputs import SaveReport
@@ -19,6 +21,13 @@ from cbd.ipc.remote import RemoteEngine
 from cbd.server.chats import ChatLogs
 
 log = logging.getLogger(__name__)
+
+
+def owner_name(addresses: list[str]) -> str:
+    """The default `--disk-kv-owner`: the listen addresses, readable and made unique by a short hash."""
+    text = ",".join(addresses)
+    readable = re.sub(r"[^A-Za-z0-9._-]+", "_", text).strip("_.-")[:80] or "daemon"
+    return f"{readable}-{hashlib.sha256(text.encode()).hexdigest()[:8]}"
 
 
 async def restore_transcripts(engine: RemoteEngine, chats: ChatLogs) -> None:

@@ -12,6 +12,7 @@ from collections.abc import Awaitable, Callable
 from concurrent.futures import Future
 from typing import Any
 
+from cbd.engine import api
 from cbd.engine.outputs import RequestOutput
 from cbd.engine.sampling_params import SamplingParams
 from cbd.engine.sessions.records import TurnInput
@@ -54,6 +55,8 @@ async def submit_turn(
     # prompt threads (a close or expiry meanwhile: the engine refuses the turn, which settles the log).
     new_messages = prompts.messages(request.chat)
     whole = request.whole_conversation
+    if sid not in chats.logs:  # a session restored or taken over since: its transcript is its note
+        chats.restore(await asyncio.wrap_future(engine.ask(api.SessionNote(sid))))
     chat = chats.begin_turn(sid, parent, new_messages, params.n, whole)
     try:
         size += 0 if whole else sum(len(m.get("content") or "") for m in chat.base)

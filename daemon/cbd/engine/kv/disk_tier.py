@@ -1,4 +1,5 @@
-"""DiskTier: session files in a directory one daemon owns, written off the engine thread.
+"""DiskTier: session files in a directory daemons share, each file owned by one daemon, written off the
+engine thread.
 
 The engine thread takes a snapshot of what a session holds (its token ids, settings, and its KV
 gathered from the GPU pool or the host pool into a host tensor) and hands it to the tier's writer
@@ -10,9 +11,14 @@ reader thread reads the branch's KV segment straight into them and checks it, an
 hands them on (`finish_load`), from where the scheduler restores them like any host copy
 (kv/host_tier.py); a damaged segment, no host tier or no room in it: the branch is recomputed.
 
-The directory is held with an exclusive lock (`lock` in it) for the daemon's life, so a second
-daemon pointed at it refuses to start instead of taking over sessions that are still served; the
-lock goes with the process, however it ends.
+Ownership. A daemon keeps its files in a folder of its own, named by its owner name (`--disk-kv-owner`,
+by default from its listen addresses, so the same daemon restarted finds its folder again), and holds
+an exclusive lock on `<owner>.lock` beside it for its life (the lock goes with the process, however it
+ends). At start it lists its own folder. A daemon asked about a session it does not hold looks for
+the session's file in the other owners' folders (`claim`): only where that owner's lock is free (the
+daemon stopped or died) does it take the lock for the moment of the move, rename the file into its own
+folder (atomic: two claimers cannot both get it) and let the lock go. So a session is held by one
+daemon at a time, and a session of a drained replica moves to whichever replica its next call reaches.
 """
 
 from __future__ import annotations
@@ -42,6 +48,7 @@ from cbd.errors import SettingError
 from cbd.model.loader import LoadedModel
 
 log = logging.getLogger(__name__)
+LOCK_WAIT = 5.0  # seconds a starting daemon waits for its owner lock (held for a moment by a claim)
 
 
 @dataclass(slots=True)
@@ -55,10 +62,11 @@ class Load:
 
 class DiskTier:
     def __init__(
-        self, directory: Path, cap_bytes: int, fingerprint: files.Fingerprint, kv_caches: torch.Tensor,
+        self, root: Path, owner: str, cap_bytes: int, fingerprint: files.Fingerprint, kv_caches: torch.Tensor,
         block_size: int, host_tier: HostTier | None,
     ) -> None:  # fmt: skip
-        self.directory = directory
+        self.root, self.owner = root, owner
+        self.directory = root / owner  # this daemon's files
         self.cap_bytes = cap_bytes
         self.fingerprint = fingerprint
         self.block_size = block_size
@@ -66,7 +74,13 @@ class DiskTier:
         # KV is saved and read back through the host tier; without one (tensor parallelism: each rank holds
         # a shard) files hold token ids only.
         self.keeps_kv = host_tier is not None
-        self._lock = _hold_directory(directory)
+        lock = _hold(root, owner, LOCK_WAIT)
+        if lock is None:
+            raise SettingError(
+                f"disk_kv_dir {str(root)!r}: another cbd daemon holds the owner name {owner!r}; give each daemon "
+                "its own (--disk-kv-owner)"
+            )
+        self._lock = lock
         layers, slots, *slot_shape = kv_caches.shape
         self._gpu = kv_caches.view(layers, slots // block_size, block_size, *slot_shape)  # [layers, blocks, bs, *slot]
         self._writer = ThreadPoolExecutor(1, thread_name_prefix="cbd-disk")
@@ -74,10 +88,10 @@ class DiskTier:
         self._count = threading.Lock()  # the stats, written by the writer thread
         self._stats = DiskTierStats(cap_bytes=cap_bytes)
         self._sizes: dict[str, int] = {}  # file name -> bytes, the writer thread's view of the directory
-        left = files.remove_temporaries(directory)
+        left = files.remove_temporaries(self.directory)
         if left:
-            log.info("removed %d unfinished session files from %s", left, directory)
-        for path in directory.glob(f"*{files.SUFFIX}"):
+            log.info("removed %d unfinished session files from %s", left, self.directory)
+        for path in self.directory.glob(f"*{files.SUFFIX}"):
             self._sizes[path.name] = path.stat().st_size
 
     @classmethod
@@ -88,7 +102,7 @@ class DiskTier:
         if directory is None:
             return None
         return cls(
-            Path(directory).expanduser(), int(config.disk_kv_gib * 2**30), fingerprint(loaded, config, kv_caches),
+            Path(directory).expanduser(), config.disk_kv_owner or "engine", int(config.disk_kv_gib * 2**30), fingerprint(loaded, config, kv_caches),
             kv_caches, config.block_size, host_tier,
         )  # fmt: skip
 
@@ -161,24 +175,55 @@ class DiskTier:
         used at all are logged in one line each and removed."""
         found = []
         for path in sorted(self.directory.glob(f"*{files.SUFFIX}")):
-            try:
-                saved, start = files.read_header(path)
-            except (files.DamagedFile, OSError) as exc:
-                log.warning("session file %s is not used: %s", path.name, exc)
-                self._remove(path.name)
-                self._count_lost()
-                continue
-            if saved.fingerprint.model != self.fingerprint.model:
-                log.warning("session file %s is not used: it was saved by another model", path.name)
-                self._remove(path.name)
-                self._count_lost()
-                continue
-            if saved.fingerprint.kv != self.fingerprint.kv:
-                log.warning("session %s: its saved KV has another layout; its tokens are recomputed", saved.key)
-                for b in saved.branches:
-                    b.kv_tokens = 0
-            found.append((path, saved, start))
+            usable = self._usable(path)
+            if usable is not None:
+                found.append((path, *usable))
         return found
+
+    def claim(self, key: str) -> tuple[Path, files.SavedSession, int] | None:
+        """Take over the file of a session this daemon does not hold from an owner that has stopped (see
+        above); None if no stopped owner has it (or it cannot be used)."""
+        name = files.file_name(key)
+        for folder in sorted(p for p in self.root.iterdir() if p.is_dir() and p.name != self.owner):
+            if not (folder / name).exists():
+                continue
+            lock = _hold(self.root, folder.name, 0.0)
+            if lock is None:  # its owner serves it: not ours to take
+                continue
+            try:
+                (folder / name).rename(self.directory / name)
+            except FileNotFoundError:  # another daemon took it first
+                continue
+            finally:
+                lock.close()
+            files.sync_directory(folder)
+            files.sync_directory(self.directory)
+            path = self.directory / name
+            log.info("session %s taken over from owner %s", key, folder.name)
+            self._writer.submit(self._sizes.__setitem__, name, path.stat().st_size).result()
+            usable = self._usable(path)
+            return (path, *usable) if usable is not None and usable[0].key == key else None
+        return None
+
+    def _usable(self, path: Path) -> tuple[files.SavedSession, int] | None:
+        """A file's header and segments' start if this model can use it; else it is logged, removed, counted."""
+        try:
+            saved, start = files.read_header(path)
+        except (files.DamagedFile, OSError) as exc:
+            log.warning("session file %s is not used: %s", path.name, exc)
+            self._writer.submit(self._remove, path.name)
+            self._count_lost()
+            return None
+        if saved.fingerprint.model != self.fingerprint.model:
+            log.warning("session file %s is not used: it was saved by another model", path.name)
+            self._writer.submit(self._remove, path.name)
+            self._count_lost()
+            return None
+        if saved.fingerprint.kv != self.fingerprint.kv:
+            log.warning("session %s: its saved KV has another layout; its tokens are recomputed", saved.key)
+            for b in saved.branches:
+                b.kv_tokens = 0
+        return saved, start
 
     def start_load(self, copy: DiskCopy, on_done: Callable[[], object] | None = None) -> Load | None:
         """Start reading a branch's KV into fresh host blocks on the reader thread (`on_done` is called
@@ -269,17 +314,21 @@ def _digest(value: dict[str, Any]) -> str:
     return hashlib.sha256(json.dumps(value, sort_keys=True, default=str).encode()).hexdigest()
 
 
-def _hold_directory(directory: Path) -> IO[str]:
+def _hold(root: Path, owner: str, wait: float) -> IO[str] | None:
+    """The owner's lock (its folder made), waiting up to `wait` seconds for it (another daemon may hold it for
+    the moment of a claim); None if it stayed held."""
     try:
-        directory.mkdir(parents=True, exist_ok=True, mode=0o700)
-        lock = open(directory / "lock", "a+")  # noqa: SIM115 (held for the daemon's life)
+        (root / owner).mkdir(parents=True, exist_ok=True, mode=0o700)
+        lock = open(root / f"{owner}.lock", "a+")  # noqa: SIM115 (held for the daemon's life, or a claim)
     except OSError as exc:
-        raise SettingError(f"disk_kv_dir {str(directory)!r}: {exc.strerror or exc}") from None
-    try:
-        fcntl.flock(lock.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        lock.close()
-        raise SettingError(
-            f"disk_kv_dir {str(directory)!r} is in use by another cbd daemon; give each daemon its own"
-        ) from None
-    return lock
+        raise SettingError(f"disk_kv_dir {str(root)!r}: {exc.strerror or exc}") from None
+    deadline = time.monotonic() + wait
+    while True:
+        try:
+            fcntl.flock(lock.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return lock
+        except BlockingIOError:
+            if time.monotonic() >= deadline:
+                lock.close()
+                return None
+            time.sleep(0.05)

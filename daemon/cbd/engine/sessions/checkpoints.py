@@ -34,6 +34,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future
+from pathlib import Path
 
 import torch
 
@@ -54,6 +55,7 @@ class SessionCheckpoints:
         self.disk = disk
         sessions.on_closed = self._closed
         sessions.read_back = self.read_back
+        sessions.on_missing = self.claim
         self.on_loaded: Callable[[], object] | None = None  # called on the reader thread (wakes the loop)
         self._loads: dict[str, list[tuple[Branch, Load]]] = {}  # session key -> its branches being read back
         self._prefetch: list[str] = []  # restored sessions not yet read back, most recently used first
@@ -138,42 +140,55 @@ class SessionCheckpoints:
     # ---- restoring ------------------------------------------------------------------------------
     def restore(self) -> list[str]:
         """List every saved session of this model again (their KV stays on disk); returns their keys."""
-        now_wall, now = time.time(), time.monotonic()
-        restored: list[str] = []
-        lost = 0
-        for path, saved, start in self.disk.saved_sessions():
-            idle = saved.idle_seconds + max(0.0, now_wall - saved.saved_at)
-            if saved.ttl is not None and math.isfinite(saved.ttl) and idle > saved.ttl:
-                log.info("session %s expired while the daemon was down", saved.key)
-                self.disk.remove(saved.key)
-                continue
-            if len(self.sessions.sessions) >= self.sessions.max_sessions:
-                log.warning(
-                    "session %s is not restored: max_sessions (%d) are open", saved.key, self.sessions.max_sessions
-                )
-                lost += 1
-                continue
-            first, *rest = [self._branch(path, start, b) for b in saved.branches]
-            session = Session(
-                first.token_ids, disk=first.disk, session_id=saved.key, ttl=saved.ttl, is_chat=saved.is_chat,
-                branches=rest, last_used=now - idle, expected_idle=saved.expected_idle, retention=saved.retention,
-                priority=saved.priority, num_turns=0, num_turns_saved=0, note=saved.note,
-            )  # fmt: skip
-            self.sessions.sessions[saved.key] = session
-            restored.append(saved.key)
-        self.disk.count_restored(len(restored), lost)
+        restored = [saved.key for path, saved, start in self.disk.saved_sessions() if self._list(path, saved, start)]
+        self.disk.count_restored(len(restored), 0)
         self._prefetch = sorted(restored, key=lambda k: self.sessions.sessions[k].last_used, reverse=True)
         if restored:
             log.info("restored %d saved sessions from %s", len(restored), self.disk.directory)
         return restored
 
+    def claim(self, key: str) -> bool:
+        """A session this daemon does not hold: take it over from a stopped daemon's folder of the shared
+        directory (kv/disk_tier.py), if one left it there. True if it is held now."""
+        if key in self.sessions.sessions:
+            return True
+        found = self.disk.claim(key)
+        if found is None or not self._list(*found):
+            return False
+        self.disk.count_restored(1, 0)
+        return True
+
+    def _list(self, path: Path, saved: files.SavedSession, start: int) -> bool:
+        """Make a saved session open again (its KV on disk); False if its TTL ran out while it was saved, or
+        max_sessions are open."""
+        idle = saved.idle_seconds + max(0.0, time.time() - saved.saved_at)
+        if saved.ttl is not None and math.isfinite(saved.ttl) and idle > saved.ttl:
+            log.info("session %s expired while the daemon was down", saved.key)
+            self.disk.remove(saved.key)
+            return False
+        if len(self.sessions.sessions) >= self.sessions.max_sessions:
+            log.warning("session %s is not restored: max_sessions (%d) are open", saved.key, self.sessions.max_sessions)
+            self.disk.count_restored(0, 1)
+            return False
+        first, *rest = [self._branch(path, start, b) for b in saved.branches]
+        self.sessions.sessions[saved.key] = Session(
+            first.token_ids, disk=first.disk, session_id=saved.key, ttl=saved.ttl, is_chat=saved.is_chat,
+            branches=rest, last_used=time.monotonic() - idle, expected_idle=saved.expected_idle,
+            retention=saved.retention, priority=saved.priority, num_turns=0, num_turns_saved=0, note=saved.note,
+        )  # fmt: skip
+        return True
+
     @staticmethod
-    def _branch(path, start: int, saved: files.SavedBranch) -> Branch:  # noqa: ANN001
+    def _branch(path: Path, start: int, saved: files.SavedBranch) -> Branch:
         return Branch(saved.token_ids, disk=DiskCopy(path, start, saved) if saved.kv_tokens else None)
 
-    def notes(self) -> dict[str, bytes]:
-        """The notes of the sessions that have one (the frontend's transcripts, at its start)."""
-        return {key: s.note for key, s in self.sessions.sessions.items() if s.note}
+    def notes(self, key: str | None = None) -> dict[str, bytes]:
+        """The notes of the sessions that have one (the frontend's transcripts, at its start), or of the one
+        session `key` (claimed first if not held: a chat turn needs its transcript before it is rendered)."""
+        if key is None:
+            return {k: s.note for k, s in self.sessions.sessions.items() if s.note}
+        session = self.sessions.sessions[key] if self.claim(key) else None
+        return {key: session.note} if session is not None and session.note else {}
 
     def read_back(self, session: Session) -> None:
         """Before a turn or a fork: read the session's saved KV into the host tier (or recompute it)."""
@@ -184,7 +199,10 @@ class SessionCheckpoints:
 
     # ---- reading back on the reader thread ------------------------------------------------------------
     def needs_load(self, key: str) -> bool:
-        """The session's KV (some branch's) is only in its file, or being read back."""
+        """The session's KV (some branch's) is only in its file, or being read back. A session not held is
+        claimed first (see `claim`)."""
+        if key not in self._loads:
+            self.claim(key)
         session = self.sessions.sessions.get(key)
         return key in self._loads or (session is not None and any(b.disk for b in session.branches_and_self()))
 

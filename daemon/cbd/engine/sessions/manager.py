@@ -58,6 +58,7 @@ class SessionManager:
         # expired session's file goes; a session's saved KV is read back before a turn or fork uses it.
         self.on_closed: Callable[[Session], None] | None = None
         self.read_back: Callable[[Session], None] | None = None
+        self.on_missing: Callable[[str], bool] | None = None  # a session not held: taken over if saved elsewhere
 
     # ---- lifecycle ----------------------------------------------------------------------------
     def open(
@@ -90,6 +91,8 @@ class SessionManager:
 
     def get(self, session_id: str) -> Session:
         session = self.sessions.get(session_id)
+        if session is None and self.on_missing is not None and self.on_missing(session_id):
+            session = self.sessions.get(session_id)
         if session is None:
             raise UnknownSession(
                 f"no open session {session_id!r} (closed, expired, or never opened; behind a proxy, the daemon "
