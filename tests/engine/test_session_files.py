@@ -20,7 +20,7 @@ from cbd.engine.kv import disk_tier
 from cbd.engine.kv import session_files as files
 from cbd.engine.sampling_params import SamplingParams
 from cbd.engine.sessions.records import TurnInput
-from cbd.errors import SettingError, UnknownSession
+from cbd.errors import SessionExists, SettingError, UnknownSession
 from helpers import checked_step, make_core, poll_until
 
 GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
@@ -258,6 +258,9 @@ def test_one_daemon_per_owner_and_a_stopped_owners_sessions_move_to_the_daemon_a
     with pytest.raises(UnknownSession):  # "b" finds nothing left to take of what "c" holds
         held.sessions.get(keys[0])
     assert held.sessions.get(keys[3]).session_id == keys[3]  # but takes what "a" still had
+    with pytest.raises(SessionExists):  # a saved session is still open: opening its id again takes it over
+        held.sessions.open(session_id=keys[4])
+    assert keys[4] in held.sessions.sessions
     for core in (held, taker):
         assert core.checkpoints is not None
         core.checkpoints.disk.close()

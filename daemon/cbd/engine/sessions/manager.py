@@ -73,7 +73,8 @@ class SessionManager:
             raise InvalidRequest(f"unknown priority {priority}")
         if session_id:
             check_session_id(session_id)
-            if session_id in self.sessions:
+            # A session saved by a daemon that stopped is still open: it is taken over, not opened anew.
+            if session_id in self.sessions or (self.on_missing is not None and self.on_missing(session_id)):
                 raise SessionExists(f"a session with id {session_id!r} is open already")
         if len(self.sessions) >= self.max_sessions:
             wait = self._next_expiry()
