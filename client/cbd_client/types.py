@@ -143,6 +143,7 @@ class Stats:
     sessions_restored: int = 0
     sessions_lost: int = 0
     last_save_seconds: float = 0.0
+    sessions_spilled: int = 0
 
 
 @dataclass(frozen=True, slots=True)

@@ -297,3 +297,49 @@ def test_a_turn_waits_for_its_kv_to_be_read_back_while_the_batch_goes_on(
     answer = [t for out in outputs for d in out.candidates for t in d.token_ids]
     assert [answer] == oracle[0][0]
     assert outputs[-1].usage.cached_prompt_tokens >= oracle[0][1] > 0
+
+
+def _agents(core: EngineCore, scripts: list[list[list[int]]]) -> tuple[list, int]:
+    """Every agent's turn k, round robin; (answers, prompt tokens computed). Closes the sessions after."""
+    keys = [core.sessions.open(session_id=f"spill-{i}").session_id for i in range(len(scripts))]
+    answers: list[list] = [[] for _ in scripts]
+    computed = 0
+    for k in range(len(scripts[0])):
+        for i, key in enumerate(keys):
+            request = core.add_session_turn(key, scripts[i][k], GREEDY)
+            out_tokens, usage = [], None
+            while core.has_work():
+                for out in checked_step(core):
+                    if out.request_id == request.request_id:
+                        out_tokens += [t for d in out.candidates for t in d.token_ids]
+                        usage = out.usage if out.finished else usage
+            assert usage is not None
+            answers[i].append(out_tokens)
+            computed += usage.prompt_tokens - usage.cached_prompt_tokens
+    for key in keys:
+        core.sessions.close(key)
+    core.check_integrity()
+    assert core.block_manager.num_used_blocks == 0
+    assert core.host_tier is None or core.host_tier.pool.num_used_blocks == 0
+    return answers, computed
+
+
+def test_the_host_tiers_evictions_spill_to_disk_instead_of_recomputing(tiny_loaded, tmp_path) -> None:
+    rng = random.Random(11)
+    scripts = [[[rng.randrange(2, 256) for _ in range(rng.randrange(10, 30))] for _ in range(4)] for _ in range(6)]
+    small = {"block_size": 4, "num_kv_blocks": 40, "num_host_kv_blocks": 50}
+    ideal, ideal_computed = _agents(
+        make_core(tiny_loaded, block_size=4, num_kv_blocks=512, num_host_kv_blocks=0), scripts
+    )
+    host_only, host_computed = _agents(make_core(tiny_loaded, **small), scripts)
+    spilling = make_core(tiny_loaded, disk_kv_dir=str(tmp_path), **small)
+    spilled, spill_computed = _agents(spilling, scripts)
+    assert host_only == ideal and spilled == ideal
+    stats = spilling.stats().disk
+    assert stats is not None and stats.num_spilled > 0 and stats.num_kv_loads > 0
+    assert spilling.sessions.hits["disk"] > 0
+    # What the host tier had to let go came back from disk: fewer prompt tokens computed than without it.
+    assert ideal_computed <= spill_computed < host_computed, (ideal_computed, spill_computed, host_computed)
+    assert spilling.checkpoints is not None and spilling.checkpoints.disk.flush(10)
+    assert not list((tmp_path / "engine").glob(f"*{files.SUFFIX}"))  # closed: no file left
+    spilling.checkpoints.disk.close()

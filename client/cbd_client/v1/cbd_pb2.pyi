@@ -339,7 +339,7 @@ class GetStatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class Stats(_message.Message):
-    __slots__ = ("running", "waiting", "live_requests", "kv_blocks_total", "kv_blocks_used", "kv_blocks_free", "kv_blocks_cached", "uptime_seconds", "num_preemptions", "num_steps", "generated_tokens", "open_sessions", "session_evictions", "host_kv_blocks_total", "host_kv_blocks_used", "kv_blocks_offloaded", "kv_blocks_restored", "restored_prompt_tokens", "priority_preemptions", "draft_tokens", "accepted_draft_tokens", "speculative_steps", "session_files", "session_file_bytes", "session_files_written", "session_files_written_with_kv", "session_file_write_errors", "session_file_bytes_written", "session_file_bytes_read", "session_kv_reads", "session_kv_read_failures", "sessions_restored", "sessions_lost", "last_save_seconds")
+    __slots__ = ("running", "waiting", "live_requests", "kv_blocks_total", "kv_blocks_used", "kv_blocks_free", "kv_blocks_cached", "uptime_seconds", "num_preemptions", "num_steps", "generated_tokens", "open_sessions", "session_evictions", "host_kv_blocks_total", "host_kv_blocks_used", "kv_blocks_offloaded", "kv_blocks_restored", "restored_prompt_tokens", "priority_preemptions", "draft_tokens", "accepted_draft_tokens", "speculative_steps", "session_files", "session_file_bytes", "session_files_written", "session_files_written_with_kv", "session_file_write_errors", "session_file_bytes_written", "session_file_bytes_read", "session_kv_reads", "session_kv_read_failures", "sessions_restored", "sessions_lost", "last_save_seconds", "sessions_spilled")
     RUNNING_FIELD_NUMBER: _ClassVar[int]
     WAITING_FIELD_NUMBER: _ClassVar[int]
     LIVE_REQUESTS_FIELD_NUMBER: _ClassVar[int]
@@ -374,6 +374,7 @@ class Stats(_message.Message):
     SESSIONS_RESTORED_FIELD_NUMBER: _ClassVar[int]
     SESSIONS_LOST_FIELD_NUMBER: _ClassVar[int]
     LAST_SAVE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    SESSIONS_SPILLED_FIELD_NUMBER: _ClassVar[int]
     running: int
     waiting: int
     live_requests: int
@@ -408,7 +409,8 @@ class Stats(_message.Message):
     sessions_restored: int
     sessions_lost: int
     last_save_seconds: float
-    def __init__(self, running: _Optional[int] = ..., waiting: _Optional[int] = ..., live_requests: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., kv_blocks_free: _Optional[int] = ..., kv_blocks_cached: _Optional[int] = ..., uptime_seconds: _Optional[float] = ..., num_preemptions: _Optional[int] = ..., num_steps: _Optional[int] = ..., generated_tokens: _Optional[int] = ..., open_sessions: _Optional[int] = ..., session_evictions: _Optional[int] = ..., host_kv_blocks_total: _Optional[int] = ..., host_kv_blocks_used: _Optional[int] = ..., kv_blocks_offloaded: _Optional[int] = ..., kv_blocks_restored: _Optional[int] = ..., restored_prompt_tokens: _Optional[int] = ..., priority_preemptions: _Optional[int] = ..., draft_tokens: _Optional[int] = ..., accepted_draft_tokens: _Optional[int] = ..., speculative_steps: _Optional[int] = ..., session_files: _Optional[int] = ..., session_file_bytes: _Optional[int] = ..., session_files_written: _Optional[int] = ..., session_files_written_with_kv: _Optional[int] = ..., session_file_write_errors: _Optional[int] = ..., session_file_bytes_written: _Optional[int] = ..., session_file_bytes_read: _Optional[int] = ..., session_kv_reads: _Optional[int] = ..., session_kv_read_failures: _Optional[int] = ..., sessions_restored: _Optional[int] = ..., sessions_lost: _Optional[int] = ..., last_save_seconds: _Optional[float] = ...) -> None: ...
+    sessions_spilled: int
+    def __init__(self, running: _Optional[int] = ..., waiting: _Optional[int] = ..., live_requests: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., kv_blocks_free: _Optional[int] = ..., kv_blocks_cached: _Optional[int] = ..., uptime_seconds: _Optional[float] = ..., num_preemptions: _Optional[int] = ..., num_steps: _Optional[int] = ..., generated_tokens: _Optional[int] = ..., open_sessions: _Optional[int] = ..., session_evictions: _Optional[int] = ..., host_kv_blocks_total: _Optional[int] = ..., host_kv_blocks_used: _Optional[int] = ..., kv_blocks_offloaded: _Optional[int] = ..., kv_blocks_restored: _Optional[int] = ..., restored_prompt_tokens: _Optional[int] = ..., priority_preemptions: _Optional[int] = ..., draft_tokens: _Optional[int] = ..., accepted_draft_tokens: _Optional[int] = ..., speculative_steps: _Optional[int] = ..., session_files: _Optional[int] = ..., session_file_bytes: _Optional[int] = ..., session_files_written: _Optional[int] = ..., session_files_written_with_kv: _Optional[int] = ..., session_file_write_errors: _Optional[int] = ..., session_file_bytes_written: _Optional[int] = ..., session_file_bytes_read: _Optional[int] = ..., session_kv_reads: _Optional[int] = ..., session_kv_read_failures: _Optional[int] = ..., sessions_restored: _Optional[int] = ..., sessions_lost: _Optional[int] = ..., last_save_seconds: _Optional[float] = ..., sessions_spilled: _Optional[int] = ...) -> None: ...
 
 class OpenSessionRequest(_message.Message):
     __slots__ = ("ttl_seconds", "text", "chat", "tokens", "session_id", "expected_idle_ms", "retention", "priority", "allow_special_tokens")

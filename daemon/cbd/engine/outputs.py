@@ -113,6 +113,7 @@ class DiskTierStats:
     load_seconds_sum: float = 0.0
     num_sessions_restored: int = 0  # sessions listed again at start
     num_sessions_lost: int = 0  # saved sessions that could not be listed again (damaged, another model)
+    num_spilled: int = 0  # idle sessions whose host-tier KV went to their file instead of recompute
     num_checkpoints: int = 0  # drain-time checkpoints
     last_checkpoint_seconds: float = 0.0  # how long the last one took
 

@@ -74,4 +74,5 @@ def _session_files(d: DiskTierStats) -> dict[str, Any]:
         "session_file_bytes_read": d.bytes_read, "session_kv_reads": d.num_kv_loads,
         "session_kv_read_failures": d.num_kv_load_failures, "sessions_restored": d.num_sessions_restored,
         "sessions_lost": d.num_sessions_lost, "last_save_seconds": d.last_checkpoint_seconds,
+        "sessions_spilled": d.num_spilled,
     }  # fmt: skip

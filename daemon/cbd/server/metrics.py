@@ -133,6 +133,7 @@ def _session_files(d: DiskTierStats) -> Iterator[GaugeMetricFamily | CounterMetr
         ("session_kv_read_failures", d.num_kv_load_failures, "Saved KV that was damaged (recomputed)."),
         ("sessions_restored", d.num_sessions_restored, "Sessions listed again from their files at start."),
         ("sessions_lost", d.num_sessions_lost, "Saved sessions that could not be listed again."),
+        ("sessions_spilled", d.num_spilled, "Idle sessions whose host-tier KV went to their file, not recompute."),
     ):
         yield CounterMetricFamily(f"cbd_{name}", doc, value=value)
     yield CounterMetricFamily("cbd_session_file_write_seconds", "Seconds spent writing session files.",

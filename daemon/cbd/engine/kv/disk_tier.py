@@ -60,6 +60,20 @@ class Load:
     future: Future[bool]
 
 
+@dataclass(slots=True)
+class Written:
+    """A session file written: whether it holds the KV, and where (its branches' segments from `start`)."""
+
+    kept_kv: bool
+    path: Path
+    saved: files.SavedSession
+    start: int
+
+    def copies(self) -> list[DiskCopy | None]:
+        """Each branch's KV in the file (None: a branch without)."""
+        return [DiskCopy(self.path, self.start, b) if b.kv_tokens else None for b in self.saved.branches]
+
+
 class DiskTier:
     def __init__(
         self, root: Path, owner: str, cap_bytes: int, fingerprint: files.Fingerprint, kv_caches: torch.Tensor,
@@ -117,9 +131,9 @@ class DiskTier:
         assert self.host_tier is not None  # only a host tier makes host copies
         return self.host_tier.read_blocks(copy.block_ids)
 
-    def write(self, saved: files.SavedSession, segments: list[torch.Tensor]) -> Future[bool]:
-        """Write a session's file on the writer thread; the future says whether its KV was kept (False:
-        token ids only, for the cap). A write that fails (disk full) leaves the old file and raises."""
+    def write(self, saved: files.SavedSession, segments: list[torch.Tensor]) -> Future[Written]:
+        """Write a session's file on the writer thread; the future says where, and whether its KV was kept
+        (not: token ids only, for the cap). A write that fails (disk full) leaves the old file and raises."""
         return self._writer.submit(self._write, saved, segments)
 
     def remove(self, key: str) -> Future[None]:
@@ -139,7 +153,7 @@ class DiskTier:
         self._writer.shutdown(wait=True)
         self._lock.close()
 
-    def _write(self, saved: files.SavedSession, segments: list[torch.Tensor]) -> bool:
+    def _write(self, saved: files.SavedSession, segments: list[torch.Tensor]) -> Written:
         name = files.file_name(saved.key)
         views = [t.view(torch.uint8).reshape(-1).numpy().data for t in segments]  # raw bytes, no copy
         need = sum(v.nbytes for v in views)
@@ -150,7 +164,7 @@ class DiskTier:
                 b.kv_tokens = 0
         start = time.monotonic()
         try:
-            size = files.write(self.directory / name, saved, views)
+            size, offset = files.write(self.directory / name, saved, views)
         except OSError:
             with self._count:
                 self._stats.num_write_errors += 1
@@ -162,7 +176,7 @@ class DiskTier:
             s.num_kv_files_written += bool(views)
             s.bytes_written += size
             s.write_seconds_sum += time.monotonic() - start
-        return bool(views)
+        return Written(bool(views), self.directory / name, saved, offset)
 
     def _remove(self, name: str) -> None:
         self._sizes.pop(name, None)
@@ -277,6 +291,14 @@ class DiskTier:
         with self._count:
             self._stats.num_sessions_restored += num_sessions
             self._stats.num_sessions_lost += num_lost
+
+    @property
+    def bytes_per_block(self) -> int:
+        return self._gpu[:, 0].numel() * self._gpu.element_size()
+
+    def count_spill(self) -> None:
+        with self._count:
+            self._stats.num_spilled += 1
 
     def count_checkpoint(self, seconds: float) -> None:
         with self._count:

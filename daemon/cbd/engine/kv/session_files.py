@@ -89,9 +89,10 @@ def file_name(key: str) -> str:
     return hashlib.sha256(key.encode()).hexdigest()[:40] + SUFFIX
 
 
-def write(path: Path, saved: SavedSession, segments: Iterable[bytes | memoryview]) -> int:
+def write(path: Path, saved: SavedSession, segments: Iterable[bytes | memoryview]) -> tuple[int, int]:
     """Write a session file atomically (see above); `saved.branches` give the segments' lengths in order,
-    offsets and CRCs are filled in here. Returns the bytes written. Raises OSError (nothing left behind)."""
+    offsets and CRCs are filled in here. Returns the bytes written and where the segments start. Raises
+    OSError (nothing left behind)."""
     segments = list(segments)
     offset = 0
     with_kv = [b for b in saved.branches if b.kv_tokens]
@@ -116,7 +117,7 @@ def write(path: Path, saved: SavedSession, segments: Iterable[bytes | memoryview
             tmp.unlink()
         raise
     sync_directory(path.parent)
-    return _PREFIX.size + len(header) + offset
+    return _PREFIX.size + len(header) + offset, _PREFIX.size + len(header)
 
 
 def read_header(path: Path) -> tuple[SavedSession, int]:

@@ -20,6 +20,11 @@ and the frontend's note (a chat's transcript). A session is saved again only whe
                              are read back ahead of their turns, most recently used first (`prefetch`).
                              A caller without that loop (an EngineCore used directly) reads back
                              synchronously before the turn or fork (`read_back`)
+  spill                      when the host tier must release an idle session's KV (its pool is
+                             full), the KV goes to the session's file instead of being lost: a file
+                             written since its last turn is reused as it is, else the host copy is
+                             gathered and written (at most SPILL_BYTES in flight; beyond, it is
+                             recomputed). Until that write ends the session's next turn waits for it
   close, expiry              the file is removed
 
 Engine-thread only (the writes themselves are the disk tier's thread's).
@@ -34,12 +39,13 @@ import time
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future
+from concurrent.futures import wait as futures_wait
 from pathlib import Path
 
 import torch
 
 from cbd.engine.kv import session_files as files
-from cbd.engine.kv.disk_tier import DiskTier, Load
+from cbd.engine.kv.disk_tier import DiskTier, Load, Written
 from cbd.engine.kv.host_pool import HostCopy
 from cbd.engine.kv.session_files import DiskCopy
 from cbd.engine.outputs import SaveReport
@@ -47,6 +53,7 @@ from cbd.engine.sessions.manager import SessionManager
 from cbd.engine.sessions.records import Branch, Session
 
 log = logging.getLogger(__name__)
+SPILL_BYTES = 2**30  # KV gathered for spills and not yet written, at most
 
 
 class SessionCheckpoints:
@@ -59,6 +66,12 @@ class SessionCheckpoints:
         self.on_loaded: Callable[[], object] | None = None  # called on the reader thread (wakes the loop)
         self._loads: dict[str, list[tuple[Branch, Load]]] = {}  # session key -> its branches being read back
         self._prefetch: list[str] = []  # restored sessions not yet read back, most recently used first
+        # Writes queued, in order (one writer thread): (key, the session's turns then, the write); settled
+        # into `_files` (the last file each session has with its KV, and its turns then) by `_settle`.
+        self._writes: deque[tuple[str, int, Future[Written]]] = deque()
+        self._files: dict[str, tuple[int, Written]] = {}
+        self._spilling: dict[str, tuple[Future[Written], int]] = {}  # key -> its spill write, the bytes
+        sessions.eviction.spill = self.spill
 
     # ---- saving ---------------------------------------------------------------------------------
     def take_notes(self, notes: dict[str, bytes]) -> None:
@@ -74,11 +87,11 @@ class SessionCheckpoints:
         start = time.monotonic()
         deadline = start + seconds
         report = SaveReport()
-        in_flight: deque[tuple[str, Future[bool]]] = deque()  # the next snapshot is taken while one is written
+        in_flight: deque[tuple[str, Future[Written]]] = deque()  # the next snapshot is taken while one is written
 
-        def settle(key: str, future: Future[bool]) -> None:
+        def settle(key: str, future: Future[Written]) -> None:
             try:
-                kept = future.result()
+                kept = future.result().kept_kv
             except OSError as exc:
                 log.warning("session %s could not be saved: %s", key, exc)
                 report.num_failed += 1
@@ -111,7 +124,7 @@ class SessionCheckpoints:
     def _changed(self) -> list[Session]:
         return [s for s in self.sessions.sessions.values() if s.num_turns_saved != s.num_turns]
 
-    def _save(self, session: Session, with_kv: bool) -> Future[bool]:
+    def _save(self, session: Session, with_kv: bool) -> Future[Written]:
         branches: list[files.SavedBranch] = []
         segments: list[torch.Tensor] = []
         for b in session.branches_and_self():
@@ -124,7 +137,56 @@ class SessionCheckpoints:
             session.is_chat, session.expected_idle, session.retention, session.priority, session.note, branches,
         )  # fmt: skip
         session.num_turns_saved = session.num_turns
-        return self.disk.write(saved, segments)
+        future = self.disk.write(saved, segments)
+        self._writes.append((session.session_id, session.num_turns, future))
+        return future
+
+    def _settle(self) -> None:
+        """Note the writes that have ended (in order): each session's last file with its KV."""
+        while self._writes and self._writes[0][2].done():
+            key, turns, future = self._writes.popleft()
+            written = future.result() if future.exception() is None else None
+            if written is not None and written.kept_kv and key in self.sessions.sessions:
+                self._files[key] = (turns, written)
+        for key, (future, _) in list(self._spilling.items()):
+            if not future.done():
+                continue
+            del self._spilling[key]
+            session = self.sessions.sessions.get(key)
+            entry = self._files.get(key)
+            if session is None or entry is None or entry[1] is not _result(future):
+                continue  # closed, or the write failed or kept no KV: the session recomputes
+            for copy, b in zip(entry[1].copies(), session.branches_and_self()):
+                if copy is not None and not b.block_table and b.host is None and b.disk is None:
+                    b.disk = copy
+
+    # ---- spilling: the host tier's evictions go to disk -----------------------------------------------
+    def spill(self, session: Session) -> None:
+        """The host tier is about to release this idle session's KV (the caller clears `host` after): keep
+        it in the session's file instead (see the module docstring)."""
+        self._settle()
+        key = session.session_id
+        branches = session.branches_and_self()
+        entry = self._files.get(key)
+        if entry is not None and entry[0] == session.num_turns:
+            copies = entry[1].copies()
+            if len(copies) == len(branches) and all(c is not None for c, b in zip(copies, branches) if b.host):
+                for copy, b in zip(copies, branches):
+                    b.disk = copy if b.host is not None else b.disk
+                self.disk.count_spill()
+                return
+        need = sum(len(b.host.block_ids) for b in branches if b.host is not None) * self.disk.bytes_per_block
+        if key in self._spilling or need + sum(n for _, n in self._spilling.values()) > SPILL_BYTES:
+            return  # recomputed
+        self._spilling[key] = (self._save(session, True), need)
+        self.disk.count_spill()
+
+    def _finish_spill(self, key: str) -> None:
+        """Wait for the session's spill write, if one is under way (its next turn reads the file)."""
+        entry = self._spilling.get(key)
+        if entry is not None:
+            futures_wait([entry[0]])
+        self._settle()
 
     def _kv(self, b: Branch) -> tuple[int, torch.Tensor | None]:
         """The KV a branch holds, as a host tensor of whole blocks, and how many tokens it covers."""
@@ -135,7 +197,11 @@ class SessionCheckpoints:
             return computed, self.disk.gather_gpu(b.block_table[: -(-computed // self.disk.block_size)])
         if b.host is not None:
             return b.host.num_tokens, self.disk.gather_host(b.host)
-        return 0, None  # none kept (or only in an older file, which an unchanged session keeps)
+        if b.disk is not None:  # still only in the file being replaced: carried over
+            data = files.read_segment(b.disk.path, b.disk.start, b.disk.branch)
+            if data is not None:
+                return b.disk.num_tokens, torch.frombuffer(data, dtype=torch.uint8)
+        return 0, None
 
     # ---- restoring ------------------------------------------------------------------------------
     def restore(self) -> list[str]:
@@ -190,17 +256,23 @@ class SessionCheckpoints:
         session = self.sessions.sessions[key] if self.claim(key) else None
         return {key: session.note} if session is not None and session.note else {}
 
-    def read_back(self, session: Session) -> None:
-        """Before a turn or a fork: read the session's saved KV into the host tier (or recompute it)."""
+    def read_back(self, session: Session) -> bool:
+        """Before a turn or a fork: read the session's saved KV into the host tier (or recompute it), after
+        its spill if one is under way. True if some branch's KV was on disk."""
+        self._finish_spill(session.session_id)
+        on_disk = False
         for b in session.branches_and_self():
             if b.disk is not None:
                 b.host = self.disk.load(b.disk)
                 b.disk = None
+                on_disk = True
+        return on_disk
 
     # ---- reading back on the reader thread ------------------------------------------------------------
     def needs_load(self, key: str) -> bool:
         """The session's KV (some branch's) is only in its file, or being read back. A session not held is
-        claimed first (see `claim`)."""
+        claimed first (see `claim`); a spill under way is waited for."""
+        self._finish_spill(key)
         if key not in self._loads:
             self.claim(key)
         session = self.sessions.sessions.get(key)
@@ -266,6 +338,7 @@ class SessionCheckpoints:
         return [load.host for pending in self._loads.values() for _, load in pending]
 
     def _closed(self, session: Session) -> None:
+        self._files.pop(session.session_id, None)
         self.disk.remove(session.session_id)
 
 
@@ -273,3 +346,7 @@ def _log_failure(future: Future[bool], key: str) -> None:
     exc = future.exception()
     if exc is not None:
         log.warning("session %s could not be saved: %s", key, exc)
+
+
+def _result(future: Future[Written]) -> Written | None:
+    return future.result() if future.exception() is None else None

@@ -13,6 +13,7 @@ picks the sessions. Engine-thread only.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from cbd.engine.kv.blocks import BlockManager
@@ -29,6 +30,9 @@ class SessionEviction:
         self.bm = block_manager
         self.host_tier = host_tier
         self.num_evictions = 0  # sessions whose KV left the GPU
+        # Called before a session's host copies are released (the host pool is full): the disk tier keeps
+        # them instead of letting them go to recompute (sessions/checkpoints.py); None: no disk tier.
+        self.spill: Callable[[Session], None] | None = None
 
     def order(self, sessions: list[Session], now: float | None = None) -> list[Session]:
         """Which sessions leave a tier first: retention LOW, then NORMAL, then HIGH; within a class, the
@@ -96,6 +100,8 @@ class SessionEviction:
                     break
                 copies = [b.host for b in other.branches_and_self() if b.host is not None]
                 if other.busy is None and copies:
+                    if self.spill is not None:
+                        self.spill(other)
                     tier.evict(copies)
                     for b in other.branches_and_self():
                         b.host = None

@@ -57,7 +57,7 @@ class SessionManager:
         # Set by SessionCheckpoints (sessions/checkpoints.py) when sessions are saved: a closed or
         # expired session's file goes; a session's saved KV is read back before a turn or fork uses it.
         self.on_closed: Callable[[Session], None] | None = None
-        self.read_back: Callable[[Session], None] | None = None
+        self.read_back: Callable[[Session], bool] | None = None
         self.on_missing: Callable[[str], bool] | None = None  # a session not held: taken over if saved elsewhere
 
     # ---- lifecycle ----------------------------------------------------------------------------
@@ -199,6 +199,7 @@ class SessionManager:
             assert turn.parent_candidate is not None  # pending_base refused it otherwise
             self._adopt(session, session.branches.pop(turn.parent_candidate))
             self._release_branches(session)
+            session.num_turns += 1  # changed even if this turn fails (the candidate stays adopted)
         session.expected_idle = turn.expected_idle
         if turn.retention is not None:
             session.retention = turn.retention
@@ -276,10 +277,7 @@ class SessionManager:
 
     def _read_back(self, session: Session) -> bool:
         """Read a restored session's saved KV back (into the host tier) before it is used; True if it had some."""
-        if self.read_back is None or not any(b.disk is not None for b in session.branches_and_self()):
-            return False
-        self.read_back(session)
-        return True
+        return self.read_back is not None and self.read_back(session)
 
     def _adopt(self, session: Session, branch: Branch) -> None:
         self.bm.release(session.block_table)

@@ -57,7 +57,8 @@ class Session(Branch):
     expected_idle: float | None = None
     retention: int = 0
     priority: int = 0  # its turns' scheduling class unless a turn says otherwise (sampling_params.PRIORITY_*)
-    # Saving (sessions/checkpoints.py): turns ended so far, the number its file holds, the frontend's note.
+    # Saving (sessions/checkpoints.py): changes so far (turns ended, candidates adopted), the number its file
+    # holds, the frontend's note.
     num_turns: int = 0
     num_turns_saved: int = -1
     note: bytes = b""
