@@ -8,9 +8,14 @@ KV together is several times the GPU pool of the first two modes:
   recompute  GPU pool of P blocks, no host tier: an idle session's KV is released under pressure
              and its next turn recomputes the history (what cbd did before the host tier)
   host       the same GPU pool plus a host tier that holds every session: offload and restore
+  disk       the same GPU pool, a host tier of the same size, and session files under it: the GPU and
+             host pools together hold 2/RATIO of the sessions (at 3: the sessions are 1.5x them); what
+             the full host tier lets go is spilled to disk and read back for the session's next turn
+             (here synchronously, in the engine's step loop: the daemon's engine thread defers the turn
+             instead); the files in a temporary directory on the machine's own disk
   ideal      a GPU pool that holds every session (the upper bound)
 
-All three drive the same EngineCore in process, one after another in this run. Reported: TTFT
+The modes asked for (--modes) drive the same EngineCore in process, one after another in this run. Reported: TTFT
 (submit -> first token) p50/p99 overall and by turn, generated tok/s over the run's wall time,
 prompt tokens computed, blocks offloaded/restored; then the restore bandwidth of the engine's own
 copier (a batch of blocks host -> GPU, timed on the device) beside a plain pinned host -> device copy.
@@ -26,8 +31,10 @@ import json
 import logging
 import os
 import random
+import shutil
 import statistics
 import sys
+import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -121,6 +128,8 @@ def run(core: EngineCore, system: list[int], agents: list[Agent], new_tokens: in
         "computed_prompt_tokens": prompt_tokens - cached_tokens,
         "offloaded_blocks": host.num_offloaded_blocks if host else 0,
         "restored_blocks": host.num_restored_blocks if host else 0,
+        "spilled_sessions": core.stats().disk.num_spilled if core.stats().disk else 0,
+        "kv_read_gib": core.stats().disk.bytes_read / 2**30 if core.stats().disk else 0.0,
         "session_evictions": core.sessions.eviction.num_evictions,
         "preemptions": core.scheduler.num_preemptions,
         "answers": [a.answers for a in agents],
@@ -221,18 +230,23 @@ def main() -> None:
         "recompute": dict(num_kv_blocks=small, num_host_kv_blocks=0),
         "host": dict(num_kv_blocks=small, num_host_kv_blocks=all_sessions + 64),
         "ideal": dict(num_kv_blocks=all_sessions + 256, num_host_kv_blocks=0),
+        "disk": dict(num_kv_blocks=small, num_host_kv_blocks=small),
     }
     bytes_per_block = None
     results: dict[str, dict] = {}
     bandwidth = None
     for mode in args.modes.split(","):
-        config = EngineConfig(**base, **pools[mode], block_size=block, max_model_len=max_len)
+        disk = dict(disk_kv_dir=tempfile.mkdtemp(prefix="cbd-kv-tiers-")) if mode == "disk" else {}
+        config = EngineConfig(**base, **pools[mode], **disk, block_size=block, max_model_len=max_len)
         core = EngineCore(loaded, config)
         core.warm_up()
         bytes_per_block = core.runner.kv_bytes_per_block(loaded.model, block)
         results[mode] = run(core, system, agents, args.new_tokens, mode)
         if mode == "host" and args.gpu:
             bandwidth = restore_bandwidth(core, 2048)
+        if core.checkpoints is not None:
+            core.checkpoints.disk.close()
+            shutil.rmtree(disk["disk_kv_dir"])
         del core
         if args.gpu:
             torch.cuda.empty_cache()
@@ -263,6 +277,11 @@ def main() -> None:
     print("TTFT p50 ms by turn: " + "  ".join(
         f"{mode} " + "/".join(f"{1000 * v['p50']:.0f}" for v in r["ttft_by_turn"].values()) for mode, r in results.items()
     ))  # fmt: skip
+    if "recompute" in results and "disk" in results:
+        rc, d = results["recompute"], results["disk"]
+        print(f"disk vs recompute (sessions {all_sessions / (2 * small):.1f}x the GPU + host pools): TTFT p50 "
+              f"{d['ttft_p50'] / rc['ttft_p50']:.2f}x, turns 2+ {d['warm_ttft_p50'] / rc['warm_ttft_p50']:.2f}x; "
+              f"{d['spilled_sessions']} spills, {d['kv_read_gib']:.2f} GiB read back")  # fmt: skip
     if bandwidth:
         print(f"restore bandwidth: {bandwidth['copier_gb_s']:.1f} GB/s (engine copier, {bandwidth['blocks']} scattered "
               f"blocks; floor 20) vs plain pinned host->device copy {bandwidth['plain_gb_s']:.1f} GB/s")  # fmt: skip
