@@ -236,7 +236,7 @@ def main() -> None:
     results: dict[str, dict] = {}
     bandwidth = None
     for mode in args.modes.split(","):
-        disk = dict(disk_kv_dir=tempfile.mkdtemp(prefix="cbd-kv-tiers-")) if mode == "disk" else {}
+        disk = dict(disk_kv_dir=tempfile.mkdtemp(prefix="cbd-kv-tiers-"), disk_kv_spill=True) if mode == "disk" else {}
         config = EngineConfig(**base, **pools[mode], **disk, block_size=block, max_model_len=max_len)
         core = EngineCore(loaded, config)
         core.warm_up()

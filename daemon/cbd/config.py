@@ -48,6 +48,11 @@ class EngineConfig:
     # each holding its own sessions; "": named after the listen addresses (the same daemon restarted finds its
     # folder again). A session a stopped daemon left there moves to the daemon that its next call reaches.
     disk_kv_owner: str = ""
+    # When the host KV tier is full and lets an idle session's KV go, write it to the session's file instead
+    # of recomputing it later (the disk as the tier under the host tier). Off by default: it pays where the
+    # disk reads a session's KV faster than the device recomputes it (on an H200 with a 1.9 GiB/s disk the
+    # 8B shape's agents were slower with it: docs/BENCHMARKS.md).
+    disk_kv_spill: bool = False
     # Sequences (candidates) running at once.
     max_num_seqs: int = 128
     # Token budget of one engine step; longer prefills are split into chunks that fit.

@@ -332,7 +332,7 @@ def test_the_host_tiers_evictions_spill_to_disk_instead_of_recomputing(tiny_load
         make_core(tiny_loaded, block_size=4, num_kv_blocks=512, num_host_kv_blocks=0), scripts
     )
     host_only, host_computed = _agents(make_core(tiny_loaded, **small), scripts)
-    spilling = make_core(tiny_loaded, disk_kv_dir=str(tmp_path), **small)
+    spilling = make_core(tiny_loaded, disk_kv_dir=str(tmp_path), disk_kv_spill=True, **small)
     spilled, spill_computed = _agents(spilling, scripts)
     assert host_only == ideal and spilled == ideal
     stats = spilling.stats().disk

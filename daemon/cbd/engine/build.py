@@ -64,7 +64,7 @@ def build_parts(
         host_tier = HostTier.from_config(config, runner.kv_caches, runner.streams, block_manager, block_bytes)
     sessions = SessionManager(block_manager, config.max_sessions, config.session_ttl, host_tier)
     disk = DiskTier.from_config(config, loaded, runner.kv_caches, host_tier)
-    checkpoints = SessionCheckpoints(sessions, disk) if disk is not None else None
+    checkpoints = SessionCheckpoints(sessions, disk, config.disk_kv_spill) if disk is not None else None
     scheduler = Scheduler(
         block_manager, config.max_num_seqs, config.max_num_batched_tokens, reclaim=sessions.eviction.evict,
         max_model_len=max_model_len, new_fork=new_fork, host_tier=host_tier,

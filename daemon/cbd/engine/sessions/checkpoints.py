@@ -23,8 +23,8 @@ and the frontend's note (a chat's transcript). A session is saved again only whe
   spill                      when the host tier must release an idle session's KV (its pool is
                              full), the KV goes to the session's file instead of being lost: a file
                              written since its last turn is reused as it is, else the host copy is
-                             gathered and written (at most SPILL_BYTES in flight; beyond, it is
-                             recomputed). Until that write ends the session's next turn waits for it
+                             gathered and written (at most SPILL_BYTES in flight, or one spill;
+                             beyond, it is recomputed). Until that write ends the session's next turn waits for it
   close, expiry              the file is removed
 
 Engine-thread only (the writes themselves are the disk tier's thread's).
@@ -53,11 +53,12 @@ from cbd.engine.sessions.manager import SessionManager
 from cbd.engine.sessions.records import Branch, Session
 
 log = logging.getLogger(__name__)
-SPILL_BYTES = 2**30  # KV gathered for spills and not yet written, at most
+SPILL_BYTES = 4 * 2**30  # KV gathered for spills and not yet written, at most (one spill always may)
 
 
 class SessionCheckpoints:
-    def __init__(self, sessions: SessionManager, disk: DiskTier) -> None:
+    def __init__(self, sessions: SessionManager, disk: DiskTier, spill: bool = False) -> None:
+        """spill: the host tier's evictions go to disk (`--disk-kv-spill`)."""
         self.sessions = sessions
         self.disk = disk
         sessions.on_closed = self._closed
@@ -71,7 +72,8 @@ class SessionCheckpoints:
         self._writes: deque[tuple[str, int, Future[Written]]] = deque()
         self._files: dict[str, tuple[int, Written]] = {}
         self._spilling: dict[str, tuple[Future[Written], int]] = {}  # key -> its spill write, the bytes
-        sessions.eviction.spill = self.spill
+        if spill:
+            sessions.eviction.spill = self.spill
 
     # ---- saving ---------------------------------------------------------------------------------
     def take_notes(self, notes: dict[str, bytes]) -> None:
@@ -161,22 +163,25 @@ class SessionCheckpoints:
                     b.disk = copy
 
     # ---- spilling: the host tier's evictions go to disk -----------------------------------------------
-    def spill(self, session: Session) -> None:
-        """The host tier is about to release this idle session's KV (the caller clears `host` after): keep
-        it in the session's file instead (see the module docstring)."""
+    def spill(self, session: Session, going: list[Branch]) -> None:
+        """The host copies of these branches of an idle session are about to be released to recompute (the
+        caller clears `host` after): keep the KV in the session's file instead (see the module docstring)."""
         self._settle()
         key = session.session_id
         branches = session.branches_and_self()
         entry = self._files.get(key)
         if entry is not None and entry[0] == session.num_turns:
             copies = entry[1].copies()
-            if len(copies) == len(branches) and all(c is not None for c, b in zip(copies, branches) if b.host):
-                for copy, b in zip(copies, branches):
-                    b.disk = copy if b.host is not None else b.disk
+            by_branch = dict(zip(map(id, branches), copies)) if len(copies) == len(branches) else {}
+            if all(by_branch.get(id(b)) is not None for b in going):
+                for b in going:
+                    b.disk = by_branch[id(b)]
                 self.disk.count_spill()
                 return
-        need = sum(len(b.host.block_ids) for b in branches if b.host is not None) * self.disk.bytes_per_block
-        if key in self._spilling or need + sum(n for _, n in self._spilling.values()) > SPILL_BYTES:
+        blocks = sum(len(b.host.block_ids) if b.host is not None else len(b.block_table) for b in branches)
+        need = blocks * self.disk.bytes_per_block
+        in_flight = sum(n for _, n in self._spilling.values())
+        if key in self._spilling or (in_flight and in_flight + need > SPILL_BYTES):
             return  # recomputed
         self._spilling[key] = (self._save(session, True), need)
         self.disk.count_spill()

@@ -30,9 +30,9 @@ class SessionEviction:
         self.bm = block_manager
         self.host_tier = host_tier
         self.num_evictions = 0  # sessions whose KV left the GPU
-        # Called before a session's host copies are released (the host pool is full): the disk tier keeps
-        # them instead of letting them go to recompute (sessions/checkpoints.py); None: no disk tier.
-        self.spill: Callable[[Session], None] | None = None
+        # Called before an idle session's host copies are released to make room on the host: the disk tier
+        # keeps them instead of letting them go to recompute (sessions/checkpoints.py); None: no disk tier.
+        self.spill: Callable[[Session, list[Branch]], None] | None = None
 
     def order(self, sessions: list[Session], now: float | None = None) -> list[Session]:
         """Which sessions leave a tier first: retention LOW, then NORMAL, then HIGH; within a class, the
@@ -101,7 +101,7 @@ class SessionEviction:
                 copies = [b.host for b in other.branches_and_self() if b.host is not None]
                 if other.busy is None and copies:
                     if self.spill is not None:
-                        self.spill(other)
+                        self.spill(other, [b for b in other.branches_and_self() if b.host is not None])
                     tier.evict(copies)
                     for b in other.branches_and_self():
                         b.host = None
