@@ -20,11 +20,13 @@ and the frontend's note (a chat's transcript). A session is saved again only whe
                              are read back ahead of their turns, most recently used first (`prefetch`).
                              A caller without that loop (an EngineCore used directly) reads back
                              synchronously before the turn or fork (`read_back`)
-  spill                      when the host tier must release an idle session's KV (its pool is
+  spill (--disk-kv-spill)    when the host tier must release an idle session's KV (its pool is
                              full), the KV goes to the session's file instead of being lost: a file
-                             written since its last turn is reused as it is, else the host copy is
-                             gathered and written (at most SPILL_BYTES in flight, or one spill;
-                             beyond, it is recomputed). Until that write ends the session's next turn waits for it
+                             written since its last change is reused as it is, else the host copy
+                             is gathered and written (at most SPILL_BYTES in flight, or one spill;
+                             beyond, it is recomputed); the session's next turn waits for that write
+  claim                      a session this daemon does not hold is taken over from the folder of a
+                             daemon that stopped (kv/disk_tier.py), then treated as restored
   close, expiry              the file is removed
 
 Engine-thread only (the writes themselves are the disk tier's thread's).
@@ -72,6 +74,7 @@ class SessionCheckpoints:
         self._writes: deque[tuple[str, int, Future[Written]]] = deque()
         self._files: dict[str, tuple[int, Written]] = {}
         self._spilling: dict[str, tuple[Future[Written], int]] = {}  # key -> its spill write, the bytes
+        self._spill_on = spill
         if spill:
             sessions.eviction.spill = self.spill
 
@@ -140,7 +143,8 @@ class SessionCheckpoints:
         )  # fmt: skip
         session.num_turns_saved = session.num_turns
         future = self.disk.write(saved, segments)
-        self._writes.append((session.session_id, session.num_turns, future))
+        if self._spill_on:  # what a spill may reuse
+            self._writes.append((session.session_id, session.num_turns, future))
         return future
 
     def _settle(self) -> None:
