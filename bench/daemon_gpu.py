@@ -51,18 +51,27 @@ from cbd_client.address import free_port  # noqa: E402
 from daemon_process import DaemonProcess  # noqa: E402
 
 OUT = Path(os.environ.get("OUT", "."))
-SHAPE = dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
-             num_key_value_heads=8, vocab_size=49152, max_position_embeddings=8192, rope_theta=500000.0,
-             tie_word_embeddings=False)  # fmt: skip
+SHAPES = {
+    "8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+               num_key_value_heads=8, vocab_size=49152, max_position_embeddings=8192, rope_theta=500000.0,
+               tie_word_embeddings=False),
+    # Llama-3.2-1B's shape (its vocabulary replaced by the default model's, as for the 8B shape)
+    "1b": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
+               num_key_value_heads=8, vocab_size=49152, max_position_embeddings=8192, rope_theta=500000.0,
+               tie_word_embeddings=True),
+}  # fmt: skip
 
 
-def build_checkpoint(directory: Path, tokenizer_dir: Path, layers: int) -> None:
+def build_checkpoint(directory: Path, tokenizer_dir: Path, shape: str, layers: int | None) -> None:
     if (directory / "config.json").exists():
         return
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
     tok = AutoTokenizer.from_pretrained(tokenizer_dir)
-    config = LlamaConfig(**{**SHAPE, "num_hidden_layers": layers}, bos_token_id=tok.bos_token_id,
+    dims = dict(SHAPES[shape])
+    if layers is not None:
+        dims["num_hidden_layers"] = layers
+    config = LlamaConfig(**dims, bos_token_id=tok.bos_token_id,
                          eos_token_id=tok.eos_token_id, torch_dtype="bfloat16")  # fmt: skip
     torch.manual_seed(0)
     with torch.device("cuda"):
@@ -114,6 +123,38 @@ def in_process(engine: Engine, batch: list[list[int]], new_tokens: int) -> dict[
     tokens = sum(len(r.candidates[0].token_ids) for r in results)
     steps = engine.stats().num_steps - steps0
     return {"tok_s": tokens / seconds, "ms_step": 1000 * seconds / steps, "busy": _median(busy[1:] or busy)}
+
+
+@torch.inference_mode()
+def gpu_only_step(engine: Engine, batch: int, context: int, reps: int = 50) -> float:
+    """ms per decode step on the GPU alone: the engine's captured graph for `batch` sequences of `context`
+    tokens (distinct KV blocks each) replayed back to back with the greedy pick of each row, no host work
+    between steps (no scheduling, packing, streaming)."""
+    graphs = engine.core.runner.graphs
+    assert graphs is not None and graphs.stream is not None, "needs CUDA graphs"
+    key = graphs.bucket(batch)
+    assert key is not None, f"no graph for batch {batch}"
+    bs = graphs.block_size
+    per_seq = -(-context // bs)
+    blocks = engine.core.runner.scratch_block  # blocks in the pool (the scratch block is the last)
+    device = graphs.ids.device
+    tables = (torch.arange(key[0] * per_seq, device=device) % blocks).view(key[0], per_seq)
+    ids = torch.randint(100, 49000, (key[0],), device=device)
+    ctx = torch.full((key[0],), context, dtype=torch.int64, device=device)
+    graph, logits = graphs.graphs[key]
+    with torch.cuda.stream(graphs.stream):
+        graphs.load(key[0], 1, ids, ctx, tables)
+        for _ in range(3):
+            graph.replay()
+            logits.argmax(-1)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(reps):
+            graph.replay()
+            logits.argmax(-1)
+        end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / reps
 
 
 def _median(values: list[float]) -> float:
@@ -277,7 +318,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokenizer", required=True, help="a directory with the default model's tokenizer files")
     parser.add_argument("--checkpoint", default="/tmp/cbd-8b-49k")
-    parser.add_argument("--layers", type=int, default=32)
+    parser.add_argument("--shape", choices=sorted(SHAPES), default="8b")
+    parser.add_argument("--layers", type=int, help="instead of the shape's own number of layers")
     parser.add_argument("--batches", default="32,128,256")
     parser.add_argument("--new-tokens", default="512,384,256")
     parser.add_argument("--prompt-len", type=int, default=256)
@@ -291,7 +333,7 @@ def main() -> None:
     args = parser.parse_args()
     checkpoint = Path(args.checkpoint)
     t0 = time.perf_counter()
-    build_checkpoint(checkpoint, Path(args.tokenizer), args.layers)
+    build_checkpoint(checkpoint, Path(args.tokenizer), args.shape, args.layers)
     print(f"checkpoint ready in {time.perf_counter() - t0:.0f}s", flush=True)
     batches = [int(x) for x in args.batches.split(",")]
     news = [int(x) for x in args.new_tokens.split(",")]
@@ -321,8 +363,11 @@ def in_process_runs(
     engine.generate([workloads[0][2][0]], SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))
     local: dict[int, dict[str, float]] = {}
     for b, n, batch in workloads:
+        gpu_ms = gpu_only_step(engine, b, args.prompt_len + n // 2)  # the run's mean context
+        print(f"GPU only B={b}: {gpu_ms:.2f} ms/step, {1000 * b / gpu_ms:.0f} tok/s", flush=True)
         for _ in range(args.rounds):
             r = in_process(engine, batch, n)
+            r["gpu_ms"] = gpu_ms
             print(f"in-process B={b}: {r['tok_s']:.0f} tok/s, {r['ms_step']:.2f} ms/step", flush=True)
             if b not in local or r["tok_s"] > local[b]["tok_s"]:
                 local[b] = r
@@ -338,8 +383,9 @@ def report(
     remote: dict[int, dict[str, object]], before: dict[int, dict[str, object]] | None,
 ) -> None:  # fmt: skip
     (OUT / "daemon_gpu.json").write_text(json.dumps({"local": local, "daemon": remote, "before": before}, indent=1))
-    print(f"\n{torch.cuda.get_device_name()}, 8B shape, vocab 49152, prompt {args.prompt_len}, greedy, "
-          f"{args.client_processes} client processes, best of {args.rounds}")  # fmt: skip
+    layers = f", {args.layers} layers" if args.layers else ""
+    print(f"\n{torch.cuda.get_device_name()}, {args.shape.upper()} shape{layers}, vocab 49152, prompt {args.prompt_len}, "
+          f"greedy, {args.client_processes} client processes, best of {args.rounds}")  # fmt: skip
     head = f"{'B':>4} {'new':>4} {'in-proc tok/s':>13} {'daemon tok/s':>12} {'ratio':>6} {'ms/step in/daemon':>18} {'busy':>5}"
     print(head + (f" {'before tok/s':>12} {'ratio':>6}" if before else ""))
     for b, n, _ in workloads:
@@ -355,6 +401,15 @@ def report(
         if before:
             line += f" {before[b]['tok_s']:12.0f} {before[b]['tok_s'] / lo['tok_s']:6.2f}"  # type: ignore[operator]
         print(line)
+    print(f"{'B':>4} {'GPU-only ms/step':>16} {'GPU-only tok/s':>14} {'daemon / GPU-only':>17} "
+          f"{'host CPU us/seq/step: engine process':>36} {'frontend':>8}")  # fmt: skip
+    for b, _, _ in workloads:
+        gpu_ms = local.get(b, {}).get("gpu_ms", float("nan"))
+        cpu: dict[str, float] = remote[b]["cpu_ms_per_step"]  # type: ignore[assignment]
+        engine_ms = sum(v for k, v in cpu.items() if k.startswith("engine:"))
+        frontend_ms = sum(v for k, v in cpu.items() if k.startswith("frontend:"))
+        print(f"{b:4d} {gpu_ms:16.2f} {1000 * b / gpu_ms:14.0f} {remote[b]['tok_s'] / (1000 * b / gpu_ms):17.2f} "  # type: ignore[operator]
+              f"{1000 * engine_ms / b:36.1f} {1000 * frontend_ms / b:8.1f}")  # fmt: skip
     for label, runs in (("daemon", remote), ("before", before or {})):
         for b, r in runs.items():
             if b < 0:

@@ -131,3 +131,36 @@ def test_reset_prefix_cache_forgets_only_free_blocks() -> None:
     assert bm.reset_prefix_cache() == 1
     assert bm.allocate_prefix(seq([7, 8, 9])) == 0  # forgotten
     assert bm.allocate_prefix(seq([1, 2, 3, 4, 5])) == 4  # still held by a live sequence
+
+
+def test_commit_looks_only_at_blocks_it_has_not_seen_and_rolled_back_blocks_again() -> None:
+    bm = BlockManager(num_blocks=32, block_size=2)
+    a = seq([1, 2, 3, 4])
+    bm.allocate_prefix(a)
+    compute(bm, a)
+    twin = seq([1, 2, 3, 4])  # the same tokens computed privately (no prefix taken): copies of a's blocks
+    bm.append(twin, 4)
+    twin.num_computed_tokens = 4
+    looked: list[int] = []
+    hash_block = bm._block_hash
+    bm._block_hash = lambda s, i: looked.append(i) or hash_block(s, i)  # type: ignore[method-assign]
+    bm.commit(twin)
+    assert looked == [0, 1] and all(bm.blocks[b].hash is None for b in twin.block_table)  # kept private
+    for token in (5, 6, 7, 8):  # decode steps: each commit looks at the newly full block alone
+        twin.token_ids.append(token)
+        compute(bm, twin, 1)
+    assert looked == [0, 1, 2, 3]
+    # A rollback (drafts rejected) cuts blocks: the ones appended again in their place are registered.
+    del twin.token_ids[6:]
+    twin.num_computed_tokens = 6
+    bm.release(twin.block_table[3:])
+    del twin.block_table[3:]
+    twin.num_committed_blocks = min(twin.num_committed_blocks, 3)
+    del twin.block_hashes[3:]
+    twin.token_ids += [9, 10]
+    compute(bm, twin)
+    assert looked[-1] == 3 and bm.blocks[twin.block_table[3]].hash is not None
+    b = seq([1, 2, 3, 4, 5, 6, 9, 10, 11])
+    assert bm.allocate_prefix(b) == 8  # a's two blocks, then the twin's two registered ones
+    bm.free(twin)
+    assert twin.num_committed_blocks == 0

@@ -61,6 +61,10 @@ class Sequence:
     host_backup: HostCopy | None = None
     # Chained hashes of this sequence's full blocks, computed lazily; index i covers block i.
     block_hashes: list[int] = field(default_factory=list)
+    # Leading blocks of block_table that BlockManager.commit has looked at (registered, or kept private as
+    # a copy of a registered block): the next commit starts there, so a step costs O(new blocks), not
+    # O(context). Whoever replaces or cuts block_table below it lowers it (kv/blocks.py, kv/host_tier.py).
+    num_committed_blocks: int = 0
     pending_forks: int = 0
     num_placeholders: int = 0  # trailing tokens still being sampled by a step in flight
     pending_row: int = -1  # sampling row of the newest placeholder in the step that samples it

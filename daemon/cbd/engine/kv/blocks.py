@@ -86,7 +86,7 @@ class BlockManager:
             hits.append(block_id)
         for block_id in hits:
             self._take(block_id)
-        seq.block_table = hits
+        seq.block_table, seq.num_committed_blocks = hits, 0
         return len(hits) * self.block_size
 
     def commit(self, seq: Sequence) -> None:
@@ -94,7 +94,8 @@ class BlockManager:
         before any later reader) and whose token ids are all known."""
         if not self.enable_prefix_caching:
             return
-        for index in range(min(seq.num_computed_tokens, seq.num_known_tokens) // self.block_size):
+        end = min(seq.num_computed_tokens, seq.num_known_tokens) // self.block_size
+        for index in range(min(seq.num_committed_blocks, len(seq.block_table)), end):
             block = self.blocks[seq.block_table[index]]
             if block.hash is not None:
                 continue
@@ -103,6 +104,7 @@ class BlockManager:
                 continue  # an identical block exists already; keep this one private
             block.hash, block.token_ids = h, self._block_tokens(seq, index)
             self.hash_to_block[h] = block.block_id
+        seq.num_committed_blocks = end  # lower than before when computed tokens were rolled back
 
     def reset_prefix_cache(self) -> int:
         """Forget every cached free block (blocks in use keep their hashes); returns how many."""
@@ -147,6 +149,7 @@ class BlockManager:
             self.blocks[block_id].ref_count += 1
         child.block_table = list(parent.block_table)
         child.block_hashes = list(parent.block_hashes)
+        child.num_committed_blocks = parent.num_committed_blocks
 
     def share(self, block_table: list[int]) -> list[int]:
         """Take one more reference on each block (a session keeping KV, a turn starting from it)."""
@@ -156,7 +159,7 @@ class BlockManager:
 
     def free(self, seq: Sequence) -> None:
         self.release(seq.block_table)
-        seq.block_table = []
+        seq.block_table, seq.num_committed_blocks = [], 0
 
     def allocate_blocks(self, count: int) -> list[int]:
         """`count` fresh private blocks (callers check num_free_blocks first)."""

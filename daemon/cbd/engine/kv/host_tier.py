@@ -199,6 +199,7 @@ class HostTier:
                 self.restoring.remove(r)
                 self.bm.release(fresh)
                 del r.seq.block_table[r.hits :]
+                r.seq.num_committed_blocks = min(r.seq.num_committed_blocks, r.hits)
                 r.seq.num_computed_tokens = r.hits * bs
                 failed.append(r.seq)
             else:

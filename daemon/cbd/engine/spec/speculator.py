@@ -122,6 +122,7 @@ class Speculator:
         if len(seq.block_table) > keep_blocks:
             bm.release(seq.block_table[keep_blocks:])
             del seq.block_table[keep_blocks:]
+            seq.num_committed_blocks = min(seq.num_committed_blocks, keep_blocks)
         self.num_accepted_tokens += kept
         # The draft length follows the copying: doubled after a run kept whole (up to the limit), else
         # just past what was kept.
