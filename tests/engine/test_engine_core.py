@@ -268,3 +268,35 @@ def test_stats_count_candidates_running_and_waiting(tiny_loaded) -> None:  # typ
             assert stats.num_waiting == 4  # two fan-outs running (forked or not), the third waiting whole
             seen_full = True
     assert seen_full and (stats.num_running, stats.num_waiting) == (0, 0)
+
+
+def test_each_step_files_its_host_time_by_phase_and_the_metrics_export_it(tiny_loaded) -> None:  # type: ignore[no-untyped-def]
+    """Every step the engine loop runs is filed once per phase (an idle turn of the loop is not); the
+    histograms reach Prometheus as cbd_engine_step_phase_seconds{phase}."""
+    from prometheus_client import generate_latest
+
+    from cbd.config import EngineConfig
+    from cbd.engine.engine import Engine
+    from cbd.engine.outputs import STEP_PHASES
+    from cbd.server.metrics import Metrics
+
+    engine = Engine(EngineConfig(block_size=4, num_kv_blocks=64), loaded=tiny_loaded)
+    try:
+        params = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
+        results = engine.generate([[5, 6, 7, 8], [9, 10, 11]], params)
+        assert [len(r.candidates[0].token_ids) for r in results] == [5, 5]
+        stats = engine.stats()
+        steps = stats.num_steps
+    finally:
+        engine.shutdown()
+    phases = stats.step_phases
+    assert phases is not None and steps >= 5
+    counts = [sum(b) for b in phases.buckets]
+    assert len(set(counts)) == 1 and steps - 1 <= counts[0] <= steps + 1  # the snapshot lags a step at most
+    seconds = dict(zip(STEP_PHASES, phases.seconds, strict=True))
+    assert all(v >= 0 for v in seconds.values()) and seconds["launch"] > 0 and seconds["emit"] > 0
+    metrics = Metrics()
+    metrics.watch_engine(lambda: stats, lambda: 0, dict, dict)
+    text = generate_latest(metrics.registry).decode()
+    for phase in STEP_PHASES:
+        assert f'cbd_engine_step_phase_seconds_count{{phase="{phase}"}} {float(counts[0])}' in text

@@ -268,6 +268,7 @@ def test_through_the_daemon_tiers_hints_stats_and_metrics(tiny_daemon) -> None: 
     assert values["cbd_kv_restored_bytes_total"] > 0 and values["cbd_kv_restore_seconds_count"] >= 1
     assert values['cbd_session_turns_by_tier_total{tier="host"}'] >= 1
     assert values["cbd_kv_restored_prompt_tokens_total"] >= 30
+    assert values['cbd_engine_step_phase_seconds_count{phase="launch"}'] >= 1  # from the engine process
 
 
 def test_a_prefix_sessions_share_is_on_the_host_once(tiny_loaded) -> None:

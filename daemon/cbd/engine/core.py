@@ -46,6 +46,7 @@ from cbd.engine.sched.plan import StepPlan
 from cbd.engine.sequence import FinishReason, Request, Sequence
 from cbd.engine.sessions.records import TurnInput
 from cbd.engine.stats import StatsReader
+from cbd.engine.step_phases import BOOK, EMIT, LAUNCH, MASK, SCHEDULE, WAIT, StepPhases
 from cbd.errors import UnknownRequest
 from cbd.model.loader import LoadedModel
 
@@ -86,6 +87,7 @@ class EngineCore:
             self.scheduler, self.sessions, self.host_tier, self.runner,
             self.checkpoints.disk if self.checkpoints is not None else None,
         )  # fmt: skip
+        self.phases = StepPhases()  # where each step's host time goes (the engine loop starts and files it)
         self._inflight: _Launched | None = None
         self._seq_ids = itertools.count()
         self._request_ids = itertools.count()
@@ -191,6 +193,7 @@ class EngineCore:
         Synchronous (no overlap; or N+1 verifies drafts, so the next plan depends on how many are kept): N+1
         is completed before returning, so no step is ever in flight at the next call."""
         outputs = self._end_slow_grammars()
+        self.phases.lap(EMIT)
         speculate = self.scheduler.speculator.worth_trying(self.scheduler.running, self.overlap)
         if speculate and self._inflight is not None:  # drafts follow known tokens: complete the step in flight
             drained, self._inflight = self._inflight, None
@@ -202,6 +205,7 @@ class EngineCore:
         if launched is not None:
             if launched.step.pending is not None:  # constrained rows: the forward is on the device already
                 self.runner.sample_masked(launched.step, self.grammar_masks.fill(launched.plan))
+                self.phases.lap(MASK)
             if not self.overlap or launched.plan.speculative:
                 self._inflight = None
                 outputs += self._complete(launched)
@@ -212,8 +216,11 @@ class EngineCore:
         if not self.scheduler.has_work():
             return None
         plan = self.scheduler.schedule(speculate)
+        self.phases.lap(SCHEDULE)
         launched = self._launch(plan) if plan else None
+        self.phases.lap(LAUNCH)
         self.scheduler.issue_restores()  # after the launch: its block copies read before restores write
+        self.phases.lap(SCHEDULE)
         return launched
 
     def _launch(self, plan: StepPlan) -> _Launched:
@@ -231,9 +238,14 @@ class EngineCore:
     def _complete(self, launched: _Launched) -> list[RequestOutput]:
         """Wait for a launched step's tokens, book them, and emit the outputs of its live rows."""
         assert launched.step.pending is None, "a step with constrained rows is sampled before it completes"
+        phases = self.phases
         sampled = self.runner.wait(launched.step)
+        phases.lap(WAIT)
         rows = self.scheduler.update_from_output(launched.plan, sampled.token_ids)
-        return self.emitter.tokens(launched.plan, sampled, rows)
+        phases.lap(BOOK)
+        outputs = self.emitter.tokens(launched.plan, sampled, rows)
+        phases.lap(EMIT)
+        return outputs
 
     def _end_slow_grammars(self) -> list[RequestOutput]:
         """End with ERROR, between steps as an abort, the requests whose grammar went over its mask budget."""
@@ -276,7 +288,7 @@ class EngineCore:
         self.emitter.deliver()
 
     def stats(self) -> EngineStats:
-        return self._stats.read(self.num_steps, self.emitter.num_generated_tokens)
+        return self._stats.read(self.num_steps, self.emitter.num_generated_tokens, self.phases.snapshot())
 
     def check_integrity(self) -> None:
         """The block manager's invariants, with every holder of a reference: live sequences, sessions'

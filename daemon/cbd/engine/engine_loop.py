@@ -39,6 +39,7 @@ from cbd.engine.outputs import EngineStats, SaveReport, ended
 from cbd.engine.sequence import FinishReason
 from cbd.engine.sessions.checkpoints import SessionCheckpoints
 from cbd.engine.sessions.records import SessionInfo
+from cbd.engine.step_phases import DELIVER, INTAKE
 from cbd.errors import EngineStopped
 from cbd.lifetime import name_os_thread
 from cbd.model.loader import LoadedModel, load_model
@@ -134,6 +135,7 @@ class EngineLoop:
                 if self._cores is not None:
                     self._cores.adapt()
             self._wake.clear()
+            core.phases.start()
             now = time.monotonic()
             if now >= next_expiry:
                 next_expiry = now + 1.0
@@ -145,12 +147,15 @@ class EngineLoop:
                 break
             if core.checkpoints is not None:
                 self._read_back(core.checkpoints)
+            core.phases.lap(INTAKE)
+            ran = False
             try:
                 if self._faults is not None and core.scheduler.has_work():
                     self._faults.before_step(core.num_steps)
                 steps_before = core.num_steps
                 outputs = core.step()
-                progressed = bool(outputs) or core.num_steps != steps_before or not core.has_work()
+                ran = bool(outputs) or core.num_steps != steps_before
+                progressed = ran or not core.has_work()
                 if not progressed:  # nothing could be scheduled: wait for a change instead of spinning
                     self._wake.wait(timeout=0.005)
             except Exception as exc:
@@ -165,6 +170,8 @@ class EngineLoop:
             self.stats = core.stats()
             core.deliver()
             self._step_end()
+            core.phases.lap(DELIVER)
+            core.phases.end_step(ran)
         core.fail_all(FinishReason.ABORT)
         core.deliver()
         left = [c for commands in self._deferred.values() for c in commands]

@@ -67,6 +67,24 @@ class EngineStats:
     disk: DiskTierStats | None = None  # None: no disk tier (no --disk-kv-dir)
     speculation: SpeculationStats | None = None
     grammar_cache_bytes: int = 0  # compiled grammars the engine keeps (engine/grammar/matcher.py's byte bound)
+    step_phases: StepPhaseStats | None = None  # None: no step run yet
+
+
+# The phases of an engine step, in its order (engine/step_phases.py says what each covers), and the upper
+# bounds (seconds) of the buckets of their histograms.
+STEP_PHASES = ("intake", "schedule", "launch", "mask", "wait", "book", "emit", "deliver")
+STEP_PHASE_SECONDS_BUCKETS = (0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1)
+
+
+@dataclass(slots=True)
+class StepPhaseStats:
+    """Host time of the engine's steps by phase (cumulative): per phase of STEP_PHASES, the count of steps per
+    bucket of STEP_PHASE_SECONDS_BUCKETS (one more for larger) and the sum of seconds."""
+
+    buckets: list[list[int]] = field(
+        default_factory=lambda: [[0] * (len(STEP_PHASE_SECONDS_BUCKETS) + 1) for _ in STEP_PHASES]
+    )
+    seconds: list[float] = field(default_factory=lambda: [0.0] * len(STEP_PHASES))
 
 
 # Upper bounds (seconds) of the buckets of the host tier's restore-latency histogram.

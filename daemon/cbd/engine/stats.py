@@ -12,7 +12,7 @@ import time
 from cbd.engine.device.runner import ModelRunner
 from cbd.engine.kv.disk_tier import DiskTier
 from cbd.engine.kv.host_tier import HostTier
-from cbd.engine.outputs import EngineStats, SpeculationStats
+from cbd.engine.outputs import EngineStats, SpeculationStats, StepPhaseStats
 from cbd.engine.sched.scheduler import Scheduler
 from cbd.engine.sessions.manager import SessionManager
 
@@ -30,7 +30,7 @@ class StatsReader:
         self._gpu_busy_at = 0.0
         self._gpu_busy: float | None = None
 
-    def read(self, num_steps: int, num_generated_tokens: int) -> EngineStats:
+    def read(self, num_steps: int, num_generated_tokens: int, step_phases: StepPhaseStats | None = None) -> EngineStats:
         scheduler, sessions = self.scheduler, self.sessions
         bm, spec = scheduler.block_manager, scheduler.speculator
         return EngineStats(
@@ -50,6 +50,7 @@ class StatsReader:
             host=self.host_tier.stats(sessions.hits) if self.host_tier is not None else None,
             disk=self.disk.stats() if self.disk is not None else None,
             speculation=SpeculationStats(spec.num_speculative_steps, spec.num_draft_tokens, spec.num_accepted_tokens),
+            step_phases=step_phases,
         )
 
     def gpu_busy(self) -> float | None:

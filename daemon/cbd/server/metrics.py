@@ -8,7 +8,16 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector
 
-from cbd.engine.outputs import RESTORE_SECONDS_BUCKETS, DiskTierStats, EngineStats, HostTierStats, RequestOutput
+from cbd.engine.outputs import (
+    RESTORE_SECONDS_BUCKETS,
+    STEP_PHASE_SECONDS_BUCKETS,
+    STEP_PHASES,
+    DiskTierStats,
+    EngineStats,
+    HostTierStats,
+    RequestOutput,
+    StepPhaseStats,
+)
 from cbd.engine.sampling_params import PRIORITY_BATCH
 from cbd.server.memory import resident_bytes
 from cbd_client.contract import KvTier, Priority
@@ -72,6 +81,8 @@ class _EngineCollector(Collector):
             value=s.num_session_evictions,
         )  # fmt: skip
         yield CounterMetricFamily("cbd_engine_steps", "Engine steps run.", value=s.num_steps)
+        if s.step_phases is not None:
+            yield _step_phases(s.step_phases)
         if s.speculation is not None:
             spec = s.speculation
             yield CounterMetricFamily("cbd_spec_draft_tokens", "Draft tokens verified (speculative decoding).",
@@ -110,14 +121,31 @@ def _host_tier(h: HostTierStats) -> Iterator[GaugeMetricFamily | CounterMetricFa
     for tier in (KvTier.GPU, KvTier.HOST, KvTier.DISK, KvTier.RECOMPUTE):
         hits.add_metric([tier.value], h.session_hits.get(tier, 0))
     yield hits
-    cumulative, buckets = 0, []
-    for bound, count in zip((*RESTORE_SECONDS_BUCKETS, float("inf")), h.restore_buckets, strict=True):
-        cumulative += count
-        buckets.append(("+Inf" if bound == float("inf") else str(bound), cumulative))
     yield HistogramMetricFamily(
         "cbd_kv_restore_seconds", "From a restore's start to its completion as the engine saw it.",
-        buckets=buckets, sum_value=h.restore_seconds_sum,
+        buckets=_histogram(RESTORE_SECONDS_BUCKETS, h.restore_buckets), sum_value=h.restore_seconds_sum,
     )  # fmt: skip
+
+
+def _histogram(bounds: tuple[float, ...], counts: list[int]) -> list[tuple[str, float]]:
+    """Prometheus' cumulative buckets of per-bucket counts (one more count than bounds: the overflow)."""
+    cumulative, buckets = 0, list[tuple[str, float]]()
+    for bound, count in zip((*bounds, float("inf")), counts, strict=True):
+        cumulative += count
+        buckets.append(("+Inf" if bound == float("inf") else str(bound), cumulative))
+    return buckets
+
+
+def _step_phases(p: StepPhaseStats) -> HistogramMetricFamily:
+    family = HistogramMetricFamily(
+        "cbd_engine_step_phase_seconds",
+        "Host time of each engine step by phase: intake, schedule, launch, mask, wait (for the device), book, "
+        "emit, deliver.",
+        labels=["phase"],
+    )
+    for phase, counts, seconds in zip(STEP_PHASES, p.buckets, p.seconds, strict=True):
+        family.add_metric([phase], _histogram(STEP_PHASE_SECONDS_BUCKETS, counts), seconds)
+    return family
 
 
 def _session_files(d: DiskTierStats) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
