@@ -67,7 +67,7 @@ class EngineStats:
     disk: DiskTierStats | None = None  # None: no disk tier (no --disk-kv-dir)
     speculation: SpeculationStats | None = None
     grammar_cache_bytes: int = 0  # compiled grammars the engine keeps (engine/grammar/matcher.py's byte bound)
-    step_phases: StepPhaseStats | None = None  # None: no step run yet
+    step_phases: StepPhaseStats | None = None  # None: not kept (a core whose loop files no phases)
 
 
 # The phases of an engine step, in its order (engine/step_phases.py says what each covers), and the upper
@@ -85,6 +85,10 @@ class StepPhaseStats:
         default_factory=lambda: [[0] * (len(STEP_PHASE_SECONDS_BUCKETS) + 1) for _ in STEP_PHASES]
     )
     seconds: list[float] = field(default_factory=lambda: [0.0] * len(STEP_PHASES))
+
+    def observe(self, phase: int, seconds: float) -> None:
+        self.buckets[phase][bisect.bisect_left(STEP_PHASE_SECONDS_BUCKETS, seconds)] += 1
+        self.seconds[phase] += seconds
 
 
 # Upper bounds (seconds) of the buckets of the host tier's restore-latency histogram.

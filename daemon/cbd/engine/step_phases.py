@@ -18,10 +18,9 @@ Phases (outputs.STEP_PHASES), in the order a turn of the engine loop runs them:
 
 from __future__ import annotations
 
-import bisect
 import time
 
-from cbd.engine.outputs import STEP_PHASE_SECONDS_BUCKETS, STEP_PHASES, StepPhaseStats
+from cbd.engine.outputs import STEP_PHASES, StepPhaseStats
 
 INTAKE, SCHEDULE, LAUNCH, MASK, WAIT, BOOK, EMIT, DELIVER = range(len(STEP_PHASES))
 
@@ -30,7 +29,7 @@ class StepPhases:
     def __init__(self) -> None:
         self._mark = time.perf_counter()
         self._step = [0.0] * len(STEP_PHASES)
-        self.stats: StepPhaseStats | None = None
+        self.stats = StepPhaseStats()
 
     def start(self) -> None:
         """A turn of the loop begins: what came before belongs to no phase."""
@@ -45,14 +44,11 @@ class StepPhases:
     def end_step(self, ran: bool) -> None:
         """File this turn's phases if it ran a step (`ran`); an idle turn's are dropped."""
         if ran:
-            stats = self.stats if self.stats is not None else StepPhaseStats()
             for phase, seconds in enumerate(self._step):
-                stats.buckets[phase][bisect.bisect_left(STEP_PHASE_SECONDS_BUCKETS, seconds)] += 1
-                stats.seconds[phase] += seconds
-            self.stats = stats
+                self.stats.observe(phase, seconds)
         self._step = [0.0] * len(STEP_PHASES)
 
-    def snapshot(self) -> StepPhaseStats | None:
+    def snapshot(self) -> StepPhaseStats:
         """A copy for the stats snapshot (the engine thread keeps filing into its own)."""
         s = self.stats
-        return None if s is None else StepPhaseStats([list(b) for b in s.buckets], list(s.seconds))
+        return StepPhaseStats([list(b) for b in s.buckets], list(s.seconds))

@@ -139,8 +139,7 @@ def _histogram(bounds: tuple[float, ...], counts: list[int]) -> list[tuple[str, 
 def _step_phases(p: StepPhaseStats) -> HistogramMetricFamily:
     family = HistogramMetricFamily(
         "cbd_engine_step_phase_seconds",
-        "Host time of each engine step by phase: intake, schedule, launch, mask, wait (for the device), book, "
-        "emit, deliver.",
+        f"Host time of each engine step by phase ({', '.join(STEP_PHASES)}; wait: for the device).",
         labels=["phase"],
     )
     for phase, counts, seconds in zip(STEP_PHASES, p.buckets, p.seconds, strict=True):
