@@ -6,7 +6,8 @@ after each of its drafts (`fill_drafted`, the matcher rolled back after). Rows w
 sequence ended while the step was prepared, keep all ones (their logits pass unchanged). A request whose
 fill exceeds `grammar_mask_budget_ms` in `grammar_mask_budget_steps` consecutive steps is handed back by
 `take_over_budget` to be ended before the next step, as an abort is: a grammar whose mask costs grow with
-its length (an ambiguous EBNF) would otherwise slow every sequence of the batch.
+its length (an ambiguous EBNF) would otherwise slow every sequence of the batch. A fill is timed in the
+engine thread's CPU time, so a host busy with other processes does not end a request for their time.
 """
 
 from __future__ import annotations
@@ -41,13 +42,13 @@ class GrammarMasks:
                 skip = row.num_draft
             if state is None or state.finished or seq.is_finished:
                 continue
-            started = time.perf_counter()
+            started = time.thread_time()
             if row.num_draft:  # rows after the last known token and after each draft
                 state.fill_drafted(masks, i, seq.token_ids[row.position : row.position + row.num_draft])
             else:
                 state.fill(masks, i)
             budget = self.budget_ms / 1000 * (1 + row.num_draft)
-            if state.over_budget(time.perf_counter() - started, budget) == self.budget_steps:
+            if state.over_budget(time.thread_time() - started, budget) == self.budget_steps:
                 self._over_budget.append(seq)
         return masks
 
