@@ -47,7 +47,7 @@ class Generate:
 _SAMPLING_FIELDS = frozenset(pb.SamplingParams.DESCRIPTOR.fields_by_name)
 _REQUEST_OPTIONS = frozenset(
     {"request_id", "session_id", "parent_candidate", "tools", "tool_choice", "parallel_tool_calls", "response_format",
-     "expected_idle_ms", "retention", "priority", "tenant", "affinity", "allow_special_tokens"}
+     "expected_idle_ms", "retention", "priority", "tenant", "affinity", "allow_special_tokens", "stream_interval"}
 )  # fmt: skip
 
 
@@ -180,6 +180,8 @@ def generate_request(prompt: Prompt, n: int, options: dict[str, Any]) -> pb.Gene
     set_priority(request, options.get("priority"))
     if options.get("tenant") is not None:
         _set(request, "tenant", options["tenant"])
+    if options.get("stream_interval") is not None:  # tokens per stream message (see the proto)
+        _set(request, "stream_interval", options["stream_interval"])
     if options.get("allow_special_tokens"):  # raw mode: special-token strings in a text prompt are tokens
         _set(request, "allow_special_tokens", True)
     set_prompt(request, prompt)

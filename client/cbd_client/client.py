@@ -12,7 +12,8 @@ A prompt is a str (text), a list of ints (token ids) or a list of {"role", "cont
 Routing: affinity= "<key>" on a plain request (not a session's) makes a proxy in front of several daemons
 send every call with that key to the same one, e.g. a name for a long system prompt, so its prefix-cache
 hits survive scale-out. Scheduling keywords: priority= "interactive" (default) | "batch", tenant= (fair share between callers; the
-auth token's name when the daemon checks tokens). Session turns (and `session()`) also take retention hints: expected_idle_ms= (how long the agent will
+auth token's name when the daemon checks tokens). stream_interval= N: a streamed message at most every N tokens of a
+candidate (default: 1 for interactive, the daemon's setting for batch). Session turns (and `session()`) also take retention hints: expected_idle_ms= (how long the agent will
 be away after the turn, e.g. while a tool runs) and retention= "low" | "normal" | "high".
 """
 

@@ -275,3 +275,51 @@ def test_fork_without_candidate_while_candidates_are_pending_is_failed_precondit
         for s in (sid, child.session_id):
             stub.CloseSession(pb.CloseSessionRequest(session_id=s))
     wait_until_idle(client)
+
+
+def stream_messages(daemon: DaemonProcess, **fields) -> list[tuple[list[list[int]], bool]]:  # type: ignore[no-untyped-def]
+    """Each stream message's token ids per candidate, and whether a candidate ended in it, of a seeded call."""
+    from cbd_client.v1 import cbd_pb2 as pb
+    from cbd_client.v1.cbd_pb2_grpc import CbdStub
+
+    sampling = pb.SamplingParams(max_tokens=40, temperature=0.8, seed=7, ignore_eos=True)
+    request = pb.GenerateRequest(tokens=pb.TokenIds(ids=[1, 30, 31, 32, 33]), sampling=sampling, **fields)
+    with grpc.insecure_channel(daemon.address) as channel:
+        messages = []
+        for response in CbdStub(channel).Generate(request, timeout=120):
+            per_candidate: list[list[int]] = [[] for _ in range(max(request.n, 1))]
+            for c in response.candidates:
+                per_candidate[c.index] += c.token_ids
+            messages.append((per_candidate, any(c.finish_reason for c in response.candidates)))
+    return messages
+
+
+def candidate_tokens(messages: list[tuple[list[list[int]], bool]]) -> list[list[int]]:
+    return [[t for m, _ in messages for t in m[i]] for i in range(len(messages[0][0]))]
+
+
+@pytest.mark.parametrize(
+    ("fields", "interval"),
+    [
+        ({"priority": 2}, 8),  # a batch request: the daemon's --stream-interval (default 8)
+        ({"priority": 2, "n": 3}, 8),
+        ({"stream_interval": 5}, 5),  # an interactive request that asks for it
+        ({"priority": 2, "stream_interval": 3, "n": 2}, 3),
+    ],
+)
+def test_a_stream_gathers_its_tokens_by_its_interval_and_loses_none(daemon, fields, interval) -> None:  # type: ignore[no-untyped-def]
+    gathered = stream_messages(daemon, **fields)
+    each_step = stream_messages(daemon, **{**fields, "stream_interval": 1})  # the oracle: a message per step
+    assert candidate_tokens(gathered) == candidate_tokens(each_step)
+    assert all(len(tokens) == 40 for tokens in candidate_tokens(gathered))
+    assert any(gathered[0][0])  # the first token went out at once, in the first message
+    for tokens, ended in gathered[1:]:  # a message holds a candidate's interval at least, or a candidate's end
+        assert ended or max(len(t) for t in tokens) >= interval, [len(t) for t in tokens]
+
+
+@pytest.mark.parametrize("value", [0, 1025])
+def test_a_stream_interval_out_of_range_is_invalid_argument(daemon, value) -> None:  # type: ignore[no-untyped-def]
+    with pytest.raises(grpc.RpcError) as info:
+        stream_messages(daemon, stream_interval=value)
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "stream_interval must be 1-1024" in info.value.details()

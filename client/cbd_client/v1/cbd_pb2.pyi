@@ -171,7 +171,7 @@ class SamplingParams(_message.Message):
     def __init__(self, max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., min_p: _Optional[float] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., logprobs: _Optional[int] = ..., include_special_tokens: _Optional[bool] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("text", "chat", "tokens", "sampling", "n", "request_id", "session_id", "parent_candidate", "tools", "tool_choice", "response_format", "expected_idle_ms", "retention", "priority", "tenant", "allow_special_tokens", "whole_conversation")
+    __slots__ = ("text", "chat", "tokens", "sampling", "n", "request_id", "session_id", "parent_candidate", "tools", "tool_choice", "response_format", "expected_idle_ms", "retention", "priority", "tenant", "allow_special_tokens", "whole_conversation", "stream_interval")
     TEXT_FIELD_NUMBER: _ClassVar[int]
     CHAT_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -189,6 +189,7 @@ class GenerateRequest(_message.Message):
     TENANT_FIELD_NUMBER: _ClassVar[int]
     ALLOW_SPECIAL_TOKENS_FIELD_NUMBER: _ClassVar[int]
     WHOLE_CONVERSATION_FIELD_NUMBER: _ClassVar[int]
+    STREAM_INTERVAL_FIELD_NUMBER: _ClassVar[int]
     text: str
     chat: Chat
     tokens: TokenIds
@@ -206,7 +207,8 @@ class GenerateRequest(_message.Message):
     tenant: str
     allow_special_tokens: bool
     whole_conversation: bool
-    def __init__(self, text: _Optional[str] = ..., chat: _Optional[_Union[Chat, _Mapping]] = ..., tokens: _Optional[_Union[TokenIds, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., n: _Optional[int] = ..., request_id: _Optional[str] = ..., session_id: _Optional[str] = ..., parent_candidate: _Optional[int] = ..., tools: _Optional[_Iterable[_Union[Tool, _Mapping]]] = ..., tool_choice: _Optional[_Union[ToolChoice, _Mapping]] = ..., response_format: _Optional[_Union[ResponseFormat, _Mapping]] = ..., expected_idle_ms: _Optional[int] = ..., retention: _Optional[_Union[Retention, str]] = ..., priority: _Optional[_Union[Priority, str]] = ..., tenant: _Optional[str] = ..., allow_special_tokens: _Optional[bool] = ..., whole_conversation: _Optional[bool] = ...) -> None: ...
+    stream_interval: int
+    def __init__(self, text: _Optional[str] = ..., chat: _Optional[_Union[Chat, _Mapping]] = ..., tokens: _Optional[_Union[TokenIds, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., n: _Optional[int] = ..., request_id: _Optional[str] = ..., session_id: _Optional[str] = ..., parent_candidate: _Optional[int] = ..., tools: _Optional[_Iterable[_Union[Tool, _Mapping]]] = ..., tool_choice: _Optional[_Union[ToolChoice, _Mapping]] = ..., response_format: _Optional[_Union[ResponseFormat, _Mapping]] = ..., expected_idle_ms: _Optional[int] = ..., retention: _Optional[_Union[Retention, str]] = ..., priority: _Optional[_Union[Priority, str]] = ..., tenant: _Optional[str] = ..., allow_special_tokens: _Optional[bool] = ..., whole_conversation: _Optional[bool] = ..., stream_interval: _Optional[int] = ...) -> None: ...
 
 class TopLogprob(_message.Message):
     __slots__ = ("token_id", "logprob", "token")

@@ -84,7 +84,9 @@ async def serve(
         ("grpc.so_reuseport", 0),
     ]
     server = grpc.aio.server(interceptors=interceptors, options=options)
-    service = CbdService(tokens=tokens, admin_token_name=server_config.admin_token_name)
+    service = CbdService(
+        tokens=tokens, admin_token_name=server_config.admin_token_name, stream_interval=server_config.stream_interval
+    )
     add_cbd_service(service, server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)

@@ -13,6 +13,7 @@ import re
 
 from cbd.engine.sessions.records import check_client_session_id
 from cbd.errors import InvalidRequest
+from cbd.server.stream_interval import MAX_STREAM_INTERVAL
 from cbd_client.v1 import cbd_pb2 as pb
 
 MAX_REQUEST_ID_CHARS = 128
@@ -77,3 +78,12 @@ def prompt_chars(message: pb.GenerateRequest | pb.TokenizeRequest | pb.OpenSessi
     if isinstance(message, pb.GenerateRequest):
         size += sum(len(t.name) + len(t.description) + len(t.parameters) for t in message.tools)
     return size
+
+
+def stream_interval(request: pb.GenerateRequest) -> int | None:
+    """The request's own stream_interval (None: unset, the daemon chooses by its class)."""
+    if not request.HasField("stream_interval"):
+        return None
+    if not 1 <= request.stream_interval <= MAX_STREAM_INTERVAL:
+        raise InvalidRequest(f"stream_interval must be 1-{MAX_STREAM_INTERVAL} tokens, got {request.stream_interval}")
+    return request.stream_interval

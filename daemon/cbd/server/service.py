@@ -31,6 +31,7 @@ from cbd.server.info import stats as stats_message
 from cbd.server.logs import request_line
 from cbd.server.metrics import Metrics, priority_label
 from cbd.server.prompts import PromptEncoder
+from cbd.server.stream_interval import StreamInterval
 from cbd.server.structured import structure
 from cbd.server.tenancy import Caller, in_client_terms, new_session_id, split_key
 from cbd.server.turns import submit_turn
@@ -46,11 +47,16 @@ PROMPT_THREADS = 2
 
 class CbdService(_Base):
     def __init__(
-        self, metrics: Metrics | None = None, tokens: dict[str, bytes] | None = None, admin_token_name: str = ""
+        self,
+        metrics: Metrics | None = None,
+        tokens: dict[str, bytes] | None = None,
+        admin_token_name: str = "",
+        stream_interval: int = 1,
     ) -> None:
         self.engine: RemoteEngine | None = None  # set once the engine process serves
         self.tokens = tokens  # auth tokens by name: a caller's token name is its tenant
         self.admin_token_name = admin_token_name  # the operator's token (server/tenancy.py)
+        self.stream_interval = stream_interval  # tokens per message of a batch stream (server/stream_interval.py)
         self.prompts = PromptEncoder(None)
         self.chats = ChatLogs(None, ())
         # Bounded: at most PROMPT_THREADS prompts are tokenized at once (the tokenizer releases the GIL).
@@ -102,6 +108,7 @@ class CbdService(_Base):
         engine = self._engine()
         bounds.check_request_id(request.request_id)
         bounds.check_session_id(request.session_id)
+        own_interval = bounds.stream_interval(request)
         prompt_size = self._check_prompt(request)
         caller = self._caller(context)
         # The scheduling tenant: the token's name when auth is on (it wins over the field), else the field.
@@ -116,7 +123,8 @@ class CbdService(_Base):
             else None
         )
         # Unbounded: the engine never waits for a stream; one that fell behind gets what piled up merged.
-        outputs: asyncio.Queue[RequestOutput] = asyncio.Queue()
+        outputs: asyncio.Queue[list[RequestOutput]] = asyncio.Queue()
+        on_output = StreamInterval(outputs.put_nowait, own_interval, self.stream_interval, params.priority)
         arrived = time.monotonic()
         prompt_tokens: int | None = None  # known here for a plain request; a turn's (history + turn) from its usage
         # Client-chosen request ids live in the caller's namespace (server/tenancy.py); answers carry the client's.
@@ -127,7 +135,7 @@ class CbdService(_Base):
             with in_client_terms(*names):
                 request_id = await submit_turn(
                     engine, self.prompts, self.chats, self._prompt_work, request, session_key, proposed_id, params,
-                    outputs.put_nowait, structured.tools, prompt_size,
+                    on_output, structured.tools, prompt_size,
                 )  # fmt: skip
         elif request.HasField("parent_candidate"):
             raise InvalidRequest("parent_candidate names a candidate of a session's last turn; it needs session_id")
@@ -139,7 +147,7 @@ class CbdService(_Base):
             prompt = await self._prompt_work(prompt_size, self.prompts.encode, request, structured.tools)
             prompt_tokens = len(prompt)
             with in_client_terms(*names):
-                request_id = engine.submit(prompt, params, proposed_id, outputs.put_nowait)  # makes an id if none
+                request_id = engine.submit(prompt, params, proposed_id, on_output)  # makes an id if none
         client_request_id = split_key(request_id)[1]
         output: RequestOutput | None = None
         priority = params.priority  # the class it runs in, known for sure from its first output
@@ -148,9 +156,9 @@ class CbdService(_Base):
         finishes: set[str] = set()
         try:
             while output is None or not output.finished:
-                pending = [await outputs.get()]
+                pending = await outputs.get()  # one or more outputs, as the stream interval gathers them
                 while not outputs.empty():  # this stream fell behind the engine: what piled up goes as one message
-                    pending.append(outputs.get_nowait())
+                    pending = pending + outputs.get_nowait()
                 elapsed = time.monotonic() - arrived
                 for out in pending:  # metrics count every engine output, merged or not
                     finishes.update(d.finish_reason.value for d in out.candidates if d.finish_reason is not None)

@@ -14,6 +14,7 @@ from dataclasses import MISSING, dataclass, fields
 from typing import Any
 
 from cbd.config import EngineConfig, config_from_dict
+from cbd.server.stream_interval import MAX_STREAM_INTERVAL
 from cbd_client.address import default_address
 
 
@@ -73,6 +74,10 @@ class ServerConfig:
     # Seconds the engine loop may go without a step while work is pending before health turns NOT_SERVING
     # and the systemd watchdog stops being fed.
     stall_seconds: float = 30.0
+    # Tokens per stream message of a BATCH request that does not set GenerateRequest.stream_interval (an
+    # interactive one gets every step's tokens at once): fewer, larger messages cost the daemon and its
+    # clients less per token at large batches. 1: a message per step.
+    stream_interval: int = 8
 
     def __post_init__(self) -> None:
         if self.shutdown_grace < 0:
@@ -101,6 +106,8 @@ class ServerConfig:
             raise ValueError("admin_token_name names a token of auth_token_file; set auth_token_file too")
         if self.tls_client_ca_file and not self.tls_cert_file:
             raise ValueError("tls_client_ca_file (mutual TLS) needs tls_cert_file and tls_key_file")
+        if not 1 <= self.stream_interval <= MAX_STREAM_INTERVAL:
+            raise ValueError(f"stream_interval must be in [1, {MAX_STREAM_INTERVAL}], got {self.stream_interval}")
         if self.stall_seconds <= 0:
             raise ValueError(f"stall_seconds must be > 0, got {self.stall_seconds}")
         if self.log_level.upper() not in ("DEBUG", "INFO", "WARNING", "ERROR"):

@@ -1,0 +1,58 @@
+"""A stream's outputs gathered by its interval (server/stream_interval.py): the first token at once, then a
+delivery when a candidate has gathered the interval, a candidate ends or the request ends; everything
+delivered in order, nothing lost; the class (and so the default interval) from the first output."""
+
+from __future__ import annotations
+
+from cbd.engine.outputs import CandidateDelta, RequestOutput
+from cbd.engine.sampling_params import PRIORITY_BATCH, PRIORITY_INTERACTIVE
+from cbd.engine.sequence import FinishReason
+from cbd.server.stream_interval import StreamInterval
+
+
+def step(*tokens: list[int], priority: int | None = None, finish: bool = False) -> RequestOutput:
+    reason = FinishReason.LENGTH if finish else None
+    deltas = [CandidateDelta(i, list(t), "", finish_reason=reason) for i, t in enumerate(tokens)]
+    return RequestOutput("r", deltas, finished=finish, priority=priority)
+
+
+def deliveries(stream: list[RequestOutput], own: int | None, batch: int = 4, asked: int | None = None):  # type: ignore[no-untyped-def]
+    got: list[list[RequestOutput]] = []
+    callback = StreamInterval(got.append, own, batch, asked)
+    for out in stream:
+        callback(out)
+    return got
+
+
+def test_a_batch_stream_sends_its_first_token_at_once_then_every_interval_and_its_end() -> None:
+    stream = [step([i], priority=PRIORITY_BATCH if i == 0 else None) for i in range(10)] + [step([10], finish=True)]
+    got = deliveries(stream, None)
+    assert [[o.candidates[0].token_ids[0] for o in d] for d in got] == [[0], [1, 2, 3, 4], [5, 6, 7, 8], [9, 10]]
+    assert [o for d in got for o in d] == stream  # in order, each once
+
+
+def test_an_interactive_stream_passes_each_output_on_unless_it_asks_for_an_interval() -> None:
+    stream = [step([i], priority=PRIORITY_INTERACTIVE if i == 0 else None) for i in range(6)]
+    assert [len(d) for d in deliveries(stream, None)] == [1] * 6
+    assert [len(d) for d in deliveries(stream, 2)] == [1, 2, 2]  # its own interval; the last 1 still held
+
+
+def test_several_tokens_per_step_and_a_candidate_that_ends_early() -> None:
+    first = step([1], [2], priority=PRIORITY_BATCH)
+    drafts = step([1, 2, 3], [4])  # one candidate kept three tokens in one step (speculation)
+    more = step([5], [6])
+    ends = RequestOutput("r", [CandidateDelta(0, [7], ""), CandidateDelta(1, [8], "", finish_reason=FinishReason.STOP)])
+    got = deliveries([first, drafts, more, ends], None)
+    assert got == [[first], [drafts, more], [ends]]  # candidate 0 reached 4 at `more`; candidate 1 ended
+
+
+def test_a_stream_whose_first_outputs_carry_no_token_holds_them_with_the_first_token() -> None:
+    empty = RequestOutput("r", [], priority=PRIORITY_BATCH)
+    token = step([3])
+    assert deliveries([empty, token], None) == [[empty, token]]
+
+
+def test_a_request_that_asked_for_batch_is_gathered_until_its_first_output_says_otherwise() -> None:
+    # It asked for batch but runs interactive (a session turn of an interactive session): each step at once.
+    stream = [step([0], priority=PRIORITY_INTERACTIVE), step([1]), step([2])]
+    assert [len(d) for d in deliveries(stream, None, asked=PRIORITY_BATCH)] == [1, 1, 1]
