@@ -208,7 +208,7 @@ def profile(label: str, pids: dict[str, int], seconds: float, rate: int = 200) -
 
 def through_daemon(
     d: DaemonProcess, metrics_port: int, batch: list[list[int]], new_tokens: int, processes: int,
-    profile_label: str | None = None,
+    profile_label: str | None = None, stream_interval: int = 1,
 ) -> dict[str, object]:  # fmt: skip
     busy: list[float] = []
     done = threading.Event()
@@ -238,7 +238,7 @@ def through_daemon(
         sampler.start()
         profiler = threading.Thread(target=profile_soon)
         profiler.start()
-        result = run(d.address, [Call(p, new_tokens) for p in batch], processes)
+        result = run(d.address, [Call(p, new_tokens, stream_interval=stream_interval) for p in batch], processes)
         done.set()
         sampler.join()
         profiler.join()
@@ -282,6 +282,7 @@ def daemon_runs(
     env: dict[str, str] | None,
 ) -> dict[int, dict[str, object]]:
     port = free_port()
+    intervals = [int(k) for k in args.stream_intervals.split(",") if k and int(k) != 1]
     with tempfile.TemporaryDirectory() as tmp:
         d = DaemonProcess(Path(tmp) / "cbd.sock", "--config", str(config_file), "--metrics-port", str(port), env=env)
         try:
@@ -305,6 +306,14 @@ def daemon_runs(
                     r = through_daemon(d, port, batch, n, args.client_processes, label)
                     print(f"{label} B={b} profiled: {r['tok_s']:.0f} tok/s, {r['ms_step']:.2f} ms/step", flush=True)
                     best[b]["profile"] = r["profile"]
+                for k in intervals if label == "daemon" else []:  # the same calls, k tokens per stream message
+                    for _ in range(args.rounds):
+                        r = through_daemon(d, port, batch, n, args.client_processes, stream_interval=k)
+                        print(f"{label} B={b} interval {k}: {r['tok_s']:.0f} tok/s, {r['ms_step']:.2f} ms/step, "
+                              f"{r['messages']} messages", flush=True)  # fmt: skip
+                        kept = best[b].setdefault("intervals", {})  # type: ignore[union-attr]
+                        if k not in kept or r["tok_s"] > kept[k]["tok_s"]:
+                            kept[k] = r
             if gateway is not None:
                 gateway[0].terminate()
                 gateway[0].wait(30)
@@ -330,6 +339,7 @@ def main() -> None:
     parser.add_argument("--skip-in-process", action="store_true")
     parser.add_argument("--gateway", action="store_true", help="also drive the daemon through `cbd openai`")
     parser.add_argument("--before", help="also run a daemon from this source tree (DIR/daemon, DIR/client)")
+    parser.add_argument("--stream-intervals", default="", help="also run the daemon's calls with these stream_interval")
     args = parser.parse_args()
     checkpoint = Path(args.checkpoint)
     t0 = time.perf_counter()
@@ -410,6 +420,16 @@ def report(
         frontend_ms = sum(v for k, v in cpu.items() if k.startswith("frontend:"))
         print(f"{b:4d} {gpu_ms:16.2f} {1000 * b / gpu_ms:14.0f} {remote[b]['tok_s'] / (1000 * b / gpu_ms):17.2f} "  # type: ignore[operator]
               f"{1000 * engine_ms / b:36.1f} {1000 * frontend_ms / b:8.1f}")  # fmt: skip
+    for b, _, _ in workloads:  # the same calls with a stream interval
+        gpu_ms = local.get(b, {}).get("gpu_ms", float("nan"))
+        for k, r in remote[b].get("intervals", {}).items():  # type: ignore[union-attr]
+            cpu = r["cpu_ms_per_step"]
+            engine_ms = sum(v for key, v in cpu.items() if key.startswith("engine:"))
+            frontend_ms = sum(v for key, v in cpu.items() if key.startswith("frontend:"))
+            print(f"{b:4d} stream_interval {k:3d}: {r['tok_s']:.0f} tok/s, {r['ms_step']:.2f} ms/step, "
+                  f"daemon / GPU-only {r['tok_s'] / (1000 * b / gpu_ms):.2f}, host CPU us/seq/step engine "
+                  f"{1000 * engine_ms / b:.1f} frontend {1000 * frontend_ms / b:.1f}, {r['messages']} messages "
+                  f"(interval 1: {remote[b]['messages']})")  # fmt: skip
     for label, runs in (("daemon", remote), ("before", before or {})):
         for b, r in runs.items():
             if b < 0:

@@ -25,6 +25,7 @@ class Call:
     max_tokens: int
     temperature: float = 0.0
     ignore_eos: bool = True
+    stream_interval: int | None = None  # tokens per stream message (gRPC only; None: the daemon's default)
 
 
 @dataclass(slots=True)
@@ -86,6 +87,7 @@ def _client(address: str, calls: list[Call], ready: mp.Queue, go: mp.Event, done
             pb.GenerateRequest(
                 tokens=pb.TokenIds(ids=c.prompt),
                 sampling=pb.SamplingParams(max_tokens=c.max_tokens, temperature=c.temperature, ignore_eos=c.ignore_eos),
+                stream_interval=c.stream_interval,
             )
             for c in calls
         ]
