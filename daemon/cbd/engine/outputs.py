@@ -1,4 +1,10 @@
-"""What the engine hands back each step: per-request deltas, one entry per candidate that moved."""
+"""What the engine hands back each step: per-request deltas, one entry per candidate that moved.
+
+The per-step types (an output per request per step, a delta per candidate) are msgspec structs encoded
+as arrays: they cross from the engine process to the frontend in every step's Events message, where
+decoding them is per-sequence work of every step (a fifth of the bytes and under half the time of
+dataclasses encoded as maps).
+"""
 
 from __future__ import annotations
 
@@ -6,25 +12,24 @@ import bisect
 from collections.abc import Collection
 from dataclasses import dataclass, field
 
+import msgspec
+
 from cbd.engine.sequence import FinishReason
 
 
-@dataclass(slots=True)
-class TokenLogprob:
+class TokenLogprob(msgspec.Struct, array_like=True, omit_defaults=True):
     token_id: int
     logprob: float
-    top: list[tuple[int, float]] = field(default_factory=list)  # best alternatives, most likely first
+    top: list[tuple[int, float]] = msgspec.field(default_factory=list)  # best alternatives, most likely first
 
 
-@dataclass(frozen=True, slots=True)
-class Usage:
+class Usage(msgspec.Struct, frozen=True, array_like=True):
     prompt_tokens: int
     cached_prompt_tokens: int
     completion_tokens: int
 
 
-@dataclass(slots=True)
-class CandidateDelta:
+class CandidateDelta(msgspec.Struct, array_like=True, omit_defaults=True):
     index: int
     token_ids: list[int]
     text: str
@@ -33,8 +38,7 @@ class CandidateDelta:
     usage: Usage | None = None  # this candidate's, on its last delta
 
 
-@dataclass(slots=True)
-class RequestOutput:
+class RequestOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     request_id: str
     candidates: list[CandidateDelta]
     finished: bool = False
