@@ -39,17 +39,6 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def engine_pid(frontend: int) -> int:
-    for p in Path("/proc").iterdir():
-        if p.name.isdigit():
-            try:
-                if int((p / "stat").read_text().rsplit(")", 1)[1].split()[1]) == frontend:
-                    return int(p.name)
-            except (OSError, ValueError):
-                continue
-    raise RuntimeError("no engine process")
-
-
 def one_run(d: DaemonProcess, engine: int, prompts: list[list[int]], new_tokens: int, k: int, procs: int) -> dict:
     with Client(d.address, timeout=60) as client:
         steps0 = client.stats().num_steps
@@ -91,7 +80,7 @@ def main() -> None:
         best: dict[tuple[int, int], dict] = {}
         try:
             d.wait_serving()
-            engine = engine_pid(d.process.pid)
+            engine = d.engine_pid()
             for _ in range(args.rounds):
                 for b in batches:
                     prompts = [[rng.randrange(100, 49000) for _ in range(args.prompt_len)] for _ in range(b)]

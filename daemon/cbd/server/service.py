@@ -158,7 +158,7 @@ class CbdService(_Base):
             while output is None or not output.finished:
                 pending = await outputs.get()  # one or more outputs, as the stream interval gathers them
                 while not outputs.empty():  # this stream fell behind the engine: what piled up goes as one message
-                    pending = pending + outputs.get_nowait()
+                    pending.extend(outputs.get_nowait())  # each list is the stream's own (StreamInterval)
                 elapsed = time.monotonic() - arrived
                 for out in pending:  # metrics count every engine output, merged or not
                     finishes.update(d.finish_reason.value for d in out.candidates if d.finish_reason is not None)

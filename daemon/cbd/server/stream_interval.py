@@ -46,8 +46,7 @@ class StreamInterval:
     def __call__(self, out: RequestOutput) -> None:
         if out.priority is not None:  # the first output: the class it runs in
             self._tokens = self._interval(out.priority)
-        if self._tokens == 1 and not self._held:
-            self._started = self._started or any(d.token_ids for d in out.candidates)
+        if self._tokens == 1 and not self._held:  # the interval is fixed from here on (priority: first output only)
             self._deliver([out])
             return
         self._held.append(out)
