@@ -33,6 +33,7 @@ from typing import Any
 from cbd.config import EngineConfig
 from cbd.engine.admission import Admission
 from cbd.engine.build import build_parts
+from cbd.engine.device.block_tables import BlockTableRows
 from cbd.engine.device.runner import InflightStep
 from cbd.engine.device.step_inputs import pack_step
 from cbd.engine.emitter import Emitter
@@ -87,6 +88,8 @@ class EngineCore:
             self.scheduler, self.sessions, self.host_tier, self.runner,
             self.checkpoints.disk if self.checkpoints is not None else None,
         )  # fmt: skip
+        # Rows of the device's block table (device/block_tables.py): twice a step's sequences, and padding's.
+        self.tables = BlockTableRows(2 * config.max_num_seqs + 1, self.runner.table_columns, self.runner.scratch_block)
         self.phases = StepPhases()  # where each step's host time goes (the engine loop starts and files it)
         self._inflight: _Launched | None = None
         self._seq_ids = itertools.count()
@@ -226,7 +229,7 @@ class EngineCore:
     def _launch(self, plan: StepPlan) -> _Launched:
         """Launch a planned (and already booked) step: its forward, and its sampling unless it has constrained
         rows (those wait for their masks: `runner.sample_masked`, see step())."""
-        batch = pack_step(plan, self.runner.graph_bucket, self.runner.scratch_block)
+        batch = pack_step(plan, self.runner.graph_bucket, self.tables)
         if plan.fences and self.host_tier is not None:  # it reuses GPU blocks a copy to the host still reads
             self.host_tier.fence_compute(plan.fences)
         step = self.runner.launch(batch)

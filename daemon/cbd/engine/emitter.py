@@ -24,7 +24,7 @@ from cbd.engine.output_processor import OutputProcessor
 from cbd.engine.outputs import CandidateDelta, RequestOutput, TokenLogprob, Usage, merge_deltas
 from cbd.engine.sched.plan import SampleRow, StepPlan
 from cbd.engine.sched.scheduler import Scheduler
-from cbd.engine.sequence import FinishReason, Request, Sequence
+from cbd.engine.sequence import FinishReason, Request, Sequence, SequenceStatus
 from cbd.engine.sessions.manager import SessionManager
 
 log = logging.getLogger(__name__)
@@ -47,22 +47,30 @@ class Emitter:
         answered, after putting the tokens in place), finishing the candidates it ends; one output per
         request that got tokens."""
         deltas: dict[str, tuple[Sequence, list[CandidateDelta]]] = {}
+        samples, on_token = plan.samples, self.processor.on_token
+        with_logprobs = sampled.logprobs is not None
+        ended = False  # some candidate finished: its request may have ended
         for i in rows:
-            row = plan.samples[i]
+            row = samples[i]
             seq = row.target
-            if seq.is_finished:  # it stopped at an earlier token of the drafts it kept: nothing past it
+            if seq.status is SequenceStatus.FINISHED:  # it stopped at an earlier token of the drafts it kept
                 continue
-            delta = self.processor.on_token(seq, row.position, _logprob(sampled, row, i))
-            self.num_generated_tokens += 1
+            delta = on_token(seq, row.position, _logprob(sampled, row, i) if with_logprobs else None)
             if delta.finish_reason is not None:
+                ended = True
                 del seq.token_ids[row.position + 1 :]  # a token already in flight for it is dropped
                 seq.num_placeholders = 0
                 if seq.request.session is not None:  # keep its KV for the session's next turn
                     self.sessions.candidate_finished(seq.request.session, seq)
                 self.scheduler.finish(seq)
                 delta.usage = _usage(seq.request, seq.num_output_tokens)
-            deltas.setdefault(seq.request.request_id, (seq, []))[1].append(delta)
-        return [self.output(seq.request, merge_deltas(ds)) for seq, ds in deltas.values()]
+            entry = deltas.get(seq.request.request_id)
+            if entry is None:
+                deltas[seq.request.request_id] = (seq, [delta])
+            else:
+                entry[1].append(delta)
+        self.num_generated_tokens += sum(len(ds) for _, ds in deltas.values())
+        return [self.output(seq.request, merge_deltas(ds), ended) for seq, ds in deltas.values()]
 
     def fail(self, request: Request, reason: FinishReason) -> RequestOutput:
         """End every unfinished candidate of request (and the forks it has not made yet) with reason."""
@@ -79,14 +87,15 @@ class Emitter:
             seq.pending_forks = 0
         return self.output(request, deltas)
 
-    def output(self, request: Request, deltas: list[CandidateDelta]) -> RequestOutput:
-        """The request's output of these deltas; a finished request's ends its turn and releases its record."""
+    def output(self, request: Request, deltas: list[CandidateDelta], ended: bool = True) -> RequestOutput:
+        """The request's output of these deltas; a finished request's ends its turn and releases its record.
+        ended False: no candidate finished since the last output (the request cannot have ended)."""
         out = RequestOutput(request.request_id, deltas)
         if not request.queue_reported and request.first_scheduled is not None:
             out.queue_seconds = request.first_scheduled - request.arrival_time
             out.priority = request.priority
             request.queue_reported = True
-        if request.is_finished:
+        if ended and request.is_finished:
             if request.session is not None:
                 ok = all(sq.finish_reason in (FinishReason.STOP, FinishReason.LENGTH) for sq in request.sequences)
                 out.turn_ok = ok and len(request.sequences) == request.params.n  # the frontend's chat log follows it

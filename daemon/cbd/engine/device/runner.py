@@ -100,6 +100,9 @@ class ModelRunner:
         self.streams = DeviceStreams(self.device)
         self.stager = InputStager(self.streams)
         self.max_blocks_per_seq = -(-max_model_len // block_size)
+        # Block-table columns a sequence can need: its context, and a verifying step's padding queries past it.
+        self.table_columns = self.max_blocks_per_seq + -(-max(verify_queries, default=1) // block_size)
+        self._tables: torch.Tensor | None = None  # the persistent block table (block_tables.py), made at first use
         self.graphs: DecodeGraphs | None = None
         if cuda_graph_max_batch > 0 and self.streams.cuda and self.backend.supports_cuda_graphs:
             assert self.streams.compute is not None
@@ -281,9 +284,9 @@ class ModelRunner:
 
     # ---- internals --------------------------------------------------------------------------
     def _forward(self, t: StepTensors, meta: StepMeta) -> torch.Tensor:
-        batch, width = meta.batch, meta.width
+        batch = meta.batch
         ids, ctx = t.ids, t.ctx
-        tables = t.tables.view(batch, width)
+        tables = self._block_tables(t, meta)
         if meta.graph:
             assert self.graphs is not None
             logits = self.graphs.run(batch, meta.queries, ids, ctx, tables, t.query_lens)
@@ -306,6 +309,16 @@ class ModelRunner:
         layout = BatchLayout(slots, qstart, ctx, tables, meta.max_query_len, meta.max_context_len, meta.num_decodes)
         meta_attn = self.backend.prepare(layout, decode_splits=splits)
         return self.model(ids, positions, self.kv_caches, meta_attn, t.logits_rows)
+
+    def _block_tables(self, t: StepTensors, meta: StepMeta) -> torch.Tensor:
+        """The step's block tables [batch, width]: the writes it brings applied to the persistent table, then
+        its sequences' rows gathered (block_tables.py)."""
+        if self._tables is None:
+            self._tables = torch.full(meta.table_shape, self.scratch_block, dtype=torch.int64, device=self.device)
+        assert self._tables.shape == meta.table_shape, "the block table's shape is fixed by its first step"
+        if t.table_index is not None and t.table_values is not None:
+            self._tables.view(-1).index_copy_(0, t.table_index, t.table_values)
+        return self._tables[:, : meta.width].index_select(0, t.table_rows)
 
     def _copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         bs = self.block_size

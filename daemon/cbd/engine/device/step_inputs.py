@@ -18,21 +18,24 @@ the copy overwrites the device buffer, the h2d stream waits until compute has fi
 
 from __future__ import annotations
 
+from array import array
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 
+from cbd.engine.device.block_tables import PADDING_ROW, BlockTableRows
 from cbd.engine.device.streams import DeviceStreams
 from cbd.engine.sched.plan import StepPlan
 
 
 @dataclass(slots=True)
 class PackedStep:
-    """Host-side packing of one step; `add` appends a named int64 array, `add_float` a float32 one."""
+    """Host-side packing of one step; `add` appends a named int64 array, `add_float` a float32 one. The
+    arrays are `array.array`s: built from lists in C and staged as one buffer (no per-element conversion)."""
 
-    ints: list[int] = field(default_factory=list)
-    floats: list[float] = field(default_factory=list)
+    ints: array = field(default_factory=lambda: array("q"))
+    floats: array = field(default_factory=lambda: array("f"))
     int_fields: dict[str, tuple[int, int]] = field(default_factory=dict)
     float_fields: dict[str, tuple[int, int]] = field(default_factory=dict)
 
@@ -40,12 +43,12 @@ class PackedStep:
         if len(self.ints) % 2:
             self.ints.append(0)  # 16-byte aligned views: kernels see one alignment, so compile once
         self.int_fields[name] = (len(self.ints), len(values))
-        self.ints += values
+        self.ints.fromlist(values)
 
     def add_float(self, name: str, values: list[float]) -> None:
-        self.floats += [0.0] * (-len(self.floats) % 4)
+        self.floats.fromlist([0.0] * (-len(self.floats) % 4))
         self.float_fields[name] = (len(self.floats), len(values))
-        self.floats += values
+        self.floats.fromlist(values)
 
 
 @dataclass(slots=True)
@@ -54,7 +57,7 @@ class StepMeta:
 
     num_seqs: int  # scheduled sequences (chunks)
     batch: int  # rows of the forward: num_seqs, or the CUDA-graph bucket it is padded to
-    width: int  # block-table columns
+    width: int  # block-table columns the step reads
     graph: bool  # run the captured graph of (`batch`, `queries`)
     decode_only: bool  # one new token per sequence, one sample row per sequence
     max_query_len: int
@@ -69,6 +72,7 @@ class StepMeta:
     # Some row samples under a grammar: launch runs the forward only, and the sampling waits for the rows'
     # token masks (runner.sample_masked; engine/device/token_masks.py). Without one, launch samples at once.
     masked: bool = False
+    table_shape: tuple[int, int] = (0, 0)  # the device block table's rows and columns (block_tables.py)
 
 
 @dataclass(slots=True)
@@ -89,7 +93,9 @@ class StepTensors:
     ctx: torch.Tensor  # [batch] int64 context length after this step
     logits_rows: torch.Tensor  # [S] int64 rows whose logits are sampled: one per sampled token (a
     # verifying chunk samples each of its 1 + k), numbered as the forward lays rows out (a verifying graph's padded rows)
-    tables: torch.Tensor  # [batch * width] int64 block tables, padded with the scratch block
+    table_rows: torch.Tensor  # [batch] int64 the row of the device's block table each sequence reads (block_tables.py)
+    table_index: torch.Tensor | None = None  # [U] int64 flat positions in that table written before the step
+    table_values: torch.Tensor | None = None  # [U] int64 the block ids written there
     row_logits: torch.Tensor | None = None  # [R] index into logits_rows per sample row (forks repeat one)
     query_lens: torch.Tensor | None = None  # [batch] a verifying graph's step: the real tokens of each sequence
     carry_dst: torch.Tensor | None = None  # [C] positions in ids filled from the previous step's tokens
@@ -151,9 +157,9 @@ class InputStager:
         n_i, n_f = len(packed.ints), len(packed.floats)
         slot.ensure(n_i, n_f)
         if n_i:
-            slot.host_i[:n_i] = torch.tensor(packed.ints, dtype=torch.int64)
+            slot.host_i[:n_i] = torch.frombuffer(packed.ints, dtype=torch.int64)
         if n_f:
-            slot.host_f[:n_f] = torch.tensor(packed.floats, dtype=torch.float32)
+            slot.host_f[:n_f] = torch.frombuffer(packed.floats, dtype=torch.float32)
         if s.cuda:
             with s.on(s.h2d):
                 s.wait(s.h2d, slot.consumed)  # step N-1 (same slot) has finished reading the device copy
@@ -172,10 +178,11 @@ class InputStager:
 
 
 def pack_step(
-    plan: StepPlan, graph_bucket: Callable[[int, int], tuple[int, int] | None], scratch_block: int
+    plan: StepPlan, graph_bucket: Callable[[int, int], tuple[int, int] | None], tables: BlockTableRows
 ) -> StepBatch:
     """Pack a planned step. Reads only what the plan recorded when it was made (chunk starts, carry
-    rows, sample rows): the scheduler has already advanced the sequences past it.
+    rows, sample rows), and the sequences' block tables (the scheduler has already advanced the sequences
+    past the plan; their tables cover it). tables: the device block table's rows (block_tables.py).
     graph_bucket(num_seqs, max_queries): the captured graph (batch, queries) for a step whose every
     sequence samples after each of its new tokens (a decode step, or one verifying drafts), or None.
     A verifying graph's step is packed padded: every sequence's tokens fill `queries` rows."""
@@ -196,7 +203,7 @@ def pack_step(
     logits_rows: list[int] = []
     carry_dst: list[int] = []
     carry_src: list[int] = []
-    tables: list[list[int]] = []
+    width = 1
     for chunk in plan.chunks:
         seq, start, n = chunk.seq, chunk.start, chunk.num_new_tokens
         ids += seq.token_ids[start : start + n]
@@ -210,19 +217,17 @@ def pack_step(
         qstart.append(len(ids))
         ctx.append(start + n)
         query_lens.append(n)
-        tables.append(seq.block_table)
+        width = max(width, len(seq.block_table))
     max_context_len = max(ctx)
+    table_index: list[int] = []
+    table_values: list[int] = []
+    table_rows = tables.sync([c.seq for c in plan.chunks], table_index, table_values)
     if graph is not None:  # pad to the bucket: sequences that touch only the scratch block
         pad = batch - num_seqs
         ids += [0] * (pad * queries)
         ctx += [1] * pad
         query_lens += [1] * pad
-        tables += [[scratch_block]] * pad
-    width = max(len(t) for t in tables)
-    flat_tables: list[int] = []
-    for t in tables:
-        flat_tables += t
-        flat_tables += [scratch_block] * (width - len(t))
+        table_rows += [PADDING_ROW] * pad
     packed = PackedStep()
     packed.add("ids", ids)
     packed.add("qstart", qstart)
@@ -240,7 +245,10 @@ def pack_step(
     if carry_dst:
         packed.add("carry_dst", carry_dst)
         packed.add("carry_src", carry_src)
-    packed.add("tables", flat_tables)
+    packed.add("table_rows", table_rows)
+    if table_index:
+        packed.add("table_index", table_index)
+        packed.add("table_values", table_values)
     params = [r.source.request.params for r in rows]
     any_random = any(not p.greedy for p in params)
     if any_random:
@@ -259,6 +267,6 @@ def pack_step(
         any_min_p=any(not p.greedy and p.min_p > 0.0 for p in params),
         max_logprobs=max(wanted) if wanted else None, queries=queries,
         num_decodes=next((i for i, n in enumerate(query_lens[:num_seqs]) if n != 1), num_seqs),
-        masked=plan.constrained,
+        masked=plan.constrained, table_shape=(tables.num_rows, tables.num_columns),
     )  # fmt: skip
     return StepBatch(packed, meta, plan.block_copies)

@@ -92,9 +92,21 @@ class BlockManager:
     def commit(self, seq: Sequence) -> None:
         """Register hashes of seq's blocks that are full, computed (or being computed, in stream order
         before any later reader) and whose token ids are all known."""
+        self.commit_all((seq,))
+
+    def commit_all(self, seqs: Iterable[Sequence]) -> None:
+        """`commit` each of seqs; a sequence with no block newly full costs one comparison (a step's decodes
+        fill a block every `block_size` tokens)."""
         if not self.enable_prefix_caching:
             return
-        end = min(seq.num_computed_tokens, seq.num_known_tokens) // self.block_size
+        size = self.block_size
+        for seq in seqs:
+            tokens = len(seq.token_ids)
+            end = min(seq.num_computed_tokens, tokens - seq.num_placeholders - seq.num_draft) // size
+            if end != seq.num_committed_blocks:
+                self._commit_blocks(seq, end)
+
+    def _commit_blocks(self, seq: Sequence, end: int) -> None:
         for index in range(min(seq.num_committed_blocks, len(seq.block_table)), end):
             block = self.blocks[seq.block_table[index]]
             if block.hash is not None:
@@ -118,6 +130,16 @@ class BlockManager:
         return count
 
     # ---- growth -----------------------------------------------------------------------------
+    def fits(self, seq: Sequence, num_new_tokens: int) -> bool:
+        """Whether seq's next num_new_tokens fit in the blocks it has, the partial one private: `append`
+        would do nothing (a decode step's case for block_size - 1 of every block_size steps)."""
+        start, capacity = seq.num_computed_tokens, len(seq.block_table) * self.block_size
+        return (
+            start < capacity
+            and start + num_new_tokens <= capacity
+            and (self.blocks[seq.block_table[start // self.block_size]].ref_count == 1)
+        )
+
     def can_append(self, seq: Sequence, num_new_tokens: int) -> bool:
         return self.blocks_needed_for(seq, num_new_tokens) <= self.num_free_blocks
 

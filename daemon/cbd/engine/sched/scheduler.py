@@ -124,6 +124,11 @@ class Scheduler:
                 index += 1  # its last token is being sampled: nothing left to compute
                 continue
             num_new = min(seq.num_uncomputed, budget)
+            if bm.fits(seq, num_new):  # most decodes: no block to add or copy
+                plan.chunks.append(ScheduledChunk(seq, num_new))
+                budget -= num_new
+                index += 1
+                continue
             while not self.make_room(seq, num_new):
                 short = True
                 victim = self._memory_victim(index, now)
@@ -168,9 +173,9 @@ class Scheduler:
                 request.prompt_cache_recorded = True
                 request.first_scheduled = now = now or time.monotonic()
             seq.num_computed_tokens += chunk.num_new_tokens
-            # Blocks whose tokens are all known can be shared at once: any later reader runs after
-            # this step on the compute stream, so it sees their KV.
-            bm.commit(seq)
+        # Blocks whose tokens are all known can be shared at once: any later reader runs after this step
+        # on the compute stream, so it sees their KV.
+        bm.commit_all([chunk.seq for chunk in plan.chunks])
         rows = plan.samples
         for chunk in plan.chunks:
             if not chunk.samples:
@@ -224,9 +229,7 @@ class Scheduler:
             if seq.grammar is not None:  # the token was sampled under this grammar's mask
                 seq.grammar.accept(token_ids[i])
             live.append(i)
-        for chunk in plan.chunks:
-            if not chunk.seq.is_finished:
-                self.block_manager.commit(chunk.seq)
+        self.block_manager.commit_all([c.seq for c in plan.chunks if c.seq.status is not SequenceStatus.FINISHED])
         return live
 
     def _preempt_for_priority(self, plan: StepPlan, now: float) -> None:

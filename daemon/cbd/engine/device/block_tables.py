@@ -1,0 +1,89 @@
+"""The block tables on the device: one persistent table whose rows the sequences hold, written where it changed.
+
+Without it a step packs, converts and copies every scheduled sequence's whole block table: B x context /
+block_size ids (at B = 256 and 1K-token contexts ~17K ids a step, 8x that at 8K). Instead the device keeps one
+table of `num_rows` x `num_columns` block ids, a sequence the packer sees holds one of its rows, and a step
+sends only which row each of its sequences reads and the entries that changed since the row was last
+written: for a decoding sequence one id every `block_size` steps.
+
+Host side (`BlockTableRows`, used by step_inputs.pack_step): per sequence id its row and a copy of what the
+row holds. A step's sequence whose table still starts with that copy gets only its new tail written; any
+other (a different list, or one edited in place: freed and re-admitted, forked, restored, copy-on-write of a
+shared block, drafts cut) gets its row rewritten, and the entries past its new end reset to the scratch
+block, so a row holds exactly its sequence's table followed by scratch entries, as the whole-table packing
+did. The comparison is the rule, not a promise from the table's writers: nothing that edits a block table
+has to tell this module. Rows are reused least recently used first; with twice as many rows as a step has
+sequences (plus one) a step never takes a row from another of its own sequences. Row 0 is never held:
+every entry is the scratch block, for a CUDA graph's padding sequences.
+
+Device side (ModelRunner): the writes are applied on the compute stream before the forward that reads
+them (index_copy_ into the flattened table, in step order, so a step in flight has read its rows before the
+next step's writes land); the step's tables are its rows' first `width` columns, gathered.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+from cbd.engine.sequence import Sequence
+
+PADDING_ROW = 0
+
+
+class BlockTableRows:
+    def __init__(self, num_rows: int, num_columns: int, scratch_block: int) -> None:
+        """num_rows: at least twice a step's sequences, plus the padding row."""
+        self.num_rows = num_rows
+        self.num_columns = num_columns
+        self.scratch_block = scratch_block
+        self._free = list(range(num_rows - 1, PADDING_ROW, -1))
+        self._lengths = [0] * num_rows  # leading entries of each row that are not the scratch block
+        # seq_id -> (row, a copy of the ids the row holds), least recently used first.
+        self._held: OrderedDict[int, tuple[int, list[int]]] = OrderedDict()
+
+    def sync(self, seqs: list[Sequence], index: list[int], values: list[int]) -> list[int]:
+        """The rows of seqs (a step's sequences, each once), appending the writes that bring them up to date
+        (flat positions into the table, block ids) to index and values."""
+        assert 2 * len(seqs) < self.num_rows, "a step's sequences must not take each other's rows"
+        held, columns = self._held, self.num_columns
+        rows = []
+        for seq in seqs:
+            table = seq.block_table
+            entry = held.get(seq.seq_id)
+            if entry is not None:
+                held.move_to_end(seq.seq_id)
+                row, copy = entry
+                rows.append(row)
+                synced, length = len(copy), len(table)
+                if length >= synced and table[:synced] == copy:  # nothing new, or a new tail (a new block)
+                    if length > synced:
+                        base = row * columns
+                        index += range(base + synced, base + length)
+                        new = table[synced:]
+                        values += new
+                        copy += new
+                        self._lengths[row] = length
+                    continue
+            else:
+                row = self._take()
+                rows.append(row)
+            self._rewrite(seq.seq_id, row, table, index, values)
+        return rows
+
+    def _rewrite(self, seq_id: int, row: int, table: list[int], index: list[int], values: list[int]) -> None:
+        """Row `row` holds seq_id's table from now on: all of it written, the old entries past it reset."""
+        length, old = len(table), self._lengths[row]
+        assert length <= self.num_columns, f"a block table of {length} blocks is wider than the device's"
+        base = row * self.num_columns
+        index += range(base, base + max(length, old))
+        values += table
+        values += [self.scratch_block] * (old - length)
+        self._lengths[row] = length
+        self._held[seq_id] = (row, list(table))
+
+    def _take(self) -> int:
+        """A row for a sequence that holds none: a free one, else the least recently used holder's."""
+        if self._free:
+            return self._free.pop()
+        _, (row, _) = self._held.popitem(last=False)
+        return row
