@@ -2,16 +2,19 @@
 
 A 1-layer Llama with hidden size 64 and the default model's vocabulary (49152) and tokenizer: the forward
 costs little, so what the engine thread spends per step is mostly its own Python work, the part that
-grows with the batch (what bench/daemon_gpu.py sees on a GPU as CPU time per step). The threaded
-engine as the daemon's engine process runs it (detokenising only for stop strings, one output callback
-per request per step). Per batch size B: B prompts of --prompt-len random tokens, greedy, EOS ignored,
---new-tokens each, all at once; best of --rounds. Decode steps only: each round also runs fresh prompts
-of the same length for 1 new token, and subtracts that run's steps and seconds (the prefill). The engine's own step-phase histograms
-(engine/step_phases.py, `cbd_engine_step_phase_seconds`) give each phase's seconds; printed as µs per
-sequence per step. "launch" includes the forward here (the CPU runs it in the engine thread), so the
-host figure is every phase but launch and wait. `--before DIR` runs the same from another source tree.
+grows with the batch (what bench/daemon_gpu.py sees on a GPU as CPU time per step). The engine core is
+stepped as the engine thread steps it (detokenising only for stop strings, an output callback per request,
+`deliver()` after each step), in sync mode as on any CPU. Per batch size B: B prompts of --prompt-len
+random tokens, greedy, EOS ignored, --new-tokens each, all at once; once every sequence decodes, the
+decode steps to the end are measured; best of --rounds. The engine's own step-phase laps
+(engine/step_phases.py, `cbd_engine_step_phase_seconds`) give each phase's seconds; "launch" holds the
+CPU forward here, so the host figure is every phase but launch and wait, plus the two host parts of
+launch timed apart (the bench wraps them): packing the step's inputs (`pack_step`) and staging them
+(`InputStager.stage`). Printed as µs per sequence per step. `--before DIR` runs the same from another
+source tree.
 
-    python bench/host_cost_cpu.py [--batches 32,128,256] [--new-tokens 64] [--rounds 2] [--before DIR]
+    python bench/host_cost_cpu.py [--batches 32,128,256] [--new-tokens 64] [--prompt-len 128] [--rounds 2]
+                                  [--before DIR]
 """
 
 from __future__ import annotations
@@ -23,12 +26,11 @@ import random
 import subprocess
 import sys
 import tempfile
-from dataclasses import replace
 from pathlib import Path
 
 import torch
 
-HOST_PHASES = ("intake", "schedule", "mask", "book", "emit", "deliver")
+HOST_PHASES = ("intake", "schedule", "pack", "stage", "mask", "book", "emit", "deliver")
 
 
 def build_checkpoint(directory: Path) -> None:
@@ -46,42 +48,79 @@ def build_checkpoint(directory: Path) -> None:
 
 
 def measure(checkpoint: str, batches: list[int], new_tokens: int, prompt_len: int, rounds: int) -> dict:
+    import time
+
+    import cbd.engine.core as core_module
     from cbd.config import EngineConfig
-    from cbd.engine.engine import Engine
+    from cbd.engine.core import EngineCore
+    from cbd.engine.device.step_inputs import InputStager
     from cbd.engine.outputs import STEP_PHASES
     from cbd.engine.sampling_params import SamplingParams
+    from cbd.engine.step_phases import DELIVER
+    from cbd.model.loader import load_model
 
     torch.set_num_threads(1)
     top = max(batches)
-    blocks = top * -(-(prompt_len + new_tokens) // 16) * 2 + 64
+    blocks = top * -(-(prompt_len + new_tokens) // 16) + 64
     config = EngineConfig(model=checkpoint, device="cpu", dtype="float32", block_size=16, num_kv_blocks=blocks,
-                          max_num_seqs=top, max_num_batched_tokens=max(2048, top), num_threads=1)  # fmt: skip
-    engine = Engine(config, detokenize=False)
+                          max_num_seqs=top, max_num_batched_tokens=max(16384, top), num_threads=1)  # fmt: skip
+    loaded = load_model(config.model, config.cache_dir, config.torch_device(), config.torch_dtype(),
+                        pack_cpu_gemm=config.cpu_packed_gemm)  # fmt: skip
+    core = EngineCore(loaded, config, detokenize=False)
+    # The two host parts of launch, timed by wrapping them (on the CPU the forward runs inside launch too).
+    packing = {"pack": 0.0, "stage": 0.0}
+
+    def timed(name: str, fn):  # type: ignore[no-untyped-def]
+        def wrapper(*args, **kwargs):  # type: ignore[no-untyped-def]
+            start = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                packing[name] += time.perf_counter() - start
+
+        return wrapper
+
+    core_module.pack_step = timed("pack", core_module.pack_step)  # type: ignore[assignment]
+    InputStager.stage = timed("stage", InputStager.stage)  # type: ignore[method-assign]
     params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
     rng = random.Random(0)
+    received = [0]
+
+    def on_output(out) -> None:  # type: ignore[no-untyped-def]
+        received[0] += 1
+
+    def run_until_idle() -> None:
+        while core.has_work():
+            core.step()
+            core.deliver()
+
     results: dict = {}
-    try:
-        engine.generate([[rng.randrange(100, 49000) for _ in range(prompt_len)]], params)  # warm-up
-        for b in batches:
-            for _ in range(rounds):
-                # Decode steps alone: a run of 1 new token (prefill) taken from one of new_tokens + 1,
-                # fresh prompts of the same length for each (no prefix shared with earlier runs).
-                runs = []
-                for n in (1, new_tokens + 1):
-                    prompts = [[rng.randrange(100, 49000) for _ in range(prompt_len)] for _ in range(b)]
-                    before = engine.stats()
-                    engine.generate(prompts, replace(params, max_tokens=n))
-                    after = engine.stats()
-                    assert before.step_phases is not None and after.step_phases is not None
-                    runs.append((sum(after.step_phases.buckets[0]) - sum(before.step_phases.buckets[0]),
-                                 [a - z for a, z in zip(after.step_phases.seconds, before.step_phases.seconds)]))  # fmt: skip
-                steps = runs[1][0] - runs[0][0]
-                us = {p: 1e6 * (x - y) / steps / b for p, x, y in zip(STEP_PHASES, runs[1][1], runs[0][1], strict=True)}
-                host = sum(us[p] for p in HOST_PHASES)
-                if b not in results or host < results[b]["host_us"]:
-                    results[b] = {"host_us": host, "phase_us": us, "steps": steps}
-    finally:
-        engine.shutdown()
+    core.add_request([rng.randrange(100, 49000) for _ in range(prompt_len)], params, on_output=on_output)
+    run_until_idle()  # warm-up
+    for b in batches:
+        for _ in range(rounds):
+            for _ in range(b):  # fresh prompts: no prefix shared with earlier runs
+                core.add_request([rng.randrange(100, 49000) for _ in range(prompt_len)], params, on_output=on_output)
+            running = core.scheduler.running
+            while core.scheduler.waiting or any(s.num_uncomputed > 1 for s in running) or len(running) < b:
+                core.step()  # the prefills (a few steps; the first sequences take their first tokens meanwhile)
+                core.deliver()
+            core.phases.end_step(False)  # what the prefill steps left in the lap clock is not a decode's
+            before, steps0, packed0 = list(core.phases.stats.seconds), core.num_steps, dict(packing)
+            while core.has_work():
+                core.phases.start()
+                core.step()
+                core.deliver()
+                core.phases.lap(DELIVER)
+                core.phases.end_step(True)
+            steps = core.num_steps - steps0
+            us = {p: 1e6 * (x - y) / steps / b for p, x, y in zip(STEP_PHASES, core.phases.stats.seconds, before)}
+            for name in packing:
+                us[name] = 1e6 * (packing[name] - packed0[name]) / steps / b
+            host = sum(us[p] for p in HOST_PHASES)
+            if b not in results or host < results[b]["host_us"]:
+                results[b] = {"host_us": host, "phase_us": us, "steps": steps}
+    assert received[0] > 0
     return results
 
 
@@ -110,7 +149,8 @@ def main() -> None:
                     str(args.new_tokens), "--prompt-len", str(args.prompt_len), "--rounds", str(args.rounds)]  # fmt: skip
             out = subprocess.run(argv, env=env, check=True, capture_output=True, text=True).stdout
             found[label] = {int(k): v for k, v in json.loads(out.splitlines()[-1]).items()}
-    print(f"host µs per sequence per step (engine thread; every phase but launch and wait), best of {args.rounds}")
+    print(f"host µs per sequence per decode step (engine thread; every phase but launch and wait, with pack and stage), "
+          f"best of {args.rounds}")
     print(f"{'tree':>10} {'B':>4} {'host':>6} " + " ".join(f"{p:>8}" for p in (*HOST_PHASES, "launch")))
     for label, results in found.items():
         for b in batches:

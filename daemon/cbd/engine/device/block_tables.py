@@ -55,14 +55,16 @@ class BlockTableRows:
                 row, copy = entry
                 rows.append(row)
                 synced, length = len(copy), len(table)
-                if length >= synced and table[:synced] == copy:  # nothing new, or a new tail (a new block)
-                    if length > synced:
-                        base = row * columns
-                        index += range(base + synced, base + length)
-                        new = table[synced:]
-                        values += new
-                        copy += new
-                        self._lengths[row] = length
+                if length == synced:
+                    if table == copy:  # nothing new: most steps of a decode
+                        continue
+                elif length > synced and table[:synced] == copy:  # a new tail (a new block)
+                    base = row * columns
+                    index += range(base + synced, base + length)
+                    new = table[synced:]
+                    values += new
+                    copy += new
+                    self._lengths[row] = length
                     continue
             else:
                 row = self._take()

@@ -206,14 +206,21 @@ def pack_step(
     width = 1
     for chunk in plan.chunks:
         seq, start, n = chunk.seq, chunk.start, chunk.num_new_tokens
-        ids += seq.token_ids[start : start + n]
+        if n == 1:
+            ids.append(seq.token_ids[start])
+        else:
+            ids += seq.token_ids[start : start + n]
         if chunk.carry_row >= 0:  # only its newest token can be in flight, and the chunk ends at it
             carry_dst.append(len(ids) - 1)
             carry_src.append(chunk.carry_row)
             ids[-1] = 0
         if chunk.samples:  # its last token's logits; with drafts, those of the tokens before each draft too
-            logits_rows += range(len(ids) - 1 - chunk.num_draft, len(ids))
-        ids += [0] * (queries - n) if queries > 1 else []  # a verifying graph's padding
+            if chunk.num_draft:
+                logits_rows += range(len(ids) - 1 - chunk.num_draft, len(ids))
+            else:
+                logits_rows.append(len(ids) - 1)
+        if queries > 1:
+            ids += [0] * (queries - n)  # a verifying graph's padding
         qstart.append(len(ids))
         ctx.append(start + n)
         query_lens.append(n)
