@@ -149,8 +149,10 @@ def main() -> None:
                     str(args.new_tokens), "--prompt-len", str(args.prompt_len), "--rounds", str(args.rounds)]  # fmt: skip
             out = subprocess.run(argv, env=env, check=True, capture_output=True, text=True).stdout
             found[label] = {int(k): v for k, v in json.loads(out.splitlines()[-1]).items()}
-    print(f"host µs per sequence per decode step (engine thread; every phase but launch and wait, with pack and stage), "
-          f"best of {args.rounds}")
+    print(
+        f"host µs per sequence per decode step (engine thread; every phase but launch and wait, with pack and stage), "
+        f"best of {args.rounds}"
+    )
     print(f"{'tree':>10} {'B':>4} {'host':>6} " + " ".join(f"{p:>8}" for p in (*HOST_PHASES, "launch")))
     for label, results in found.items():
         for b in batches:

@@ -22,7 +22,7 @@ def compute(bm: BlockManager, s: Sequence, n: int | None = None) -> list[tuple[i
     assert bm.can_append(s, n)
     copies = bm.append(s, n)
     s.num_computed_tokens += n
-    bm.commit(s)
+    bm.commit_all([s])
     return copies
 
 
@@ -144,7 +144,7 @@ def test_commit_looks_only_at_blocks_it_has_not_seen_and_rolled_back_blocks_agai
     looked: list[int] = []
     hash_block = bm._block_hash
     bm._block_hash = lambda s, i: looked.append(i) or hash_block(s, i)  # type: ignore[method-assign]
-    bm.commit(twin)
+    bm.commit_all([twin])
     assert looked == [0, 1] and all(bm.blocks[b].hash is None for b in twin.block_table)  # kept private
     for token in (5, 6, 7, 8):  # decode steps: each commit looks at the newly full block alone
         twin.token_ids.append(token)

@@ -60,7 +60,7 @@ def test_a_decode_writes_only_its_new_block() -> None:
 
 def test_rows_follow_every_kind_of_table_change() -> None:
     rng = random.Random(0)
-    num_rows = 9  # at most 4 sequences a step
+    num_rows = 6  # at most 4 sequences a step: the padding row, and one row to spare
     tables = BlockTableRows(num_rows, COLUMNS, SCRATCH)
     device = DeviceTable(num_rows)
     pool = [seq() for _ in range(10)]
@@ -83,8 +83,23 @@ def test_rows_follow_every_kind_of_table_change() -> None:
     assert device.flat[PADDING_ROW * COLUMNS : COLUMNS] == [SCRATCH] * COLUMNS
 
 
+def test_a_failed_step_makes_the_next_rewrite_whole_rows() -> None:
+    tables = BlockTableRows(4, COLUMNS, SCRATCH)
+    device = DeviceTable(4)
+    a, b = seq(), seq()
+    a.block_table, b.block_table = [1, 2, 3, 4, 5], [6]
+    device.step(tables, [a, b])
+    a.block_table = [7]
+    tables.sync([a, b], [], [])  # packed, never launched: its writes are lost
+    tables.invalidate()
+    c = seq()
+    c.block_table = [8]
+    assert device.step(tables, [c, b]) == [expected(c), expected(b)]
+    assert device.step(tables, [a]) == [expected(a)]
+
+
 def test_a_step_never_shares_a_row() -> None:
-    tables = BlockTableRows(9, COLUMNS, SCRATCH)
+    tables = BlockTableRows(6, COLUMNS, SCRATCH)
     pool = [seq() for _ in range(20)]
     for start in range(0, 60, 3):
         step = [pool[(start + i) % 20] for i in range(4)]

@@ -88,8 +88,8 @@ class EngineCore:
             self.scheduler, self.sessions, self.host_tier, self.runner,
             self.checkpoints.disk if self.checkpoints is not None else None,
         )  # fmt: skip
-        # Rows of the device's block table (device/block_tables.py): twice a step's sequences, and padding's.
-        self.tables = BlockTableRows(2 * config.max_num_seqs + 1, self.runner.table_columns, self.runner.scratch_block)
+        # Rows of the device's block table (device/block_tables.py): one more than a step's sequences, and padding's.
+        self.tables = BlockTableRows(config.max_num_seqs + 2, self.runner.table_columns, self.runner.scratch_block)
         self.phases = StepPhases()  # where each step's host time goes (the engine loop starts and files it)
         self._inflight: _Launched | None = None
         self._seq_ids = itertools.count()
@@ -229,10 +229,14 @@ class EngineCore:
     def _launch(self, plan: StepPlan) -> _Launched:
         """Launch a planned (and already booked) step: its forward, and its sampling unless it has constrained
         rows (those wait for their masks: `runner.sample_masked`, see step())."""
-        batch = pack_step(plan, self.runner.graph_bucket, self.tables)
-        if plan.fences and self.host_tier is not None:  # it reuses GPU blocks a copy to the host still reads
-            self.host_tier.fence_compute(plan.fences)
-        step = self.runner.launch(batch)
+        try:
+            batch = pack_step(plan, self.runner.graph_bucket, self.tables)
+            if plan.fences and self.host_tier is not None:  # it reuses GPU blocks a copy to the host still reads
+                self.host_tier.fence_compute(plan.fences)
+            step = self.runner.launch(batch)
+        except BaseException:
+            self.tables.invalidate()  # its table writes may not have reached the device
+            raise
         self.num_steps += 1
         if self.host_tier is not None:  # keep some GPU blocks free ahead of need (see offload_ahead)
             self.sessions.eviction.offload_ahead(self._free_target)

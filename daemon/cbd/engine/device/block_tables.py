@@ -12,9 +12,12 @@ other (a different list, or one edited in place: freed and re-admitted, forked, 
 shared block, drafts cut) gets its row rewritten, and the entries past its new end reset to the scratch
 block, so a row holds exactly its sequence's table followed by scratch entries, as the whole-table packing
 did. The comparison is the rule, not a promise from the table's writers: nothing that edits a block table
-has to tell this module. Rows are reused least recently used first; with twice as many rows as a step has
-sequences (plus one) a step never takes a row from another of its own sequences. Row 0 is never held:
-every entry is the scratch block, for a CUDA graph's padding sequences.
+has to tell this module. Rows are reused least recently used first; with one row more than a step has
+sequences, a row taken for one of a step's sequences is never one another of them holds (those were used
+most recently). Row 0 is never held: every entry is the scratch block, for a CUDA graph's padding
+sequences. Should a step fail between its packing and its launch, `invalidate` forgets every row and
+takes each as full: the next writes rewrite whole rows, so no row is read with an entry its sequence
+did not put there.
 
 Device side (ModelRunner): the writes are applied on the compute stream before the forward that reads
 them (index_copy_ into the flattened table, in step order, so a step in flight has read its rows before the
@@ -32,7 +35,7 @@ PADDING_ROW = 0
 
 class BlockTableRows:
     def __init__(self, num_rows: int, num_columns: int, scratch_block: int) -> None:
-        """num_rows: at least twice a step's sequences, plus the padding row."""
+        """num_rows: more than a step's sequences, plus the padding row."""
         self.num_rows = num_rows
         self.num_columns = num_columns
         self.scratch_block = scratch_block
@@ -44,7 +47,7 @@ class BlockTableRows:
     def sync(self, seqs: list[Sequence], index: list[int], values: list[int]) -> list[int]:
         """The rows of seqs (a step's sequences, each once), appending the writes that bring them up to date
         (flat positions into the table, block ids) to index and values."""
-        assert 2 * len(seqs) < self.num_rows, "a step's sequences must not take each other's rows"
+        assert len(seqs) < self.num_rows - 1, "a step's sequences must not take each other's rows"
         held, columns = self._held, self.num_columns
         rows = []
         for seq in seqs:
@@ -59,6 +62,7 @@ class BlockTableRows:
                     if table == copy:  # nothing new: most steps of a decode
                         continue
                 elif length > synced and table[:synced] == copy:  # a new tail (a new block)
+                    assert length <= columns, f"a block table of {length} blocks is wider than the device's"
                     base = row * columns
                     index += range(base + synced, base + length)
                     new = table[synced:]
@@ -82,6 +86,12 @@ class BlockTableRows:
         values += [self.scratch_block] * (old - length)
         self._lengths[row] = length
         self._held[seq_id] = (row, list(table))
+
+    def invalidate(self) -> None:
+        """Forget every row (a step was packed and not launched): the next writes rewrite whole rows."""
+        self._free = list(range(self.num_rows - 1, PADDING_ROW, -1))
+        self._lengths = [0] + [self.num_columns] * (self.num_rows - 1)
+        self._held.clear()
 
     def _take(self) -> int:
         """A row for a sequence that holds none: a free one, else the least recently used holder's."""

@@ -100,8 +100,8 @@ class ModelRunner:
         self.streams = DeviceStreams(self.device)
         self.stager = InputStager(self.streams)
         self.max_blocks_per_seq = -(-max_model_len // block_size)
-        # Block-table columns a sequence can need: its context, and a verifying step's padding queries past it.
-        self.table_columns = self.max_blocks_per_seq + -(-max(verify_queries, default=1) // block_size)
+        # Block-table columns a sequence can need: its context (drafts never take it past max_model_len).
+        self.table_columns = self.max_blocks_per_seq
         self._tables: torch.Tensor | None = None  # the persistent block table (block_tables.py), made at first use
         self.graphs: DecodeGraphs | None = None
         if cuda_graph_max_batch > 0 and self.streams.cuda and self.backend.supports_cuda_graphs:

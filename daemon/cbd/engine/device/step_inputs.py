@@ -1,8 +1,8 @@
 """A step's inputs: packed on the CPU into one int64 and one float32 array, staged through two buffers.
 
 Packing (`pack_step`): the plan's chunks and sample rows become the runner's typed `StepBatch`:
-every per-token, per-sequence and per-row array of the step goes into one flat int64 list (and the
-float sampling parameters into one float32 list), so a step costs two host-to-device copies
+every per-token, per-sequence and per-row array of the step goes into one flat int64 array (and the
+float sampling parameters into one float32 array), so a step costs two host-to-device copies
 whatever its shape, plus `StepMeta`, the host-side facts the runner needs (no requests). Staging
 slices the device copy back into the typed `StepTensors`.
 

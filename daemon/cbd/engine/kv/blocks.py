@@ -89,14 +89,10 @@ class BlockManager:
         seq.block_table, seq.num_committed_blocks = hits, 0
         return len(hits) * self.block_size
 
-    def commit(self, seq: Sequence) -> None:
-        """Register hashes of seq's blocks that are full, computed (or being computed, in stream order
-        before any later reader) and whose token ids are all known."""
-        self.commit_all((seq,))
-
     def commit_all(self, seqs: Iterable[Sequence]) -> None:
-        """`commit` each of seqs; a sequence with no block newly full costs one comparison (a step's decodes
-        fill a block every `block_size` tokens)."""
+        """Register hashes of each sequence's blocks that are full, computed (or being computed, in stream
+        order before any later reader) and whose token ids are all known. A sequence with no block newly
+        full costs one comparison (a step's decodes fill a block every `block_size` tokens)."""
         if not self.enable_prefix_caching:
             return
         size = self.block_size
