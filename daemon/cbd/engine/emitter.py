@@ -24,7 +24,7 @@ from cbd.engine.output_processor import OutputProcessor
 from cbd.engine.outputs import CandidateDelta, RequestOutput, TokenLogprob, Usage, merge_deltas
 from cbd.engine.sched.plan import SampleRow, StepPlan
 from cbd.engine.sched.scheduler import Scheduler
-from cbd.engine.sequence import FinishReason, Request, Sequence, SequenceStatus
+from cbd.engine.sequence import FinishReason, Request, Sequence
 from cbd.engine.sessions.manager import SessionManager
 
 log = logging.getLogger(__name__)
@@ -53,7 +53,7 @@ class Emitter:
         for i in rows:
             row = samples[i]
             seq = row.target
-            if seq.status is SequenceStatus.FINISHED:  # it stopped at an earlier token of the drafts it kept
+            if seq.is_finished:  # it stopped at an earlier token of the drafts it kept: nothing past it
                 continue
             delta = on_token(seq, row.position, _logprob(sampled, row, i) if with_logprobs else None)
             if delta.finish_reason is not None:

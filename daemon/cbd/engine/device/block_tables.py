@@ -52,17 +52,20 @@ class BlockTableRows:
         rows = []
         for seq in seqs:
             table = seq.block_table
+            length = len(table)
+            assert length <= columns, f"a block table of {length} blocks is wider than the device's"
             entry = held.get(seq.seq_id)
-            if entry is not None:
+            if entry is None:
+                row = self._take()
+            else:
                 held.move_to_end(seq.seq_id)
                 row, copy = entry
-                rows.append(row)
-                synced, length = len(copy), len(table)
-                if length == synced:
-                    if table == copy:  # nothing new: most steps of a decode
-                        continue
-                elif length > synced and table[:synced] == copy:  # a new tail (a new block)
-                    assert length <= columns, f"a block table of {length} blocks is wider than the device's"
+            rows.append(row)
+            if entry is not None:
+                synced = len(copy)
+                if length == synced and table == copy:  # nothing new: most steps of a decode
+                    continue
+                if length > synced and table[:synced] == copy:  # a new tail (a new block)
                     base = row * columns
                     index += range(base + synced, base + length)
                     new = table[synced:]
@@ -70,16 +73,12 @@ class BlockTableRows:
                     copy += new
                     self._lengths[row] = length
                     continue
-            else:
-                row = self._take()
-                rows.append(row)
             self._rewrite(seq.seq_id, row, table, index, values)
         return rows
 
     def _rewrite(self, seq_id: int, row: int, table: list[int], index: list[int], values: list[int]) -> None:
         """Row `row` holds seq_id's table from now on: all of it written, the old entries past it reset."""
         length, old = len(table), self._lengths[row]
-        assert length <= self.num_columns, f"a block table of {length} blocks is wider than the device's"
         base = row * self.num_columns
         index += range(base, base + max(length, old))
         values += table

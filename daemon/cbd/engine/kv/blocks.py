@@ -95,10 +95,8 @@ class BlockManager:
         full costs one comparison (a step's decodes fill a block every `block_size` tokens)."""
         if not self.enable_prefix_caching:
             return
-        size = self.block_size
         for seq in seqs:
-            tokens = len(seq.token_ids)
-            end = min(seq.num_computed_tokens, tokens - seq.num_placeholders - seq.num_draft) // size
+            end = min(seq.num_computed_tokens, seq.num_known_tokens) // self.block_size
             if end != seq.num_committed_blocks:
                 self._commit_blocks(seq, end)
 

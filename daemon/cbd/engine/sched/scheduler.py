@@ -124,23 +124,21 @@ class Scheduler:
                 index += 1  # its last token is being sampled: nothing left to compute
                 continue
             num_new = min(seq.num_uncomputed, budget)
-            if bm.fits(seq, num_new):  # most decodes: no block to add or copy
-                plan.chunks.append(ScheduledChunk(seq, num_new))
-                budget -= num_new
-                index += 1
-                continue
-            while not self.make_room(seq, num_new):
-                short = True
-                victim = self._memory_victim(index, now)
-                self.running.remove(victim)
-                self._preempt(victim, plan)
-                if victim is seq:
-                    break
-            else:
-                plan.block_copies += bm.append(seq, num_new)
-                plan.chunks.append(ScheduledChunk(seq, num_new))
-                budget -= num_new
-                index += 1
+            if not bm.fits(seq, num_new):  # most decodes fit: no block to add or copy
+                while not self.make_room(seq, num_new):
+                    short = True
+                    victim = self._memory_victim(index, now)
+                    self.running.remove(victim)
+                    self._preempt(victim, plan)
+                    if victim is seq:
+                        break
+                else:
+                    plan.block_copies += bm.append(seq, num_new)
+                if seq.status is not SequenceStatus.RUNNING:  # it was preempted itself: running[index] is the next
+                    continue
+            plan.chunks.append(ScheduledChunk(seq, num_new))
+            budget -= num_new
+            index += 1
         if not short:  # the pool is short: admitting now would only thrash
             admit(self, plan, budget, now)
         if speculate and not short:
@@ -229,7 +227,7 @@ class Scheduler:
             if seq.grammar is not None:  # the token was sampled under this grammar's mask
                 seq.grammar.accept(token_ids[i])
             live.append(i)
-        self.block_manager.commit_all([c.seq for c in plan.chunks if c.seq.status is not SequenceStatus.FINISHED])
+        self.block_manager.commit_all([c.seq for c in plan.chunks if not c.seq.is_finished])
         return live
 
     def _preempt_for_priority(self, plan: StepPlan, now: float) -> None:
