@@ -41,7 +41,7 @@ from cbd.engine.sequence import Sequence
 log = logging.getLogger("bench")
 OUT = os.environ.get("OUT", ".")
 
-CODE = (Path(__file__).resolve().parents[1] / "daemon" / "cbd" / "engine" / "drafter.py").read_text()[:2400]
+CODE = (Path(__file__).resolve().parents[1] / "daemon" / "cbd" / "engine" / "spec" / "drafter.py").read_text()[:2400]
 TOOL = json.dumps(
     {"status": "ok", "path": "/srv/data/2024/q3/sales.csv", "rows": 1842, "columns": ["region", "month", "units",
      "revenue"], "sample": [["north", "2024-07", 312, 18250.5], ["south", "2024-07", 288, 16011.0],
@@ -80,7 +80,7 @@ def _record_drafts(core: EngineCore) -> dict[int, int]:
     launch = core._launch
 
     def recorded(plan):  # type: ignore[no-untyped-def]
-        if plan.speculative:
+        if any(c.num_draft for c in plan.chunks):
             k = max(c.num_draft for c in plan.chunks)
             counts[k] = counts.get(k, 0) + 1
         return launch(plan)
@@ -181,8 +181,9 @@ class _FixedDrafter:
     def __init__(self, k: int) -> None:
         self.k = k
 
-    def propose(self, seq: Sequence, k: int) -> list[int]:
-        return [seq.token_ids[-1]] * min(k, self.k)
+    def propose(self, seq: Sequence, k: int, end: int | None = None) -> list[int]:
+        guess = end is not None and end < seq.num_tokens  # the first stands for the token in flight
+        return [seq.token_ids[-1]] * min(k, self.k + guess)
 
 
 def gpu(args: argparse.Namespace) -> None:

@@ -213,7 +213,7 @@ class _FixedDrafter:
     def __init__(self, token: int) -> None:
         self.token = token
 
-    def propose(self, seq: Sequence, k: int) -> list[int]:
+    def propose(self, seq: Sequence, k: int, end: int | None = None) -> list[int]:
         return [self.token] * min(k, 2)
 
 
@@ -363,3 +363,93 @@ def test_verifying_graph_layout_gives_the_same_outputs(default_model, prompts) -
         assert steps is not None and 0 < graphs.replays[1] <= steps.num_steps and graphs.replays[0] > 0
     # Alone, every verifying step after the prompt's is a graph's (beside others, some share a prefill step).
     assert graphs.replays[1] == steps.num_steps
+
+
+def _record_launches(core: EngineCore) -> list[set[str]]:
+    """The packed arrays of every step the runner launches (names only)."""
+    seen: list[set[str]] = []
+    launch = core.runner.launch
+
+    def recording(batch):  # type: ignore[no-untyped-def]
+        seen.append(set(batch.packed.int_fields))
+        return launch(batch)
+
+    core.runner.launch = recording  # type: ignore[method-assign]
+    return seen
+
+
+@pytest.mark.parametrize("graphs", [False, True])
+def test_the_overlap_loop_verifies_drafts_with_a_step_in_flight(default_model, prompts, graphs: bool) -> None:  # type: ignore[no-untyped-def]
+    """Overlap on (forced on the CPU): drafts follow a guess of the token in flight, and the step after a
+    verifying one is launched before its kept count reaches the host (the device moves that step's inputs
+    back by the drafts rejected). Outputs equal speculation off token for token: greedy, seeded, fan-out,
+    stop strings and ids inside kept runs, max_tokens mid-run; with eager steps and with the verifying
+    graphs' padded layout; and the in-flight paths did run."""
+    from cbd.engine.device.cuda_graphs import DecodeGraphs, verify_queries
+
+    base = run_all(make_core(default_model, num_kv_blocks=512), [prompts["copy"]], SamplingParams(max_tokens=60))
+    text, tokens = base[0]["text"][0], base[0]["tokens"][0]
+    cases = [
+        SamplingParams(max_tokens=60, temperature=0.0, logprobs=1),
+        SamplingParams(max_tokens=48, temperature=0.8, seed=3),
+        SamplingParams(max_tokens=40, temperature=0.0, n=2),
+        SamplingParams(max_tokens=60, temperature=0.0, stop=[text[len(text) // 2 : len(text) // 2 + 6]]),
+        SamplingParams(max_tokens=60, temperature=0.0, stop_token_ids=[tokens[len(tokens) * 2 // 3]]),
+        SamplingParams(max_tokens=23, temperature=0.0),
+    ]
+    batch = [prompts["copy"], prompts["quote"], prompts["quote"], prompts["copy"], prompts["copy"], prompts["plain"]]
+    results = {}
+    for mode in ("off", "ngram"):
+        core = make_core(default_model, overlap="on", speculative=mode, num_kv_blocks=1024, block_size=4)
+        if graphs:
+            runner = core.runner
+            runner.graphs = DecodeGraphs(
+                runner.model, runner.kv_caches, runner.backend, runner.block_size, 8, runner.max_blocks_per_seq,
+                runner.scratch_block, None, 8, verify_queries(core.config.num_speculative_tokens),
+            )  # fmt: skip
+        launched = _record_launches(core)
+        got = run_all(core, batch, cases)
+        results[mode] = [(r["tokens"], r["finish"], r["usage"]) for r in got]
+        results[mode + " logprobs"] = [lp.token_id for o in got[0]["outputs"] for d in o.candidates for lp in d.logprobs]
+        assert core.block_manager.num_used_blocks == 0
+        if mode == "ngram":
+            assert _speculated(core)[1] > 0
+            # A verifying step whose chunks' first tokens were in flight, and a step after drafts in flight.
+            assert any({"verify_k", "carry_dst"} <= names for names in launched)
+            assert any("carry_group" in names and "seq_group" in names for names in launched)
+            assert any("row_group" in names for names in launched)  # a seeded row moved back on the device
+    assert results["ngram"] == results["off"]
+    assert results["ngram logprobs"] == results["off logprobs"]
+
+
+def test_the_overlap_loop_with_drafts_in_flight_under_preemption_and_abort(default_model, prompts) -> None:  # type: ignore[no-untyped-def]
+    """A pool too small for four copies at once, overlap on: sequences with drafts in flight are never
+    preempted (they wait a step), others are, and outputs equal speculation off; an abort while drafts are
+    in flight leaves no blocks behind."""
+    params = SamplingParams(max_tokens=40, temperature=0.0)
+    batch = [prompts["copy"], prompts["quote"], prompts["copy"], prompts["quote"]]
+    got = {}
+    for mode in ("off", "ngram"):
+        small = make_core(default_model, overlap="on", speculative=mode, num_kv_blocks=50, block_size=8,
+                          max_num_seqs=4, enable_prefix_caching=False)  # fmt: skip
+        got[mode] = [r["tokens"] for r in run_all(small, batch, params)]
+        assert small.scheduler.num_preemptions > 0
+        assert small.block_manager.num_used_blocks == 0
+    assert got["ngram"] == got["off"]
+    core = make_core(default_model, overlap="on", speculative="ngram", num_kv_blocks=512)
+    request = core.add_request(prompts["copy"], SamplingParams(max_tokens=60, temperature=0.0))
+    wait = core.runner.wait
+    aborted = []
+
+    def wait_then_abort(step):  # type: ignore[no-untyped-def]
+        result = wait(step)
+        seq = request.sequences[0]
+        if seq.num_draft and seq.next_rows is not None and not aborted:  # a step booked after drafts in flight
+            aborted.append(core.abort_request(request.request_id))
+        return result
+
+    core.runner.wait = wait_then_abort  # type: ignore[method-assign]
+    while core.has_work():
+        checked_step(core)
+    assert aborted and request.sequences[0].num_draft == 0
+    assert core.block_manager.num_used_blocks == 0

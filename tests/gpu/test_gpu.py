@@ -114,8 +114,9 @@ class _OracleDrafter:
         self.reference = reference
         self.calls = 0
 
-    def propose(self, seq, k: int) -> list[int]:  # type: ignore[no-untyped-def]
-        future = self.reference[tuple(seq.token_ids[: seq.num_prompt_tokens])][seq.num_output_tokens :][:k]
+    def propose(self, seq, k: int, end: int | None = None) -> list[int]:  # type: ignore[no-untyped-def]
+        end = seq.num_tokens if end is None else end  # the overlap loop: tokens from end on are in flight
+        future = self.reference[tuple(seq.token_ids[: seq.num_prompt_tokens])][end - seq.num_prompt_tokens :][:k]
         self.calls += 1
         if self.calls % 3 == 0 and len(future) > 2:
             future[2] = (future[2] + 1) % 256

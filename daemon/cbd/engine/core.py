@@ -46,6 +46,7 @@ from cbd.engine.sampling_params import SamplingParams, validate_request
 from cbd.engine.sched.plan import StepPlan
 from cbd.engine.sequence import FinishReason, Request, Sequence
 from cbd.engine.sessions.records import TurnInput
+from cbd.engine.spec.policy import StepCosts
 from cbd.engine.stats import StatsReader
 from cbd.engine.step_phases import BOOK, EMIT, LAUNCH, MASK, SCHEDULE, WAIT, StepPhases
 from cbd.errors import UnknownRequest
@@ -73,6 +74,7 @@ class EngineCore:
         self.config = config
         self.loaded = loaded
         parts = build_parts(loaded, config, tp_group, self._fork)
+        self.sharded = tp_group is not None  # graphs replay with the workers only: none timed alone
         self.max_model_len = parts.max_model_len
         self.block_manager, self.runner, self.host_tier = parts.block_manager, parts.runner, parts.host_tier
         self.sessions, self.scheduler, self.overlap = parts.sessions, parts.scheduler, parts.overlap
@@ -187,18 +189,28 @@ class EngineCore:
         return self.scheduler.has_work() or self._inflight is not None
 
     def warm_up(self) -> None:
-        """Capture CUDA graphs and compile kernels; call before serving."""
+        """Capture CUDA graphs and compile kernels; call before serving. With speculation "auto" and
+        verifying graphs (one process), time the graphs for the speculation policy (spec/policy.py)."""
         self.runner.warm_up()
+        graphs = self.runner.graphs
+        if self.config.speculative == "auto" and graphs is not None and graphs.verify_buckets and not self.sharded:
+            costs = StepCosts(graphs.measure())
+            self.scheduler.speculator.costs = costs
+            log.info("speculation: verifying-step costs over decode steps %s",
+                     {b: round(costs.costs[b, max(costs.queries)] / costs.costs[b, 1], 2) for b in costs.batches})  # fmt: skip
 
     def step(self) -> list[RequestOutput]:
         """Launch step N+1, complete step N (in flight since the last call), then sample N+1 under its rows'
         token masks if it has constrained rows (the masks need N's tokens, now accepted by the grammars).
-        Synchronous (no overlap; or N+1 verifies drafts, so the next plan depends on how many are kept): N+1
-        is completed before returning, so no step is ever in flight at the next call."""
+        N+1 may verify drafts made after a guess of N's tokens (spec/speculator.py). Synchronous (no overlap;
+        or a constrained sequence drafts, which needs its tokens known): N is completed before N+1 is
+        planned and N+1 before returning, so no step is ever in flight at the next call."""
         outputs = self._end_slow_grammars()
         self.phases.lap(EMIT)
-        speculate = self.scheduler.speculator.worth_trying(self.scheduler.running, self.overlap)
-        if speculate and self._inflight is not None:  # drafts follow known tokens: complete the step in flight
+        speculator = self.scheduler.speculator
+        speculate = speculator.worth_trying(self.scheduler.running, self.overlap)
+        sync = not self.overlap or (speculate and speculator.needs_known_tokens(self.scheduler.running))
+        if sync and self._inflight is not None:  # drafts follow known tokens: complete the step in flight
             drained, self._inflight = self._inflight, None
             outputs += self._complete(drained)
         launched = self._launch_next(speculate)
@@ -209,7 +221,7 @@ class EngineCore:
             if launched.step.pending is not None:  # constrained rows: the forward is on the device already
                 self.runner.sample_masked(launched.step, self.grammar_masks.fill(launched.plan))
                 self.phases.lap(MASK)
-            if not self.overlap or launched.plan.speculative:
+            if sync:
                 self._inflight = None
                 outputs += self._complete(launched)
         return outputs

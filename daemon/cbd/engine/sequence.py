@@ -14,7 +14,11 @@ the step completes.
 
 Speculation: a step that verifies drafts appends them before the placeholder (`num_draft` of them);
 they are inputs of the step but not known tokens until the step says which the model would have
-produced itself: those stay, the rest are cut (see Scheduler.update_from_output).
+produced itself: those stay, the rest are cut (see Scheduler.update_from_output). In the overlap loop
+the step after a verifying one is booked as if every draft were kept (`next_rows`): when the verifying
+step completes, the cut shifts that step's tokens and rows back by the drafts it rejected, and the
+device has already placed them there from its own kept count (engine/device/draft_carry.py). So at
+most two steps' tokens are unknown: [known][drafts + placeholder in flight][drafts + placeholder].
 """
 
 from __future__ import annotations
@@ -68,13 +72,20 @@ class Sequence:
     pending_forks: int = 0
     num_placeholders: int = 0  # trailing tokens still being sampled by a step in flight
     pending_row: int = -1  # sampling row of the newest placeholder in the step that samples it
+    # >= 0: that row is the first of the step's verifying group number pending_group, and the newest
+    # placeholder is the token sampled after the drafts that group keeps (known on the device first).
+    pending_group: int = -1
+    # The rows booked for it in the step after a verifying one still in flight (positions as if every
+    # draft were kept): moved back by the drafts that step rejects when it completes (Speculator.verify).
+    next_rows: list[Any] | None = None
     final_in_flight: bool = False  # the token in flight is its last (length limit): schedule no more
     finish_reason: FinishReason | None = None
-    num_draft: int = 0  # draft tokens being verified, right before the placeholder
+    num_draft: int = 0  # draft tokens being verified (in the steps in flight), each group right before its placeholder
     draft_index: Any = None  # the drafter's index of this sequence's n-grams (engine/spec/drafter.py)
     draft_retry_step: int = 0  # overlap mode: the step from which drafting is tried again after misses
     draft_misses: int = 0  # consecutive speculative steps with no draft or none accepted
     draft_len: int = 0  # drafts to ask for next (0: the scheduler's starting length)
+    draft_accept: float = 0.5  # the chance a draft of it is kept: its recent verifications' average (spec/policy.py)
     grammar: Any = None  # GrammarState: where the reply stands in its request's grammar (None: unconstrained)
     # Output-side state owned by the engine's output processor (detokenizer, stop matcher).
     output_state: Any = None
@@ -96,6 +107,7 @@ class Sequence:
         if self.num_placeholders or self.num_draft:
             del self.token_ids[self.num_known_tokens :]
             self.num_placeholders = self.num_draft = 0
+            self.next_rows = None
 
     @property
     def num_output_tokens(self) -> int:

@@ -147,6 +147,30 @@ class DecodeGraphs:
                  len(self.buckets), self.buckets[0], self.buckets[-1], len(shapes) - len(self.buckets),
                  self.queries, time.monotonic() - start)  # fmt: skip
 
+    @torch.inference_mode()
+    def measure(self, context: int = 512, repeats: int = 3) -> dict[tuple[int, int], float]:
+        """Milliseconds per replay of each verifying graph and of the decode graphs of the same batches
+        (sequences of `context` tokens reading the scratch block): what the speculation policy weighs."""
+        assert self.stream is not None
+        most = max(self.verify_buckets, default=0)
+        shapes = [key for key in self.graphs if key[0] <= most]
+        costs = {}
+        with torch.cuda.stream(self.stream):
+            for batch, queries in shapes:
+                self.context_lens[:batch].fill_(min(context, self.width * self.block_size - queries))
+                self.query_lens[:batch].fill_(queries)
+                self.block_tables[:batch].fill_(self.scratch_block)
+                graph = self.graphs[batch, queries][0]
+                graph.replay()
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record(self.stream)
+                for _ in range(repeats):
+                    graph.replay()
+                end.record(self.stream)
+                end.synchronize()
+                costs[batch, queries] = start.elapsed_time(end) / repeats
+        return costs
+
     def load(
         self, batch: int, queries: int, ids: torch.Tensor, context_lens: torch.Tensor, block_tables: torch.Tensor,
         query_lens: torch.Tensor | None = None,

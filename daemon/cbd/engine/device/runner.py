@@ -13,7 +13,8 @@ under the rows' token masks, once the caller has filled them (the one way masks 
 
 Carry-over: a sequence scheduled while its previous token is still being sampled by the step in
 flight has input id 0 there; it is filled on the GPU from that step's sampled-token tensor
-(`carry_dst`/`carry_src`), so step N+1 needs nothing from step N's host side.
+(`carry_dst`/`carry_src`), so step N+1 needs nothing from step N's host side; after drafts in flight,
+from the row their kept count names, with the chunk moved back by those rejected (draft_carry.py).
 
 A chunk that ends a prompt with pending forks has one sample row per candidate, all reading the
 same logits row (prefill once, then fork: `row_logits`).
@@ -28,6 +29,7 @@ from dataclasses import dataclass, field
 import torch
 
 from cbd.engine.device.cuda_graphs import DecodeGraphs
+from cbd.engine.device.draft_carry import DraftCarry
 from cbd.engine.device.sampler import SampleResult, SamplingBatch, sample
 from cbd.engine.device.step_inputs import InputStager, StagedStep, StepBatch, StepMeta, StepTensors
 from cbd.engine.device.streams import DeviceStreams
@@ -111,6 +113,7 @@ class ModelRunner:
                 self.scratch_block, self.streams.compute, verify_graph_batch, verify_queries,
             )  # fmt: skip
         self._last_sampled: torch.Tensor | None = None
+        self.draft_carry = DraftCarry()  # kept drafts on the device, for the step after a verifying one
         # The logits rows are the whole vocabulary, also on a tensor-parallel rank whose spec is its shard's.
         self.masks = TokenMasks(self.streams, model.full_vocab_size)
         # Tensor parallelism: sends each step (and warm-up) to the worker ranks before running it here.
@@ -196,8 +199,9 @@ class ModelRunner:
             timing = self._start_timing()
             self._copy_blocks(batch.block_copies)
             if t.carry_dst is not None:
-                assert self._last_sampled is not None and t.carry_src is not None
-                t.ids.index_copy_(0, t.carry_dst, self._last_sampled.index_select(0, t.carry_src))
+                assert self._last_sampled is not None
+                t.ids.index_copy_(0, t.carry_dst, self._last_sampled.index_select(0, self.draft_carry.carry_rows(t)))
+            self.draft_carry.move_back(t)
             logits = self._forward(t, meta)
             if meta.num_rows:
                 if t.row_logits is not None:
@@ -237,6 +241,7 @@ class ModelRunner:
                     timing = self._start_timing()  # after the forward's: the wait for the masks is not busy time
                     logits = self.masks.apply(logits, masks[0])
                 result = sample(logits, _sampling_batch(t, meta))
+            self.draft_carry.after_sample(t, result.token_ids if result is not None else None)
             self.stager.release(staged)
             compute_done = s.event()
             s.record(compute_done, s.compute)

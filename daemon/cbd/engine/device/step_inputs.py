@@ -6,9 +6,12 @@ float sampling parameters into one float32 array), so a step costs two host-to-d
 whatever its shape, plus `StepMeta`, the host-side facts the runner needs (no requests). Staging
 slices the device copy back into the typed `StepTensors`.
 
-Carry-over: a chunk whose last token is still being sampled by the step in flight has input id 0
+Carry-over: a chunk whose first token is still being sampled by the step in flight has input id 0
 there; `carry_dst` / `carry_src` tell the runner to fill it on the device from that step's sampled
-tokens, so step N+1 needs nothing from step N's host side.
+tokens, so step N+1 needs nothing from step N's host side. After drafts in flight, the token's row and
+the chunk's positions depend on how many that step keeps: `carry_group` / `seq_group` / `row_group`
+name its verifying group, and `verify_ids` / `verify_rows` / `verify_k` let a verifying step count
+what it keeps on the device (device/draft_carry.py).
 
 Double buffering: step N+1 is staged into the buffer pair that step N is *not* reading. Before
 the host overwrites a pinned buffer it waits for that buffer's previous copy (`h2d_done`); before
@@ -100,6 +103,15 @@ class StepTensors:
     query_lens: torch.Tensor | None = None  # [batch] a verifying graph's step: the real tokens of each sequence
     carry_dst: torch.Tensor | None = None  # [C] positions in ids filled from the previous step's tokens
     carry_src: torch.Tensor | None = None  # [C] rows of the previous step's sampled tokens
+    # Chunks after drafts in flight (1 + the previous step's verifying group; 0: none), see draft_carry.py:
+    carry_group: torch.Tensor | None = None  # [C] per carried-over token
+    seq_group: torch.Tensor | None = None  # [batch] per sequence
+    row_group: torch.Tensor | None = None  # [R] per sample row (only when a row samples at random)
+    # A step verifying drafts, G groups of at most D drafts (padded): where each draft is in ids, the
+    # sample row before it, and each group's number of drafts.
+    verify_ids: torch.Tensor | None = None  # [G * D]
+    verify_rows: torch.Tensor | None = None  # [G * D]
+    verify_k: torch.Tensor | None = None  # [G]
     seed: torch.Tensor | None = None  # the rest: per row, only when a row samples at random
     stream: torch.Tensor | None = None
     position: torch.Tensor | None = None
@@ -203,20 +215,37 @@ def pack_step(
     logits_rows: list[int] = []
     carry_dst: list[int] = []
     carry_src: list[int] = []
+    carry_group: list[int] = []
+    seq_group: list[int] = []
+    verify_ids: list[int] = []
+    verify_rows: list[int] = []
+    verify_k: list[int] = []
+    max_draft = max(c.num_draft for c in plan.chunks)
+    group_rows = iter([i for i, r in enumerate(rows) if r.num_draft] if max_draft else [])
     width = 1
     for chunk in plan.chunks:
         seq, start, n = chunk.seq, chunk.start, chunk.num_new_tokens
+        first = len(ids)
         if n == 1:
             ids.append(seq.token_ids[start])
         else:
             ids += seq.token_ids[start : start + n]
-        if chunk.carry_row >= 0:  # only its newest token can be in flight, and the chunk ends at it
-            carry_dst.append(len(ids) - 1)
+        if chunk.carry_row >= 0:  # only its first token can be in flight (then its drafts, if any)
+            carry_dst.append(first)
             carry_src.append(chunk.carry_row)
-            ids[-1] = 0
+            carry_group.append(chunk.carry_group + 1)
+            ids[first] = 0
+        seq_group.append(chunk.carry_group + 1)
         if chunk.samples:  # its last token's logits; with drafts, those of the tokens before each draft too
             if chunk.num_draft:
-                logits_rows += range(len(ids) - 1 - chunk.num_draft, len(ids))
+                k = chunk.num_draft
+                logits_rows += range(len(ids) - 1 - k, len(ids))
+                base = next(group_rows)  # the group's first row (rows come in chunk order)
+                verify_ids += range(first + 1, first + 1 + k)
+                verify_rows += range(base, base + k)
+                verify_ids += [0] * (max_draft - k)
+                verify_rows += [0] * (max_draft - k)
+                verify_k.append(k)
             else:
                 logits_rows.append(len(ids) - 1)
         if queries > 1:
@@ -235,6 +264,7 @@ def pack_step(
         ctx += [1] * pad
         query_lens += [1] * pad
         table_rows += [PADDING_ROW] * pad
+        seq_group += [0] * pad
     packed = PackedStep()
     packed.add("ids", ids)
     packed.add("qstart", qstart)
@@ -252,6 +282,14 @@ def pack_step(
     if carry_dst:
         packed.add("carry_dst", carry_dst)
         packed.add("carry_src", carry_src)
+    after_drafts = any(carry_group)
+    if after_drafts:
+        packed.add("carry_group", carry_group)
+        packed.add("seq_group", seq_group)
+    if verify_k:
+        packed.add("verify_ids", verify_ids)
+        packed.add("verify_rows", verify_rows)
+        packed.add("verify_k", verify_k)
     packed.add("table_rows", table_rows)
     if table_index:
         packed.add("table_index", table_index)
@@ -262,6 +300,9 @@ def pack_step(
         packed.add("seed", [r.source.request.seed for r in rows])
         packed.add("stream", [r.target.candidate_index for r in rows])
         packed.add("position", [r.position for r in rows])
+        if after_drafts:
+            groups = {c.seq.seq_id: c.carry_group + 1 for c in plan.chunks if c.carry_group >= 0}
+            packed.add("row_group", [groups.get(r.target.seq_id, 0) for r in rows])
         packed.add("top_k", [p.top_k for p in params])
         packed.add_float("temperature", [p.temperature for p in params])
         packed.add_float("top_p", [p.top_p for p in params])

@@ -2,7 +2,7 @@
 
 The plan is made and booked by the scheduler (sched/scheduler.py) and read by the packer
 (step_inputs.pack_step) and the accounting at completion. Invariants a reader relies on:
-- a chunk's `start`, `carry_row`, `samples` and `num_draft` are recorded when the plan is booked; the
+- a chunk's `start`, `carry_row`, `carry_group`, `samples` and `num_draft` are recorded when the plan is booked; the
   sequence's own counters have moved on by the time the plan is packed, so nothing else is read then;
 - `samples` are in chunk order, a parent's forks right after it, and a verifying group (`num_draft`
   > 0 on its first row) is num_draft + 1 consecutive rows of one sequence, positions in order.
@@ -22,7 +22,11 @@ class ScheduledChunk:
     num_new_tokens: int
     # Recorded when the plan is booked (the sequence moves on at once):
     start: int = 0  # num_computed_tokens before the step: the chunk is token_ids[start : start + num_new_tokens]
-    carry_row: int = -1  # >= 0: its last token is in flight, sampled at this row of the previous step
+    carry_row: int = -1  # >= 0: its first token is in flight, sampled at this row of the previous step
+    # >= 0: ... after the drafts of that step's verifying group number carry_group: the token is at row
+    # carry_row + (drafts kept), and the chunk's positions are booked as if all were kept (the device moves
+    # them back by the drafts rejected; see Sequence.next_rows)
+    carry_group: int = -1
     samples: bool = False  # the chunk reaches the end of the sequence: the step samples its next token
     num_draft: int = 0  # its last num_draft tokens are drafts: the step samples after each chunk token from them on
 
@@ -49,11 +53,6 @@ class StepPlan:
     @property
     def num_tokens(self) -> int:
         return sum(c.num_new_tokens for c in self.chunks)
-
-    @property
-    def speculative(self) -> bool:
-        """Some chunk verifies drafts: the plan must complete before the next one is scheduled."""
-        return any(c.num_draft for c in self.chunks)
 
     @property
     def constrained(self) -> bool:

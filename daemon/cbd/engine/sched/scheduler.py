@@ -18,7 +18,9 @@ Policy per step, under `max_num_batched_tokens` and `max_num_seqs`:
      cached prefix blocks, restoring from the host tier, until one does not fit.
 Speculation (`schedule(speculate=True)`): once every running chunk and admission is planned, the
 speculator (spec/speculator.py) gives decoding sequences drafts from what the step leaves over, and
-verifies them in `update_from_output`; a plan with drafts must complete before the next is scheduled.
+verifies them in `update_from_output`. A sequence whose drafts are in flight is booked in the next
+step as if all were kept (its device inputs are moved back on the device by the kept count); it is
+never preempted then (the step in flight decides its length): it waits a step if it cannot grow.
 The plan knows nothing about devices.
 
 The scheduler also does the plan's accounting, in one place, on both sides of the device work:
@@ -124,7 +126,12 @@ class Scheduler:
                 index += 1  # its last token is being sampled: nothing left to compute
                 continue
             num_new = min(seq.num_uncomputed, budget)
-            if not bm.fits(seq, num_new):  # most decodes fit: no block to add or copy
+            if not bm.fits(seq, num_new) and seq.num_draft:  # drafts in flight: it grows or waits, never preempted
+                if not self.make_room(seq, num_new):
+                    index += 1
+                    continue
+                plan.block_copies += bm.append(seq, num_new)
+            elif not bm.fits(seq, num_new):  # most decodes fit: no block to add or copy
                 while not self.make_room(seq, num_new):
                     short = True
                     victim = self._memory_victim(index, now)
@@ -161,10 +168,10 @@ class Scheduler:
         for chunk in plan.chunks:
             seq, request = chunk.seq, chunk.seq.request
             chunk.start = seq.num_computed_tokens
-            chunk.carry_row = -1
-            if seq.num_placeholders:  # only its newest token can be in flight, and the chunk ends at it
+            chunk.carry_row = chunk.carry_group = -1
+            if seq.num_placeholders:  # only its newest token can be in flight: the chunk's first, then its drafts
                 assert seq.num_placeholders == 1 and chunk.start + chunk.num_new_tokens == seq.num_tokens
-                chunk.carry_row = seq.pending_row
+                chunk.carry_row, chunk.carry_group = seq.pending_row, seq.pending_group
             chunk.samples = chunk.start + chunk.num_new_tokens == seq.num_tokens
             if not request.prompt_cache_recorded and seq.candidate_index == 0:
                 request.num_cached_prompt_tokens = seq.num_computed_tokens
@@ -175,32 +182,42 @@ class Scheduler:
         # on the compute stream, so it sees their KV.
         bm.commit_all([chunk.seq for chunk in plan.chunks])
         rows = plan.samples
+        groups = 0  # verifying groups so far
         for chunk in plan.chunks:
             if not chunk.samples:
                 continue
             parent = chunk.seq
-            if chunk.num_draft:  # a row after the last known token and after each draft
+            first_row = len(rows)
+            if chunk.num_draft:  # a row after the chunk's first token and after each draft
                 self._sample_into(parent, parent, parent.num_tokens, rows)
-                self.speculator.verifying_rows(chunk, rows)
-                continue
-            position = parent.num_tokens
-            self._sample_into(parent, parent, position, rows)
-            after = parent
-            for candidate in range(parent.candidate_index + 1, parent.candidate_index + 1 + parent.pending_forks):
-                # A sibling sharing the parent's blocks, created before its first token is known.
-                fork = self.new_fork(parent, candidate, parent.token_ids[:position])
-                fork.num_computed_tokens = parent.num_computed_tokens
-                bm.fork(parent, fork)
-                fork.status = SequenceStatus.RUNNING
-                self.running.insert(self.running.index(after) + 1, fork)
-                after = fork
-                self._sample_into(parent, fork, position, rows)
-            parent.pending_forks = 0
+                self.speculator.verifying_rows(chunk, rows, groups)
+                groups += 1
+            else:
+                self._sample_with_forks(parent, rows)
+            if chunk.carry_group >= 0:  # after drafts in flight: moved back by those they reject (verify)
+                parent.next_rows = rows[first_row:]
+
+    def _sample_with_forks(self, parent: Sequence, rows: list[SampleRow]) -> None:
+        """The row after a chunk without drafts, and one per fork it makes (each a new candidate)."""
+        bm = self.block_manager
+        position = parent.num_tokens
+        self._sample_into(parent, parent, position, rows)
+        after = parent
+        for candidate in range(parent.candidate_index + 1, parent.candidate_index + 1 + parent.pending_forks):
+            # A sibling sharing the parent's blocks, created before its first token is known.
+            fork = self.new_fork(parent, candidate, parent.token_ids[:position])
+            fork.num_computed_tokens = parent.num_computed_tokens
+            bm.fork(parent, fork)
+            fork.status = SequenceStatus.RUNNING
+            self.running.insert(self.running.index(after) + 1, fork)
+            after = fork
+            self._sample_into(parent, fork, position, rows)
+        parent.pending_forks = 0
 
     def _sample_into(self, source: Sequence, target: Sequence, position: int, rows: list[SampleRow]) -> None:
         target.token_ids.append(PLACEHOLDER)
         target.num_placeholders += 1
-        target.pending_row = len(rows)
+        target.pending_row, target.pending_group = len(rows), -1
         target.final_in_flight = target.length_limit_reached(target.num_tokens, self.max_model_len)
         rows.append(SampleRow(source, target, position))
 
@@ -235,7 +252,9 @@ class Scheduler:
         urgent running sequences (least urgent first, newest first within a class) until it has."""
         best = min(self.waiting, key=lambda s: (self.urgency(s, now), s.request.queued_at or 0.0))
         level = self.urgency(best, now)
-        victims = [s for s in self.running if self.urgency(s, now) > level and not s.final_in_flight]
+        victims = [
+            s for s in self.running if self.urgency(s, now) > level and not s.final_in_flight and not s.num_draft
+        ]
         if not victims or best.num_placeholders:
             return
         bm = self.block_manager
@@ -253,10 +272,11 @@ class Scheduler:
 
     def _memory_victim(self, index: int, now: float) -> Sequence:
         """Whom to preempt so that running[index] can grow: among the running sequences not yet scheduled
-        this step, the least urgent one no more urgent than it, newest first; else itself."""
+        this step and without drafts in flight, the least urgent one no more urgent than it, newest
+        first; else itself."""
         seq = self.running[index]
         level = self.urgency(seq, now)
-        tail = [(self.urgency(s, now), i) for i, s in enumerate(self.running) if i > index]
+        tail = [(self.urgency(s, now), i) for i, s in enumerate(self.running) if i > index and not s.num_draft]
         eligible = [(u, i) for u, i in tail if u >= level]
         return self.running[max(eligible)[1]] if eligible else seq
 

@@ -46,28 +46,32 @@ class NgramIndex:
 
 
 class Drafter(Protocol):
-    def propose(self, seq: Sequence, k: int) -> list[int]:
-        """Up to k tokens likely to follow seq's (all known) tokens; [] when it has no guess."""
+    def propose(self, seq: Sequence, k: int, end: int | None = None) -> list[int]:
+        """Up to k tokens likely to follow seq.token_ids[:end] (default: all of them); [] when it has no
+        guess. Tokens past seq.num_known_tokens (drafts still being verified) are read as guesses."""
         ...
 
 
 class NgramDrafter:
-    """Proposes up to k tokens for a sequence whose tokens are all known (no draft, no placeholder)."""
+    """Proposes up to k tokens after a context whose tail may be guesses (drafts in flight): the index
+    holds known tokens only, the lookup's n-gram is the context's last n tokens, and what it proposes
+    was known to follow their latest earlier occurrence."""
 
-    def propose(self, seq: Sequence, k: int) -> list[int]:
+    def propose(self, seq: Sequence, k: int, end: int | None = None) -> list[int]:
         if k <= 0:
             return []
         tokens = seq.token_ids
-        end = len(tokens)
+        end = len(tokens) if end is None else end
+        known = min(seq.num_known_tokens, end)
         index = seq.draft_index
-        if index is None or index.indexed > end - 1:  # new, or the sequence was cut back (rare)
-            index = seq.draft_index = NgramIndex(indexed=max(0, end - WINDOW))
-        index.extend(tokens, end, STEP_BUDGET)
+        if index is None or index.indexed > known - 1:  # new, or the sequence was cut back (rare)
+            index = seq.draft_index = NgramIndex(indexed=max(0, known - WINDOW))
+        index.extend(tokens, known, STEP_BUDGET)
         positions = index.positions
         for n in NGRAM_SIZES:
             if end < n + 1:
                 continue
             start = positions.get(tuple(tokens[end - n : end]))
             if start is not None:
-                return tokens[start : min(start + k, end)]
+                return tokens[start : min(start + k, known)]
         return []

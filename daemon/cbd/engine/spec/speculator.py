@@ -1,19 +1,27 @@
 """Speculation in a step: which sequences may try drafts, their drafts, the backoff after misses, and
 the verification of a completed step's drafts.
 
-A decoding sequence whose tokens are all known gets up to `num_speculative_tokens` draft tokens from the
-drafter (drafter.py), within the token budget and free blocks that every running chunk and admission left
-over (drafts never preempt, evict or delay anything: `add_drafts`); its chunk is its last token plus the
-drafts, and the step samples a token after each of them (`verifying_rows`: one `SampleRow` per position,
-the same position-keyed randomness as without drafts). `verify` keeps the drafts up to the first one that
-differs from the token sampled before it, then that sampled token: exactly the tokens the sequence would
-have got one step at a time, greedy or seeded. The KV of the rejected positions is left behind the
-sequence's end (overwritten when those positions are computed again) and the blocks that only they used
-are freed; drafts are never committed to the prefix cache. A plan with drafts must complete before the
-next is scheduled (the next step's positions depend on how many were kept): the core runs it synchronously.
+A decoding sequence gets up to `num_speculative_tokens` draft tokens from the drafter (drafter.py),
+within the token budget and free blocks that every running chunk and admission left over (drafts never
+preempt, evict or delay anything: `add_drafts`); its chunk is its last token plus the drafts, and the
+step samples a token after each of them (`verifying_rows`: one `SampleRow` per position, the same
+position-keyed randomness as without drafts). `verify` keeps the drafts up to the first one that
+differs from the token sampled before it, then that sampled token: exactly the tokens the sequence
+would have got one step at a time, greedy or seeded. The KV of the rejected positions is left behind
+the sequence's end (overwritten when those positions are computed again) and the blocks that only they
+used are freed; drafts are never committed to the prefix cache.
+
+In the overlap loop the step in flight has not said its tokens yet when the next is planned, so drafts
+follow a guess: the drafter reads the context up to the token in flight (with the drafts in flight
+taken as kept) and proposes one more token than asked, the first standing for the token in flight and
+dropped. A wrong guess costs only compute: verification compares with what the model samples after
+the real tokens, which the device puts in place (device/draft_carry.py). A constrained sequence drafts
+only when its tokens are all known (its grammar checks drafts): a step that gives it drafts completes
+the step in flight first (`needs_known_tokens`).
 
 Per-sequence draft state lives on the Sequence (`draft_len`, `draft_misses`, `draft_retry_step`,
-`draft_index`, `num_draft`); the step counter of the backoff and the counts live here. Pure Python.
+`draft_index`, `num_draft`, `pending_group`, `next_rows`); the step counter of the backoff and the
+counts live here. Pure Python.
 """
 
 from __future__ import annotations
@@ -22,6 +30,7 @@ from cbd.engine.kv.blocks import BlockManager
 from cbd.engine.sched.plan import SampleRow, ScheduledChunk, StepPlan
 from cbd.engine.sequence import Sequence
 from cbd.engine.spec.drafter import Drafter
+from cbd.engine.spec.policy import StepCosts, expected_kept
 
 
 class Speculator:
@@ -35,6 +44,8 @@ class Speculator:
         self.drafter = drafter
         self.num_speculative_tokens = num_speculative_tokens if drafter is not None else 0
         self.max_batch = max_batch
+        # "auto" with verifying CUDA graphs: their measured costs decide whether a decode step drafts (policy.py)
+        self.costs: StepCosts | None = None
         self.backoff = False  # overlap mode: after finding no draft, a sequence waits before drafting again
         self.step_index = 0  # steps scheduled so far (the backoff's clock; the scheduler advances it)
         self.num_draft_tokens = 0  # proposed and verified
@@ -43,12 +54,17 @@ class Speculator:
 
     def worth_trying(self, running: list[Sequence], overlap: bool) -> bool:
         """Whether the next step may verify drafts: speculation on, the batch small enough and, in overlap
-        mode (where it costs a synchronous step), some running sequence due to try."""
+        mode (where drafting after a miss waits), some running sequence due to try."""
         if self.drafter is None or not running:
             return False
         if self.max_batch is not None and len(running) > self.max_batch:
             return False
         return not overlap or any(self.can_speculate(seq) for seq in running)
+
+    def needs_known_tokens(self, running: list[Sequence]) -> bool:
+        """Overlap mode: whether a step with drafts should first complete the step in flight, because a
+        constrained sequence is due to try (its grammar checks drafts against known tokens)."""
+        return any(seq.grammar is not None and self.can_speculate(seq) for seq in running)
 
     def can_speculate(self, seq: Sequence) -> bool:
         """Whether seq may get drafts when its tokens are known: a plain decode, not due to stop by length."""
@@ -62,15 +78,17 @@ class Speculator:
 
     def add_drafts(self, plan: StepPlan, max_num_batched_tokens: int) -> None:
         """Give the plan's decode chunks drafts, with what the step leaves over: the token budget and free
-        blocks that no chunk and no admission took (drafts never preempt or delay anything)."""
+        blocks that no chunk and no admission took (drafts never preempt or delay anything). A chunk whose
+        token is still in flight drafts after a guess of it (see the module docstring)."""
         bm = self.block_manager
         budget = max_num_batched_tokens - plan.num_tokens
+        if not self._pays(plan):
+            return
         for chunk in plan.chunks:
             seq = chunk.seq
-            if chunk.num_new_tokens != 1 or seq.num_uncomputed != 1 or seq.num_placeholders:
+            if not self._may_draft(chunk):
                 continue
-            if not self.can_speculate(seq):
-                continue
+            guess = seq.num_placeholders > 0  # its token (and maybe drafts) still in flight
             params = seq.request.params
             room = min(
                 seq.draft_len or min(4, self.num_speculative_tokens),
@@ -78,52 +96,90 @@ class Speculator:
                 params.max_tokens - seq.num_output_tokens - 1,  # all kept + the token after them: the last one at most
                 self.max_model_len - seq.num_tokens - 1,
             )  # fmt: skip
-            drafts = self.drafter.propose(seq, room) if room > 0 and self.drafter is not None else []
+            drafts: list[int] = []
+            if room > 0 and self.drafter is not None:
+                if guess:  # the first proposed token stands for the one in flight
+                    drafts = self.drafter.propose(seq, room + 1, seq.num_tokens - 1)[1:]
+                else:
+                    drafts = self.drafter.propose(seq, room)
             if drafts and seq.grammar is not None:  # only what the grammar allows next (checked, then undone)
                 drafts = drafts[: seq.grammar.valid_prefix(drafts)]
             if not drafts or not bm.can_append(seq, 1 + len(drafts)):
                 self._missed(seq, verified=False)
                 continue
             seq.token_ids += drafts
-            seq.num_draft = chunk.num_draft = len(drafts)
+            seq.num_draft += len(drafts)
+            chunk.num_draft = len(drafts)
             plan.block_copies += bm.append(seq, 1 + len(drafts))
             chunk.num_new_tokens += len(drafts)
             budget -= len(drafts)
 
-    def verifying_rows(self, chunk: ScheduledChunk, rows: list[SampleRow]) -> None:
+    def _may_draft(self, chunk: ScheduledChunk) -> bool:
+        """A decode chunk of a sequence due to try; a constrained one only with its tokens known."""
+        seq = chunk.seq
+        if chunk.num_new_tokens != 1 or seq.num_uncomputed != 1:
+            return False
+        return not (seq.num_placeholders and seq.grammar is not None) and self.can_speculate(seq)
+
+    def _pays(self, plan: StepPlan) -> bool:
+        """With measured step costs ("auto" on a GPU), whether a decode step's drafts are expected to make
+        more tokens per millisecond than the step without them (policy.py); a step that also prefills
+        runs eagerly and takes its drafts."""
+        if self.costs is None or any(c.num_new_tokens != 1 for c in plan.chunks):
+            return True
+        expected, most = 0.0, 0
+        for chunk in plan.chunks:
+            if self._may_draft(chunk):
+                k = min(chunk.seq.draft_len or 4, self.num_speculative_tokens)
+                expected += expected_kept(chunk.seq.draft_accept, k)
+                most = max(most, k)
+        return most > 0 and self.costs.worth(len(plan.chunks), expected, 1 + most)
+
+    def verifying_rows(self, chunk: ScheduledChunk, rows: list[SampleRow], group: int) -> None:
         """Booking a chunk with drafts, whose one sample row (its newest placeholder's) was just appended:
-        that row becomes a group of 1 + num_draft rows, after the last known token and after each draft."""
+        that row becomes a group of 1 + num_draft rows, after the chunk's first token and after each draft.
+        group: its number among the plan's verifying groups (the device's kept counts are in that order)."""
         seq, k = chunk.seq, chunk.num_draft
         first = seq.num_tokens - 1 - k  # position of the first draft
-        seq.final_in_flight = False  # how many are kept is not known yet: decided when it completes
         rows[-1:] = [SampleRow(seq, seq, first + i) for i in range(k + 1)]
         rows[-k - 1].num_draft = k
-        seq.pending_row = -1  # a plan with drafts completes before the next is scheduled
+        seq.pending_row, seq.pending_group = len(rows) - k - 1, group
+        # If all are kept, the token after them may be the last; verify decides again with the kept count.
+        seq.final_in_flight = seq.length_limit_reached(seq.num_tokens, self.max_model_len)
         self.num_draft_tokens += k
         self.num_speculative_steps += 1
 
     def verify(self, seq: Sequence, row: SampleRow, i: int, token_ids: list[int]) -> list[int]:
         """Keep seq's drafts up to the first that differs from the token sampled before it, then that
-        sampled token; cut the rest and free the blocks only they used. Returns the rows kept."""
+        sampled token; cut the rest and free the blocks only they used. What was booked after them (the
+        next step's rows, in the overlap loop) moves back by the drafts cut. Returns the rows kept."""
         first, k = row.position, row.num_draft
         kept = 0
         while kept < k and token_ids[i + kept] == seq.token_ids[first + kept]:
             kept += 1
         end = first + kept  # the token sampled after the kept drafts goes here; its KV is not computed yet
         seq.token_ids[end] = token_ids[i + kept]
-        del seq.token_ids[end + 1 :]
+        cut = k - kept
+        del seq.token_ids[end + 1 : end + 1 + cut]  # the rejected drafts (the placeholder is now `end`)
         if seq.grammar is not None:  # each sampled under its row's mask: the grammar after the drafts before it
             for token in seq.token_ids[first : end + 1]:
                 seq.grammar.accept(token)
-        seq.num_draft = seq.num_placeholders = 0
-        seq.num_computed_tokens = end
+        seq.num_draft -= k
+        seq.num_placeholders -= 1
+        seq.num_computed_tokens = max(0, seq.num_computed_tokens - cut)
+        if seq.next_rows is not None:  # booked as if all were kept: the device has placed them `cut` earlier
+            for later in seq.next_rows:
+                later.position -= cut
+            seq.next_rows = None
+        seq.final_in_flight = seq.length_limit_reached(seq.num_tokens, self.max_model_len)
         bm = self.block_manager
-        keep_blocks = bm.blocks_needed(end)
+        keep_blocks = bm.blocks_needed(seq.num_computed_tokens)
         if len(seq.block_table) > keep_blocks:
             bm.release(seq.block_table[keep_blocks:])
             del seq.block_table[keep_blocks:]
             seq.num_committed_blocks = min(seq.num_committed_blocks, keep_blocks)
         self.num_accepted_tokens += kept
+        seq.draft_accept = 0.5 * seq.draft_accept + 0.5 * kept / k
         # The draft length follows the copying: doubled after a run kept whole (up to the limit), else
         # just past what was kept.
         seq.draft_len = min(2 * k, self.num_speculative_tokens) if kept == k else max(2, kept + 1)
@@ -136,7 +192,7 @@ class Speculator:
     def _missed(self, seq: Sequence, verified: bool) -> None:
         """After drafts none of which was kept (verified), or in overlap mode after finding no draft,
         seq waits 2, 4, ... 32 steps before drafting again (a kept draft resets it): verifying costs
-        compute, and in overlap mode a step that speculates is synchronous."""
+        compute, and in overlap mode a sequence that finds nothing would look again every step."""
         if verified or self.backoff:
             seq.draft_misses += 1
             seq.draft_retry_step = self.step_index + (1 << min(seq.draft_misses, 5))
