@@ -410,7 +410,9 @@ def test_the_overlap_loop_verifies_drafts_with_a_step_in_flight(default_model, p
         launched = _record_launches(core)
         got = run_all(core, batch, cases)
         results[mode] = [(r["tokens"], r["finish"], r["usage"]) for r in got]
-        results[mode + " logprobs"] = [lp.token_id for o in got[0]["outputs"] for d in o.candidates for lp in d.logprobs]
+        results[mode + " logprobs"] = [
+            lp.token_id for o in got[0]["outputs"] for d in o.candidates for lp in d.logprobs
+        ]
         assert core.block_manager.num_used_blocks == 0
         if mode == "ngram":
             assert _speculated(core)[1] > 0
