@@ -113,7 +113,7 @@ def _run(core: EngineCore, prompts: list[list[int]], new_tokens: int, ignore_eos
                 steps=len(events))  # fmt: skip
 
 
-MODES = ("off", "auto")
+MODES = ["off", "auto"]  # the second: --on
 
 
 def _config(mode: str, batch: int, dtype: str, max_len: int, device: str = "cuda") -> EngineConfig:
@@ -128,11 +128,14 @@ def _compare(name: str, cores: dict[str, EngineCore], prompts: list[list[int]], 
     for _ in range(repeat):  # interleaved
         for mode, core in cores.items():
             runs[mode].append(_run(core, prompts, new_tokens, ignore_eos))
-    off, on = runs["off"][-1], runs["auto"][-1]
+    off, on = runs["off"][-1], runs[MODES[1]][-1]
+    costs = cores[MODES[1]].scheduler.speculator.costs
+    if costs is not None:
+        log.info("step costs (ms) %s, outside the graphs %s", costs.costs, costs.outside)
     same = sum(a == b for a, b in zip(off["tokens"], on["tokens"]))
     row = dict(
         workload=name, batch=next(iter(cores.values())).config.max_num_seqs, off=statistics.median(r["tok_s"] for r in runs["off"]),
-        on=statistics.median(r["tok_s"] for r in runs["auto"]), kept=on["kept"] / max(1, on["drafted"]),
+        on=statistics.median(r["tok_s"] for r in runs[MODES[1]]), kept=on["kept"] / max(1, on["drafted"]),
         same=f"{same}/{len(prompts)}", busy_off=off["busy"], busy_on=on["busy"], steps_off=off["steps"],
         steps_on=on["steps"],
     )  # fmt: skip
@@ -231,7 +234,7 @@ def part_8b(args: argparse.Namespace, kept: dict[str, float]) -> list[dict]:
             recorded = _run(cores["off"], prompts, args.new_tokens, True)["tokens"]
             p = _per_draft(fraction)
             drafter = ReplayDrafter({tuple(q): r for q, r in zip(prompts, recorded)}, p, loaded.spec.vocab_size)
-            cores["auto"].scheduler.speculator.drafter = drafter
+            cores[MODES[1]].scheduler.speculator.drafter = drafter
             row = _compare(f"{name} (replayed, {fraction:.0%} kept)", cores, prompts, args.new_tokens, args.repeat,
                            True)  # fmt: skip
             rows.append(row)
@@ -250,7 +253,9 @@ def main() -> None:
     parser.add_argument("--device", default="cuda", help="part 1's device (cpu: a smoke run)")
     parser.add_argument("--prompt-len", type=int, default=512, help="part 2's prompt length")
     parser.add_argument("--kept", default="", help="part 2's kept fractions: copy,no-copy (default: part 1's)")
+    parser.add_argument("--on", default="auto", help="the speculating mode: auto (the cost policy) or ngram (always)")
     args = parser.parse_args()
+    MODES[1] = args.on
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     logging.getLogger("cbd").setLevel(logging.WARNING)
     rows = part_default(args) if "default" in args.parts else []
@@ -266,7 +271,7 @@ def main() -> None:
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU"
     print(f"\n{device}; greedy, {args.new_tokens} new tokens per request; tok/s: median of "
           f"{args.repeat} interleaved runs; busy: the GPU's step work over the wall time (last run)")  # fmt: skip
-    print(f"{'workload':36s} {'batch':>5s} {'off tok/s':>10s} {'auto tok/s':>11s} {'ratio':>6s} {'kept':>5s} "
+    print(f"{'workload':36s} {'batch':>5s} {'off tok/s':>10s} {MODES[1] + ' tok/s':>11s} {'ratio':>6s} {'kept':>5s} "
           f"{'busy off/on':>11s} {'steps off/on':>12s} same")  # fmt: skip
     for r in rows:
         print(f"{r['workload']:36s} {r['batch']:5d} {r['off']:10.1f} {r['on']:11.1f} {r['ratio']:5.2f}x "

@@ -30,6 +30,12 @@ def test_a_step_verifies_drafts_when_its_tokens_per_millisecond_beat_a_plain_ste
     assert costs.worth(20, 4.5, 3) and not costs.worth(20, 3.5, 3)  # fewer drafts: the cheaper graph
     assert not costs.worth(33, 100.0, 3)  # no verifying graph that large: eager verifying is not weighed
     assert not costs.worth(1, 5.0, 17)  # no graph of that many queries
+    # Steps whose device time is mostly outside the graph (a small model): verifying costs relatively less.
+    for _ in range(200):
+        costs.observe(32, 1, 20.0)
+    costs.observe(32, 9, 100.0)  # a verifying step's time teaches nothing about the shared part
+    assert costs.outside[32] == pytest.approx(14.5, rel=1e-3)
+    assert costs.worth(20, 5.0, 9)  # 25 tokens in 23.5 ms beat 20 in 20 ms
 
 
 class _Drafter:

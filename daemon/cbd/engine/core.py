@@ -61,6 +61,7 @@ class _Launched:
 
     plan: StepPlan
     step: InflightStep
+    graph: tuple[int, int] | None = None  # the CUDA graph (batch, queries) it ran, if any
 
 
 class EngineCore:
@@ -252,13 +253,16 @@ class EngineCore:
         self.num_steps += 1
         if self.host_tier is not None:  # keep some GPU blocks free ahead of need (see offload_ahead)
             self.sessions.eviction.offload_ahead(self._free_target)
-        return _Launched(plan, step)
+        return _Launched(plan, step, (batch.meta.batch, batch.meta.queries) if batch.meta.graph else None)
 
     def _complete(self, launched: _Launched) -> list[RequestOutput]:
         """Wait for a launched step's tokens, book them, and emit the outputs of its live rows."""
         assert launched.step.pending is None, "a step with constrained rows is sampled before it completes"
         phases = self.phases
         sampled = self.runner.wait(launched.step)
+        costs, timing = self.scheduler.speculator.costs, launched.step.timing
+        if costs is not None and launched.graph is not None and timing is not None and timing[1].query():
+            costs.observe(*launched.graph, timing[0].elapsed_time(timing[1]))  # the step's whole device time
         phases.lap(WAIT)
         rows = self.scheduler.update_from_output(launched.plan, sampled.token_ids)
         phases.lap(BOOK)

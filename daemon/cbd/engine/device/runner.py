@@ -61,6 +61,7 @@ class InflightStep:
     done: torch.cuda.Event | None
     keep: list = field(default_factory=list)
     pending: PendingSample | None = None  # set while its sampling waits for masks
+    timing: tuple | None = None  # (start, end) CUDA events of its compute-stream work (one launch, unmasked)
 
 
 @dataclass(slots=True)
@@ -257,7 +258,7 @@ class ModelRunner:
             s.record(done, s.d2h)
         self._last_sampled = result.token_ids
         keep = [staged, result] if masks is None else [staged, result, masks[0]]
-        return InflightStep(meta.num_rows, result.token_ids, host, done, keep)
+        return InflightStep(meta.num_rows, result.token_ids, host, done, keep, timing=timing if masks is None else None)
 
     def _start_timing(self) -> tuple | None:
         """(start, end) CUDA events bracketing compute-stream work, for the GPU-busy gauge (None on CPU)."""

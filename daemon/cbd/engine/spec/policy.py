@@ -7,7 +7,10 @@ it when the tokens it expects per millisecond beat the plain step's:
 
     (B + sum_i E[kept_i]) / cost(B, Q)  >  B / cost(B, 1),    E[kept_i] = a_i + a_i^2 + ... + a_i^k_i
 
-with a_i sequence i's chance that a draft is kept (an average over its recent verifications, starting at
+where cost(B, Q) is the graph's measured time plus the step's work outside it (staging, block tables,
+carry-over, sampling, copies back): that part is learned from the decode steps as they run (a running
+average of their device time less their graph's), since it is shared by both kinds of step and can be
+most of a small model's step. a_i is sequence i's chance that a draft is kept (an average over its recent verifications, starting at
 one half) and k_i the drafts it would ask for. So speculation runs at any batch size where it pays
 (at batch 1 a verifying step costs about a decode step: almost always; at large batches a verifying
 step costs more, so only sequences that keep most of their drafts make it worth it), and not where no
@@ -31,8 +34,17 @@ class StepCosts:
     def __init__(self, costs: dict[tuple[int, int], float]) -> None:
         """costs: milliseconds per step of each (batch bucket, queries per sequence) graph."""
         self.costs = costs
+        self.outside: dict[int, float] = {}  # per batch bucket: a step's device time outside its graph
         self.batches = sorted({b for b, q in costs if q > 1})
         self.queries = sorted({q for _, q in costs if q > 1})
+
+    def observe(self, batch: int, queries: int, ms: float) -> None:
+        """A completed step's device time: a decode graph's step updates the time spent outside the graph."""
+        graph = self.costs.get((batch, queries))
+        if queries == 1 and graph is not None:
+            seen = max(0.0, ms - graph)
+            last = self.outside.get(batch)
+            self.outside[batch] = seen if last is None else 0.9 * last + 0.1 * seen
 
     @property
     def max_batch(self) -> int:
@@ -49,4 +61,5 @@ class StepCosts:
         plain, verifying = self.costs.get((bucket, 1)), self.costs.get((bucket, self.queries[j]))
         if plain is None or verifying is None:
             return False
-        return (batch + expected) * plain > batch * verifying
+        outside = self.outside.get(bucket, 0.0)
+        return (batch + expected) * (plain + outside) > batch * (verifying + outside)
