@@ -30,7 +30,7 @@ from cbd.engine.kv.blocks import BlockManager
 from cbd.engine.sched.plan import SampleRow, ScheduledChunk, StepPlan
 from cbd.engine.sequence import Sequence
 from cbd.engine.spec.drafter import Drafter
-from cbd.engine.spec.policy import StepCosts, expected_kept
+from cbd.engine.spec.policy import START_ACCEPT, StepCosts, expected_kept
 
 
 class Speculator:
@@ -179,7 +179,9 @@ class Speculator:
             del seq.block_table[keep_blocks:]
             seq.num_committed_blocks = min(seq.num_committed_blocks, keep_blocks)
         self.num_accepted_tokens += kept
-        seq.draft_accept = 0.5 * seq.draft_accept + 0.5 * kept / k
+        # The estimate the cost policy weighs; after a miss it restarts at the prior for the next try, which the
+        # backoff below delays (else one unlucky stretch would keep a sequence from ever drafting again).
+        seq.draft_accept = 0.5 * seq.draft_accept + 0.5 * kept / k if kept else START_ACCEPT
         # The draft length follows the copying: doubled after a run kept whole (up to the limit), else
         # just past what was kept.
         seq.draft_len = min(2 * k, self.num_speculative_tokens) if kept == k else max(2, kept + 1)
