@@ -215,13 +215,8 @@ def pack_step(
     logits_rows: list[int] = []
     carry_dst: list[int] = []
     carry_src: list[int] = []
-    carry_group: list[int] = []
-    seq_group: list[int] = []
-    verify_ids: list[int] = []
-    verify_rows: list[int] = []
-    verify_k: list[int] = []
-    max_draft = max(c.num_draft for c in plan.chunks)
-    group_rows = iter([i for i, r in enumerate(rows) if r.num_draft] if max_draft else [])
+    after: list[tuple[int, int, int]] = []  # chunks after drafts in flight: (chunk, carry index, group + 1)
+    drafted: list[tuple[int, int]] = []  # chunks with drafts: (index of the first draft in ids, drafts)
     width = 1
     for chunk in plan.chunks:
         seq, start, n = chunk.seq, chunk.start, chunk.num_new_tokens
@@ -231,21 +226,15 @@ def pack_step(
         else:
             ids += seq.token_ids[start : start + n]
         if chunk.carry_row >= 0:  # only its first token can be in flight (then its drafts, if any)
+            if chunk.carry_group >= 0:
+                after.append((len(ctx), len(carry_dst), chunk.carry_group + 1))
             carry_dst.append(first)
             carry_src.append(chunk.carry_row)
-            carry_group.append(chunk.carry_group + 1)
             ids[first] = 0
-        seq_group.append(chunk.carry_group + 1)
         if chunk.samples:  # its last token's logits; with drafts, those of the tokens before each draft too
             if chunk.num_draft:
-                k = chunk.num_draft
-                logits_rows += range(len(ids) - 1 - k, len(ids))
-                base = next(group_rows)  # the group's first row (rows come in chunk order)
-                verify_ids += range(first + 1, first + 1 + k)
-                verify_rows += range(base, base + k)
-                verify_ids += [0] * (max_draft - k)
-                verify_rows += [0] * (max_draft - k)
-                verify_k.append(k)
+                logits_rows += range(len(ids) - 1 - chunk.num_draft, len(ids))
+                drafted.append((first + 1, chunk.num_draft))
             else:
                 logits_rows.append(len(ids) - 1)
         if queries > 1:
@@ -264,7 +253,6 @@ def pack_step(
         ctx += [1] * pad
         query_lens += [1] * pad
         table_rows += [PADDING_ROW] * pad
-        seq_group += [0] * pad
     packed = PackedStep()
     packed.add("ids", ids)
     packed.add("qstart", qstart)
@@ -282,14 +270,14 @@ def pack_step(
     if carry_dst:
         packed.add("carry_dst", carry_dst)
         packed.add("carry_src", carry_src)
-    after_drafts = any(carry_group)
-    if after_drafts:
+    if after:  # see draft_carry.py
+        carry_group, seq_group = [0] * len(carry_dst), [0] * batch
+        for index, carried, group in after:
+            carry_group[carried] = seq_group[index] = group
         packed.add("carry_group", carry_group)
         packed.add("seq_group", seq_group)
-    if verify_k:
-        packed.add("verify_ids", verify_ids)
-        packed.add("verify_rows", verify_rows)
-        packed.add("verify_k", verify_k)
+    if drafted:
+        _pack_verify(packed, drafted, rows)
     packed.add("table_rows", table_rows)
     if table_index:
         packed.add("table_index", table_index)
@@ -300,7 +288,7 @@ def pack_step(
         packed.add("seed", [r.source.request.seed for r in rows])
         packed.add("stream", [r.target.candidate_index for r in rows])
         packed.add("position", [r.position for r in rows])
-        if after_drafts:
+        if after:
             groups = {c.seq.seq_id: c.carry_group + 1 for c in plan.chunks if c.carry_group >= 0}
             packed.add("row_group", [groups.get(r.target.seq_id, 0) for r in rows])
         packed.add("top_k", [p.top_k for p in params])
@@ -318,3 +306,18 @@ def pack_step(
         masked=plan.constrained, table_shape=(tables.num_rows, tables.num_columns),
     )  # fmt: skip
     return StepBatch(packed, meta, plan.block_copies)
+
+
+def _pack_verify(packed: PackedStep, drafted: list[tuple[int, int]], rows: list) -> None:
+    """A verifying step's groups, padded to the most drafts: where each draft is in ids, the sample row
+    before it (a group's rows start at its first row, in chunk order), and each group's drafts."""
+    most = max(k for _, k in drafted)
+    bases = [i for i, r in enumerate(rows) if r.num_draft]
+    ids: list[int] = []
+    sampled: list[int] = []
+    for (first, k), base in zip(drafted, bases, strict=True):
+        ids += [*range(first, first + k), *([0] * (most - k))]
+        sampled += [*range(base, base + k), *([0] * (most - k))]
+    packed.add("verify_ids", ids)
+    packed.add("verify_rows", sampled)
+    packed.add("verify_k", [k for _, k in drafted])
