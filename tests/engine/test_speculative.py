@@ -455,3 +455,45 @@ def test_the_overlap_loop_with_drafts_in_flight_under_preemption_and_abort(defau
         checked_step(core)
     assert aborted and request.sequences[0].num_draft == 0
     assert core.block_manager.num_used_blocks == 0
+
+
+def test_a_sequence_with_drafts_in_flight_waits_for_blocks_and_is_never_preempted(tiny_loaded) -> None:  # type: ignore[no-untyped-def]
+    """Overlap on, every sequence drafting each step: the pool is filled while drafts are in flight, so the
+    next step cannot grow them. A sequence whose drafts are in flight is left out of that step (its length
+    is not known yet), never preempted; once the pool has room again, the outputs are those without
+    speculation and every block is returned."""
+    prompts = [[5, 6, 7, 8, 9, 10], [11, 12, 13, 14, 15, 16]]
+    params = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)
+    off = [r["tokens"][0] for r in run_all(make_core(tiny_loaded, speculative="off"), prompts, params)]
+    core = make_core(tiny_loaded, overlap="on", speculative="ngram", block_size=4, num_kv_blocks=64,
+                     enable_prefix_caching=False)  # fmt: skip
+    speculator, scheduler = core.scheduler.speculator, core.scheduler
+    speculator.drafter, speculator.backoff = _FixedDrafter(7), False
+    requests = [core.add_request(p, params) for p in prompts]
+    victims: list[int] = []
+    waited: list[Sequence] = []
+    preempt, schedule = scheduler._preempt, scheduler.schedule
+
+    def recording_preempt(seq, plan):  # type: ignore[no-untyped-def]
+        victims.append(seq.num_draft)
+        preempt(seq, plan)
+
+    def recording_schedule(speculate=False):  # type: ignore[no-untyped-def]
+        in_flight = [s for s in scheduler.running if s.num_draft]
+        plan = schedule(speculate)
+        waited.extend(s for s in in_flight if all(c.seq is not s for c in plan.chunks))
+        return plan
+
+    scheduler._preempt, scheduler.schedule = recording_preempt, recording_schedule  # type: ignore[method-assign]
+    while not any(s.num_draft for r in requests for s in r.sequences):
+        checked_step(core)
+    bm = core.block_manager
+    hog = bm.allocate_blocks(bm.num_free_blocks)  # nothing left to grow into
+    for _ in range(3):
+        core.step()
+    assert waited and not any(victims), (len(waited), victims)
+    bm.release(hog)
+    while core.has_work():
+        checked_step(core)
+    assert [r.sequences[0].token_ids[len(p) :] for r, p in zip(requests, prompts)] == off
+    assert bm.num_used_blocks == 0 and speculator.num_draft_tokens > 0

@@ -30,6 +30,11 @@ def test_a_step_verifies_drafts_when_its_tokens_per_millisecond_beat_a_plain_ste
     assert costs.worth(20, 4.5, 3) and not costs.worth(20, 3.5, 3)  # fewer drafts: the cheaper graph
     assert not costs.worth(33, 100.0, 3)  # no verifying graph that large: eager verifying is not weighed
     assert not costs.worth(1, 5.0, 17)  # no graph of that many queries
+    # A verifying bucket that is no decode bucket (a cap of 6): the plain step's cost is its decode bucket's.
+    capped = StepCosts({(4, 1): 4.0, (8, 1): 5.0, (6, 3): 5.0})
+    assert capped.worth(6, 0.1, 3) and not capped.worth(
+        4, 0.1, 3
+    )  # 6.1 / 5.0 beat 6 / 5.0; 4.1 / 5.0 do not beat 4 / 4.0
     # Steps whose device time is mostly outside the graph (a small model): verifying costs relatively less.
     for _ in range(200):
         costs.observe(32, 1, 20.0)

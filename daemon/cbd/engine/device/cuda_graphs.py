@@ -149,10 +149,12 @@ class DecodeGraphs:
 
     @torch.inference_mode()
     def measure(self, context: int = 512, repeats: int = 3) -> dict[tuple[int, int], float]:
-        """Milliseconds per replay of each verifying graph and of the decode graphs of the same batches
-        (sequences of `context` tokens reading the scratch block): what the speculation policy weighs."""
+        """Milliseconds per replay of each verifying graph and of the decode graphs up to the bucket its
+        largest batch decodes in (sequences of `context` tokens reading the scratch block): what the
+        speculation policy weighs."""
         assert self.stream is not None
         most = max(self.verify_buckets, default=0)
+        most = next((b for b in self.buckets if b >= most), most)  # the decode bucket a plain step of `most` runs
         shapes = [key for key in self.graphs if key[0] <= most]
         costs = {}
         with torch.cuda.stream(self.stream):

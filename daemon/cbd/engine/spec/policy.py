@@ -36,6 +36,7 @@ class StepCosts:
         self.costs = costs
         self.outside: dict[int, float] = {}  # per batch bucket: a step's device time outside its graph
         self.batches = sorted({b for b, q in costs if q > 1})
+        self.decode_batches = sorted({b for b, q in costs if q == 1})
         self.queries = sorted({q for _, q in costs if q > 1})
 
     def observe(self, batch: int, queries: int, ms: float) -> None:
@@ -55,11 +56,10 @@ class StepCosts:
         """Whether a step of `batch` sequences that verifies drafts of up to `queries - 1` per sequence,
         expecting `expected` kept drafts in all, makes more tokens per millisecond than a plain step."""
         i, j = bisect_left(self.batches, batch), bisect_left(self.queries, queries)
-        if i == len(self.batches) or j == len(self.queries):
+        d = bisect_left(self.decode_batches, batch)  # a plain step runs the decode graph of its own bucket
+        if i == len(self.batches) or j == len(self.queries) or d == len(self.decode_batches):
             return False
-        bucket = self.batches[i]
-        plain, verifying = self.costs.get((bucket, 1)), self.costs.get((bucket, self.queries[j]))
-        if plain is None or verifying is None:
-            return False
+        bucket = self.decode_batches[d]
+        plain, verifying = self.costs[bucket, 1], self.costs[self.batches[i], self.queries[j]]
         outside = self.outside.get(bucket, 0.0)
         return (batch + expected) * (plain + outside) > batch * (verifying + outside)

@@ -82,7 +82,10 @@ class Speculator:
         token is still in flight drafts after a guess of it (see the module docstring)."""
         bm = self.block_manager
         budget = max_num_batched_tokens - plan.num_tokens
-        if not self._pays(plan):
+        if not self._pays(plan):  # not worth it at this batch: those due wait as after a miss (overlap mode)
+            for chunk in plan.chunks:
+                if self._may_draft(chunk):
+                    self._missed(chunk.seq, verified=False)
             return
         for chunk in plan.chunks:
             seq = chunk.seq
