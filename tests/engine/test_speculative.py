@@ -166,16 +166,17 @@ def test_session_turns_equal_without_speculation(default_model) -> None:  # type
     assert answers["ngram"] == answers["off"]
 
 
-def test_abort_during_a_verifying_step_and_preemption_leave_no_blocks(default_model, prompts) -> None:  # type: ignore[no-untyped-def]
-    core = make_core(default_model, speculative="ngram", num_kv_blocks=512)
-    request = core.add_request(prompts["copy"], SamplingParams(max_tokens=60, temperature=0.0))
+def _abort_during_verification(core: EngineCore, prompt: list[int], booked_after: bool = False) -> None:
+    """Abort a request as soon as a step verifying its drafts has run (booked_after: while the step after
+    it, booked as if every draft were kept, is in flight); nothing is left behind."""
+    request = core.add_request(prompt, SamplingParams(max_tokens=60, temperature=0.0))
     wait = core.runner.wait
     aborted = []
 
     def wait_then_abort(step):  # type: ignore[no-untyped-def]
         result = wait(step)
         seq = request.sequences[0]
-        if seq.num_draft and not aborted:  # the step verifying drafts has run; the caller cancels now
+        if seq.num_draft and (seq.next_rows is not None or not booked_after) and not aborted:
             aborted.append(core.abort_request(request.request_id))
         return result
 
@@ -184,6 +185,10 @@ def test_abort_during_a_verifying_step_and_preemption_leave_no_blocks(default_mo
         checked_step(core)
     assert aborted and request.sequences[0].num_draft == 0
     assert core.block_manager.num_used_blocks == 0
+
+
+def test_abort_during_a_verifying_step_and_preemption_leave_no_blocks(default_model, prompts) -> None:  # type: ignore[no-untyped-def]
+    _abort_during_verification(make_core(default_model, speculative="ngram", num_kv_blocks=512), prompts["copy"])
     # A pool too small for all four copies at once: sequences are preempted and recomputed; outputs as unconstrained.
     params = SamplingParams(max_tokens=40, temperature=0.0)
     batch = [prompts["copy"], prompts["quote"], prompts["copy"], prompts["quote"]]
@@ -439,22 +444,7 @@ def test_the_overlap_loop_with_drafts_in_flight_under_preemption_and_abort(defau
         assert small.block_manager.num_used_blocks == 0
     assert got["ngram"] == got["off"]
     core = make_core(default_model, overlap="on", speculative="ngram", num_kv_blocks=512)
-    request = core.add_request(prompts["copy"], SamplingParams(max_tokens=60, temperature=0.0))
-    wait = core.runner.wait
-    aborted = []
-
-    def wait_then_abort(step):  # type: ignore[no-untyped-def]
-        result = wait(step)
-        seq = request.sequences[0]
-        if seq.num_draft and seq.next_rows is not None and not aborted:  # a step booked after drafts in flight
-            aborted.append(core.abort_request(request.request_id))
-        return result
-
-    core.runner.wait = wait_then_abort  # type: ignore[method-assign]
-    while core.has_work():
-        checked_step(core)
-    assert aborted and request.sequences[0].num_draft == 0
-    assert core.block_manager.num_used_blocks == 0
+    _abort_during_verification(core, prompts["copy"], booked_after=True)
 
 
 def test_a_sequence_with_drafts_in_flight_waits_for_blocks_and_is_never_preempted(tiny_loaded) -> None:  # type: ignore[no-untyped-def]
