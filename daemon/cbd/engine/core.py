@@ -75,7 +75,6 @@ class EngineCore:
         self.config = config
         self.loaded = loaded
         parts = build_parts(loaded, config, tp_group, self._fork)
-        self.sharded = tp_group is not None  # graphs replay with the workers only: none timed alone
         self.max_model_len = parts.max_model_len
         self.block_manager, self.runner, self.host_tier = parts.block_manager, parts.runner, parts.host_tier
         self.sessions, self.scheduler, self.overlap = parts.sessions, parts.scheduler, parts.overlap
@@ -194,7 +193,8 @@ class EngineCore:
         verifying graphs (one process), time the graphs for the speculation policy (spec/policy.py)."""
         self.runner.warm_up()
         graphs = self.runner.graphs
-        if self.config.speculative == "auto" and graphs is not None and graphs.verify_buckets and not self.sharded:
+        sharded = self.runner.broadcast is not None  # graphs replay with the workers only: none timed alone
+        if self.config.speculative == "auto" and graphs is not None and graphs.verify_buckets and not sharded:
             costs = StepCosts(graphs.measure())
             self.scheduler.speculator.costs = costs
             log.info("speculation: verifying-step costs over decode steps %s",

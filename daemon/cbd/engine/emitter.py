@@ -58,9 +58,7 @@ class Emitter:
             delta = on_token(seq, row.position, _logprob(sampled, row, i) if with_logprobs else None)
             if delta.finish_reason is not None:
                 ended = True
-                del seq.token_ids[row.position + 1 :]  # a token (and drafts) already in flight for it is dropped
-                seq.num_placeholders = seq.num_draft = 0
-                seq.next_rows = None
+                seq.cut_after(row.position + 1)  # a token (and drafts) already in flight for it is dropped
                 if seq.request.session is not None:  # keep its KV for the session's next turn
                     self.sessions.candidate_finished(seq.request.session, seq)
                 self.scheduler.finish(seq)

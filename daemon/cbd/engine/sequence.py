@@ -105,9 +105,14 @@ class Sequence:
     def drop_placeholders(self) -> None:
         """Cut the tokens in flight (and drafts being verified) off."""
         if self.num_placeholders or self.num_draft:
-            del self.token_ids[self.num_known_tokens :]
-            self.num_placeholders = self.num_draft = 0
-            self.next_rows = None
+            self.cut_after(self.num_known_tokens)
+
+    def cut_after(self, end: int) -> None:
+        """Keep token_ids[:end], all known: whatever is in flight after them (tokens, drafts, the rows
+        booked after drafts) is dropped."""
+        del self.token_ids[end:]
+        self.num_placeholders = self.num_draft = 0
+        self.next_rows = None
 
     @property
     def num_output_tokens(self) -> int:

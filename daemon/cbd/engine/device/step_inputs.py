@@ -289,7 +289,7 @@ def pack_step(
         packed.add("stream", [r.target.candidate_index for r in rows])
         packed.add("position", [r.position for r in rows])
         if after:
-            groups = {c.seq.seq_id: c.carry_group + 1 for c in plan.chunks if c.carry_group >= 0}
+            groups = {plan.chunks[index].seq.seq_id: group for index, _, group in after}
             packed.add("row_group", [groups.get(r.target.seq_id, 0) for r in rows])
         packed.add("top_k", [p.top_k for p in params])
         packed.add_float("temperature", [p.temperature for p in params])

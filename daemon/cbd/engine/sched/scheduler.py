@@ -126,23 +126,24 @@ class Scheduler:
                 index += 1  # its last token is being sampled: nothing left to compute
                 continue
             num_new = min(seq.num_uncomputed, budget)
-            if not bm.fits(seq, num_new) and seq.num_draft:  # drafts in flight: it grows or waits, never preempted
-                if not self.make_room(seq, num_new):
-                    index += 1
-                    continue
-                plan.block_copies += bm.append(seq, num_new)
-            elif not bm.fits(seq, num_new):  # most decodes fit: no block to add or copy
-                while not self.make_room(seq, num_new):
-                    short = True
-                    victim = self._memory_victim(index, now)
-                    self.running.remove(victim)
-                    self._preempt(victim, plan)
-                    if victim is seq:
-                        break
-                else:
+            if not bm.fits(seq, num_new):  # most decodes fit: no block to add or copy
+                if seq.num_draft:  # drafts in flight: it grows or waits, never preempted
+                    if not self.make_room(seq, num_new):
+                        index += 1
+                        continue
                     plan.block_copies += bm.append(seq, num_new)
-                if seq.status is not SequenceStatus.RUNNING:  # it was preempted itself: running[index] is the next
-                    continue
+                else:
+                    while not self.make_room(seq, num_new):
+                        short = True
+                        victim = self._memory_victim(index, now)
+                        self.running.remove(victim)
+                        self._preempt(victim, plan)
+                        if victim is seq:
+                            break
+                    else:
+                        plan.block_copies += bm.append(seq, num_new)
+                    if seq.status is not SequenceStatus.RUNNING:  # preempted itself: running[index] is the next
+                        continue
             plan.chunks.append(ScheduledChunk(seq, num_new))
             budget -= num_new
             index += 1

@@ -94,7 +94,7 @@ class Speculator:
             guess = seq.num_placeholders > 0  # its token (and maybe drafts) still in flight
             params = seq.request.params
             room = min(
-                seq.draft_len or min(4, self.num_speculative_tokens),
+                self._draft_len(seq),
                 budget,
                 params.max_tokens - seq.num_output_tokens - 1,  # all kept + the token after them: the last one at most
                 self.max_model_len - seq.num_tokens - 1,
@@ -124,6 +124,10 @@ class Speculator:
             return False
         return not (seq.num_placeholders and seq.grammar is not None) and self.can_speculate(seq)
 
+    def _draft_len(self, seq: Sequence) -> int:
+        """The drafts seq asks for next: 4 at first, then as its verifications set (see verify)."""
+        return seq.draft_len or min(4, self.num_speculative_tokens)
+
     def _pays(self, plan: StepPlan) -> bool:
         """With measured step costs ("auto" on a GPU), whether a decode step's drafts are expected to make
         more tokens per millisecond than the step without them (policy.py); a step that also prefills
@@ -133,7 +137,7 @@ class Speculator:
         expected, most = 0.0, 0
         for chunk in plan.chunks:
             if self._may_draft(chunk):
-                k = min(chunk.seq.draft_len or 4, self.num_speculative_tokens)
+                k = self._draft_len(chunk.seq)
                 expected += expected_kept(chunk.seq.draft_accept, k)
                 most = max(most, k)
         return most > 0 and self.costs.worth(len(plan.chunks), expected, 1 + most)
