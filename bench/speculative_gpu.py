@@ -15,13 +15,16 @@ that a verifying step's rounding flips; so its attention and MLP outputs are zer
 the same GEMMs, the residual stream stays the token's embedding) and its LM head is the embedding table
 permuted, so that its greedy next token is a fixed function of the last token with a wide margin. A run
 without speculation records each request's continuation; in the speculating run a replaying drafter
-proposes it, each draft made wrong with a probability chosen so that the fraction of drafts kept
-matches part 1's for that workload (a draft after a wrong one is never kept anyway): the same
-accepted-draft pattern at the size where a step costs what it costs real agents. Random prompts of
---prompt-len tokens.
+proposes it with the accepted-draft pattern of part 1: for each of part 1's requests and each position
+of its output, how many tokens the n-gram drafter proposes there (0: none) and how many of them are
+what the default model said (`draft_patterns`, computed from part 1's run without speculation); the
+8B shape's request i at output position j proposes as many tokens, the same number of them right (the
+rest made wrong). So the drafts are kept where, and as much as, the default model's were, at the size
+where a step costs what it costs real agents. Random prompts of --prompt-len tokens. Part 1 writes the
+patterns to $OUT/speculative_patterns.json; `--parts 8b` alone reads them from there.
 
     python bench/speculative_gpu.py                      # both parts
-    python bench/speculative_gpu.py --parts 8b --kept 0.9,0.3
+    python bench/speculative_gpu.py --parts 8b --batches 32
 """
 
 from __future__ import annotations
@@ -42,6 +45,7 @@ from cbd.config import EngineConfig
 from cbd.engine.core import EngineCore
 from cbd.engine.sampling_params import SamplingParams
 from cbd.engine.sequence import Sequence
+from cbd.engine.spec.drafter import WINDOW, NgramIndex
 
 log = logging.getLogger("bench")
 OUT = os.environ.get("OUT", ".")
@@ -141,10 +145,12 @@ def _compare(name: str, cores: dict[str, EngineCore], prompts: list[list[int]], 
     )  # fmt: skip
     row["ratio"] = row["on"] / row["off"]
     log.info("%s", row)
+    row["off_tokens"] = off["tokens"]
     return row
 
 
-def part_default(args: argparse.Namespace) -> list[dict]:
+def part_default(args: argparse.Namespace, patterns: dict[str, list[list[tuple[int, int]]]]) -> list[dict]:
+    """Part 1; fills `patterns` (per workload, per request) from the last batch's run without speculation."""
     from cbd.model.loader import load_model
 
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[args.dtype]
@@ -158,48 +164,52 @@ def part_default(args: argparse.Namespace) -> list[dict]:
             prompts = [_chat(loaded.tokenizer, t) for t in texts]
             for core in cores.values():
                 _run(core, prompts[:2], 8, False)  # warm the loop
-            rows.append(_compare(name, cores, prompts, args.new_tokens, args.repeat, False))
+            row = _compare(name, cores, prompts, args.new_tokens, args.repeat, False)
+            tokens = row.pop("off_tokens")
+            patterns[name] = [draft_patterns(p + t, len(p), 8) for p, t in zip(prompts, tokens)]
+            rows.append(row)
         del cores
         torch.cuda.empty_cache()
     return rows
 
 
-class ReplayDrafter:
-    """Proposes each request's recorded greedy continuation after the context it is given, each draft
-    made wrong with probability 1 - accept (from the first proposed position that is a draft; a guess of
-    the token in flight is left right). A context that left the recording gets wrong drafts."""
+def draft_patterns(tokens: list[int], prompt_len: int, k: int) -> list[tuple[int, int]]:
+    """At each output position j of a greedy output: (tokens the n-gram drafter proposes after
+    tokens[:prompt_len + j], at most k; how many of them, from the first, are the tokens that followed)."""
+    index = NgramIndex(indexed=max(0, prompt_len - WINDOW))
+    out = []
+    for end in range(prompt_len, len(tokens)):
+        index.extend(tokens, end)
+        proposal = index.lookup(tokens, end, k, known=end)
+        right = 0
+        while right < len(proposal) and end + right < len(tokens) and proposal[right] == tokens[end + right]:
+            right += 1
+        out.append((len(proposal), right))
+    return out
 
-    def __init__(self, recorded: dict[tuple[int, ...], list[int]], accept: float, vocab: int) -> None:
-        self.recorded, self.accept, self.vocab = recorded, accept, vocab
-        self.rng = random.Random(0)
+
+class ReplayDrafter:
+    """Proposes each request's recorded greedy continuation after the context it is given, as long and as
+    right as a pattern says (see the module docstring): request i follows patterns[i % len(patterns)]; at
+    output position j it proposes min(k, length_j) tokens of which the first right_j are the recording's
+    and the rest wrong. A context that left the recording, or a position past its pattern, gets none."""
+
+    def __init__(self, recorded: dict[tuple[int, ...], tuple[int, list[int]]],
+                 patterns: list[list[tuple[int, int]]], vocab: int) -> None:  # fmt: skip
+        """recorded: prompt -> (its request's index, its continuation)."""
+        self.recorded, self.patterns, self.vocab = recorded, patterns, vocab
 
     def propose(self, seq: Sequence, k: int, end: int | None = None) -> list[int]:
         tokens = seq.token_ids
-        guess = end is not None and end < len(tokens)
         end = len(tokens) if end is None else end
-        rec = self.recorded.get(tuple(seq.request.prompt_token_ids))
+        index, rec = self.recorded.get(tuple(seq.request.prompt_token_ids), (0, None))
         out = end - seq.num_prompt_tokens
-        if rec is None or tokens[seq.num_prompt_tokens : end] != rec[:out]:
-            return [(tokens[end - 1] + 1) % self.vocab] * k
-        drafts = rec[out : out + k]
-        for i in range(1 if guess else 0, len(drafts)):
-            if self.rng.random() >= self.accept:
-                drafts[i] = (drafts[i] + 1) % self.vocab
-                break
-        return drafts
-
-
-def _per_draft(kept_fraction: float, drafts: int = 8) -> float:
-    """The chance per draft that makes a run of `drafts` keep that fraction on average (bisection)."""
-    low, high = 0.0, 1.0
-    for _ in range(40):
-        mid = (low + high) / 2
-        low, high = (mid, high) if expected_fraction(mid, drafts) < kept_fraction else (low, mid)
-    return low
-
-
-def expected_fraction(p: float, drafts: int) -> float:
-    return sum(p**j for j in range(1, drafts + 1)) / drafts
+        pattern = self.patterns[index % len(self.patterns)]
+        if rec is None or out >= len(pattern) or tokens[seq.num_prompt_tokens : end] != rec[:out]:
+            return []
+        length, right = pattern[out]
+        drafts = rec[out : out + min(k, length)]
+        return drafts[:right] + [(t + 1) % self.vocab for t in drafts[right:]]
 
 
 def _next_token_model(loaded) -> None:  # type: ignore[no-untyped-def]
@@ -215,7 +225,7 @@ def _next_token_model(loaded) -> None:  # type: ignore[no-untyped-def]
         model.lm_head.weight.copy_(model.embed_tokens.weight[torch.argsort(perm)])
 
 
-def part_8b(args: argparse.Namespace, kept: dict[str, float]) -> list[dict]:
+def part_8b(args: argparse.Namespace, patterns: dict[str, list[list[tuple[int, int]]]]) -> list[dict]:
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     from overlap_gpu import loaded_8b
 
@@ -228,15 +238,15 @@ def part_8b(args: argparse.Namespace, kept: dict[str, float]) -> list[dict]:
         cores = {mode: EngineCore(loaded, _config(mode, batch, "bfloat16", max_len)) for mode in MODES}
         for core in cores.values():
             core.warm_up()
-        for name, fraction in kept.items():
+        for name, pattern in patterns.items():
             count = batch * (3 if batch > 1 else 1)
             prompts = [[rng.randrange(100, 120000) for _ in range(args.prompt_len)] for _ in range(count)]
             recorded = _run(cores["off"], prompts, args.new_tokens, True)["tokens"]
-            p = _per_draft(fraction)
-            drafter = ReplayDrafter({tuple(q): r for q, r in zip(prompts, recorded)}, p, loaded.spec.vocab_size)
+            by_prompt = {tuple(q): (i, r) for i, (q, r) in enumerate(zip(prompts, recorded))}
+            drafter = ReplayDrafter(by_prompt, pattern, loaded.spec.vocab_size)
             cores[MODES[1]].scheduler.speculator.drafter = drafter
-            row = _compare(f"{name} (replayed, {fraction:.0%} kept)", cores, prompts, args.new_tokens, args.repeat,
-                           True)  # fmt: skip
+            row = _compare(f"{name}, 8B (replayed)", cores, prompts, args.new_tokens, args.repeat, True)
+            row.pop("off_tokens")
             rows.append(row)
         del cores
         torch.cuda.empty_cache()
@@ -252,20 +262,22 @@ def main() -> None:
     parser.add_argument("--dtype", default="float32", help="part 1's dtype: float32 or bfloat16")
     parser.add_argument("--device", default="cuda", help="part 1's device (cpu: a smoke run)")
     parser.add_argument("--prompt-len", type=int, default=512, help="part 2's prompt length")
-    parser.add_argument("--kept", default="", help="part 2's kept fractions: copy,no-copy (default: part 1's)")
     parser.add_argument("--on", default="auto", help="the speculating mode: auto (the cost policy) or ngram (always)")
     args = parser.parse_args()
     MODES[1] = args.on
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     logging.getLogger("cbd").setLevel(logging.WARNING)
-    rows = part_default(args) if "default" in args.parts else []
+    patterns: dict[str, list[list[tuple[int, int]]]] = {}
+    saved = os.path.join(OUT, "speculative_patterns.json")
+    rows = part_default(args, patterns) if "default" in args.parts else []
+    if patterns:
+        with open(saved, "w") as f:
+            json.dump(patterns, f)
     if "8b" in args.parts:
-        if args.kept:
-            copy, plain = (float(x) for x in args.kept.split(","))
-        else:
-            copy = statistics.mean(r["kept"] for r in rows if r["workload"] == "copy")
-            plain = statistics.mean(r["kept"] for r in rows if r["workload"] == "no copying")
-        rows += part_8b(args, {"copy": copy, "no copying": plain})
+        if not patterns:
+            with open(saved) as f:
+                patterns = {name: [[tuple(x) for x in p] for p in ps] for name, ps in json.load(f).items()}
+        rows += part_8b(args, patterns)
     with open(os.path.join(OUT, "speculative_gpu.json"), "w") as f:
         json.dump(rows, f, indent=1)
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU"

@@ -91,6 +91,10 @@ class EngineConfig:
     # Verifying steps get CUDA graphs up to this many sequences with "auto", max(this, 8) with "ngram"
     # (never beyond 32 or cuda_graph_max_batch).
     speculative_max_batch: int = 4
+    # Tokens of finished sequences kept for drafting across a tenant's sessions and requests (when a sequence's
+    # own context has no match, its tenant's other recent work is searched: engine/spec/agent_index.py), at most
+    # ~0.5 KB of host memory each (its index included); 0: only the sequence's own context.
+    speculative_index_tokens: int = 131072
     # "auto" | "torch" | "triton" | "flash". auto: on CUDA, "flash" (FlashAttention-4 for prefill/extend steps,
     # Triton for decodes) where flash-attn-4 is installed, compute capability >= 9.0, bf16/fp16 and KV not FP8,
     # else "triton"; "torch" on the CPU. The choice and its reason are logged at start.
@@ -168,6 +172,8 @@ class EngineConfig:
             raise ValueError(f"num_speculative_tokens must be in [1, 16], got {self.num_speculative_tokens}")
         if self.speculative_max_batch < 1:
             raise ValueError(f"speculative_max_batch must be >= 1, got {self.speculative_max_batch}")
+        if self.speculative_index_tokens < 0:
+            raise ValueError(f"speculative_index_tokens must be >= 0, got {self.speculative_index_tokens}")
         if self.attention_backend not in ("auto", "torch", "triton", "flash"):
             raise ValueError(
                 f"attention_backend must be 'auto', 'torch', 'triton' or 'flash', got {self.attention_backend!r}"

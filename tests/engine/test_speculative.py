@@ -487,3 +487,48 @@ def test_a_sequence_with_drafts_in_flight_waits_for_blocks_and_is_never_preempte
         checked_step(core)
     assert [r.sequences[0].token_ids[len(p) :] for r, p in zip(requests, prompts)] == off
     assert bm.num_used_blocks == 0 and speculator.num_draft_tokens > 0
+
+
+def _turn(core: EngineCore, session_id: str, prompt: list[int], tenant: str) -> tuple[list[int], int]:
+    """One greedy turn; its tokens and the drafts kept while it ran."""
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, tenant=tenant)
+    kept = _speculated(core)[1]
+    request = core.add_session_turn(session_id, prompt, params)
+    tokens: list[int] = []
+    while core.has_work():
+        for out in checked_step(core):
+            if out.request_id == request.request_id:
+                tokens += [t for d in out.candidates for t in d.token_ids]
+    return tokens, _speculated(core)[1] - kept
+
+
+@pytest.mark.parametrize("overlap", ["off", "on"])
+def test_a_tenant_s_finished_turn_drafts_for_its_other_sessions_and_never_another_tenant_s(
+    tiny_loaded, overlap: str
+) -> None:  # type: ignore[no-untyped-def]
+    """Session a's turn ends; sessions b (same tenant) and c (another tenant) ask the same: b's drafts come
+    from a's turn as well as its own context (more kept than with the index off), c's only from its own
+    context; outputs equal speculation off; a's tokens leave the index when a closes."""
+    prompt = [(i * 7919) % 250 + 3 for i in range(40)]
+    got = {}
+    for mode, index_tokens in (("off", 0), ("ngram", 0), ("ngram", 4096)):
+        core = make_core(tiny_loaded, speculative=mode, overlap=overlap, speculative_index_tokens=index_tokens)
+        a, b, c = (core.sessions.open().session_id for _ in range(3))
+        turns = [_turn(core, a, prompt, "t1"), _turn(core, b, prompt, "t1"), _turn(core, c, prompt, "t2")]
+        agents = core.scheduler.speculator.agents
+        if index_tokens:
+            assert agents is not None and agents.num_drafts > 0 and agents.num_tokens > 0
+        else:
+            assert agents is None
+        for sid in (a, b, c):
+            core.sessions.close(sid)
+        if agents is not None:
+            assert agents.num_tokens == 0  # each session's donor went with it
+        assert core.block_manager.num_used_blocks == 0
+        got[mode, index_tokens] = turns
+    outputs = [[tokens for tokens, _ in turns] for turns in got.values()]
+    assert outputs[0] == outputs[1] == outputs[2]
+    (_, a_own), (_, b_own), (_, c_own) = got["ngram", 0]
+    (_, a_idx), (_, b_idx), (_, c_idx) = got["ngram", 4096]
+    assert a_idx == a_own and c_idx == c_own  # nothing of t1's reached t2's drafts
+    assert b_idx > b_own, (b_idx, b_own)  # a's turn drafted for b, and the drafts were kept

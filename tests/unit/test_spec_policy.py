@@ -7,7 +7,7 @@ import pytest
 
 from cbd.engine.sampling_params import SamplingParams
 from cbd.engine.sequence import Sequence
-from cbd.engine.spec.policy import StepCosts, expected_kept
+from cbd.engine.spec.policy import StepCosts, expected_kept, observed_accept
 from helpers import make_core, run_all
 
 # Milliseconds per step: decode graphs (q = 1) and verifying graphs (q = 3, 9) of batch buckets 1, 8, 32.
@@ -20,27 +20,52 @@ def test_expected_kept_is_the_sum_of_the_chances_of_each_run() -> None:
     assert expected_kept(1.0, 8) == 8 and expected_kept(0.0, 8) == 0 and expected_kept(0.9, 0) == 0
 
 
-def test_a_step_verifies_drafts_when_its_tokens_per_millisecond_beat_a_plain_step() -> None:
+def test_a_verification_counts_only_the_drafts_it_tried() -> None:
+    assert observed_accept(4, 8) == pytest.approx(4 / 5)  # the 5th was rejected, the last 3 never tried
+    assert (
+        observed_accept(8, 8) == 1.0 and observed_accept(0, 8) == 0.0 and observed_accept(2, 3) == pytest.approx(2 / 3)
+    )
+
+
+def test_a_step_verifies_the_drafts_that_make_the_most_tokens_per_millisecond() -> None:
     costs = StepCosts(COSTS)
     assert costs.max_batch == 32 and costs.queries == [3, 9]
-    assert costs.worth(1, 0.05, 9)  # batch 1: a verifying step costs about a decode step
-    assert not costs.worth(1, 0.0, 9)  # nothing expected: never
-    # Batch 20 runs the graphs of bucket 32: 20 + E tokens at 9.0 ms vs 20 at 5.5 ms: E > 12.7 needed.
-    assert not costs.worth(20, 12.0, 9) and costs.worth(20, 13.0, 9)
-    assert costs.worth(20, 4.5, 3) and not costs.worth(20, 3.5, 3)  # fewer drafts: the cheaper graph
-    assert not costs.worth(33, 100.0, 3)  # no verifying graph that large: eager verifying is not weighed
-    assert not costs.worth(1, 5.0, 17)  # no graph of that many queries
+    sure, half, never = (1.0, 8), (0.5, 8), (0.0, 8)
+    assert costs.best_queries(1, [sure]) == 9  # batch 1: a verifying step costs about a decode step
+    assert costs.best_queries(1, [never]) == 1  # nothing expected: never
+    assert costs.best_queries(1, []) == 1 and costs.best_queries(1, [(1.0, 0)]) == 1
+    # Batch 20 runs the graphs of bucket 32: 20 at 5.5 ms = 3.64 tokens/ms. Eight sequences sure of 8
+    # drafts: q = 9 gives 84 / 9.0 = 9.3, q = 3 gives 36 / 6.6 = 5.5.
+    assert costs.best_queries(20, [sure] * 8) == 9
+    # Each of 20 sequences keeps a draft with chance one half: q = 3 gives (20 + 15) / 6.6 = 5.3 tokens/ms,
+    # q = 9 (20 + 19.9) / 9.0 = 4.4: fewer drafts in the cheaper graph.
+    assert costs.best_queries(20, [half] * 20) == 3
+    assert costs.best_queries(20, [half] * 2) == 1  # 23 / 6.6 < 20 / 5.5
+    assert costs.best_queries(8, [(1.0, 2)]) == 3  # two drafts asked for: the graph of 3 queries at most
+    assert costs.best_queries(33, [sure] * 33) == 1  # no verifying graph that large: eager verifying is not weighed
     # A verifying bucket that is no decode bucket (a cap of 6): the plain step's cost is its decode bucket's.
     capped = StepCosts({(4, 1): 4.0, (8, 1): 5.0, (6, 3): 5.0})
-    assert capped.worth(6, 0.1, 3) and not capped.worth(
-        4, 0.1, 3
-    )  # 6.1 / 5.0 beat 6 / 5.0; 4.1 / 5.0 do not beat 4 / 4.0
-    # Steps whose device time is mostly outside the graph (a small model): verifying costs relatively less.
+    assert capped.best_queries(6, [(0.1, 2)]) == 3  # 6.1 / 5.0 beat 6 / 5.0
+    assert capped.best_queries(4, [(0.1, 2)]) == 1  # 4.1 / 5.0 do not beat 4 / 4.0
+
+
+def test_step_costs_follow_the_steps_as_they_run() -> None:
+    costs = StepCosts(COSTS)
+    # Steps whose device time is mostly outside the graph (a small model): before a verifying step has
+    # run, its cost is its graph's plus the decode steps' time outside theirs.
     for _ in range(200):
         costs.observe(32, 1, 20.0)
-    costs.observe(32, 9, 100.0)  # a verifying step's time teaches nothing about the shared part
     assert costs.outside[32] == pytest.approx(14.5, rel=1e-3)
-    assert costs.worth(20, 5.0, 9)  # 25 tokens in 23.5 ms beat 20 in 20 ms
+    assert costs.cost(32, 9, 32) == pytest.approx(23.5, rel=1e-3)
+    assert costs.best_queries(20, [(0.9, 8)] * 10) == 9  # (20 + 51.3) / 23.5 beat (20 + 17.1) / 21.1 and 20 / 20
+    # Verifying steps that turn out dearer (their sampling grows with the queries) are weighed as they ran.
+    for _ in range(200):
+        costs.observe(32, 9, 60.0)
+    assert costs.cost(32, 9, 32) == pytest.approx(60.0, rel=1e-3)
+    assert costs.outside[32] == pytest.approx(14.5, rel=1e-3)  # a verifying step teaches nothing about it
+    assert costs.best_queries(20, [(0.9, 8)] * 10) == 3  # the cheaper graph now: (20 + 17.1) / 21.1 beat 71.3 / 60
+    costs.observe(16, 9, 1.0)  # a graph never captured: ignored
+    assert (16, 9) not in costs.seen
 
 
 class _Drafter:

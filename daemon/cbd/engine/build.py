@@ -70,6 +70,8 @@ def build_parts(
         max_model_len=max_model_len, new_fork=new_fork, host_tier=host_tier,
         aging_seconds=config.priority_aging_seconds, speculator=new_speculator(config, block_manager, max_model_len),
     )  # fmt: skip
+    if scheduler.speculator.agents is not None:
+        sessions.on_closed.append(scheduler.speculator.agents.drop)
     if tp_group is not None:
         tp_group.broadcast(Setup(num_blocks, max_model_len, graph_batch, verify.batch, verify.queries))
         runner.broadcast = tp_group.broadcast

@@ -61,6 +61,8 @@ class Emitter:
                 seq.cut_after(row.position + 1)  # a token (and drafts) already in flight for it is dropped
                 if seq.request.session is not None:  # keep its KV for the session's next turn
                     self.sessions.candidate_finished(seq.request.session, seq)
+                if delta.finish_reason in (FinishReason.STOP, FinishReason.LENGTH):
+                    self.scheduler.speculator.finished(seq)  # its tokens may draft for its tenant's others
                 self.scheduler.finish(seq)
                 delta.usage = _usage(seq.request, seq.num_output_tokens)
             entry = deltas.get(seq.request.request_id)

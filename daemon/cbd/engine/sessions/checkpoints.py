@@ -63,7 +63,7 @@ class SessionCheckpoints:
         """spill: the host tier's evictions go to disk (`--disk-kv-spill`)."""
         self.sessions = sessions
         self.disk = disk
-        sessions.on_closed = self._closed
+        sessions.on_closed.append(self._closed)
         sessions.read_back = self.read_back
         sessions.on_missing = self.claim
         self.on_loaded: Callable[[], object] | None = None  # called on the reader thread (wakes the loop)

@@ -54,9 +54,10 @@ class SessionManager:
         self.eviction = SessionEviction(self.sessions, block_manager, host_tier)
         self._ids = itertools.count()
         self.hits = {"gpu": 0, "host": 0, "disk": 0, "recompute": 0}  # turns by where their history's KV was
-        # Set by SessionCheckpoints (sessions/checkpoints.py) when sessions are saved: a closed or
-        # expired session's file goes; a session's saved KV is read back before a turn or fork uses it.
-        self.on_closed: Callable[[Session], None] | None = None
+        # Called with each session closed or expired: SessionCheckpoints' (sessions/checkpoints.py, when
+        # sessions are saved: its file goes), the speculator's (its drafts donor goes: spec/agent_index.py).
+        self.on_closed: list[Callable[[Session], object]] = []
+        # Set by SessionCheckpoints: a session's saved KV is read back before a turn or fork uses it.
         self.read_back: Callable[[Session], bool] | None = None
         self.on_missing: Callable[[str], bool] | None = None  # a session not held: taken over if saved elsewhere
 
@@ -106,8 +107,8 @@ class SessionManager:
         session = self.get(session_id)
         del self.sessions[session_id]
         self._release(session)
-        if self.on_closed is not None:
-            self.on_closed(session)
+        for closed in self.on_closed:
+            closed(session)
 
     def fork(
         self, session_id: str, candidate: int | None = None, ttl: float | None = None, new_session_id: str | None = None

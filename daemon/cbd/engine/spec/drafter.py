@@ -10,16 +10,20 @@ Cost: each sequence keeps an index {n-gram: position after its latest occurrence
 `WINDOW` tokens at most, extended incrementally as tokens are appended, by at most `STEP_BUDGET`
 positions per proposal (a long prompt is indexed over a few steps, newest part last, so no step
 stalls for it); a proposal is then a few dict lookups whatever the context length. A session hands
-its history's index to its next turn (sessions.py), and drops it when its KV leaves the GPU. No
-device work, no model.
+its history's index to its next turn (sessions.py), and drops it when its KV leaves the GPU. When the
+sequence's own tokens have no match, the tenant's other finished sequences are searched (agent_index.py).
+No device work, no model.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from cbd.engine.sequence import Sequence
+
+if TYPE_CHECKING:
+    from cbd.engine.spec.agent_index import AgentIndex
 
 NGRAM_SIZES = (4, 3, 2)  # the longest match first: fewer false starts
 WINDOW = 16384  # tokens a fresh index starts from, counted back from the sequence's end
@@ -44,6 +48,24 @@ class NgramIndex:
                     positions[tuple(tokens[i + 1 - n : i + 1])] = i + 1
         self.indexed = max(self.indexed, stop)
 
+    def lookup(self, context: list[int], end: int, k: int, tokens: list[int] | None = None,
+               known: int | None = None) -> list[int]:  # fmt: skip
+        """Up to k tokens of `tokens` (default: the context itself; before `known` only) that followed the
+        latest earlier occurrence of the longest n-gram ending at context[end]; [] when none occurred. From
+        another list (tokens given), a match counts only if that list holds the n-gram before it."""
+        other = tokens is not None
+        tokens = context if tokens is None else tokens
+        known = len(tokens) if known is None else known
+        positions = self.positions
+        for n in NGRAM_SIZES:
+            if end < n:
+                continue
+            gram = tuple(context[end - n : end])
+            start = positions.get(gram)
+            if start is not None and start < known and not (other and tuple(tokens[start - n : start]) != gram):
+                return tokens[start : min(start + k, known)]
+        return []
+
 
 class Drafter(Protocol):
     def propose(self, seq: Sequence, k: int, end: int | None = None) -> list[int]:
@@ -57,6 +79,9 @@ class NgramDrafter:
     holds known tokens only, the lookup's n-gram is the context's last n tokens, and what it proposes
     was known to follow their latest earlier occurrence."""
 
+    def __init__(self, agents: AgentIndex | None = None) -> None:
+        self.agents = agents  # a tenant's finished sequences, searched when the sequence's own index has no match
+
     def propose(self, seq: Sequence, k: int, end: int | None = None) -> list[int]:
         if k <= 0:
             return []
@@ -67,11 +92,8 @@ class NgramDrafter:
         if index is None or index.indexed > known - 1:  # new, or the sequence was cut back (rare)
             index = seq.draft_index = NgramIndex(indexed=max(0, known - WINDOW))
         index.extend(tokens, known, STEP_BUDGET)
-        positions = index.positions
-        for n in NGRAM_SIZES:
-            if end < n + 1:
-                continue
-            start = positions.get(tuple(tokens[end - n : end]))
-            if start is not None:
-                return tokens[start : min(start + k, known)]
-        return []
+        drafts = index.lookup(tokens, end, k, known=known)
+        if not drafts and self.agents is not None:
+            request = seq.request
+            drafts = self.agents.propose(request.tenant, request.session, tokens, end, k)
+        return drafts

@@ -1,21 +1,25 @@
-"""When a step should verify drafts: the step costs measured on the device, and what each sequence keeps.
+"""How many drafts a step verifies: the step costs measured on the device, and what each sequence keeps.
 
-A decode step of B sequences runs the CUDA graph of (B, 1); the same step verifying up to k drafts per
-sequence runs the verifying graph of (B, Q), Q the smallest captured query count >= 1 + k, B rounded up
-to the graphs' batch bucket. Both are timed at warm-up (DecodeGraphs.measure). A step's drafts are worth
-it when the tokens it expects per millisecond beat the plain step's:
+A decode step of B sequences runs the CUDA graph of (B, 1); the same step verifying up to Q - 1 drafts
+per sequence runs the verifying graph of (B, Q), Q one of the captured query counts, B rounded up to
+the graphs' batch bucket. A step takes the Q (1: no drafts) that makes the most tokens per millisecond:
 
-    (B + sum_i E[kept_i]) / cost(B, Q)  >  B / cost(B, 1),    E[kept_i] = a_i + a_i^2 + ... + a_i^k_i
+    (B + sum_i E[kept_i]) / cost(B, Q),    E[kept_i] = a_i + a_i^2 + ... + a_i^min(k_i, Q - 1)
 
-where cost(B, Q) is the graph's measured time plus the step's work outside it (staging, block tables,
-carry-over, sampling, copies back): that part is learned from the decode steps as they run (a running
-average of their device time less their graph's), since it is shared by both kinds of step and can be
-most of a small model's step. a_i is sequence i's chance that a draft is kept (an average over its recent verifications, starting at
-one half) and k_i the drafts it would ask for. So speculation runs at any batch size where it pays
-(at batch 1 a verifying step costs about a decode step: almost always; at large batches a verifying
-step costs more, so only sequences that keep most of their drafts make it worth it), and not where no
-verifying graph was captured (an eager verifying step costs far more). Without measured costs (the CPU,
-or no CUDA graphs), `auto` speculates while at most `speculative_max_batch` sequences run. Pure Python.
+cost(B, Q) is the step's whole device time: a running average of the steps of that graph as they run
+(the graph plus what runs outside it: staging, block tables, carry-over, sampling of B x Q rows, copies
+back); before one has run, its graph's time at warm-up (DecodeGraphs.measure) plus the time the decode
+steps of that bucket spend outside their graph, the part the two kinds of step share. That shared part
+can be most of a small model's step, and its sampling grows with Q, hence the running averages.
+
+a_i is sequence i's chance that a draft is kept when all before it were: its verifications' kept
+drafts over the drafts they tried (a draft after a rejected one is not tried), averaged over recent
+verifications, starting at one half; k_i the drafts it would ask for. So speculation runs at any batch
+size where it pays (at batch 1 a verifying step costs about a decode step: almost always; at large
+batches a verifying step costs more, so only sequences that keep most of their drafts make it worth
+it, and with fewer drafts when the cheaper graph pays more), and not where no verifying graph was
+captured (an eager verifying step costs far more). Without measured costs (the CPU, or no CUDA
+graphs), `auto` speculates while at most `speculative_max_batch` sequences run. Pure Python.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ from __future__ import annotations
 from bisect import bisect_left
 
 START_ACCEPT = 0.5  # a sequence's draft acceptance before its first verification
+SMOOTHING = 0.9  # weight of the running average's past in each observed step
 
 
 def expected_kept(accept: float, drafts: int) -> float:
@@ -30,36 +35,60 @@ def expected_kept(accept: float, drafts: int) -> float:
     return sum(accept**j for j in range(1, drafts + 1))
 
 
+def observed_accept(kept: int, drafts: int) -> float:
+    """One verification's estimate of the chance a tried draft is kept: the drafts up to the first
+    rejected one were tried, those after it were not."""
+    return kept / (kept + (kept < drafts))
+
+
 class StepCosts:
     def __init__(self, costs: dict[tuple[int, int], float]) -> None:
-        """costs: milliseconds per step of each (batch bucket, queries per sequence) graph."""
+        """costs: milliseconds per step of each (batch bucket, queries per sequence) graph, timed alone."""
         self.costs = costs
-        self.outside: dict[int, float] = {}  # per batch bucket: a step's device time outside its graph
+        self.outside: dict[int, float] = {}  # per decode bucket: its steps' device time outside the graph
+        self.seen: dict[tuple[int, int], float] = {}  # per graph: its steps' whole device time
         self.batches = sorted({b for b, q in costs if q > 1})
         self.decode_batches = sorted({b for b, q in costs if q == 1})
         self.queries = sorted({q for _, q in costs if q > 1})
 
     def observe(self, batch: int, queries: int, ms: float) -> None:
-        """A completed step's device time: a decode graph's step updates the time spent outside the graph."""
+        """A completed step's whole device time, on the graph of (batch, queries)."""
         graph = self.costs.get((batch, queries))
-        if queries == 1 and graph is not None:
-            seen = max(0.0, ms - graph)
-            last = self.outside.get(batch)
-            self.outside[batch] = seen if last is None else 0.9 * last + 0.1 * seen
+        if graph is None:
+            return
+        last = self.seen.get((batch, queries))
+        self.seen[batch, queries] = ms if last is None else SMOOTHING * last + (1 - SMOOTHING) * ms
+        if queries == 1:
+            self.outside[batch] = max(0.0, self.seen[batch, queries] - graph)
+
+    def cost(self, bucket: int, queries: int, decode_bucket: int) -> float:
+        """A step's device time on the graph of (bucket, queries): as observed, else as timed alone plus the
+        time outside the graph that the decode steps of decode_bucket showed."""
+        seen = self.seen.get((bucket, queries))
+        if seen is not None:
+            return seen
+        return self.costs[bucket, queries] + self.outside.get(decode_bucket, 0.0)
 
     @property
     def max_batch(self) -> int:
         """The largest batch a verifying graph serves (0: none)."""
         return self.batches[-1] if self.batches else 0
 
-    def worth(self, batch: int, expected: float, queries: int) -> bool:
-        """Whether a step of `batch` sequences that verifies drafts of up to `queries - 1` per sequence,
-        expecting `expected` kept drafts in all, makes more tokens per millisecond than a plain step."""
-        i, j = bisect_left(self.batches, batch), bisect_left(self.queries, queries)
-        d = bisect_left(self.decode_batches, batch)  # a plain step runs the decode graph of its own bucket
-        if i == len(self.batches) or j == len(self.queries) or d == len(self.decode_batches):
-            return False
-        bucket = self.decode_batches[d]
-        plain, verifying = self.costs[bucket, 1], self.costs[self.batches[i], self.queries[j]]
-        outside = self.outside.get(bucket, 0.0)
-        return (batch + expected) * (plain + outside) > batch * (verifying + outside)
+    def best_queries(self, batch: int, drafting: list[tuple[float, int]]) -> int:
+        """The query count per sequence for a decode step of `batch` sequences that makes the most tokens per
+        millisecond: 1 (no drafts) or a verifying graph's. drafting: (acceptance, drafts it would ask for)
+        of each sequence that may draft; with Q queries it gets at most Q - 1."""
+        i, d = bisect_left(self.batches, batch), bisect_left(self.decode_batches, batch)
+        most = max((k for _, k in drafting), default=0)
+        if i == len(self.batches) or d == len(self.decode_batches) or most == 0:
+            return 1
+        bucket, plain = self.batches[i], self.decode_batches[d]
+        best, best_rate = 1, batch / self.cost(plain, 1, plain)
+        for queries in self.queries:
+            expected = sum(expected_kept(accept, min(k, queries - 1)) for accept, k in drafting)
+            rate = (batch + expected) / self.cost(bucket, queries, plain)
+            if rate > best_rate:
+                best, best_rate = queries, rate
+            if queries > most:  # a larger graph adds cost and no draft
+                break
+        return best

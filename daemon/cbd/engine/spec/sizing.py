@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from cbd.config import EngineConfig
 from cbd.engine.device.cuda_graphs import verify_queries
 from cbd.engine.kv.blocks import BlockManager
+from cbd.engine.spec.agent_index import AgentIndex
 from cbd.engine.spec.drafter import NgramDrafter
 from cbd.engine.spec.speculator import Speculator
 
@@ -35,6 +36,8 @@ def verify_graphs(config: EngineConfig, graph_batch: int) -> VerifyGraphs:
 
 def new_speculator(config: EngineConfig, block_manager: BlockManager, max_model_len: int) -> Speculator:
     """The speculator for these settings ("off": one without a drafter, which never drafts)."""
-    drafter = NgramDrafter() if config.speculative != "off" else None
+    on = config.speculative != "off"
+    agents = AgentIndex(config.speculative_index_tokens) if on and config.speculative_index_tokens else None
+    drafter = NgramDrafter(agents) if on else None
     max_batch = config.speculative_max_batch if config.speculative == "auto" else None
-    return Speculator(block_manager, max_model_len, drafter, config.num_speculative_tokens, max_batch)
+    return Speculator(block_manager, max_model_len, drafter, config.num_speculative_tokens, max_batch, agents)

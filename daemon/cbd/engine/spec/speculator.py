@@ -29,17 +29,20 @@ from __future__ import annotations
 from cbd.engine.kv.blocks import BlockManager
 from cbd.engine.sched.plan import SampleRow, ScheduledChunk, StepPlan
 from cbd.engine.sequence import Sequence
+from cbd.engine.spec.agent_index import AgentIndex
 from cbd.engine.spec.drafter import Drafter
-from cbd.engine.spec.policy import START_ACCEPT, StepCosts, expected_kept
+from cbd.engine.spec.policy import START_ACCEPT, StepCosts, observed_accept
 
 
 class Speculator:
     def __init__(
         self, block_manager: BlockManager, max_model_len: int, drafter: Drafter | None, num_speculative_tokens: int,
-        max_batch: int | None = None,
+        max_batch: int | None = None, agents: AgentIndex | None = None,
     ) -> None:  # fmt: skip
-        """drafter None: speculation off. max_batch: no speculation with more running sequences ("auto")."""
+        """drafter None: speculation off. max_batch: no speculation with more running sequences ("auto").
+        agents: the finished sequences the drafter also searches (agent_index.py), fed by `finished`."""
         self.block_manager = block_manager
+        self.agents = agents
         self.max_model_len = max_model_len
         self.drafter = drafter
         self.num_speculative_tokens = num_speculative_tokens if drafter is not None else 0
@@ -82,7 +85,8 @@ class Speculator:
         token is still in flight drafts after a guess of it (see the module docstring)."""
         bm = self.block_manager
         budget = max_num_batched_tokens - plan.num_tokens
-        if not self._pays(plan):  # not worth it at this batch: those due wait as after a miss (overlap mode)
+        cap = self._draft_cap(plan)
+        if cap == 0:  # not worth it at this batch: those due wait as after a miss (overlap mode)
             for chunk in plan.chunks:
                 if self._may_draft(chunk):
                     self._missed(chunk.seq, verified=False)
@@ -95,6 +99,7 @@ class Speculator:
             params = seq.request.params
             room = min(
                 self._draft_len(seq),
+                cap,
                 budget,
                 params.max_tokens - seq.num_output_tokens - 1,  # all kept + the token after them: the last one at most
                 self.max_model_len - seq.num_tokens - 1,
@@ -128,19 +133,15 @@ class Speculator:
         """The drafts seq asks for next: 4 at first, then as its verifications set (see verify)."""
         return seq.draft_len or min(4, self.num_speculative_tokens)
 
-    def _pays(self, plan: StepPlan) -> bool:
-        """With measured step costs ("auto" on a GPU), whether a decode step's drafts are expected to make
-        more tokens per millisecond than the step without them (policy.py); a step that also prefills
-        runs eagerly and takes its drafts."""
+    def _draft_cap(self, plan: StepPlan) -> int:
+        """The drafts each sequence may verify in this step (0: none). With measured step costs ("auto" on a
+        GPU), those of the verifying graph that is expected to make the most tokens per millisecond, if any
+        beats the step without drafts (policy.py); a step that also prefills runs eagerly and takes its
+        drafts."""
         if self.costs is None or any(c.num_new_tokens != 1 for c in plan.chunks):
-            return True
-        expected, most = 0.0, 0
-        for chunk in plan.chunks:
-            if self._may_draft(chunk):
-                k = self._draft_len(chunk.seq)
-                expected += expected_kept(chunk.seq.draft_accept, k)
-                most = max(most, k)
-        return most > 0 and self.costs.worth(len(plan.chunks), expected, 1 + most)
+            return self.num_speculative_tokens
+        drafting = [(c.seq.draft_accept, self._draft_len(c.seq)) for c in plan.chunks if self._may_draft(c)]
+        return self.costs.best_queries(len(plan.chunks), drafting) - 1
 
     def verifying_rows(self, chunk: ScheduledChunk, rows: list[SampleRow], group: int) -> None:
         """Booking a chunk with drafts, whose one sample row (its newest placeholder's) was just appended:
@@ -188,7 +189,7 @@ class Speculator:
         self.num_accepted_tokens += kept
         # The estimate the cost policy weighs; after a miss it restarts at the prior for the next try, which the
         # backoff below delays (else one unlucky stretch would keep a sequence from ever drafting again).
-        seq.draft_accept = 0.5 * seq.draft_accept + 0.5 * kept / k if kept else START_ACCEPT
+        seq.draft_accept = 0.5 * seq.draft_accept + 0.5 * observed_accept(kept, k) if kept else START_ACCEPT
         # The draft length follows the copying: doubled after a run kept whole (up to the limit), else
         # just past what was kept.
         seq.draft_len = min(2 * k, self.num_speculative_tokens) if kept == k else max(2, kept + 1)
@@ -197,6 +198,12 @@ class Speculator:
         else:
             self._missed(seq, verified=True)
         return list(range(i, i + kept + 1))
+
+    def finished(self, seq: Sequence) -> None:
+        """seq stopped (or reached its length): its tokens become a donor of drafts for its tenant's
+        other sequences (a session turn's replaces that session's last)."""
+        if self.agents is not None:
+            self.agents.add(seq.request.tenant, seq.request.session, seq.token_ids, seq.draft_index)
 
     def _missed(self, seq: Sequence, verified: bool) -> None:
         """After drafts none of which was kept (verified), or in overlap mode after finding no draft,

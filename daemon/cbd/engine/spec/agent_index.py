@@ -1,0 +1,106 @@
+"""Drafts from an agent's other work: the finished sequences of the same tenant, searched when a
+sequence's own n-gram index (drafter.py) has no match.
+
+Agents repeat themselves across sessions: the same tool-call skeletons turn after turn, a file read in
+one session and quoted in another, a sibling session answering the same question. Each sequence that
+finishes (stop or length) becomes a donor: its tokens and its own n-gram index, which it built while it
+drafted (or one built here, `STEP_BUDGET` positions per proposal, when it never drafted). A
+session keeps one donor, its latest turn's (a later turn replaces it), and it is dropped when the
+session closes or expires; a plain request's donor stays until the bound pushes it out.
+
+Scope and bounds: donors are searched only within the tenant that made them (the prefix cache's
+scope), so no tenant's text can shape another's drafts or their timing; the newest `SEARCHED` donors
+are searched, newest first; all donors together hold at most `max_tokens` tokens (oldest dropped
+first; `speculative_index_tokens`, 0: off). An index handed on to a session's next turn may later
+point into another token list, so a donor's match counts only if its own tokens hold the n-gram.
+Drafts are verified like any other: outputs never depend on them. Engine-thread only; pure Python.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any
+
+from cbd.engine.spec.drafter import STEP_BUDGET, WINDOW, NgramIndex
+
+SEARCHED = 8  # donors searched per proposal at most, newest first
+
+
+@dataclass(slots=True, eq=False)
+class Donor:
+    tenant: str
+    owner: Any  # the session whose latest turn it is (None: a plain request)
+    tokens: list[int]
+    index: NgramIndex
+    own_index: bool  # built here (extended here); else the sequence's, maybe handed on to a later turn
+
+
+class AgentIndex:
+    def __init__(self, max_tokens: int) -> None:
+        self.max_tokens = max_tokens
+        self.num_tokens = 0  # held by all donors
+        self._donors: OrderedDict[int, Donor] = OrderedDict()  # oldest first, by id(donor)
+        self._by_tenant: dict[str, OrderedDict[int, Donor]] = {}
+        self._by_owner: dict[int, Donor] = {}  # id(session) -> its donor (the session is kept alive by it)
+        self.num_drafts = 0  # tokens proposed from donors
+
+    def add(self, tenant: str, owner: Any, tokens: list[int], index: NgramIndex | None) -> None:
+        """A finished sequence's tokens (not changed afterwards) and its own index (None: none built)."""
+        if owner is not None:
+            self.drop(owner)
+        if not 2 <= len(tokens) <= self.max_tokens:
+            return
+        own = index is None or index.indexed > len(tokens) - 1
+        if own:
+            index = NgramIndex(indexed=max(0, len(tokens) - WINDOW))
+        assert index is not None
+        donor = Donor(tenant, owner, tokens, index, own)
+        key = id(donor)
+        self._donors[key] = donor
+        self._by_tenant.setdefault(tenant, OrderedDict())[key] = donor
+        if owner is not None:
+            self._by_owner[id(owner)] = donor
+        self.num_tokens += len(tokens)
+        while self.num_tokens > self.max_tokens:
+            self._remove(next(iter(self._donors.values())))
+
+    def drop(self, owner: Any) -> None:
+        """A session closed (or its turn is replaced by a later one): its donor goes."""
+        donor = self._by_owner.get(id(owner))
+        if donor is not None:
+            self._remove(donor)
+
+    def propose(self, tenant: str, owner: Any, context: list[int], end: int, k: int) -> list[int]:
+        """Up to k tokens that followed the n-gram ending at context[end] in a donor of tenant's (not the
+        asking session's own); [] when none has it."""
+        donors = self._by_tenant.get(tenant)
+        if not donors:
+            return []
+        budget = STEP_BUDGET
+        for searched, donor in enumerate(reversed(donors.values())):
+            if searched == SEARCHED:
+                break
+            if owner is not None and donor.owner is owner:
+                continue
+            index, tokens = donor.index, donor.tokens
+            if donor.own_index and index.indexed < len(tokens) - 1 and budget > 0:
+                done = index.indexed
+                index.extend(tokens, len(tokens), budget)
+                budget -= index.indexed - done
+            drafts = index.lookup(context, end, k, tokens)
+            if drafts:
+                self.num_drafts += len(drafts)
+                return drafts
+        return []
+
+    def _remove(self, donor: Donor) -> None:
+        key = id(donor)
+        del self._donors[key]
+        tenant = self._by_tenant[donor.tenant]
+        del tenant[key]
+        if not tenant:
+            del self._by_tenant[donor.tenant]
+        if donor.owner is not None:
+            self._by_owner.pop(id(donor.owner), None)
+        self.num_tokens -= len(donor.tokens)
