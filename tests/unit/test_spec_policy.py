@@ -45,8 +45,10 @@ def test_a_step_verifies_the_drafts_that_make_the_most_tokens_per_millisecond() 
     assert costs.best_queries(33, [sure] * 33) == 1  # no verifying graph that large: eager verifying is not weighed
     # A verifying bucket that is no decode bucket (a cap of 6): the plain step's cost is its decode bucket's.
     capped = StepCosts({(4, 1): 4.0, (8, 1): 5.0, (6, 3): 5.0})
-    assert capped.best_queries(6, [(0.1, 2)]) == 3  # 6.1 / 5.0 beat 6 / 5.0
-    assert capped.best_queries(4, [(0.1, 2)]) == 1  # 4.1 / 5.0 do not beat 4 / 4.0
+    assert capped.best_queries(6, [(0.5, 2)]) == 3  # 6.75 / 5.0 beat 1.1 x 6 / 5.0
+    assert capped.best_queries(4, [(0.5, 2)]) == 1  # 4.75 / 5.0 do not beat 1.1 x 4 / 4.0
+    # The margin: a verifying step promising less than 1.1 times a plain step's rate is not taken.
+    assert capped.best_queries(6, [(0.1, 2)]) == 1  # 6.11 / 5.0 beat 6 / 5.0, but not by 1.1
 
 
 def test_step_costs_follow_the_steps_as_they_run() -> None:

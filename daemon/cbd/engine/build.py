@@ -76,7 +76,7 @@ def build_parts(
         tp_group.broadcast(Setup(num_blocks, max_model_len, graph_batch, verify.batch, verify.queries))
         runner.broadcast = tp_group.broadcast
     overlap = config.overlap_enabled(runner.device)
-    scheduler.speculator.backoff = overlap  # there, a step that finds no draft costs a synchronous step
+    scheduler.speculator.backoff = overlap  # there, looking for drafts at every step costs the step host time
     return CoreParts(
         max_model_len,
         block_manager,

@@ -85,7 +85,8 @@ class Sequence:
     draft_retry_step: int = 0  # overlap mode: the step from which drafting is tried again after misses
     draft_misses: int = 0  # consecutive speculative steps with no draft or none accepted
     draft_len: int = 0  # drafts to ask for next (0: the scheduler's starting length)
-    draft_accept: float = 0.5  # the chance a draft of it is kept: its recent verifications' average (spec/policy.py)
+    # The chance a draft of it is kept: its recent verifications' average; None: the speculator's prior (spec/policy.py).
+    draft_accept: float | None = None
     grammar: Any = None  # GrammarState: where the reply stands in its request's grammar (None: unconstrained)
     # Output-side state owned by the engine's output processor (detokenizer, stop matcher).
     output_state: Any = None

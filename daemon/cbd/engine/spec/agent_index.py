@@ -10,7 +10,8 @@ session closes or expires; a plain request's donor stays until the bound pushes 
 
 Scope and bounds: donors are searched only within the tenant that made them (the prefix cache's
 scope), so no tenant's text can shape another's drafts or their timing; the newest `SEARCHED` donors
-are searched, newest first; all donors together hold at most `max_tokens` tokens (oldest dropped
+are searched, newest first, for the context's last 4 tokens (shorter matches across different
+texts are mostly chance, and a wrong draft costs compute); all donors together hold at most `max_tokens` tokens (oldest dropped
 first; `speculative_index_tokens`, 0: off). An index handed on to a session's next turn may later
 point into another token list, so a donor's match counts only if its own tokens hold the n-gram.
 Drafts are verified like any other: outputs never depend on them. Engine-thread only; pure Python.
@@ -25,6 +26,7 @@ from typing import Any
 from cbd.engine.spec.drafter import STEP_BUDGET, WINDOW, NgramIndex
 
 SEARCHED = 8  # donors searched per proposal at most, newest first
+DONOR_NGRAMS = (4,)  # a donor's match must be this long: shorter ones across texts are mostly chance
 
 
 @dataclass(slots=True, eq=False)
@@ -88,7 +90,7 @@ class AgentIndex:
                 done = index.indexed
                 index.extend(tokens, len(tokens), budget)
                 budget -= index.indexed - done
-            drafts = index.lookup(context, end, k, tokens)
+            drafts = index.lookup(context, end, k, tokens, sizes=DONOR_NGRAMS)
             if drafts:
                 self.num_drafts += len(drafts)
                 return drafts

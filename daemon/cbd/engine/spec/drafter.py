@@ -49,7 +49,7 @@ class NgramIndex:
         self.indexed = max(self.indexed, stop)
 
     def lookup(self, context: list[int], end: int, k: int, tokens: list[int] | None = None,
-               known: int | None = None) -> list[int]:  # fmt: skip
+               known: int | None = None, sizes: tuple[int, ...] = NGRAM_SIZES) -> list[int]:  # fmt: skip
         """Up to k tokens of `tokens` (default: the context itself; before `known` only) that followed the
         latest earlier occurrence of the longest n-gram ending at context[end]; [] when none occurred. From
         another list (tokens given), a match counts only if that list holds the n-gram before it."""
@@ -57,7 +57,7 @@ class NgramIndex:
         tokens = context if tokens is None else tokens
         known = len(tokens) if known is None else known
         positions = self.positions
-        for n in NGRAM_SIZES:
+        for n in sizes:
             if end < n:
                 continue
             gram = tuple(context[end - n : end])

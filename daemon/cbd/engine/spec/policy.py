@@ -6,6 +6,9 @@ the graphs' batch bucket. A step takes the Q (1: no drafts) that makes the most 
 
     (B + sum_i E[kept_i]) / cost(B, Q),    E[kept_i] = a_i + a_i^2 + ... + a_i^min(k_i, Q - 1)
 
+where a verifying step must promise `MARGIN` (1.1) times the plain step's rate: the estimates below
+are averages of short histories, and a step wrongly taken costs every sequence in the batch.
+
 cost(B, Q) is the step's whole device time: a running average of the steps of that graph as they run
 (the graph plus what runs outside it: staging, block tables, carry-over, sampling of B x Q rows, copies
 back); before one has run, its graph's time at warm-up (DecodeGraphs.measure) plus the time the decode
@@ -14,7 +17,8 @@ can be most of a small model's step, and its sampling grows with Q, hence the ru
 
 a_i is sequence i's chance that a draft is kept when all before it were: its verifications' kept
 drafts over the drafts they tried (a draft after a rejected one is not tried), averaged over recent
-verifications, starting at one half; k_i the drafts it would ask for. So speculation runs at any batch
+verifications; before its first, or after a miss, the engine's recent acceptance over all sequences
+(one half when nothing was verified lately: `Speculator.prior`); k_i the drafts it would ask for. So speculation runs at any batch
 size where it pays (at batch 1 a verifying step costs about a decode step: almost always; at large
 batches a verifying step costs more, so only sequences that keep most of their drafts make it worth
 it, and with fewer drafts when the cheaper graph pays more), and not where no verifying graph was
@@ -28,11 +32,15 @@ from bisect import bisect_left
 
 START_ACCEPT = 0.5  # a sequence's draft acceptance before its first verification
 SMOOTHING = 0.9  # weight of the running average's past in each observed step
+MARGIN = 1.1  # a verifying step must promise this many times a plain step's tokens per millisecond
 
 
 def expected_kept(accept: float, drafts: int) -> float:
-    """Drafts kept on average out of `drafts`, each kept with probability `accept` while all before it were."""
-    return sum(accept**j for j in range(1, drafts + 1))
+    """Drafts kept on average out of `drafts`, each kept with probability `accept` while all before it were:
+    accept + accept^2 + ... + accept^drafts."""
+    if accept >= 1.0:
+        return float(drafts)
+    return accept * (1.0 - accept**drafts) / (1.0 - accept)
 
 
 def observed_accept(kept: int, drafts: int) -> float:
@@ -83,7 +91,7 @@ class StepCosts:
         if i == len(self.batches) or d == len(self.decode_batches) or most == 0:
             return 1
         bucket, plain = self.batches[i], self.decode_batches[d]
-        best, best_rate = 1, batch / self.cost(plain, 1, plain)
+        best, best_rate = 1, MARGIN * batch / self.cost(plain, 1, plain)
         for queries in self.queries:
             expected = sum(expected_kept(accept, min(k, queries - 1)) for accept, k in drafting)
             rate = (batch + expected) / self.cost(bucket, queries, plain)

@@ -33,6 +33,8 @@ from cbd.engine.spec.agent_index import AgentIndex
 from cbd.engine.spec.drafter import Drafter
 from cbd.engine.spec.policy import START_ACCEPT, StepCosts, observed_accept
 
+STALE_STEPS = 128  # steps without a verification after which the prior is one half again
+
 
 class Speculator:
     def __init__(
@@ -54,6 +56,8 @@ class Speculator:
         self.num_draft_tokens = 0  # proposed and verified
         self.num_accepted_tokens = 0  # of those, kept
         self.num_speculative_steps = 0
+        self.accept_prior = START_ACCEPT  # drafts kept over drafts tried, recent verifications (see prior)
+        self.last_verified_step = 0
 
     def worth_trying(self, running: list[Sequence], overlap: bool) -> bool:
         """Whether the next step may verify drafts: speculation on, the batch small enough and, in overlap
@@ -86,7 +90,7 @@ class Speculator:
         bm = self.block_manager
         budget = max_num_batched_tokens - plan.num_tokens
         cap = self._draft_cap(plan)
-        if cap == 0:  # not worth it at this batch: those due wait as after a miss (overlap mode)
+        if cap == 0:  # not worth it at this step: those due wait as after a miss (overlap mode)
             for chunk in plan.chunks:
                 if self._may_draft(chunk):
                     self._missed(chunk.seq, verified=False)
@@ -140,7 +144,12 @@ class Speculator:
         drafts."""
         if self.costs is None or any(c.num_new_tokens != 1 for c in plan.chunks):
             return self.num_speculative_tokens
-        drafting = [(c.seq.draft_accept, self._draft_len(c.seq)) for c in plan.chunks if self._may_draft(c)]
+        prior = self.prior()
+        drafting = [
+            (prior if c.seq.draft_accept is None else c.seq.draft_accept, self._draft_len(c.seq))
+            for c in plan.chunks
+            if self._may_draft(c)
+        ]
         return self.costs.best_queries(len(plan.chunks), drafting) - 1
 
     def verifying_rows(self, chunk: ScheduledChunk, rows: list[SampleRow], group: int) -> None:
@@ -187,9 +196,13 @@ class Speculator:
             del seq.block_table[keep_blocks:]
             seq.num_committed_blocks = min(seq.num_committed_blocks, keep_blocks)
         self.num_accepted_tokens += kept
-        # The estimate the cost policy weighs; after a miss it restarts at the prior for the next try, which the
-        # backoff below delays (else one unlucky stretch would keep a sequence from ever drafting again).
-        seq.draft_accept = 0.5 * seq.draft_accept + 0.5 * observed_accept(kept, k) if kept else START_ACCEPT
+        # The estimates the cost policy weighs: the engine's recent acceptance, the prior of a sequence that has
+        # not verified yet or missed last (its retry is delayed by the backoff below), and the sequence's own.
+        observed = observed_accept(kept, k)
+        self.accept_prior = 0.9 * self.accept_prior + 0.1 * observed
+        self.last_verified_step = self.step_index
+        last = seq.draft_accept if seq.draft_accept is not None else self.prior()
+        seq.draft_accept = 0.5 * last + 0.5 * observed if kept else None
         # The draft length follows the copying: doubled after a run kept whole (up to the limit), else
         # just past what was kept.
         seq.draft_len = min(2 * k, self.num_speculative_tokens) if kept == k else max(2, kept + 1)
@@ -205,10 +218,20 @@ class Speculator:
         if self.agents is not None:
             self.agents.add(seq.request.tenant, seq.request.session, seq.token_ids, seq.draft_index)
 
+    def prior(self) -> float:
+        """A sequence's chance that a draft is kept before it has verified any (or after a miss): the engine's
+        recent acceptance, or one half when nothing was verified for `STALE_STEPS` steps (so a workload that
+        turned to copying is noticed again)."""
+        if self.step_index - self.last_verified_step > STALE_STEPS:
+            return START_ACCEPT
+        return self.accept_prior
+
     def _missed(self, seq: Sequence, verified: bool) -> None:
-        """After drafts none of which was kept (verified), or in overlap mode after finding no draft,
-        seq waits 2, 4, ... 32 steps before drafting again (a kept draft resets it): verifying costs
-        compute, and in overlap mode a sequence that finds nothing would look again every step."""
+        """After drafts none of which was kept (verified), or in overlap mode after finding no draft or a
+        step that declined drafts, seq waits 2, 4, ... 32 steps before drafting again (a kept draft resets
+        it): verifying costs compute; looking for drafts and weighing them cost host time, which the
+        overlap loop hides only while it is shorter than the device's step; and a constrained sequence
+        that asks for drafts makes the step synchronous (needs_known_tokens)."""
         if verified or self.backoff:
             seq.draft_misses += 1
             seq.draft_retry_step = self.step_index + (1 << min(seq.draft_misses, 5))
