@@ -161,6 +161,8 @@ def part_default(args: argparse.Namespace, patterns: dict[str, list[list[tuple[i
         for core in cores.values():
             core.warm_up()
         for name, texts in workloads(batch * (3 if batch > 1 else 1)).items():
+            if name not in args.workloads.split(","):
+                continue
             prompts = [_chat(loaded.tokenizer, t) for t in texts]
             for core in cores.values():
                 _run(core, prompts[:2], 8, False)  # warm the loop
@@ -262,6 +264,7 @@ def main() -> None:
     parser.add_argument("--dtype", default="float32", help="part 1's dtype: float32 or bfloat16")
     parser.add_argument("--device", default="cuda", help="part 1's device (cpu: a smoke run)")
     parser.add_argument("--prompt-len", type=int, default=512, help="part 2's prompt length")
+    parser.add_argument("--workloads", default="copy,no copying", help="part 1's workloads (comma-separated)")
     parser.add_argument("--on", default="auto", help="the speculating mode: auto (the cost policy) or ngram (always)")
     args = parser.parse_args()
     MODES[1] = args.on

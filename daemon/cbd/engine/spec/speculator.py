@@ -86,37 +86,23 @@ class Speculator:
     def add_drafts(self, plan: StepPlan, max_num_batched_tokens: int) -> None:
         """Give the plan's decode chunks drafts, with what the step leaves over: the token budget and free
         blocks that no chunk and no admission took (drafts never preempt or delay anything). A chunk whose
-        token is still in flight drafts after a guess of it (see the module docstring)."""
+        token is still in flight drafts after a guess of it (see the module docstring). The drafts found
+        are weighed first (`_draft_cap`): the step may take fewer per sequence, or none."""
+        proposals = []
+        for chunk in plan.chunks:
+            if self._may_draft(chunk):
+                drafts = self._propose(chunk.seq)
+                if drafts:
+                    proposals.append((chunk, drafts))
+                else:
+                    self._missed(chunk.seq, verified=False)
+        cap = self._draft_cap(plan, proposals)
         bm = self.block_manager
         budget = max_num_batched_tokens - plan.num_tokens
-        cap = self._draft_cap(plan)
-        if cap == 0:  # not worth it at this step: those due wait as after a miss (overlap mode)
-            for chunk in plan.chunks:
-                if self._may_draft(chunk):
-                    self._missed(chunk.seq, verified=False)
-            return
-        for chunk in plan.chunks:
+        for chunk, drafts in proposals:
             seq = chunk.seq
-            if not self._may_draft(chunk):
-                continue
-            guess = seq.num_placeholders > 0  # its token (and maybe drafts) still in flight
-            params = seq.request.params
-            room = min(
-                self._draft_len(seq),
-                cap,
-                budget,
-                params.max_tokens - seq.num_output_tokens - 1,  # all kept + the token after them: the last one at most
-                self.max_model_len - seq.num_tokens - 1,
-            )  # fmt: skip
-            drafts: list[int] = []
-            if room > 0 and self.drafter is not None:
-                if guess:  # the first proposed token stands for the one in flight
-                    drafts = self.drafter.propose(seq, room + 1, seq.num_tokens - 1)[1:]
-                else:
-                    drafts = self.drafter.propose(seq, room)
-            if drafts and seq.grammar is not None:  # only what the grammar allows next (checked, then undone)
-                drafts = drafts[: seq.grammar.valid_prefix(drafts)]
-            if not drafts or not bm.can_append(seq, 1 + len(drafts)):
+            drafts = drafts[: min(cap, budget)]
+            if not drafts or not bm.can_append(seq, 1 + len(drafts)):  # declined: those found wait as after a miss
                 self._missed(seq, verified=False)
                 continue
             seq.token_ids += drafts
@@ -125,6 +111,23 @@ class Speculator:
             plan.block_copies += bm.append(seq, 1 + len(drafts))
             chunk.num_new_tokens += len(drafts)
             budget -= len(drafts)
+
+    def _propose(self, seq: Sequence) -> list[int]:
+        """The drafts seq would verify now: as many as it asks for, within its max_tokens and the context."""
+        room = min(
+            self._draft_len(seq),
+            seq.request.params.max_tokens - seq.num_output_tokens - 1,  # all kept + the token after them: the last one at most
+            self.max_model_len - seq.num_tokens - 1,
+        )  # fmt: skip
+        if room <= 0 or self.drafter is None:
+            return []
+        if seq.num_placeholders:  # its token (and maybe drafts) still in flight: the first proposed stands for it
+            drafts = self.drafter.propose(seq, room + 1, seq.num_tokens - 1)[1:]
+        else:
+            drafts = self.drafter.propose(seq, room)
+        if drafts and seq.grammar is not None:  # only what the grammar allows next (checked, then undone)
+            drafts = drafts[: seq.grammar.valid_prefix(drafts)]
+        return drafts
 
     def _may_draft(self, chunk: ScheduledChunk) -> bool:
         """A decode chunk of a sequence due to try; a constrained one only with its tokens known."""
@@ -137,18 +140,17 @@ class Speculator:
         """The drafts seq asks for next: 4 at first, then as its verifications set (see verify)."""
         return seq.draft_len or min(4, self.num_speculative_tokens)
 
-    def _draft_cap(self, plan: StepPlan) -> int:
+    def _draft_cap(self, plan: StepPlan, proposals: list[tuple[ScheduledChunk, list[int]]]) -> int:
         """The drafts each sequence may verify in this step (0: none). With measured step costs ("auto" on a
-        GPU), those of the verifying graph that is expected to make the most tokens per millisecond, if any
-        beats the step without drafts (policy.py); a step that also prefills runs eagerly and takes its
-        drafts."""
+        GPU), those of the verifying graph that is expected to make the most tokens per millisecond with
+        the drafts found, if any beats the step without drafts (policy.py); a step that also prefills runs
+        eagerly and takes its drafts."""
         if self.costs is None or any(c.num_new_tokens != 1 for c in plan.chunks):
             return self.num_speculative_tokens
         prior = self.prior()
         drafting = [
-            (prior if c.seq.draft_accept is None else c.seq.draft_accept, self._draft_len(c.seq))
-            for c in plan.chunks
-            if self._may_draft(c)
+            (prior if chunk.seq.draft_accept is None else chunk.seq.draft_accept, len(drafts))
+            for chunk, drafts in proposals
         ]
         return self.costs.best_queries(len(plan.chunks), drafting) - 1
 
