@@ -190,6 +190,20 @@ def draft_patterns(tokens: list[int], prompt_len: int, k: int) -> list[tuple[int
     return out
 
 
+def ceiling(patterns: list[list[tuple[int, int]]], k: int = 8) -> float:
+    """Tokens per sequence-step if every position with a proposal verified it (up to k drafts, free): the
+    most a pattern allows, whatever the policy and the step costs."""
+    tokens = steps = 0
+    for pattern in patterns:
+        j = 0
+        while j < len(pattern):
+            length, right = pattern[j]
+            steps += 1
+            j += 1 + (min(right, k) if length else 0)
+        tokens += len(pattern)
+    return tokens / max(1, steps)
+
+
 class ReplayDrafter:
     """Proposes each request's recorded greedy continuation after the context it is given, as long and as
     right as a pattern says (see the module docstring): request i follows patterns[i % len(patterns)]; at
@@ -281,6 +295,10 @@ def main() -> None:
             with open(saved) as f:
                 patterns = {name: [[tuple(x) for x in p] for p in ps] for name, ps in json.load(f).items()}
         rows += part_8b(args, patterns)
+    for name, pattern in patterns.items():
+        print(
+            f"{name}: at most {ceiling(pattern):.2f} tokens per sequence-step from its drafts (part 1's pattern, 8 drafts)"
+        )
     with open(os.path.join(OUT, "speculative_gpu.json"), "w") as f:
         json.dump(rows, f, indent=1)
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU"

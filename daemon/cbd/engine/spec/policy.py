@@ -18,7 +18,8 @@ can be most of a small model's step, and its sampling grows with Q, hence the ru
 a_i is sequence i's chance that a draft is kept when all before it were: its verifications' kept
 drafts over the drafts they tried (a draft after a rejected one is not tried), averaged over recent
 verifications; before its first, or after a miss, the engine's recent acceptance over all sequences
-(one half when nothing was verified lately: `Speculator.prior`); k_i the drafts it would ask for. So speculation runs at any batch
+(one half when nothing was verified lately: `Speculator.prior`); k_i the drafts it found (the sum runs
+over the sequences that found drafts for this step: they are looked up before the step is weighed). So speculation runs at any batch
 size where it pays (at batch 1 a verifying step costs about a decode step: almost always; at large
 batches a verifying step costs more, so only sequences that keep most of their drafts make it worth
 it, and with fewer drafts when the cheaper graph pays more), and not where no verifying graph was
