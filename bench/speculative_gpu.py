@@ -121,8 +121,10 @@ MODES = ["off", "auto"]  # the second: --on
 
 
 def _config(mode: str, batch: int, dtype: str, max_len: int, device: str = "cuda") -> EngineConfig:
+    # No drafts across requests (speculative_index_tokens=0): every run repeats the same prompts, whose earlier
+    # outputs would otherwise draft for them; the drafts are the sequence's own context's, as draft_patterns'.
     return EngineConfig(device=device, dtype=dtype, overlap="on", speculative=mode, num_speculative_tokens=8,
-                        speculative_max_batch=32, max_num_seqs=batch, max_model_len=max_len,
+                        speculative_index_tokens=0, speculative_max_batch=32, max_num_seqs=batch, max_model_len=max_len,
                         num_kv_blocks=batch * (max_len // 16 + 2) + 64, block_size=16)  # fmt: skip
 
 

@@ -532,3 +532,21 @@ def test_a_tenant_s_finished_turn_drafts_for_its_other_sessions_and_never_anothe
     (_, a_idx), (_, b_idx), (_, c_idx) = got["ngram", 4096]
     assert a_idx == a_own and c_idx == c_own  # nothing of t1's reached t2's drafts
     assert b_idx > b_own, (b_idx, b_own)  # a's turn drafted for b, and the drafts were kept
+
+
+def test_a_session_closed_during_its_turn_leaves_no_donor(tiny_loaded) -> None:  # type: ignore[no-untyped-def]
+    core = make_core(tiny_loaded, speculative="ngram", overlap="on")
+    agents = core.scheduler.speculator.agents
+    assert agents is not None
+    sid = core.sessions.open().session_id
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, tenant="t1")
+    core.add_session_turn(sid, [(i * 31) % 250 + 3 for i in range(20)], params)
+    checked_step(core)
+    core.sessions.close(sid)  # the turn runs on; its result is not kept, nor are its tokens as a donor
+    while core.has_work():
+        checked_step(core)
+    assert agents.num_tokens == 0
+    core.add_request([5, 6, 7, 8, 9], params)  # a plain request's turn is kept
+    while core.has_work():
+        checked_step(core)
+    assert agents.num_tokens > 0 and core.block_manager.num_used_blocks == 0

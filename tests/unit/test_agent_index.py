@@ -62,7 +62,12 @@ def test_a_handed_on_index_counts_only_where_the_donor_s_tokens_hold_the_n_gram(
     later = [7, 8, 9, 2, 3, 4, 5, 6, 6]
     index.extend(later, len(later))
     assert index.positions[2, 3, 4, 5] == 7
-    assert agents.propose("a", None, [2, 3, 4, 5], 4, 2) == []  # donor[3:7] is not (2, 3, 4, 5): no draft
+    assert agents.propose("a", None, [2, 3, 4, 5], 4, 2) == []  # past the donor's tokens: no draft
+    # An entry inside the donor's tokens that does not follow its n-gram there is never used either.
+    index.positions[2, 3, 4, 5] = 4  # donor[0:4] is (1, 2, 3, 4)
+    assert agents.propose("a", None, [2, 3, 4, 5], 4, 2) == []
+    index.positions[2, 3, 4, 5] = 5
+    assert agents.propose("a", None, [2, 3, 4, 5], 4, 2) == [6, 7]
 
 
 def test_only_the_newest_donors_are_searched_and_a_new_donor_is_indexed_within_the_step_budget() -> None:
@@ -74,7 +79,12 @@ def test_only_the_newest_donors_are_searched_and_a_new_donor_is_indexed_within_t
     assert agents.propose("a", None, [500, 501, 502, 503], 4, 1) == []  # the oldest, past the newest SEARCHED
     big = _tokens(100_000, 5000)
     agents.add("a", None, big, None)
-    assert agents.propose("a", None, big[-5:-1], 4, 1) == []  # indexed oldest-first, 2048 positions per proposal
+    assert agents.propose("a", None, big[-5:-1], 4, 1) == []  # indexed oldest-first, 2048 positions per step
     for _ in range(3):
+        agents.propose("a", None, [0, 0, 0, 0], 4, 1)  # the same step: its budget is spent
+    assert agents.propose("a", None, big[-5:-1], 4, 1) == []
+    for _ in range(2):
+        agents.new_step()
         agents.propose("a", None, [0, 0, 0, 0], 4, 1)
+    agents.new_step()
     assert agents.propose("a", None, big[-5:-1], 4, 1) == [big[-1]]

@@ -61,7 +61,10 @@ class Emitter:
                 seq.cut_after(row.position + 1)  # a token (and drafts) already in flight for it is dropped
                 if seq.request.session is not None:  # keep its KV for the session's next turn
                     self.sessions.candidate_finished(seq.request.session, seq)
-                if delta.finish_reason in (FinishReason.STOP, FinishReason.LENGTH):
+                session = seq.request.session
+                if delta.finish_reason in (FinishReason.STOP, FinishReason.LENGTH) and (
+                    session is None or self.sessions.holds(session)  # a closed session's turn leaves no donor
+                ):
                     self.scheduler.speculator.finished(seq)  # its tokens may draft for its tenant's others
                 self.scheduler.finish(seq)
                 delta.usage = _usage(seq.request, seq.num_output_tokens)

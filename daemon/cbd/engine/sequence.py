@@ -83,7 +83,7 @@ class Sequence:
     num_draft: int = 0  # draft tokens being verified (in the steps in flight), each group right before its placeholder
     draft_index: Any = None  # the drafter's index of this sequence's n-grams (engine/spec/drafter.py)
     draft_retry_step: int = 0  # overlap mode: the step from which drafting is tried again after misses
-    draft_misses: int = 0  # consecutive speculative steps with no draft or none accepted
+    draft_misses: int = 0  # consecutive speculative steps with no draft, none accepted, or drafts declined
     draft_len: int = 0  # drafts to ask for next (0: the scheduler's starting length)
     # The chance a draft of it is kept: its recent verifications' average; None: the speculator's prior (spec/policy.py).
     draft_accept: float | None = None

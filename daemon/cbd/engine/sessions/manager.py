@@ -229,6 +229,10 @@ class SessionManager:
         session.last_used = time.monotonic()
         request.session = session
 
+    def holds(self, session: Session) -> bool:
+        """Whether session is open here (not closed or expired, even if its id was opened again)."""
+        return self.sessions.get(session.session_id) is session
+
     def candidate_finished(self, session: Session, seq: Sequence) -> None:
         """Called before a finished candidate's blocks are freed: keep them as a branch."""
         if session.session_id not in self.sessions or session.busy is not seq.request:

@@ -4,12 +4,14 @@ sequence's own n-gram index (drafter.py) has no match.
 Agents repeat themselves across sessions: the same tool-call skeletons turn after turn, a file read in
 one session and quoted in another, a sibling session answering the same question. Each sequence that
 finishes (stop or length) becomes a donor: its tokens and its own n-gram index, which it built while it
-drafted (or one built here, `STEP_BUDGET` positions per proposal, when it never drafted). A
+drafted (extended here to its last tokens, or built here when it never drafted: `STEP_BUDGET`
+positions per step at most). A
 session keeps one donor, its latest turn's (a later turn replaces it), and it is dropped when the
 session closes or expires; a plain request's donor stays until the bound pushes it out.
 
 Scope and bounds: donors are searched only within the tenant that made them (the prefix cache's
-scope), so no tenant's text can shape another's drafts or their timing; the newest `SEARCHED` donors
+scope), so no tenant's text reaches another's drafts (the bound is shared: a busy tenant's donors can
+push out another's, which then drafts from its own context only); the newest `SEARCHED` donors
 are searched, newest first, for the context's last 4 tokens (shorter matches across different
 texts are mostly chance, and a wrong draft costs compute); all donors together hold at most `max_tokens` tokens (oldest dropped
 first; `speculative_index_tokens`, 0: off). An index handed on to a session's next turn may later
@@ -35,7 +37,7 @@ class Donor:
     owner: Any  # the session whose latest turn it is (None: a plain request)
     tokens: list[int]
     index: NgramIndex
-    own_index: bool  # built here (extended here); else the sequence's, maybe handed on to a later turn
+    own_index: bool  # extended here (built here, or a plain request's); else a session's, maybe handed on
 
 
 class AgentIndex:
@@ -46,6 +48,11 @@ class AgentIndex:
         self._by_tenant: dict[str, OrderedDict[int, Donor]] = {}
         self._by_owner: dict[int, Donor] = {}  # id(session) -> its donor (the session is kept alive by it)
         self.num_drafts = 0  # tokens proposed from donors
+        self.budget = STEP_BUDGET  # positions the current step may still index (see new_step)
+
+    def new_step(self) -> None:
+        """A step's proposals start: donors are indexed `STEP_BUDGET` positions per step at most."""
+        self.budget = STEP_BUDGET
 
     def add(self, tenant: str, owner: Any, tokens: list[int], index: NgramIndex | None) -> None:
         """A finished sequence's tokens (not changed afterwards) and its own index (None: none built)."""
@@ -53,10 +60,10 @@ class AgentIndex:
             self.drop(owner)
         if not 2 <= len(tokens) <= self.max_tokens:
             return
-        own = index is None or index.indexed > len(tokens) - 1
-        if own:
+        # A plain request's index is its own (never handed on): it may be extended to its last tokens.
+        own = owner is None or index is None or index.indexed > len(tokens) - 1
+        if index is None or index.indexed > len(tokens) - 1:
             index = NgramIndex(indexed=max(0, len(tokens) - WINDOW))
-        assert index is not None
         donor = Donor(tenant, owner, tokens, index, own)
         key = id(donor)
         self._donors[key] = donor
@@ -79,17 +86,16 @@ class AgentIndex:
         donors = self._by_tenant.get(tenant)
         if not donors:
             return []
-        budget = STEP_BUDGET
         for searched, donor in enumerate(reversed(donors.values())):
             if searched == SEARCHED:
                 break
             if owner is not None and donor.owner is owner:
                 continue
             index, tokens = donor.index, donor.tokens
-            if donor.own_index and index.indexed < len(tokens) - 1 and budget > 0:
+            if donor.own_index and index.indexed < len(tokens) - 1 and self.budget > 0:
                 done = index.indexed
-                index.extend(tokens, len(tokens), budget)
-                budget -= index.indexed - done
+                index.extend(tokens, len(tokens), self.budget)
+                self.budget -= index.indexed - done
             drafts = index.lookup(context, end, k, tokens, sizes=DONOR_NGRAMS)
             if drafts:
                 self.num_drafts += len(drafts)

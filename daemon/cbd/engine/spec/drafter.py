@@ -10,7 +10,8 @@ Cost: each sequence keeps an index {n-gram: position after its latest occurrence
 `WINDOW` tokens at most, extended incrementally as tokens are appended, by at most `STEP_BUDGET`
 positions per proposal (a long prompt is indexed over a few steps, newest part last, so no step
 stalls for it); a proposal is then a few dict lookups whatever the context length. A session hands
-its history's index to its next turn (sessions.py), and drops it when its KV leaves the GPU. When the
+its history's index to its next turn (sessions.py), and drops it when its KV leaves the GPU (the
+session's donor in agent_index.py may keep it until the session's next turn ends or it closes). When the
 sequence's own tokens have no match, the tenant's other finished sequences are searched (agent_index.py).
 No device work, no model.
 """

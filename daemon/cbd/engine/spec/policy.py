@@ -31,7 +31,7 @@ from __future__ import annotations
 
 from bisect import bisect_left
 
-START_ACCEPT = 0.5  # a sequence's draft acceptance before its first verification
+START_ACCEPT = 0.5  # the acceptance prior at start and after a spell without verifications (Speculator.prior)
 SMOOTHING = 0.9  # weight of the running average's past in each observed step
 MARGIN = 1.1  # a verifying step must promise this many times a plain step's tokens per millisecond
 
@@ -66,6 +66,8 @@ class StepCosts:
         if graph is None:
             return
         last = self.seen.get((batch, queries))
+        if last is None and queries > 1:  # from the estimate: one unlucky first step must not shut a graph out
+            last = graph + self.outside.get(batch, 0.0)
         self.seen[batch, queries] = ms if last is None else SMOOTHING * last + (1 - SMOOTHING) * ms
         if queries == 1:
             self.outside[batch] = max(0.0, self.seen[batch, queries] - graph)
@@ -85,8 +87,8 @@ class StepCosts:
 
     def best_queries(self, batch: int, drafting: list[tuple[float, int]]) -> int:
         """The query count per sequence for a decode step of `batch` sequences that makes the most tokens per
-        millisecond: 1 (no drafts) or a verifying graph's. drafting: (acceptance, drafts it would ask for)
-        of each sequence that may draft; with Q queries it gets at most Q - 1."""
+        millisecond: 1 (no drafts) or a verifying graph's. drafting: (acceptance, drafts found) of each
+        sequence that found drafts for the step; with Q queries it verifies at most Q - 1."""
         i, d = bisect_left(self.batches, batch), bisect_left(self.decode_batches, batch)
         most = max((k for _, k in drafting), default=0)
         if i == len(self.batches) or d == len(self.decode_batches) or most == 0:

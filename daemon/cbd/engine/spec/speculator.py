@@ -20,8 +20,9 @@ only when its tokens are all known (its grammar checks drafts): a step that give
 the step in flight first (`needs_known_tokens`).
 
 Per-sequence draft state lives on the Sequence (`draft_len`, `draft_misses`, `draft_retry_step`,
-`draft_index`, `num_draft`, `pending_group`, `next_rows`); the step counter of the backoff and the
-counts live here. Pure Python.
+`draft_accept`, `draft_index`, `num_draft`, `pending_group`, `next_rows`); the step counter of the
+backoff, the acceptance prior (`prior`), the tenant-wide donors (`agents`) and the counts live here.
+Pure Python.
 """
 
 from __future__ import annotations
@@ -88,6 +89,8 @@ class Speculator:
         blocks that no chunk and no admission took (drafts never preempt or delay anything). A chunk whose
         token is still in flight drafts after a guess of it (see the module docstring). The drafts found
         are weighed first (`_draft_cap`): the step may take fewer per sequence, or none."""
+        if self.agents is not None:
+            self.agents.new_step()
         proposals = []
         for chunk in plan.chunks:
             if self._may_draft(chunk):
@@ -201,13 +204,19 @@ class Speculator:
         # The estimates the cost policy weighs: the engine's recent acceptance, the prior of a sequence that has
         # not verified yet or missed last (its retry is delayed by the backoff below), and the sequence's own.
         observed = observed_accept(kept, k)
+        last = seq.draft_accept if seq.draft_accept is not None else self.prior()
+        if self.step_index - self.last_verified_step > STALE_STEPS:  # nothing verified lately: start again
+            self.accept_prior = START_ACCEPT
         self.accept_prior = 0.9 * self.accept_prior + 0.1 * observed
         self.last_verified_step = self.step_index
-        last = seq.draft_accept if seq.draft_accept is not None else self.prior()
         seq.draft_accept = 0.5 * last + 0.5 * observed if kept else None
         # The draft length follows the copying: doubled after a run kept whole (up to the limit), else
         # just past what was kept.
-        seq.draft_len = min(2 * k, self.num_speculative_tokens) if kept == k else max(2, kept + 1)
+        # A run kept whole that the step's cap (or budget) cut short does not shorten what the sequence asks for.
+        if kept == k:
+            seq.draft_len = max(self._draft_len(seq), min(2 * k, self.num_speculative_tokens))
+        else:
+            seq.draft_len = max(2, kept + 1)
         if kept:
             seq.draft_misses = 0
         else:
