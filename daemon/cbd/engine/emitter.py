@@ -59,9 +59,9 @@ class Emitter:
             if delta.finish_reason is not None:
                 ended = True
                 seq.cut_after(row.position + 1)  # a token (and drafts) already in flight for it is dropped
-                if seq.request.session is not None:  # keep its KV for the session's next turn
-                    self.sessions.candidate_finished(seq.request.session, seq)
                 session = seq.request.session
+                if session is not None:  # keep its KV for the session's next turn
+                    self.sessions.candidate_finished(session, seq)
                 if delta.finish_reason in (FinishReason.STOP, FinishReason.LENGTH) and (
                     session is None or self.sessions.holds(session)  # a closed session's turn leaves no donor
                 ):

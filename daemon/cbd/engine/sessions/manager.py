@@ -235,7 +235,7 @@ class SessionManager:
 
     def candidate_finished(self, session: Session, seq: Sequence) -> None:
         """Called before a finished candidate's blocks are freed: keep them as a branch."""
-        if session.session_id not in self.sessions or session.busy is not seq.request:
+        if not self.holds(session) or session.busy is not seq.request:
             return  # the session was closed meanwhile
         computed = min(seq.num_computed_tokens, seq.num_known_tokens)
         table = self.bm.share(seq.block_table[: -(-computed // self.bm.block_size)])

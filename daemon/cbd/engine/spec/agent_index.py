@@ -60,10 +60,10 @@ class AgentIndex:
             self.drop(owner)
         if not 2 <= len(tokens) <= self.max_tokens:
             return
-        # A plain request's index is its own (never handed on): it may be extended to its last tokens.
-        own = owner is None or index is None or index.indexed > len(tokens) - 1
         if index is None or index.indexed > len(tokens) - 1:
-            index = NgramIndex(indexed=max(0, len(tokens) - WINDOW))
+            index, own = NgramIndex(indexed=max(0, len(tokens) - WINDOW)), True
+        else:  # a plain request's index is its own (never handed on): it may be extended to its last tokens
+            own = owner is None
         donor = Donor(tenant, owner, tokens, index, own)
         key = id(donor)
         self._donors[key] = donor

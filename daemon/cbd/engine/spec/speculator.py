@@ -205,7 +205,7 @@ class Speculator:
         # not verified yet or missed last (its retry is delayed by the backoff below), and the sequence's own.
         observed = observed_accept(kept, k)
         last = seq.draft_accept if seq.draft_accept is not None else self.prior()
-        if self.step_index - self.last_verified_step > STALE_STEPS:  # nothing verified lately: start again
+        if self._quiet():  # nothing verified lately: start again
             self.accept_prior = START_ACCEPT
         self.accept_prior = 0.9 * self.accept_prior + 0.1 * observed
         self.last_verified_step = self.step_index
@@ -233,9 +233,11 @@ class Speculator:
         """A sequence's chance that a draft is kept before it has verified any (or after a miss): the engine's
         recent acceptance, or one half when nothing was verified for `STALE_STEPS` steps (so a workload that
         turned to copying is noticed again)."""
-        if self.step_index - self.last_verified_step > STALE_STEPS:
-            return START_ACCEPT
-        return self.accept_prior
+        return START_ACCEPT if self._quiet() else self.accept_prior
+
+    def _quiet(self) -> bool:
+        """Nothing was verified for `STALE_STEPS` steps."""
+        return self.step_index - self.last_verified_step > STALE_STEPS
 
     def _missed(self, seq: Sequence, verified: bool) -> None:
         """After drafts none of which was kept (verified), or in overlap mode after finding no draft or a
