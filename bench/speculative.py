@@ -11,7 +11,7 @@ verifying ones by their drafts) are written to $OUT/speculative_cpu.json for the
 GPU (`--gpu`, Llama-3-8B shape, random bf16 weights, so drafts are never right and only costs are
 measured): per batch B, the wall ms of a decode step with speculation off (overlap loop, CUDA graphs),
 of a synchronous step with no drafts, and of a step verifying k drafts per sequence (through the
-verifying CUDA graph of 1 + k queries; "eager": the largest k without it). With `--profile`, the
+verifying CUDA graph of 1 + k tokens a sequence; "eager": the largest k without it). With `--profile`, the
 projected speedup of each CPU prompt at batch 1: tokens x (overlapped step) / (its verifying steps,
 each at the cost of the graph that serves its drafts, + plain steps x a synchronous step's).
 
@@ -208,15 +208,15 @@ def gpu(args: argparse.Namespace) -> None:
         core.scheduler.speculator.backoff = False
         row = {}
         graphs = core.runner.graphs
-        assert graphs is not None and graphs.queries, "no verifying graphs were captured"
-        queries = graphs.queries
+        assert graphs is not None and graphs.max_queries > 1, "no verifying graphs were captured"
+        most = graphs.max_queries
         k_eager = max(args.ks)
         for label, drafter, k in (
             [("overlap", None, 0), ("sync", _FixedDrafter(0), 0)]
             + [(f"k={k}", _FixedDrafter(k), k) for k in args.ks]
             + [(f"k={k_eager} eager", _FixedDrafter(k_eager), k_eager)]
         ):
-            graphs.queries = [] if label.endswith("eager") else queries  # no verifying graph: eager steps
+            graphs.max_queries = 1 if label.endswith("eager") else most  # no verifying graph: eager steps
             core.scheduler.speculator.drafter = drafter
             core.scheduler.speculator.num_speculative_tokens = k if drafter is not None else 0
             prompts = [[rng.randrange(100, 120000) for _ in range(args.prompt_len)] for _ in range(batch)]

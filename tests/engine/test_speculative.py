@@ -341,11 +341,12 @@ def test_grammar_constrained_drafts_are_checked_and_equal_without_speculation(de
 
 
 def test_verifying_graph_layout_gives_the_same_outputs(default_model, prompts) -> None:  # type: ignore[no-untyped-def]
-    """The packing and forward of the verifying CUDA graphs (every sequence padded to 1 + k tokens, the
-    batch to a bucket, padding's K/V sent to the scratch block), run eagerly on the CPU: the same
-    greedy tokens, logprobs included, as without speculation, with a block size that puts padding
-    past the end of a block; the graphs' forward served every verifying step."""
-    from cbd.engine.device.cuda_graphs import DecodeGraphs, verify_queries
+    """The packing and forward of the verifying CUDA graphs (each sequence's 1 + k tokens after the one
+    before, the batch padded to a bucket with sequences of no tokens and the rows to the graph's token
+    count, padding's K/V sent to the scratch block), run eagerly on the CPU: the same greedy tokens,
+    logprobs included, as without speculation, with a block size that puts drafts past the end of a
+    block; the graphs' forward served every verifying step."""
+    from cbd.engine.device.cuda_graphs import DecodeGraphs
 
     params = SamplingParams(max_tokens=40, temperature=0.0, logprobs=2)
     for batch in ([prompts["copy"], prompts["quote"], prompts["plain"]], [prompts["copy"]]):
@@ -354,7 +355,7 @@ def test_verifying_graph_layout_gives_the_same_outputs(default_model, prompts) -
         runner = core.runner
         runner.graphs = graphs = DecodeGraphs(
             runner.model, runner.kv_caches, runner.backend, runner.block_size, 4, runner.max_blocks_per_seq,
-            runner.scratch_block, None, 4, verify_queries(core.config.num_speculative_tokens),
+            runner.scratch_block, None, 4, core.config.num_speculative_tokens + 1,
         )  # fmt: skip
         on = run_all(core, batch, params)
         assert core.block_manager.num_used_blocks == 0
@@ -389,8 +390,8 @@ def test_the_overlap_loop_verifies_drafts_with_a_step_in_flight(default_model, p
     verifying one is launched before its kept count reaches the host (the device moves that step's inputs
     back by the drafts rejected). Outputs equal speculation off token for token: greedy, seeded, fan-out,
     stop strings and ids inside kept runs, max_tokens mid-run; with eager steps and with the verifying
-    graphs' padded layout; and the in-flight paths did run."""
-    from cbd.engine.device.cuda_graphs import DecodeGraphs, verify_queries
+    graphs' layout; and the in-flight paths did run."""
+    from cbd.engine.device.cuda_graphs import DecodeGraphs
 
     base = run_all(make_core(default_model, num_kv_blocks=512), [prompts["copy"]], SamplingParams(max_tokens=60))
     text, tokens = base[0]["text"][0], base[0]["tokens"][0]
@@ -410,7 +411,7 @@ def test_the_overlap_loop_verifies_drafts_with_a_step_in_flight(default_model, p
             runner = core.runner
             runner.graphs = DecodeGraphs(
                 runner.model, runner.kv_caches, runner.backend, runner.block_size, 8, runner.max_blocks_per_seq,
-                runner.scratch_block, None, 8, verify_queries(core.config.num_speculative_tokens),
+                runner.scratch_block, None, 8, core.config.num_speculative_tokens + 1,
             )  # fmt: skip
         launched = _record_launches(core)
         got = run_all(core, batch, cases)

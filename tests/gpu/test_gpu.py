@@ -88,22 +88,33 @@ def test_decode_graph_replay_equals_eager_forward(tiny_checkpoint, kv_cache_dtyp
     graphs = core.runner.graphs
     assert graphs is not None and graphs.graphs
     torch.manual_seed(0)
-    shapes = [graphs.bucket(batch) for batch in (1, 8, 24)] + [graphs.bucket(3, q) for q in (2, 5, 9)]
-    assert all(shape is not None for shape in shapes) and {q for _, q in shapes} == {1, 3, 5, 9}  # type: ignore[misc]
-    for bucket, queries in shapes:  # type: ignore[misc]
-        graphs.ids[: bucket * queries] = torch.randint(0, 256, (bucket * queries,), device="cuda")
-        graphs.query_lens[:bucket] = torch.randint(1, queries + 1, (bucket,), device="cuda")
-        graphs.context_lens[:bucket] = graphs.query_lens[:bucket] + torch.randint(0, 60, (bucket,), device="cuda")
-        graphs.block_tables[:bucket, :4] = torch.randperm(200, device="cuda")[: bucket * 4].view(bucket, 4)
-        graphs.block_tables[:bucket, 4:] = graphs.scratch_block
-        graph, logits = graphs.graphs[bucket, queries]
+    rng = random.Random(0)
+    decodes = [graphs.bucket(batch, batch, 1) for batch in (1, 8, 24)]
+    verifying = [graphs.bucket(3, tokens, most) for tokens, most in ((5, 3), (10, 5), (27, 9))]
+    assert all(shape is not None for shape in decodes + verifying)
+    assert [shape[1] for shape in verifying] == [6, 12, 36]  # type: ignore[index]  # bucket 4: 4 + 2, 8, 32
+    for bucket, tokens in decodes + verifying:  # type: ignore[misc]
+        graphs.ids[:tokens] = torch.randint(0, 256, (tokens,), device="cuda")
+        if tokens > bucket:  # ragged: 1 to 9 tokens a sequence, the last sequence none, then padding rows
+            lens = [rng.randint(1, graphs.max_queries) for _ in range(bucket - 1)] + [0]
+            while sum(lens) > tokens - 1:
+                lens[lens.index(max(lens))] -= 1
+            starts = torch.tensor([0, *lens], device="cuda").cumsum(0)
+            graphs.query_start[: bucket + 1] = starts
+            lens_t = starts[1:] - starts[:-1]
+        else:
+            lens_t = torch.ones(bucket, dtype=torch.int64, device="cuda")
+        graphs.context_lens[:bucket] = lens_t.clamp(min=1) + torch.randint(0, 60, (bucket,), device="cuda")
+        graphs.block_tables[:bucket, :5] = torch.randperm(200, device="cuda")[: bucket * 5].view(bucket, 5)
+        graph, logits = graphs.graphs[bucket, tokens]
         with torch.inference_mode():
             with torch.cuda.stream(graphs.stream):
                 graph.replay()
                 replayed = logits.clone()
-                eager = graphs.forward(bucket, queries)
+                eager = graphs.forward(bucket, tokens)
             torch.cuda.synchronize()
-        assert torch.equal(replayed, eager), (bucket, queries)
+        real = int(graphs.query_start[bucket]) if tokens > bucket else bucket  # padding rows' logits are undefined
+        assert torch.equal(replayed[:real], eager[:real]), (bucket, tokens)
 
 
 class _OracleDrafter:

@@ -73,21 +73,27 @@ def test_decode_kernel_matches_reference(dtype, block_size, heads, window, split
 @pytest.mark.parametrize("window", [None, 24])
 @pytest.mark.parametrize("splits", [1, 4])
 def test_decode_kernel_with_drafts_matches_reference(dtype, queries, heads, window, splits) -> None:
-    """The decode kernel over the 1 + k last positions of each sequence (a step verifying k drafts):
-    causal among them, ranges that end before a query's position merged away."""
+    """The decode kernel over each sequence's own 1 + k last positions, laid out ragged (a step verifying
+    k drafts, k per sequence): causal among them, ranges that end before a query's position merged away;
+    a sequence with no rows and rows past the last sequence's (a CUDA graph's padding) change nothing."""
     rng = random.Random(queries * 5 + heads[0] + splits)
     torch.manual_seed(rng.randrange(1000))
     num_heads, num_kv_heads = heads
     head_dim, block_size = 64, 16
     context_lens = [rng.randrange(queries, 400) for _ in range(4)] + [queries, 129, 130]
-    kv, layout = _paged_case(rng, block_size, num_kv_heads, head_dim, dtype, [queries] * len(context_lens),
-                             context_lens)  # fmt: skip
-    q = torch.randn(len(context_lens) * queries, num_heads, head_dim, device=DEVICE).to(dtype)
+    query_lens = [rng.randint(1, queries) for _ in context_lens[:-1]] + [queries]
+    kv, layout = _paged_case(rng, block_size, num_kv_heads, head_dim, dtype, query_lens, context_lens)
+    real = sum(query_lens)
+    q = torch.randn(real + 3, num_heads, head_dim, device=DEVICE).to(dtype)  # 3 padding rows
     scale = head_dim**-0.5
-    ours = triton_attention.decode(q, kv, layout.block_tables, layout.context_lens, block_size, scale, splits, window,
-                                   queries)  # fmt: skip
-    ref = reference_metadata(layout, block_size, window).attend(q.float(), kv.float(), scale)
-    torch.testing.assert_close(ours.float(), ref, atol=TOL[dtype], rtol=TOL[dtype])
+    starts = torch.cat([layout.query_start, layout.query_start[-1:]])  # then a sequence of no rows
+    ctx = torch.cat([layout.context_lens, layout.context_lens[:1]])
+    tables = torch.cat([layout.block_tables, layout.block_tables[:1]])
+    rows = triton_attention.verify_rows(starts, real + 3)
+    assert rows[real:].tolist() == [-1] * 3
+    ours = triton_attention.decode(q, kv, tables, ctx, block_size, scale, splits, window, queries, starts, rows)
+    ref = reference_metadata(layout, block_size, window).attend(q[:real].float(), kv.float(), scale)
+    torch.testing.assert_close(ours[:real].float(), ref, atol=TOL[dtype], rtol=TOL[dtype])
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -61,7 +61,7 @@ class _Launched:
 
     plan: StepPlan
     step: InflightStep
-    graph: tuple[int, int] | None = None  # the CUDA graph (batch, queries) it ran, if any
+    graph: tuple[int, int] | None = None  # the CUDA graph (batch, tokens) it ran, if any
 
 
 class EngineCore:
@@ -195,10 +195,11 @@ class EngineCore:
         graphs = self.runner.graphs
         sharded = self.runner.broadcast is not None  # graphs replay with the workers only: none timed alone
         if self.config.speculative == "auto" and graphs is not None and graphs.verify_buckets and not sharded:
-            costs = StepCosts(graphs.measure())
+            costs = StepCosts(graphs.measure(), graphs.max_queries - 1)
             self.scheduler.speculator.costs = costs
-            log.info("speculation: verifying-step costs over decode steps %s",
-                     {b: round(costs.costs[b, max(costs.queries)] / costs.costs[b, 1], 2) for b in costs.batches})  # fmt: skip
+            log.info("speculation: verifying-step costs over decode steps (batch: tokens: ratio) %s",
+                     {b: {t: round(costs.costs[b, t] / costs.costs[b, b], 2) for t in costs.tokens[b]}
+                      for b in costs.batches})  # fmt: skip
 
     def step(self) -> list[RequestOutput]:
         """Launch step N+1, complete step N (in flight since the last call), then sample N+1 under its rows'
@@ -253,7 +254,7 @@ class EngineCore:
         self.num_steps += 1
         if self.host_tier is not None:  # keep some GPU blocks free ahead of need (see offload_ahead)
             self.sessions.eviction.offload_ahead(self._free_target)
-        return _Launched(plan, step, (batch.meta.batch, batch.meta.queries) if batch.meta.graph else None)
+        return _Launched(plan, step, (batch.meta.batch, batch.meta.graph_tokens) if batch.meta.graph else None)
 
     def _complete(self, launched: _Launched) -> list[RequestOutput]:
         """Wait for a launched step's tokens, book them, and emit the outputs of its live rows."""

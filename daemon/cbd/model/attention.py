@@ -24,7 +24,8 @@ class BatchLayout:
 
     Sequence b owns packed query rows `query_start[b]:query_start[b + 1]`, the last tokens of its
     `context_lens[b]` positions. `max_query_len`/`max_context_len` are host-side bounds (kernels size
-    grids and padded shapes with them without a device sync).
+    grids and padded shapes with them without a device sync). A CUDA graph's step may end in padding:
+    sequences with no rows, and rows past `query_start[B]` (their output is undefined).
     """
 
     slot_mapping: torch.Tensor  # [T] int64: KV slot each new token is written to
@@ -119,15 +120,17 @@ def reference_metadata(layout: BatchLayout, block_size: int, sliding_window: int
     key_slots = torch.where(key_pos[None, :] < ctx_lens[:, None], key_slots, 0)
 
     q_off = torch.arange(q_max, device=device)  # [Qmax]
-    q_pos = (ctx_lens - q_lens)[:, None] + torch.minimum(q_off[None, :], q_lens[:, None] - 1)  # [B, Qmax]
+    last = (q_lens - 1).clamp(min=0)  # a padding sequence (no rows) repeats a row, its output unused
+    q_pos = (ctx_lens - q_lens)[:, None] + torch.minimum(q_off[None, :], last[:, None])  # [B, Qmax]
     mask = key_pos[None, None, :] <= q_pos[:, :, None]  # [B, Qmax, Kmax]; implies key < context_len
     if sliding_window is not None:
         mask &= key_pos[None, None, :] > q_pos[:, :, None] - sliding_window
 
-    query_index = starts[:-1, None] + torch.minimum(q_off[None, :], q_lens[:, None] - 1)
     num_tokens = layout.slot_mapping.shape[0]
-    seq_of_row = torch.repeat_interleave(torch.arange(num_seqs, device=device), q_lens, output_size=num_tokens)
-    output_index = seq_of_row * q_max + torch.arange(num_tokens, device=device) - starts[seq_of_row]  # [T]
+    query_index = (starts[:-1, None] + torch.minimum(q_off[None, :], last[:, None])).clamp(max=num_tokens - 1)
+    rows = torch.arange(num_tokens, device=device)
+    seq_of_row = torch.searchsorted(starts[1:], rows, right=True).clamp(max=num_seqs - 1)  # padding rows: the last
+    output_index = seq_of_row * q_max + (rows - starts[seq_of_row]).clamp(max=q_max - 1)  # [T]
     return AttentionMetadata(layout.slot_mapping, query_index, output_index, key_slots, mask[:, None])
 
 
@@ -143,7 +146,7 @@ class GroupedMetadata:
         return self.slot_mapping.shape[0]
 
     def attend(self, q: torch.Tensor, kv_cache: torch.Tensor, scale: float) -> torch.Tensor:
-        out = torch.empty_like(q)
+        out = torch.zeros_like(q)  # a CUDA graph's padding rows (none of the groups') stay zero
         for rows, meta in self.groups:
             out.index_copy_(0, rows, paged_attention(q.index_select(0, rows), kv_cache, meta, scale))
         return out
@@ -168,7 +171,7 @@ def grouped_metadata(
     real = sum(q * k for q, k in zip(q_lens, ctx_lens))
     if len(q_lens) * layout.max_query_len * layout.max_context_len <= PADDING_LIMIT * real:
         return reference_metadata(layout, block_size, sliding_window)
-    order = sorted(range(len(q_lens)), key=lambda b: (q_lens[b], ctx_lens[b]))
+    order = sorted((b for b in range(len(q_lens)) if q_lens[b]), key=lambda b: (q_lens[b], ctx_lens[b]))
     groups: list[list[int]] = []
     area = q_max = k_max = 0
     for b in order:

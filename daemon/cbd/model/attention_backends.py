@@ -44,9 +44,9 @@ class AttentionBackend(Protocol):
         ...
 
     def prepare(self, layout: BatchLayout, decode_splits: int = 0) -> PreparedAttention:
-        """decode_splits > 0 asserts every sequence has exactly max_query_len queries: 1 (a decode step), or
-        1 + k (a step verifying k drafts per sequence; in a verifying graph every sequence is padded to the
-        graph's query count); the caller knows, no device read."""
+        """decode_splits > 0 asserts a step whose every token is sampled: one per sequence (max_query_len 1, a
+        decode step), or each sequence's last token and its drafts (a step verifying up to max_query_len - 1
+        drafts per sequence; rows past the last sequence's are padding); the caller knows, no device read."""
         ...
 
 
@@ -72,7 +72,8 @@ class TritonMetadata:
     layout: BatchLayout
     block_size: int
     sliding_window: int | None
-    decode_splits: int  # > 0: every sequence has max_query_len queries, use the split-KV decode kernel
+    decode_splits: int  # > 0: a decode or verifying step (see AttentionBackend.prepare): the split-KV decode kernel
+    seq_of_row: torch.Tensor | None = None  # a verifying step's: each row's sequence (-1: padding)
 
     @property
     def slot_mapping(self) -> torch.Tensor:
@@ -85,7 +86,7 @@ class TritonMetadata:
         if self.decode_splits:
             return triton_attention.decode(
                 q, kv_cache, lay.block_tables, lay.context_lens, self.block_size, scale, self.decode_splits,
-                self.sliding_window, lay.max_query_len,
+                self.sliding_window, lay.max_query_len, lay.query_start, self.seq_of_row,
             )  # fmt: skip
         return triton_extend.extend(
             q, kv_cache, lay.block_tables, lay.query_start, lay.context_lens, lay.max_query_len,
@@ -108,8 +109,13 @@ class TritonBackend:
         return triton_attention.decode_splits(num_seqs, self.num_kv_heads, max_context)
 
     def prepare(self, layout: BatchLayout, decode_splits: int = 0) -> TritonMetadata:
-        """decode_splits > 0 asserts every sequence has exactly max_query_len queries (no device read)."""
-        return TritonMetadata(layout, self.block_size, self.sliding_window, decode_splits)
+        """decode_splits > 0: a decode or verifying step (see AttentionBackend.prepare); no device read."""
+        from cbd.model import triton_attention
+
+        rows = None
+        if decode_splits > 0 and layout.max_query_len > 1:  # once per step, not per layer
+            rows = triton_attention.verify_rows(layout.query_start, layout.slot_mapping.shape[0])
+        return TritonMetadata(layout, self.block_size, self.sliding_window, decode_splits, rows)
 
 
 def triton_available() -> bool:

@@ -5,8 +5,10 @@ KV layout is the engine's: per layer a slot pool `[S, 2, Hkv, D]`, or FP8 values
 probabilities); key position p of sequence b lives in slot `block_tables[b, p // PAGE] * PAGE + p % PAGE`.
 Queries are packed rows `[T, H, D]`.
 
-- `decode`: the same few queries per sequence: one (a decode step), or 1 + k (a step verifying k
-  drafts; causal among them, all read each K/V tile once). Split-KV (flash-decoding): each sequence's context is cut into
+- `decode`: one query per sequence (a decode step, row b is sequence b's), or a few each (a step
+  verifying drafts: sequence b's 1 + k_b rows `query_start[b]:query_start[b + 1]`, k_b its own, at most
+  `queries` - 1; causal among them, all read each K/V tile once; rows past the last sequence's are
+  padding, left untouched). Split-KV (flash-decoding): each sequence's context is cut into
   up to SPLITS ranges, one per MIN_SPLIT keys (the count follows its length, on the device), one
   program per (sequence, KV head, range) handles all its queries x the query heads of its GQA group
   (so K/V are read once per group); a second kernel merges the ranges by log-sum-exp. SPLITS comes from the batch
@@ -94,22 +96,30 @@ def online_softmax_block(
 
 @triton.jit(do_not_specialize=["sbt_b"])  # the table width changes from step to step
 def _decode_kernel(
-    Q, KV, KVS, BT, CTX, O_PART, LSE_PART, OUT, scale,
+    Q, KV, KVS, BT, CTX, QSTART, O_PART, LSE_PART, OUT, scale,
     sq_t, sq_h, skv_s, skv_kv, skv_h, ss_s, ss_kv, sbt_b, sop_t, sop_h, sop_s, sl_t, sl_h, so_t, so_h,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, ROWS: tl.constexpr, QUERIES: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr,
     SPLITS: tl.constexpr, MIN_SPLIT: tl.constexpr, WINDOW: tl.constexpr, FP8: tl.constexpr, WIDEN: tl.constexpr,
     IEEE: tl.constexpr,
 ):  # fmt: skip
-    # One program: the QUERIES last positions of sequence b x the GROUP query heads of one KV head, packed
-    # as ROWS rows (row r: query r // GROUP_PAD, head r % GROUP_PAD), over one range of its keys.
+    # One program: the last positions of sequence b (its one query, or its 1 + k rows of QSTART when QUERIES > 1,
+    # at most QUERIES) x the GROUP query heads of one KV head, packed as ROWS rows (row r: query r // GROUP_PAD,
+    # head r % GROUP_PAD), over one range of its keys.
     b = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     ctx = tl.load(CTX + b).to(tl.int32)
+    first = b
+    num_q = 1
+    if QUERIES > 1:
+        first = tl.load(QSTART + b)
+        num_q = (tl.load(QSTART + b + 1) - first).to(tl.int32)
+        if num_q == 0:  # a padding sequence
+            return
     lo = 0
     if WINDOW > 0:
-        lo = tl.maximum(ctx - QUERIES + 1 - WINDOW, 0)
+        lo = tl.maximum(ctx - num_q + 1 - WINDOW, 0)
     active = _active_splits(ctx - lo, SPLITS, MIN_SPLIT)
     if split >= active:  # this sequence's context needs fewer ranges; the merge skips this one
         return
@@ -121,9 +131,9 @@ def _decode_kernel(
     m = r // GROUP_PAD
     g = r % GROUP_PAD
     heads = kv_head * GROUP + g
-    row_mask = (g < GROUP) & (m < QUERIES)
-    tokens = b * QUERIES + m
-    q_pos = ctx - QUERIES + m
+    row_mask = (g < GROUP) & (m < num_q)
+    tokens = first + m
+    q_pos = ctx - num_q + m
     d = tl.arange(0, BLOCK_D)
     d_mask = d < HEAD_DIM
     mask = row_mask[:, None] & d_mask[None, :]
@@ -173,16 +183,23 @@ def _active_splits(length, SPLITS: tl.constexpr, MIN_SPLIT: tl.constexpr):
 
 @triton.jit
 def _merge_kernel(
-    O_PART, LSE_PART, OUT, CTX, sop_t, sop_h, sop_s, sl_t, sl_h, so_t, so_h,
+    O_PART, LSE_PART, OUT, CTX, QSTART, SEQ, sop_t, sop_h, sop_s, sl_t, sl_h, so_t, so_h,
     SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr, MIN_SPLIT: tl.constexpr, WINDOW: tl.constexpr,
     QUERIES: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
 ):  # fmt: skip
-    t = tl.program_id(0).to(tl.int64)  # a query row: token t of sequence t // QUERIES
+    t = tl.program_id(0).to(tl.int64)  # a query row: sequence t's (QUERIES 1), else sequence SEQ[t]'s
     head = tl.program_id(1)
-    ctx = tl.load(CTX + t // QUERIES).to(tl.int32)
+    seq = t
+    num_q = 1
+    if QUERIES > 1:
+        seq = tl.load(SEQ + t)
+        if seq < 0:  # a padding row
+            return
+        num_q = (tl.load(QSTART + seq + 1) - tl.load(QSTART + seq)).to(tl.int32)
+    ctx = tl.load(CTX + seq).to(tl.int32)
     length = ctx
     if WINDOW > 0:
-        length = ctx - tl.maximum(ctx - QUERIES + 1 - WINDOW, 0)
+        length = ctx - tl.maximum(ctx - num_q + 1 - WINDOW, 0)
     s = tl.arange(0, SPLITS_PAD)
     d = tl.arange(0, BLOCK_D)
     s_mask = s < _active_splits(length, SPLITS, MIN_SPLIT)
@@ -229,7 +246,7 @@ def _decode_block_n(block_d: int, fp8: bool) -> int:
 
 
 def decode(
-    q: torch.Tensor,  # [B * queries, H, D]
+    q: torch.Tensor,  # [T, H, D]
     kv_cache: torch.Tensor,  # one layer's pool (kv_format.py)
     block_tables: torch.Tensor,  # [B, W]
     context_lens: torch.Tensor,  # [B]
@@ -238,12 +255,22 @@ def decode(
     splits: int,
     sliding_window: int | None = None,
     queries: int = 1,
+    query_start: torch.Tensor | None = None,  # [B + 1] with queries > 1
+    seq_of_row: torch.Tensor | None = None,  # [T] with queries > 1 and splits > 1: each row's sequence, -1: padding
 ) -> torch.Tensor:
-    """Attention of the last `queries` positions of each sequence (rows b * queries ... in order):
-    one per sequence for a decode step; 1 + k for a step verifying k drafts (causal among them)."""
+    """Attention of the last positions of each sequence: one per sequence for a decode step (row b,
+    T = B); with queries > 1, sequence b's rows query_start[b]:query_start[b + 1] (1 + k_b for a step
+    verifying k_b drafts, causal among them, at most `queries`), rows past query_start[B] padding
+    (their output undefined). `verify_rows` gives seq_of_row."""
     num_tokens, num_heads, head_dim = q.shape
     num_seqs = context_lens.shape[0]
-    assert num_tokens == num_seqs * queries, (num_tokens, num_seqs, queries)
+    if queries == 1:
+        assert num_tokens == num_seqs, (num_tokens, num_seqs)
+        query_start = seq_of_row = context_lens  # unused
+    else:
+        assert query_start is not None and (splits == 1 or seq_of_row is not None)
+        if seq_of_row is None:
+            seq_of_row = context_lens  # unused
     kv, kvs, fp8 = kv_format.kernel_views(kv_cache, head_dim)
     num_kv_heads = kv.shape[2]
     group = num_heads // num_kv_heads
@@ -259,7 +286,7 @@ def decode(
     rows = max(16, triton.next_power_of_2(queries * group_pad))
     warps = 8 if rows >= 128 else DECODE_FP8_WARPS if fp8 else 4  # 128 rows: spread the accumulator
     _decode_kernel[(num_seqs, num_kv_heads, splits)](
-        q, kv, kvs, block_tables, context_lens, o_part, lse, out, scale,
+        q, kv, kvs, block_tables, context_lens, query_start, o_part, lse, out, scale,
         q.stride(0), q.stride(1), kv.stride(0), kv.stride(1), kv.stride(2), kvs.stride(0), kvs.stride(1),
         block_tables.stride(0), o_part.stride(0), o_part.stride(1), o_part.stride(2) if splits > 1 else 0,
         lse.stride(0), lse.stride(1), out.stride(0), out.stride(1),
@@ -270,9 +297,18 @@ def decode(
     )  # fmt: skip
     if splits > 1:
         _merge_kernel[(num_tokens, num_heads)](
-            o_part, lse, out, context_lens, o_part.stride(0), o_part.stride(1), o_part.stride(2),
+            o_part, lse, out, context_lens, query_start, seq_of_row, o_part.stride(0), o_part.stride(1), o_part.stride(2),
             lse.stride(0), lse.stride(1), out.stride(0), out.stride(1),
             SPLITS=splits, SPLITS_PAD=triton.next_power_of_2(splits), MIN_SPLIT=MIN_SPLIT, WINDOW=window,
             QUERIES=queries, HEAD_DIM=head_dim, BLOCK_D=block_d, num_warps=2,
         )  # fmt: skip
     return out
+
+
+def verify_rows(query_start: torch.Tensor, num_tokens: int) -> torch.Tensor:
+    """The sequence of each of num_tokens packed rows (-1 past query_start's last: padding), on the device
+    with no host read (a CUDA graph captures it)."""
+    ends = query_start[1:]
+    rows = torch.arange(num_tokens, device=ends.device)
+    seq = torch.searchsorted(ends, rows, right=True)
+    return torch.where(seq < ends.shape[0], seq, -1)

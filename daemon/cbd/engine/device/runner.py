@@ -85,7 +85,7 @@ class ModelRunner:
         cuda_graph_max_batch: int = 0,
         kv_cache_dtype: str = "auto",
         verify_graph_batch: int = 0,
-        verify_queries: tuple[int, ...] = (),
+        verify_queries: int = 1,  # the most tokens a sequence brings to a verifying graph (1 + drafts)
     ) -> None:
         spec = model.spec
         self.model = model
@@ -175,10 +175,11 @@ class ModelRunner:
         torch.cuda.synchronize(self.device)
 
     # ---- launch -----------------------------------------------------------------------------
-    def graph_bucket(self, num_seqs: int, max_queries: int = 1) -> tuple[int, int] | None:
-        """The captured graph (batch, queries per sequence) for num_seqs sequences of at most max_queries
-        new tokens each (1: decode; 1 + drafts: verifying), or None (run eagerly)."""
-        return self.graphs.bucket(num_seqs, max_queries) if self.graphs is not None else None
+    def graph_bucket(self, num_seqs: int, num_tokens: int, max_query_len: int) -> tuple[int, int] | None:
+        """The captured graph (batch, tokens) for a step of num_seqs sequences and num_tokens new tokens, every
+        one sampled, at most max_query_len a sequence (a decode step: one each; verifying: 1 + its drafts),
+        or None (run eagerly)."""
+        return self.graphs.bucket(num_seqs, num_tokens, max_query_len) if self.graphs is not None else None
 
     def mask_buffer(self, num_rows: int) -> torch.Tensor:
         """A host bitmask of num_rows rows, every token allowed, for the caller to restrict (see TokenMasks)."""
@@ -295,9 +296,9 @@ class ModelRunner:
         tables = self._block_tables(t, meta)
         if meta.graph:
             assert self.graphs is not None
-            logits = self.graphs.run(batch, meta.queries, ids, ctx, tables, t.query_lens)
-            # A verifying graph's logits are every padded row's: keep the sampled ones, in packed order.
-            return logits if meta.queries == 1 else logits.index_select(0, t.logits_rows)
+            logits = self.graphs.run(batch, meta.graph_tokens, ids, ctx, tables, t.qstart)
+            # A verifying graph's logits are every row's, padding included: keep the sampled ones.
+            return logits if meta.graph_tokens == batch else logits.index_select(0, t.logits_rows)
         qstart = t.qstart
         num_tokens = ids.shape[0]
         splits = 0

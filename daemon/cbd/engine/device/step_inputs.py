@@ -61,7 +61,7 @@ class StepMeta:
     num_seqs: int  # scheduled sequences (chunks)
     batch: int  # rows of the forward: num_seqs, or the CUDA-graph bucket it is padded to
     width: int  # block-table columns the step reads
-    graph: bool  # run the captured graph of (`batch`, `queries`)
+    graph: bool  # run the captured graph of (`batch`, `graph_tokens`)
     decode_only: bool  # one new token per sequence, one sample row per sequence
     max_query_len: int
     max_context_len: int
@@ -70,7 +70,7 @@ class StepMeta:
     any_top_k_or_p: bool
     any_min_p: bool
     max_logprobs: int | None  # None: no row wants logprobs
-    queries: int = 1  # > 1: a verifying graph's step, every sequence padded to this many tokens
+    graph_tokens: int = 0  # a graph's rows: `batch` for a decode graph, more for a verifying one (padded)
     num_decodes: int = 0  # leading sequences with one new token each (running decodes come first)
     # Some row samples under a grammar: launch runs the forward only, and the sampling waits for the rows'
     # token masks (runner.sample_masked; engine/device/token_masks.py). Without one, launch samples at once.
@@ -92,15 +92,14 @@ class StepTensors:
     """Device views of one packed step. Shapes: T new tokens, B sequences (padded to `batch`), R rows."""
 
     ids: torch.Tensor  # [T] int64 input ids (0 where carried over)
-    qstart: torch.Tensor  # [B + 1] int64 packed row where each sequence's tokens start
+    qstart: torch.Tensor  # [B + 1] int64 packed row where each sequence's tokens start (a graph's padding: none)
     ctx: torch.Tensor  # [batch] int64 context length after this step
     logits_rows: torch.Tensor  # [S] int64 rows whose logits are sampled: one per sampled token (a
-    # verifying chunk samples each of its 1 + k), numbered as the forward lays rows out (a verifying graph's padded rows)
+    # verifying chunk samples each of its 1 + k)
     table_rows: torch.Tensor  # [batch] int64 the row of the device's block table each sequence reads (block_tables.py)
     table_index: torch.Tensor | None = None  # [U] int64 flat positions in that table written before the step
     table_values: torch.Tensor | None = None  # [U] int64 the block ids written there
     row_logits: torch.Tensor | None = None  # [R] index into logits_rows per sample row (forks repeat one)
-    query_lens: torch.Tensor | None = None  # [batch] a verifying graph's step: the real tokens of each sequence
     carry_dst: torch.Tensor | None = None  # [C] positions in ids filled from the previous step's tokens
     carry_src: torch.Tensor | None = None  # [C] rows of the previous step's sampled tokens
     # Chunks after drafts in flight (1 + the previous step's verifying group; 0: none), see draft_carry.py:
@@ -190,14 +189,15 @@ class InputStager:
 
 
 def pack_step(
-    plan: StepPlan, graph_bucket: Callable[[int, int], tuple[int, int] | None], tables: BlockTableRows
+    plan: StepPlan, graph_bucket: Callable[[int, int, int], tuple[int, int] | None], tables: BlockTableRows
 ) -> StepBatch:
     """Pack a planned step. Reads only what the plan recorded when it was made (chunk starts, carry
     rows, sample rows), and the sequences' block tables (the scheduler has already advanced the sequences
     past the plan; their tables cover it). tables: the device block table's rows (block_tables.py).
-    graph_bucket(num_seqs, max_queries): the captured graph (batch, queries) for a step whose every
-    sequence samples after each of its new tokens (a decode step, or one verifying drafts), or None.
-    A verifying graph's step is packed padded: every sequence's tokens fill `queries` rows."""
+    graph_bucket(num_seqs, num_tokens, max_query_len): the captured graph (batch, tokens) for a step whose
+    every sequence samples after each of its new tokens (a decode step, or one verifying drafts), or None.
+    A graph's step is packed padded: sequences with no tokens up to `batch` (a decode graph: one token each,
+    on the scratch block), then rows up to `tokens`."""
     rows = plan.samples
     num_seqs = len(plan.chunks)
     max_query_len = max(c.num_new_tokens for c in plan.chunks)
@@ -206,8 +206,8 @@ def pack_step(
         c.samples and c.num_new_tokens == c.num_draft + 1 for c in plan.chunks
     )
     decode_only = uniform and max_query_len == 1
-    graph = graph_bucket(num_seqs, max_query_len) if uniform else None
-    batch, queries = graph if graph is not None else (num_seqs, 1)
+    graph = graph_bucket(num_seqs, plan.num_tokens, max_query_len) if uniform else None
+    batch, graph_tokens = graph if graph is not None else (num_seqs, 0)
     ids: list[int] = []
     qstart: list[int] = [0]
     ctx: list[int] = []
@@ -237,8 +237,6 @@ def pack_step(
                 drafted.append((first + 1, chunk.num_draft))
             else:
                 logits_rows.append(len(ids) - 1)
-        if queries > 1:
-            ids += [0] * (queries - n)  # a verifying graph's padding
         qstart.append(len(ids))
         ctx.append(start + n)
         query_lens.append(n)
@@ -249,17 +247,16 @@ def pack_step(
     table_rows = tables.sync([c.seq for c in plan.chunks], table_index, table_values)
     if graph is not None:  # pad to the bucket: sequences that touch only the scratch block
         pad = batch - num_seqs
-        ids += [0] * (pad * queries)
         ctx += [1] * pad
-        query_lens += [1] * pad
+        if graph_tokens > batch:  # a verifying graph's: no tokens, then padding rows up to its token count
+            qstart += [len(ids)] * pad
+        ids += [0] * (graph_tokens - len(ids))
         table_rows += [PADDING_ROW] * pad
     packed = PackedStep()
     packed.add("ids", ids)
     packed.add("qstart", qstart)
     packed.add("ctx", ctx)
     packed.add("logits_rows", logits_rows)
-    if queries > 1:
-        packed.add("query_lens", query_lens)
     if len(rows) != len(logits_rows):  # forks: several rows read one logits row (rows come grouped by source)
         row_logits, k, source, position = [], -1, None, -1
         for r in rows:
@@ -301,8 +298,8 @@ def pack_step(
         max_query_len=max_query_len, max_context_len=max_context_len, num_rows=len(rows), any_random=any_random,
         any_top_k_or_p=any(not p.greedy and (p.top_k > 0 or p.top_p < 1.0) for p in params),
         any_min_p=any(not p.greedy and p.min_p > 0.0 for p in params),
-        max_logprobs=max(wanted) if wanted else None, queries=queries,
-        num_decodes=next((i for i, n in enumerate(query_lens[:num_seqs]) if n != 1), num_seqs),
+        max_logprobs=max(wanted) if wanted else None, graph_tokens=graph_tokens,
+        num_decodes=next((i for i, n in enumerate(query_lens) if n != 1), num_seqs),
         masked=plan.constrained, table_shape=(tables.num_rows, tables.num_columns),
     )  # fmt: skip
     return StepBatch(packed, meta, plan.block_copies)

@@ -22,7 +22,7 @@ class Setup:
     max_model_len: int
     graph_batch: int  # CUDA graphs up to this batch (0: none)
     verify_batch: int = 0  # verifying graphs up to this batch
-    verify_queries: tuple[int, ...] = ()  # ... for these query counts
+    verify_queries: int = 1  # ... for at most this many tokens a sequence (1 + its drafts)
 
 
 @dataclass(slots=True)

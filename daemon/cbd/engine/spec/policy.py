@@ -1,47 +1,44 @@
 """How many drafts a step verifies: the step costs measured on the device, and what each sequence keeps.
 
-A decode step of B sequences runs the CUDA graph of (B, 1); the same step verifying up to Q - 1 drafts
-per sequence runs the verifying graph of (B, Q), Q one of the captured query counts, B rounded up to
-the graphs' batch bucket. A step takes the Q (1: no drafts) that makes the most tokens per millisecond:
+A decode step of B sequences runs the CUDA graph of (B, B); the same step verifying drafts runs a
+verifying graph of (B, T), B rounded up to the graphs' batch bucket and T, its rows, to one of the
+bucket's token counts (cuda_graphs.verify_tokens): each sequence brings its newest token and its own
+drafts, laid out ragged, so a step costs the tokens it verifies. A step takes the drafts that make the
+most tokens per millisecond:
 
-    (B + sum_i E[kept_i]) / cost(B, Q),    E[kept_i] = a_i + a_i^2 + ... + a_i^min(k_i, Q - 1)
+    (B + sum of the chosen drafts' values) / cost(B, T),    the j-th draft of sequence i worth a_i^j
 
-where a verifying step must promise `MARGIN` (1.1) times the plain step's rate: the estimates below
-are averages of short histories, and a step wrongly taken costs every sequence in the batch.
+(the chance it is kept: a draft is kept only when all before it were) where the drafts are taken best
+first, as many as T leaves room for (so a sequence's are a prefix of its own, and its expected kept
+drafts a_i + a_i^2 + ... + a_i^k_i), over the token counts T of the bucket; a verifying step must promise
+`MARGIN` (1.1) times the plain step's rate: the estimates below are averages of short histories, and a
+step wrongly taken costs every sequence in the batch.
 
-cost(B, Q) is the step's whole device time: a running average of the steps of that graph as they run
-(the graph plus what runs outside it: staging, block tables, carry-over, sampling of B x Q rows, copies
+cost(B, T) is the step's whole device time: a running average of the steps of that graph as they run
+(the graph plus what runs outside it: staging, block tables, carry-over, sampling of T rows, copies
 back); before one has run, its graph's time at warm-up (DecodeGraphs.measure) plus the time the decode
 steps of that bucket spend outside their graph, the part the two kinds of step share. That shared part
-can be most of a small model's step, and its sampling grows with Q, hence the running averages.
+can be most of a small model's step, and its sampling grows with T, hence the running averages.
 
 a_i is sequence i's chance that a draft is kept when all before it were: its verifications' kept
 drafts over the drafts they tried (a draft after a rejected one is not tried), averaged over recent
 verifications; before its first, or after a miss, the engine's recent acceptance over all sequences
-(one half when nothing was verified lately: `Speculator.prior`); k_i the drafts it found (the sum runs
-over the sequences that found drafts for this step: they are looked up before the step is weighed). So speculation runs at any batch
-size where it pays (at batch 1 a verifying step costs about a decode step: almost always; at large
-batches a verifying step costs more, so only sequences that keep most of their drafts make it worth
-it, and with fewer drafts when the cheaper graph pays more), and not where no verifying graph was
-captured (an eager verifying step costs far more). Without measured costs (the CPU, or no CUDA
-graphs), `auto` speculates while at most `speculative_max_batch` sequences run. Pure Python.
+(one half when nothing was verified lately: `Speculator.prior`); the drafts weighed are those it found
+for this step (they are looked up before the step is weighed). So speculation runs at any batch size
+where it pays (at batch 1 a verifying step costs about a decode step: almost always; at large batches
+the sequences that keep most of their drafts verify, the others decode), and not where no verifying
+graph was captured (an eager verifying step costs far more). Without measured costs (the CPU, or no
+CUDA graphs), `auto` speculates while at most `speculative_max_batch` sequences run. Pure Python.
 """
 
 from __future__ import annotations
 
 from bisect import bisect_left
+from itertools import accumulate
 
 START_ACCEPT = 0.5  # the acceptance prior at start and after a spell without verifications (Speculator.prior)
 SMOOTHING = 0.9  # weight of the running average's past in each observed step
 MARGIN = 1.1  # a verifying step must promise this many times a plain step's tokens per millisecond
-
-
-def expected_kept(accept: float, drafts: int) -> float:
-    """Drafts kept on average out of `drafts`, each kept with probability `accept` while all before it were:
-    accept + accept^2 + ... + accept^drafts."""
-    if accept >= 1.0:
-        return float(drafts)
-    return accept * (1.0 - accept**drafts) / (1.0 - accept)
 
 
 def observed_accept(kept: int, drafts: int) -> float:
@@ -51,55 +48,73 @@ def observed_accept(kept: int, drafts: int) -> float:
 
 
 class StepCosts:
-    def __init__(self, costs: dict[tuple[int, int], float]) -> None:
-        """costs: milliseconds per step of each (batch bucket, queries per sequence) graph, timed alone."""
+    def __init__(self, costs: dict[tuple[int, int], float], max_drafts: int) -> None:
+        """costs: milliseconds per step of each (batch bucket, tokens) graph, timed alone (tokens == batch: a
+        decode graph). max_drafts: the most drafts a sequence brings to a verifying graph."""
         self.costs = costs
+        self.max_drafts = max_drafts
         self.outside: dict[int, float] = {}  # per decode bucket: its steps' device time outside the graph
         self.seen: dict[tuple[int, int], float] = {}  # per graph: its steps' whole device time
-        self.batches = sorted({b for b, q in costs if q > 1})
-        self.decode_batches = sorted({b for b, q in costs if q == 1})
-        self.queries = sorted({q for _, q in costs if q > 1})
+        self.tokens: dict[int, list[int]] = {}  # per verifying bucket: its graphs' token counts
+        for b, t in sorted(costs):
+            if t > b:
+                self.tokens.setdefault(b, []).append(t)
+        self.batches = sorted(self.tokens)
+        self.decode_batches = sorted({b for b, t in costs if t == b})
 
-    def observe(self, batch: int, queries: int, ms: float) -> None:
-        """A completed step's whole device time, on the graph of (batch, queries)."""
-        graph = self.costs.get((batch, queries))
+    def observe(self, batch: int, tokens: int, ms: float) -> None:
+        """A completed step's whole device time, on the graph of (batch, tokens)."""
+        graph = self.costs.get((batch, tokens))
         if graph is None:
             return
-        last = self.seen.get((batch, queries))
-        if last is None and queries > 1:  # from the estimate: one unlucky first step must not shut a graph out
+        last = self.seen.get((batch, tokens))
+        if last is None and tokens > batch:  # from the estimate: one unlucky first step must not shut a graph out
             last = graph + self.outside.get(batch, 0.0)
-        self.seen[batch, queries] = ms if last is None else SMOOTHING * last + (1 - SMOOTHING) * ms
-        if queries == 1:
-            self.outside[batch] = max(0.0, self.seen[batch, queries] - graph)
+        self.seen[batch, tokens] = ms if last is None else SMOOTHING * last + (1 - SMOOTHING) * ms
+        if tokens == batch:
+            self.outside[batch] = max(0.0, self.seen[batch, tokens] - graph)
 
-    def cost(self, bucket: int, queries: int, decode_bucket: int) -> float:
-        """A step's device time on the graph of (bucket, queries): as observed, else as timed alone plus the
+    def cost(self, bucket: int, tokens: int, decode_bucket: int) -> float:
+        """A step's device time on the graph of (bucket, tokens): as observed, else as timed alone plus the
         time outside the graph that the decode steps of decode_bucket showed."""
-        seen = self.seen.get((bucket, queries))
+        seen = self.seen.get((bucket, tokens))
         if seen is not None:
             return seen
-        return self.costs[bucket, queries] + self.outside.get(decode_bucket, 0.0)
+        return self.costs[bucket, tokens] + self.outside.get(decode_bucket, 0.0)
 
     @property
     def max_batch(self) -> int:
         """The largest batch a verifying graph serves (0: none)."""
         return self.batches[-1] if self.batches else 0
 
-    def best_queries(self, batch: int, drafting: list[tuple[float, int]]) -> int:
-        """The query count per sequence for a decode step of `batch` sequences that makes the most tokens per
-        millisecond: 1 (no drafts) or a verifying graph's. drafting: (acceptance, drafts found) of each
-        sequence that found drafts for the step; with Q queries it verifies at most Q - 1."""
+    def plan_drafts(self, batch: int, drafting: list[tuple[float, int]]) -> list[int]:
+        """How many of its drafts each sequence verifies in a decode step of `batch` sequences, for the most
+        tokens per millisecond (all 0: a plain step). drafting: (acceptance, drafts found) of each sequence
+        that found drafts for the step."""
+        counts = [0] * len(drafting)
         i, d = bisect_left(self.batches, batch), bisect_left(self.decode_batches, batch)
-        most = max((k for _, k in drafting), default=0)
-        if i == len(self.batches) or d == len(self.decode_batches) or most == 0:
-            return 1
+        if i == len(self.batches) or d == len(self.decode_batches):
+            return counts
         bucket, plain = self.batches[i], self.decode_batches[d]
-        best, best_rate = 1, MARGIN * batch / self.cost(plain, 1, plain)
-        for queries in self.queries:
-            expected = sum(expected_kept(accept, min(k, queries - 1)) for accept, k in drafting)
-            rate = (batch + expected) / self.cost(bucket, queries, plain)
+        # Every draft's value, best first; a sequence's j-th is worth less than its (j-1)-th (ties: j first).
+        values = sorted(
+            (
+                (accept**j, j, n)
+                for n, (accept, found) in enumerate(drafting)
+                if accept > 0.0
+                for j in range(1, min(found, self.max_drafts) + 1)
+            ),
+            key=lambda v: (-v[0], v[1]),
+        )
+        kept = list(accumulate((v[0] for v in values), initial=0.0))
+        best, best_rate = 0, MARGIN * batch / self.cost(plain, plain, plain)
+        for tokens in self.tokens[bucket]:
+            taken = min(len(values), tokens - batch)
+            rate = (batch + kept[taken]) / self.cost(bucket, tokens, plain)
             if rate > best_rate:
-                best, best_rate = queries, rate
-            if queries > most:  # a larger graph adds cost and no draft
+                best, best_rate = taken, rate
+            if taken == len(values):  # a larger graph adds cost and no draft
                 break
-        return best
+        for _, _, n in values[:best]:
+            counts[n] += 1
+        return counts

@@ -2,8 +2,8 @@
 CUDA graphs (batch sizes and query counts) to capture at warm-up.
 
 Verifying steps get graphs up to the batch where speculation runs: "auto"'s cap; with "ngram" at least 8;
-never beyond 32 (each (batch, queries) graph keeps its own logits rows). Queries are 1 + drafts
-(cuda_graphs.verify_queries).
+never beyond 32 (each (batch, tokens) graph keeps its own logits rows), for up to 1 + num_speculative_tokens
+tokens a sequence (cuda_graphs.verify_tokens).
 """
 
 from __future__ import annotations
@@ -11,7 +11,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from cbd.config import EngineConfig
-from cbd.engine.device.cuda_graphs import verify_queries
 from cbd.engine.kv.blocks import BlockManager
 from cbd.engine.spec.agent_index import AgentIndex
 from cbd.engine.spec.drafter import NgramDrafter
@@ -21,7 +20,7 @@ from cbd.engine.spec.speculator import Speculator
 @dataclass(frozen=True, slots=True)
 class VerifyGraphs:
     batch: int  # verifying graphs up to this batch (0: none)
-    queries: tuple[int, ...]  # ... for these query counts
+    queries: int  # ... for at most this many tokens a sequence (1 + its drafts)
 
 
 def verify_graphs(config: EngineConfig, graph_batch: int) -> VerifyGraphs:
@@ -31,7 +30,7 @@ def verify_graphs(config: EngineConfig, graph_batch: int) -> VerifyGraphs:
         batch = min(graph_batch, config.speculative_max_batch, 32)
     elif config.speculative == "ngram":
         batch = min(graph_batch, max(config.speculative_max_batch, 8), 32)
-    return VerifyGraphs(batch, verify_queries(config.num_speculative_tokens) if batch else ())
+    return VerifyGraphs(batch, config.num_speculative_tokens + 1 if batch else 1)
 
 
 def new_speculator(config: EngineConfig, block_manager: BlockManager, max_model_len: int) -> Speculator:

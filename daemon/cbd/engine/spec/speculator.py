@@ -88,7 +88,7 @@ class Speculator:
         """Give the plan's decode chunks drafts, with what the step leaves over: the token budget and free
         blocks that no chunk and no admission took (drafts never preempt or delay anything). A chunk whose
         token is still in flight drafts after a guess of it (see the module docstring). The drafts found
-        are weighed first (`_draft_cap`): the step may take fewer per sequence, or none."""
+        are weighed first (`_draft_caps`): the step may take fewer per sequence, or none."""
         if self.agents is not None:
             self.agents.new_step()
         proposals = []
@@ -99,10 +99,10 @@ class Speculator:
                     proposals.append((chunk, drafts))
                 else:
                     self._missed(chunk.seq, verified=False)
-        cap = self._draft_cap(plan, proposals)
+        caps = self._draft_caps(plan, proposals)
         bm = self.block_manager
         budget = max_num_batched_tokens - plan.num_tokens
-        for chunk, drafts in proposals:
+        for (chunk, drafts), cap in zip(proposals, caps, strict=True):
             seq = chunk.seq
             drafts = drafts[: min(cap, budget)]
             if not drafts or not bm.can_append(seq, 1 + len(drafts)):  # declined: those found wait as after a miss
@@ -143,19 +143,18 @@ class Speculator:
         """The drafts seq asks for next: 4 at first, then as its verifications set (see verify)."""
         return seq.draft_len or min(4, self.num_speculative_tokens)
 
-    def _draft_cap(self, plan: StepPlan, proposals: list[tuple[ScheduledChunk, list[int]]]) -> int:
-        """The drafts each sequence may verify in this step (0: none). With measured step costs ("auto" on a
-        GPU), those of the verifying graph that is expected to make the most tokens per millisecond with
-        the drafts found, if any beats the step without drafts (policy.py); a step that also prefills runs
-        eagerly and takes its drafts."""
+    def _draft_caps(self, plan: StepPlan, proposals: list[tuple[ScheduledChunk, list[int]]]) -> list[int]:
+        """The drafts each proposal's sequence may verify in this step (0: none). With measured step costs
+        ("auto" on a GPU), those expected to make the most tokens per millisecond, if they beat the step
+        without drafts (policy.py); a step that also prefills runs eagerly and takes its drafts."""
         if self.costs is None or any(c.num_new_tokens != 1 for c in plan.chunks):
-            return self.num_speculative_tokens
+            return [self.num_speculative_tokens] * len(proposals)
         prior = self.prior()
         drafting = [
             (prior if chunk.seq.draft_accept is None else chunk.seq.draft_accept, len(drafts))
             for chunk, drafts in proposals
         ]
-        return self.costs.best_queries(len(plan.chunks), drafting) - 1
+        return self.costs.plan_drafts(len(plan.chunks), drafting)
 
     def verifying_rows(self, chunk: ScheduledChunk, rows: list[SampleRow], group: int) -> None:
         """Booking a chunk with drafts, whose one sample row (its newest placeholder's) was just appended:
