@@ -20,7 +20,8 @@ of its output, how many tokens the n-gram drafter proposes there (0: none) and h
 what the default model said (`draft_patterns`, computed from part 1's run without speculation); the
 8B shape's request i at output position j proposes as many tokens, the same number of them right (the
 rest made wrong). So the drafts are kept where, and as much as, the default model's were, at the size
-where a step costs what it costs real agents. Random prompts of --prompt-len tokens. Part 1 writes the
+where a step costs what it costs real agents; each request is as long as part 1's output it replays
+(the default model's outputs end where it stopped: up to --new-tokens). Random prompts of --prompt-len tokens. Part 1 writes the
 patterns to $OUT/speculative_patterns.json; `--parts 8b` alone reads them from there.
 
     python bench/speculative_gpu.py                      # both parts
@@ -94,15 +95,17 @@ def _sync() -> None:
         torch.cuda.synchronize()
 
 
-def _run(core: EngineCore, prompts: list[list[int]], new_tokens: int, ignore_eos: bool) -> dict:
-    """Generate greedily until every request ends; tok/s, tokens, speculation counts, GPU busy."""
-    params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=ignore_eos)
+def _run(core: EngineCore, prompts: list[list[int]], new_tokens: int | list[int], ignore_eos: bool) -> dict:
+    """Generate greedily until every request ends (new_tokens: at most, per request or for all); tok/s,
+    tokens, speculation counts, GPU busy."""
+    lengths = new_tokens if isinstance(new_tokens, list) else [new_tokens] * len(prompts)
+    params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=ignore_eos) for n in lengths]
     before = core.stats().speculation
     events: list = []
     core.runner.step_events = events
     _sync()
     start = time.perf_counter()
-    requests = [core.add_request(p, params) for p in prompts]
+    requests = [core.add_request(p, q) for p, q in zip(prompts, params)]
     while core.has_work():
         core.step()
     _sync()
@@ -128,7 +131,7 @@ def _config(mode: str, batch: int, dtype: str, max_len: int, device: str = "cuda
                         num_kv_blocks=batch * (max_len // 16 + 2) + 64, block_size=16)  # fmt: skip
 
 
-def _compare(name: str, cores: dict[str, EngineCore], prompts: list[list[int]], new_tokens: int,
+def _compare(name: str, cores: dict[str, EngineCore], prompts: list[list[int]], new_tokens: int | list[int],
              repeat: int, ignore_eos: bool) -> dict:  # fmt: skip
     runs: dict[str, list[dict]] = {mode: [] for mode in MODES}
     for _ in range(repeat):  # interleaved
@@ -259,11 +262,12 @@ def part_8b(args: argparse.Namespace, patterns: dict[str, list[list[tuple[int, i
         for name, pattern in patterns.items():
             count = batch * (3 if batch > 1 else 1)
             prompts = [[rng.randrange(100, 120000) for _ in range(args.prompt_len)] for _ in range(count)]
-            recorded = _run(cores["off"], prompts, args.new_tokens, True)["tokens"]
+            lengths = [len(pattern[i % len(pattern)]) for i in range(count)]  # as long as part 1's outputs
+            recorded = _run(cores["off"], prompts, lengths, True)["tokens"]
             by_prompt = {tuple(q): (i, r) for i, (q, r) in enumerate(zip(prompts, recorded))}
             drafter = ReplayDrafter(by_prompt, pattern, loaded.spec.vocab_size)
             cores[MODES[1]].scheduler.speculator.drafter = drafter
-            row = _compare(f"{name}, 8B (replayed)", cores, prompts, args.new_tokens, args.repeat, True)
+            row = _compare(f"{name}, 8B (replayed)", cores, prompts, lengths, args.repeat, True)
             row.pop("off_tokens")
             rows.append(row)
         del cores

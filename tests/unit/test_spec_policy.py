@@ -26,32 +26,34 @@ def test_a_verification_counts_only_the_drafts_it_tried() -> None:
 def test_a_step_verifies_the_drafts_that_make_the_most_tokens_per_millisecond() -> None:
     costs = StepCosts(COSTS, 8)
     assert costs.max_batch == 32 and costs.tokens[32] == [34, 40, 64, 160, 288]
-    sure, half, never = (1.0, 8), (0.5, 8), (0.0, 8)
+    sure, half, never = (1.0, 8, 1.0), (0.5, 8, 1.0), (0.0, 8, 1.0)
     assert costs.plan_drafts(1, [sure]) == [8]  # batch 1: a verifying step costs about a decode step
     assert costs.plan_drafts(1, [never]) == [0]  # nothing expected: never
-    assert costs.plan_drafts(1, []) == [] and costs.plan_drafts(1, [(1.0, 0)]) == [0]
+    assert costs.plan_drafts(1, []) == [] and costs.plan_drafts(1, [(1.0, 0, 1.0)]) == [0]
     # Batch 20 runs the graphs of bucket 32: 20 at 5.5 ms = 3.64 tokens/ms. Eight sequences sure of 8
     # drafts: 160 rows give 84 / 8.0 = 10.5, 64 rows (44 drafts) 64 / 6.6 = 9.7.
     assert costs.plan_drafts(20, [sure] * 8) == [8] * 8
     # The rows are ragged: one sequence's drafts cost its own rows (28 / 5.6 = 5.0 tokens/ms), not the batch
     # padded to its run (28 / 9.0 = 3.1, less than a plain step).
     assert costs.plan_drafts(20, [sure]) == [8]
+    # Drafts that follow drafts still in flight count only as likely as those are all kept: (20 + 0.8) / 5.6.
+    assert costs.plan_drafts(20, [(1.0, 8, 0.1)]) == [0]
     # Each of 20 sequences keeps a draft with chance one half: 44 drafts (64 rows) give (20 + 15.5) / 6.6 =
     # 5.4 tokens/ms, all 140 (160 rows) (20 + 19.8) / 8.0 = 5.0: two or three each, the cheaper graph.
     half_plan = costs.plan_drafts(20, [half] * 20)
     assert sum(half_plan) == 44 and set(half_plan) == {2, 3}
     assert costs.plan_drafts(20, [half] * 2) == [0, 0]  # 21 / 5.6 < 1.1 x 20 / 5.5
     # The better sequence's drafts first: its eight (13.1 / 5.2) beat both's sixteen (13.6 / 5.6).
-    assert costs.plan_drafts(8, [(0.9, 8), (0.3, 8)]) == [8, 0]
-    assert costs.plan_drafts(8, [(1.0, 2)]) == [2]  # two drafts found: two verified
+    assert costs.plan_drafts(8, [(0.9, 8, 1.0), (0.3, 8, 1.0)]) == [8, 0]
+    assert costs.plan_drafts(8, [(1.0, 2, 1.0)]) == [2]  # two drafts found: two verified
     assert costs.plan_drafts(33, [sure] * 33) == [0] * 33  # no verifying graph that large: eager is not weighed
     # A verifying bucket that is no decode bucket (a cap of 6): the plain step's cost is its decode bucket's.
     capped = StepCosts({(4, 4): 4.0, (8, 8): 5.0, (6, 8): 5.0}, 2)
-    assert capped.plan_drafts(6, [(0.5, 2)]) == [2]  # 6.75 / 5.0 beat 1.1 x 6 / 5.0
-    assert capped.plan_drafts(4, [(0.5, 2)]) == [0]  # 4.75 / 5.0 do not beat 1.1 x 4 / 4.0
-    assert capped.plan_drafts(6, [(0.5, 8)]) == [2]  # at most max_drafts a sequence
+    assert capped.plan_drafts(6, [(0.5, 2, 1.0)]) == [2]  # 6.75 / 5.0 beat 1.1 x 6 / 5.0
+    assert capped.plan_drafts(4, [(0.5, 2, 1.0)]) == [0]  # 4.75 / 5.0 do not beat 1.1 x 4 / 4.0
+    assert capped.plan_drafts(6, [(0.5, 8, 1.0)]) == [2]  # at most max_drafts a sequence
     # The margin: a verifying step promising less than 1.1 times a plain step's rate is not taken.
-    assert capped.plan_drafts(6, [(0.1, 2)]) == [0]  # 6.11 / 5.0 beat 6 / 5.0, but not by 1.1
+    assert capped.plan_drafts(6, [(0.1, 2, 1.0)]) == [0]  # 6.11 / 5.0 beat 6 / 5.0, but not by 1.1
 
 
 def test_step_costs_follow_the_steps_as_they_run() -> None:
@@ -63,13 +65,13 @@ def test_step_costs_follow_the_steps_as_they_run() -> None:
     assert costs.outside[32] == pytest.approx(14.5, rel=1e-3)
     assert costs.cost(32, 288, 32) == pytest.approx(23.5, rel=1e-3)
     # All 80 drafts (160 rows): (20 + 51.3) / 22.5 beat 44 of them (64 rows): 53.3 / 21.1, and 20 / 20.
-    assert costs.plan_drafts(20, [(0.9, 8)] * 10) == [8] * 10
+    assert costs.plan_drafts(20, [(0.9, 8, 1.0)] * 10) == [8] * 10
     # Verifying steps that turn out dearer (their sampling grows with the rows) are weighed as they ran.
     for _ in range(200):
         costs.observe(32, 160, 60.0)
     assert costs.cost(32, 160, 32) == pytest.approx(60.0, rel=1e-3)
     assert costs.outside[32] == pytest.approx(14.5, rel=1e-3)  # a verifying step teaches nothing about it
-    assert sum(costs.plan_drafts(20, [(0.9, 8)] * 10)) == 44  # the cheaper graph now: 53.3 / 21.1 beat 71.3 / 60
+    assert sum(costs.plan_drafts(20, [(0.9, 8, 1.0)] * 10)) == 44  # the cheaper graph now: 53.3 / 21.1 beat 71.3 / 60
     costs.observe(16, 24, 1.0)  # a graph never captured: ignored
     assert (16, 24) not in costs.seen
 

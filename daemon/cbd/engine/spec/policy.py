@@ -87,10 +87,10 @@ class StepCosts:
         """The largest batch a verifying graph serves (0: none)."""
         return self.batches[-1] if self.batches else 0
 
-    def plan_drafts(self, batch: int, drafting: list[tuple[float, int]]) -> list[int]:
+    def plan_drafts(self, batch: int, drafting: list[tuple[float, int, float]]) -> list[int]:
         """How many of its drafts each sequence verifies in a decode step of `batch` sequences, for the most
-        tokens per millisecond (all 0: a plain step). drafting: (acceptance, drafts found) of each sequence
-        that found drafts for the step."""
+        tokens per millisecond (all 0: a plain step). drafting: (acceptance, drafts found, the chance they
+        follow the real tokens) of each sequence that found drafts for the step."""
         counts = [0] * len(drafting)
         i, d = bisect_left(self.batches, batch), bisect_left(self.decode_batches, batch)
         if i == len(self.batches) or d == len(self.decode_batches):
@@ -99,9 +99,9 @@ class StepCosts:
         # Every draft's value, best first; a sequence's j-th is worth less than its (j-1)-th (ties: j first).
         values = sorted(
             (
-                (accept**j, j, n)
-                for n, (accept, found) in enumerate(drafting)
-                if accept > 0.0
+                (chance * accept**j, j, n)
+                for n, (accept, found, chance) in enumerate(drafting)
+                if accept * chance > 0.0
                 for j in range(1, min(found, self.max_drafts) + 1)
             ),
             key=lambda v: (-v[0], v[1]),

@@ -35,6 +35,7 @@ from cbd.engine.spec.drafter import Drafter
 from cbd.engine.spec.policy import START_ACCEPT, StepCosts, observed_accept
 
 STALE_STEPS = 128  # steps without a verification after which the prior is one half again
+NO_DRAFT_WAIT = 2  # overlap mode: steps a sequence waits after it found no draft or its drafts were declined
 
 
 class Speculator:
@@ -97,7 +98,7 @@ class Speculator:
                 drafts = self._propose(chunk.seq)
                 if drafts:
                     proposals.append((chunk, drafts))
-                else:
+                elif not chunk.seq.num_draft:  # (after drafts in flight, it followed a guess of them)
                     self._missed(chunk.seq, verified=False)
         caps = self._draft_caps(plan, proposals)
         bm = self.block_manager
@@ -150,10 +151,11 @@ class Speculator:
         if self.costs is None or any(c.num_new_tokens != 1 for c in plan.chunks):
             return [self.num_speculative_tokens] * len(proposals)
         prior = self.prior()
-        drafting = [
-            (prior if chunk.seq.draft_accept is None else chunk.seq.draft_accept, len(drafts))
-            for chunk, drafts in proposals
-        ]
+        drafting = []
+        for chunk, drafts in proposals:
+            accept = prior if chunk.seq.draft_accept is None else chunk.seq.draft_accept
+            # Drafts made after drafts still in flight (the overlap loop) count only if those are all kept.
+            drafting.append((accept, len(drafts), accept**chunk.seq.num_draft))
         return self.costs.plan_drafts(len(plan.chunks), drafting)
 
     def verifying_rows(self, chunk: ScheduledChunk, rows: list[SampleRow], group: int) -> None:
@@ -239,11 +241,14 @@ class Speculator:
         return self.step_index - self.last_verified_step > STALE_STEPS
 
     def _missed(self, seq: Sequence, verified: bool) -> None:
-        """After drafts none of which was kept (verified), or in overlap mode after finding no draft or a
-        step that declined drafts, seq waits 2, 4, ... 32 steps before drafting again (a kept draft resets
-        it): verifying costs compute; looking for drafts and weighing them cost host time, which the
-        overlap loop hides only while it is shorter than the device's step; and a constrained sequence
-        that asks for drafts makes the step synchronous (needs_known_tokens)."""
-        if verified or self.backoff:
+        """After drafts none of which was kept (verified), seq waits 2, 4, ... 32 steps before drafting again
+        (a kept draft resets it): verifying costs compute. In overlap mode, after finding no draft (with no
+        drafts of its own in flight) or a step that declined its drafts, it waits `NO_DRAFT_WAIT` steps:
+        looking for drafts and weighing them cost host time, which the overlap loop hides only while it is
+        shorter than the device's step, and a constrained sequence that asks for drafts makes the step
+        synchronous (needs_known_tokens); but a copy can start at any token, so the wait does not grow."""
+        if verified:
             seq.draft_misses += 1
             seq.draft_retry_step = self.step_index + (1 << min(seq.draft_misses, 5))
+        elif self.backoff:
+            seq.draft_retry_step = self.step_index + NO_DRAFT_WAIT
