@@ -214,8 +214,9 @@ def test_fp8_decode_kernel_matches_reference(dtype, heads, splits, window, widen
     pool, held = _fp8(kv)
     q = torch.randn(len(context_lens) * queries, num_heads, head_dim, device=DEVICE).to(dtype)
     scale = head_dim**-0.5
+    starts = layout.query_start
     ours = triton_attention.decode(q, pool, layout.block_tables, layout.context_lens, block_size, scale, splits,
-                                   window, queries)  # fmt: skip
+                                   window, queries, starts, triton_attention.verify_rows(starts, q.shape[0]))  # fmt: skip
     ref = reference_metadata(layout, block_size, window).attend(q.float(), held, scale)
     group = num_heads // num_kv_heads
     for kv_head in range(num_kv_heads):  # each head against its own magnitude

@@ -1,5 +1,5 @@
 """Speculation's settings turned into what the engine is built with: the speculator, and the verifying
-CUDA graphs (batch sizes and query counts) to capture at warm-up.
+CUDA graphs (batch sizes and token counts) to capture at warm-up.
 
 Verifying steps get graphs up to the batch where speculation runs: "auto"'s cap; with "ngram" at least 8;
 never beyond 32 (each (batch, tokens) graph keeps its own logits rows), for up to 1 + num_speculative_tokens
