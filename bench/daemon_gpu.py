@@ -132,7 +132,7 @@ def gpu_only_step(engine: Engine, batch: int, context: int, reps: int = 50) -> f
     between steps (no scheduling, packing, streaming)."""
     graphs = engine.core.runner.graphs
     assert graphs is not None and graphs.stream is not None, "needs CUDA graphs"
-    key = graphs.bucket(batch)
+    key = graphs.bucket(batch, batch, 1)
     assert key is not None, f"no graph for batch {batch}"
     bs = graphs.block_size
     per_seq = -(-context // bs)
@@ -143,7 +143,7 @@ def gpu_only_step(engine: Engine, batch: int, context: int, reps: int = 50) -> f
     ctx = torch.full((key[0],), context, dtype=torch.int64, device=device)
     graph, logits = graphs.graphs[key]
     with torch.cuda.stream(graphs.stream):
-        graphs.load(key[0], 1, ids, ctx, tables)
+        graphs.load(key[0], key[1], ids, ctx, tables)
         for _ in range(3):
             graph.replay()
             logits.argmax(-1)

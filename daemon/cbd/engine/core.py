@@ -197,9 +197,10 @@ class EngineCore:
         if self.config.speculative == "auto" and graphs is not None and graphs.verify_buckets and not sharded:
             costs = StepCosts(graphs.measure(), graphs.max_queries - 1)
             self.scheduler.speculator.costs = costs
-            log.info("speculation: verifying-step costs over decode steps (batch: tokens: ratio) %s",
-                     {b: {t: round(costs.costs[b, t] / costs.costs[b, b], 2) for t in costs.tokens[b]}
-                      for b in costs.batches})  # fmt: skip
+            plain = {b: costs.costs[(d := next(x for x in costs.decode_batches if x >= b)), d] for b in costs.batches}
+            log.info("speculation: verifying-step costs over the decode step of the same batch (batch: tokens: "
+                     "ratio) %s", {b: {t: round(costs.costs[b, t] / plain[b], 2) for t in costs.tokens[b]}
+                                   for b in costs.batches})  # fmt: skip
 
     def step(self) -> list[RequestOutput]:
         """Launch step N+1, complete step N (in flight since the last call), then sample N+1 under its rows'

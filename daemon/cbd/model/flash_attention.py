@@ -8,7 +8,7 @@ end of each sequence's keys (query i of a q-long run at the end of c keys sees k
 so a prefill chunk over a cached prefix, a session turn and a mixed step (prefills beside decodes) are one
 varlen call with no gather copy.
 
-Decode and verifying steps (every sequence 1 + k queries; the CUDA graphs capture them) stay on Triton: FA4
+Decode and verifying steps (each sequence its newest token and its own drafts; the CUDA graphs capture them) stay on Triton: FA4
 has no split-KV on sm90, so a single decode's long context would be read by one program per head.
 
 Compilation: FA4 compiles one kernel per variant at its first call (seconds). For one model the variants are
