@@ -31,7 +31,7 @@ else:
     pytest.skip("needs CUDA or TRITON_INTERPRET=1", allow_module_level=True)
 
 from cbd.model import kv_format, ops, triton_attention, triton_extend, triton_ops  # noqa: E402
-from cbd.model.attention import layout_from_lists, reference_metadata  # noqa: E402
+from cbd.model.attention import layout_from_lists, reference_metadata, row_sequences  # noqa: E402
 
 DTYPES = [torch.float32, torch.bfloat16] if DEVICE == "cuda" else [torch.float32]
 TOL = {torch.float32: 2e-4, torch.bfloat16: 2e-2}
@@ -89,7 +89,7 @@ def test_decode_kernel_with_drafts_matches_reference(dtype, queries, heads, wind
     starts = torch.cat([layout.query_start, layout.query_start[-1:]])  # then a sequence of no rows
     ctx = torch.cat([layout.context_lens, layout.context_lens[:1]])
     tables = torch.cat([layout.block_tables, layout.block_tables[:1]])
-    rows = triton_attention.verify_rows(starts, real + 3)
+    rows = row_sequences(starts, real + 3)
     assert rows[real:].tolist() == [-1] * 3
     ours = triton_attention.decode(q, kv, tables, ctx, block_size, scale, splits, window, queries, starts, rows)
     ref = reference_metadata(layout, block_size, window).attend(q[:real].float(), kv.float(), scale)
@@ -216,7 +216,7 @@ def test_fp8_decode_kernel_matches_reference(dtype, heads, splits, window, widen
     scale = head_dim**-0.5
     starts = layout.query_start
     ours = triton_attention.decode(q, pool, layout.block_tables, layout.context_lens, block_size, scale, splits,
-                                   window, queries, starts, triton_attention.verify_rows(starts, q.shape[0]))  # fmt: skip
+                                   window, queries, starts, row_sequences(starts, q.shape[0]))  # fmt: skip
     ref = reference_metadata(layout, block_size, window).attend(q.float(), held, scale)
     group = num_heads // num_kv_heads
     for kv_head in range(num_kv_heads):  # each head against its own magnitude

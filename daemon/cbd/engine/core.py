@@ -197,7 +197,11 @@ class EngineCore:
         if self.config.speculative == "auto" and graphs is not None and graphs.verify_buckets and not sharded:
             costs = StepCosts(graphs.measure(), graphs.max_queries - 1)
             self.scheduler.speculator.costs = costs
-            plain = {b: costs.costs[(d := next(x for x in costs.decode_batches if x >= b)), d] for b in costs.batches}
+            plain = {}  # per verifying bucket: its plain step's cost (decode graphs reach past every verifying bucket)
+            for b in costs.batches:
+                d = costs.plain_bucket(b)
+                assert d is not None
+                plain[b] = costs.costs[d, d]
             log.info("speculation: verifying-step costs over the decode step of the same batch (batch: tokens: "
                      "ratio) %s", {b: {t: round(costs.costs[b, t] / plain[b], 2) for t in costs.tokens[b]}
                                    for b in costs.batches})  # fmt: skip

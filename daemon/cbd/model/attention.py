@@ -37,6 +37,17 @@ class BatchLayout:
     # Host-side: the first num_decodes sequences have one new token each (row b is sequence b's), so a
     # backend may serve them with a decode kernel; 0 when not known.
     num_decodes: int = 0
+    # A CUDA graph's verifying step: each row's sequence, -1 past the last (`row_sequences`), when its
+    # caller already has it (else a backend that needs it derives it).
+    seq_of_row: torch.Tensor | None = None
+
+
+def row_sequences(query_start: torch.Tensor, num_tokens: int) -> torch.Tensor:
+    """The sequence of each of num_tokens packed rows, -1 past `query_start`'s last (padding), on the
+    device with no host read (a CUDA graph captures it)."""
+    ends = query_start[1:]
+    seq = torch.searchsorted(ends, torch.arange(num_tokens, device=ends.device), right=True)
+    return torch.where(seq < ends.shape[0], seq, -1)
 
 
 def slot_mapping(
@@ -129,7 +140,8 @@ def reference_metadata(layout: BatchLayout, block_size: int, sliding_window: int
     num_tokens = layout.slot_mapping.shape[0]
     query_index = (starts[:-1, None] + torch.minimum(q_off[None, :], last[:, None])).clamp(max=num_tokens - 1)
     rows = torch.arange(num_tokens, device=device)
-    seq_of_row = torch.searchsorted(starts[1:], rows, right=True).clamp(max=num_seqs - 1)  # padding rows: the last
+    seq_of_row = layout.seq_of_row if layout.seq_of_row is not None else row_sequences(starts, num_tokens)
+    seq_of_row = torch.where(seq_of_row < 0, num_seqs - 1, seq_of_row)  # padding rows: the last sequence's
     output_index = seq_of_row * q_max + (rows - starts[seq_of_row]).clamp(max=q_max - 1)  # [T]
     return AttentionMetadata(layout.slot_mapping, query_index, output_index, key_slots, mask[:, None])
 

@@ -17,7 +17,7 @@ from typing import Protocol
 import torch
 
 from cbd.errors import UnsupportedModel
-from cbd.model.attention import BatchLayout, grouped_metadata, reference_metadata
+from cbd.model.attention import BatchLayout, grouped_metadata, reference_metadata, row_sequences
 
 BACKENDS = ("auto", "torch", "triton", "flash")
 
@@ -110,11 +110,9 @@ class TritonBackend:
 
     def prepare(self, layout: BatchLayout, decode_splits: int = 0) -> TritonMetadata:
         """decode_splits > 0: a decode or verifying step (see AttentionBackend.prepare); no device read."""
-        from cbd.model import triton_attention
-
-        rows = None
-        if decode_splits > 0 and layout.max_query_len > 1:  # once per step, not per layer
-            rows = triton_attention.verify_rows(layout.query_start, layout.slot_mapping.shape[0])
+        rows = layout.seq_of_row
+        if decode_splits > 0 and layout.max_query_len > 1 and rows is None:  # once per step, not per layer
+            rows = row_sequences(layout.query_start, layout.slot_mapping.shape[0])
         return TritonMetadata(layout, self.block_size, self.sliding_window, decode_splits, rows)
 
 

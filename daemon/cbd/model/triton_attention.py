@@ -261,7 +261,7 @@ def decode(
     """Attention of the last positions of each sequence: one per sequence for a decode step (row b,
     T = B); with queries > 1, sequence b's rows query_start[b]:query_start[b + 1] (1 + k_b for a step
     verifying k_b drafts, causal among them, at most `queries`), rows past query_start[B] padding
-    (their output undefined). `verify_rows` gives seq_of_row."""
+    (their output undefined). `attention.row_sequences` gives seq_of_row."""
     num_tokens, num_heads, head_dim = q.shape
     num_seqs = context_lens.shape[0]
     if queries == 1:
@@ -303,12 +303,3 @@ def decode(
             QUERIES=queries, HEAD_DIM=head_dim, BLOCK_D=block_d, num_warps=2,
         )  # fmt: skip
     return out
-
-
-def verify_rows(query_start: torch.Tensor, num_tokens: int) -> torch.Tensor:
-    """The sequence of each of num_tokens packed rows (-1 past query_start's last: padding), on the device
-    with no host read (a CUDA graph captures it)."""
-    ends = query_start[1:]
-    rows = torch.arange(num_tokens, device=ends.device)
-    seq = torch.searchsorted(ends, rows, right=True)
-    return torch.where(seq < ends.shape[0], seq, -1)

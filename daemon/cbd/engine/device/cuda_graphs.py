@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from cbd.model.attention import BatchLayout, slot_mapping
+from cbd.model.attention import BatchLayout, row_sequences, slot_mapping
 from cbd.model.attention_backends import AttentionBackend
 from cbd.model.llama import CausalLM
 
@@ -118,13 +118,15 @@ class DecodeGraphs:
             return self.model(self.ids[:batch], positions, self.kv_caches, meta, self.rows[:batch])
         starts = self.query_start[: batch + 1]
         rows = self.rows[:tokens]
-        seq = torch.searchsorted(starts[1:], rows, right=True)
-        real = seq < batch  # rows past the last sequence's are padding
-        seq = seq.clamp(max=batch - 1)
+        seq_of_row = row_sequences(starts, tokens)
+        real = seq_of_row >= 0  # rows past the last sequence's are padding
+        seq = seq_of_row.clamp(min=0)
         positions = torch.where(real, (ctx - starts[1:] + starts[:-1])[seq] + rows - starts[seq], 0)
         slots = slot_mapping(tables, positions, self.block_size, seq)
         slots = torch.where(real, slots, self.scratch_block * self.block_size)
-        layout = BatchLayout(slots, starts, ctx, tables, self.max_queries, self.width * self.block_size)
+        layout = BatchLayout(
+            slots, starts, ctx, tables, self.max_queries, self.width * self.block_size, seq_of_row=seq_of_row
+        )
         meta = self.backend.prepare(layout, decode_splits=self.backend.decode_splits(batch))
         return self.model(self.ids[:tokens], positions, self.kv_caches, meta, rows)
 

@@ -82,6 +82,11 @@ class StepCosts:
             return seen
         return self.costs[bucket, tokens] + self.outside.get(decode_bucket, 0.0)
 
+    def plain_bucket(self, batch: int) -> int | None:
+        """The decode graph's bucket a plain step of `batch` sequences runs in (None: none that large)."""
+        d = bisect_left(self.decode_batches, batch)
+        return self.decode_batches[d] if d < len(self.decode_batches) else None
+
     @property
     def max_batch(self) -> int:
         """The largest batch a verifying graph serves (0: none)."""
@@ -92,10 +97,10 @@ class StepCosts:
         tokens per millisecond (all 0: a plain step). drafting: (acceptance, drafts found, the chance they
         follow the real tokens) of each sequence that found drafts for the step."""
         counts = [0] * len(drafting)
-        i, d = bisect_left(self.batches, batch), bisect_left(self.decode_batches, batch)
-        if i == len(self.batches) or d == len(self.decode_batches):
+        i, plain = bisect_left(self.batches, batch), self.plain_bucket(batch)
+        if i == len(self.batches) or plain is None:
             return counts
-        bucket, plain = self.batches[i], self.decode_batches[d]
+        bucket = self.batches[i]
         # Every draft's value, best first; a sequence's j-th is worth less than its (j-1)-th (ties: j first).
         values = sorted(
             (
