@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from cbd.config import EngineConfig
@@ -134,3 +136,34 @@ def test_converted_checkpoint_is_cached_and_reused(default_model, monkeypatch) -
     monkeypatch.setattr(loader, "_Progress", no_second_conversion)
     assert resolve_checkpoint(None) == directory
     assert (directory / "model.safetensors").stat().st_mtime_ns == weights
+
+
+def test_a_conversion_that_loses_the_race_uses_the_winners_entry(tmp_path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """Two daemons starting at once on an empty cache both convert; the second to finish finds the first's
+    entry in place (os.replace cannot replace a full directory) and uses it instead of failing to start."""
+    import os
+
+    import transformers
+
+    from cbd.model import loader
+
+    gguf = tmp_path / "m.gguf"
+    gguf.write_bytes(b"GGUF")
+    cache = tmp_path / "cache"
+
+    class Fake:
+        def save_pretrained(self, directory: Path) -> None:
+            (directory / "tokenizer.json").write_text("{}")
+
+    def replace_after_the_winner(src: Path, dst: Path) -> None:
+        dst.mkdir()  # the other process's conversion lands first
+        (dst / "config.json").write_text('{"winner": true}')
+        os.replace(src, dst)
+
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", lambda *a, **k: Fake())
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", lambda *a, **k: Fake())
+    monkeypatch.setattr(loader, "_save_plain", lambda model, directory: (directory / "config.json").write_text("{}"))
+    monkeypatch.setattr(loader.os, "replace", replace_after_the_winner)
+    target = loader.convert_gguf(gguf, cache)
+    assert (target / "config.json").read_text() == '{"winner": true}'
+    assert [p.name for p in cache.iterdir()] == [target.name]  # the loser's temporary directory is removed

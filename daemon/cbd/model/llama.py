@@ -93,7 +93,11 @@ class CausalLM(nn.Module):
     def __init__(self, spec: ModelSpec) -> None:
         super().__init__()
         self.spec = spec
-        self.embed_tokens = nn.Embedding(spec.vocab_size, spec.hidden_size)
+        # Given its (uninitialised) weight: the loader fills every weight, and nn.Embedding's own random init
+        # on the meta device would import torch's compiler stack (~1 s of every engine start).
+        self.embed_tokens = nn.Embedding(
+            spec.vocab_size, spec.hidden_size, _weight=torch.empty(spec.vocab_size, spec.hidden_size)
+        )
         self.layers = nn.ModuleList(DecoderLayer(spec) for _ in range(spec.num_layers))
         self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
         self.lm_head = nn.Linear(spec.hidden_size, spec.vocab_size, bias=False)

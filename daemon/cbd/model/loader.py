@@ -82,7 +82,12 @@ def convert_gguf(gguf: Path, cache_root: Path) -> Path:
         progress.phase("writing the checkpoint")
         _save_plain(hf_model, tmp)
         tokenizer.save_pretrained(tmp)
-        os.replace(tmp, target)  # atomic: a crash mid-way never leaves a half cache entry
+        try:
+            os.replace(tmp, target)  # atomic: a crash mid-way never leaves a half cache entry
+        except OSError:
+            if not (target / "config.json").exists():
+                raise
+            # Another process (a second replica starting at once) converted the same file first: use its entry.
     finally:
         progress.stop()
         shutil.rmtree(tmp, ignore_errors=True)
