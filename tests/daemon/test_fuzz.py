@@ -2,8 +2,10 @@
 
 Every generated request must end either in a valid stream (every candidate finishes, usage is
 reported) or in a clean error status from a small allowed set; the daemon must never crash or hang,
-leak KV blocks, and it must serve a normal request afterwards. CBD_FUZZ_EXAMPLES sets the number of
-requests (default 10,000 in CI, 1,000 elsewhere: helpers.fuzz_examples; raise it for a longer run).
+leak KV blocks, and it must serve a normal request afterwards. The requests go 16 at a time (so they also
+meet each other in the batch: shared steps, preemption, a request id or session in use). CBD_FUZZ_EXAMPLES
+sets the number of requests (default 10,000 in CI, 1,000 elsewhere: helpers.fuzz_examples; raise it for a
+longer run).
 
 A second run against the embedded model (which has a tokenizer, so chat and grammars are real) sends
 hostile shapes: deeply nested schemas, compile bombs, ambiguous grammars whose masks grow expensive,
@@ -14,6 +16,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import grpc
@@ -174,28 +177,36 @@ def fuzz_daemon(
         yield d
 
 
-def fuzz(address: str, requests: st.SearchStrategy, examples: int) -> dict[str, int]:
-    """Send `examples` drawn requests; each must end in a complete stream or an allowed status. Counts by outcome."""
+def fuzz(address: str, requests: st.SearchStrategy, examples: int, at_once: int = 1) -> dict[str, int]:
+    """Send `examples` drawn requests, `at_once` of them concurrently (drawn as one example, so hypothesis
+    shrinks a failing group); each must end in a complete stream or an allowed status. Counts by outcome."""
     seen: dict[str, int] = {}
-    with grpc.insecure_channel(address, options=[("grpc.max_send_message_length", 64 << 20)]) as channel:
+
+    def send(stub: CbdStub, request: pb.GenerateRequest) -> list[pb.GenerateResponse] | grpc.RpcError:
+        try:
+            return list(stub.Generate(request, timeout=120))
+        except grpc.RpcError as e:
+            return e
+
+    options = [("grpc.max_send_message_length", 64 << 20)]
+    with grpc.insecure_channel(address, options=options) as channel, ThreadPoolExecutor(at_once) as pool:
         stub = CbdStub(channel)
 
-        @settings(max_examples=examples, deadline=None, database=None, derandomize=True,
+        @settings(max_examples=-(-examples // at_once), deadline=None, database=None, derandomize=True,
                   suppress_health_check=list(HealthCheck))  # fmt: skip
-        @given(requests)
-        def check(request: pb.GenerateRequest) -> None:
-            try:
-                responses = list(stub.Generate(request, timeout=120))
-            except grpc.RpcError as e:
-                assert e.code() in ALLOWED, (e.code(), e.details(), request)
-                assert len(e.details()) < 2000  # never echoes a huge input back
-                seen[e.code().name] = seen.get(e.code().name, 0) + 1
-                return
-            n = request.n or 1
-            finished = {c.index for r in responses for c in r.candidates if c.finish_reason}
-            assert finished == set(range(n)), request
-            assert responses[-1].HasField("usage")
-            seen["OK"] = seen.get("OK", 0) + 1
+        @given(st.lists(requests, min_size=at_once, max_size=at_once))
+        def check(group: list[pb.GenerateRequest]) -> None:
+            for request, outcome in zip(group, pool.map(lambda r: send(stub, r), group), strict=True):
+                if isinstance(outcome, grpc.RpcError):
+                    assert outcome.code() in ALLOWED, (outcome.code(), outcome.details(), request)
+                    assert len(outcome.details()) < 2000  # never echoes a huge input back
+                    seen[outcome.code().name] = seen.get(outcome.code().name, 0) + 1
+                    continue
+                n = request.n or 1
+                finished = {c.index for r in outcome for c in r.candidates if c.finish_reason}
+                assert finished == set(range(n)), request
+                assert outcome[-1].HasField("usage")
+                seen["OK"] = seen.get("OK", 0) + 1
 
         check()
     return seen
@@ -210,7 +221,7 @@ def assert_still_serving(d: DaemonProcess, prompt: list[int]) -> None:
 
 
 def test_fuzzed_requests_end_cleanly_and_the_daemon_keeps_serving(fuzz_daemon) -> None:  # type: ignore[no-untyped-def]
-    seen = fuzz(fuzz_daemon.address, st.one_of(valid_requests(), wild_requests()), EXAMPLES)
+    seen = fuzz(fuzz_daemon.address, st.one_of(valid_requests(), wild_requests()), EXAMPLES, at_once=16)
     assert seen.get("OK", 0) > EXAMPLES // 20 and seen.get("INVALID_ARGUMENT", 0) > 0, seen
     assert_still_serving(fuzz_daemon, list(range(2, 30)))
 
