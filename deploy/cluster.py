@@ -82,10 +82,11 @@ class Cluster:
                                       stderr=subprocess.STDOUT)  # fmt: skip
         self.wait_healthy(len(self.addresses), timeout, cancelled, on_progress)
 
-    def healthy(self) -> int:
+    def healthy(self, everywhere: bool = True) -> int:
         """Replicas Envoy's health checks count as healthy in both of its clusters (the session cluster and
-        the one calls without a session take): each cluster checks on its own, so a replica that went away
-        may still take plain calls while the session cluster has already dropped it."""
+        the one calls without a session take), or in either (`everywhere=False`: a replica that went away is
+        out of Envoy only once this counts it no more): each cluster checks on its own, so a replica that
+        went away may still take plain calls while the session cluster has already dropped it."""
         import urllib.request
 
         try:
@@ -99,7 +100,7 @@ class Cluster:
             return sum(1 for h in hosts if h.get("health_status", {}).get("eds_health_status") == "HEALTHY"
                        and not h["health_status"].get("failed_active_health_check"))  # fmt: skip
 
-        return min(count("cbd_sessions"), count("cbd_any"))
+        return (min if everywhere else max)(count("cbd_sessions"), count("cbd_any"))
 
     def wait_healthy(
         self, count: int, timeout: float = 600.0, cancelled: Callable[[], bool] | None = None,

