@@ -22,6 +22,7 @@ from typing import Any, TypeVar
 
 import zmq
 
+from cbd import gc_heap
 from cbd.config import EngineConfig
 from cbd.engine import api
 from cbd.engine.admission import Admission
@@ -235,4 +236,5 @@ def _start(config: EngineConfig, warmup: bool) -> Engine:
     if warmup:
         prompt = [engine.loaded.eos_token_ids[0] if engine.loaded.eos_token_ids else 0] * 4
         engine.generate([prompt], SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True))
+    log.info("start-up objects kept out of garbage collection: %d", gc_heap.freeze())
     return engine

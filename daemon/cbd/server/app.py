@@ -24,7 +24,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from cbd import __version__
+from cbd import __version__, gc_heap
 from cbd.config import EngineConfig
 from cbd.engine.api import ErrorKind
 from cbd.ipc.engine_process import EngineStartFailed
@@ -144,6 +144,7 @@ async def serve(
             service.attach(engine)
             if saving:
                 await session_saving.restore_transcripts(engine, service.chats)
+            gc_heap.freeze()
             await _set_health(health_servicer, health_pb2.HealthCheckResponse.SERVING)
             sd_notify(f"READY=1\nSTATUS=serving {engine.facts.name}")
             log.info("serving %s (engine process %d)", engine.facts.name, engine.pid)

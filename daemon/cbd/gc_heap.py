@@ -1,0 +1,22 @@
+"""The cyclic garbage collector after start-up: what start-up built is left out of every later collection.
+
+Why: a collection of a generation walks every object tracked in it, and a full collection walks them all.
+Start-up leaves hundreds of thousands of container objects that live as long as the process (the model's
+modules, torch's and Triton's caches of compiled kernels and graphs, the tokenizer, gRPC's and protobuf's
+descriptors), while every step allocates short-lived ones (each request's output structs and lists), and
+those allocations are what set collections off. `freeze()` collects once, then moves everything alive into
+the permanent generation, which the collector never walks again: later collections cost what the
+requests' own objects cost. Called by each daemon process once it has started (the engine process after
+its warm-up, the frontend when it starts serving); objects made later are collected as before.
+"""
+
+from __future__ import annotations
+
+import gc
+
+
+def freeze() -> int:
+    """Collect once, then keep every object now alive out of later collections; how many were frozen."""
+    gc.collect()
+    gc.freeze()
+    return gc.get_freeze_count()
