@@ -10,7 +10,8 @@ bench/load_clients.py (P client processes, B concurrent streaming calls). Best o
 Columns: tok/s (generated tokens / seconds from submit to last token), ms per engine step (the same
 seconds / engine steps taken), and for the daemon at each B: its GPU busy fraction (the engine's own
 CUDA-event measure, read from the metrics endpoint during the run) and the CPU time each thread group
-of the daemon's processes spent per engine step (from /proc: where the time goes).
+of the daemon's processes spent per engine step (from /proc: where the time goes), and the engine thread's
+own time per step in each phase of its loop (its `cbd_engine_step_phase_seconds` histograms' sums).
 `--before DIR` also runs a daemon from another source tree (DIR/daemon, DIR/client) for comparison.
 
     python bench/daemon_gpu.py --tokenizer DIR [--batches 32,128,256] [--new-tokens 512,384,256]
@@ -224,7 +225,7 @@ def through_daemon(
     def sample() -> None:
         while not done.wait(0.5):
             try:
-                text = urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=2).read().decode()
+                text = _metrics(metrics_port)
             except OSError:
                 continue
             for line in text.splitlines():
@@ -233,6 +234,7 @@ def through_daemon(
 
     with Client(d.address, timeout=60) as client:
         steps0 = client.stats().num_steps
+        phases0 = _phase_seconds(metrics_port)
         cpu0 = _threads(d.process.pid)
         sampler = threading.Thread(target=sample)
         sampler.start()
@@ -244,6 +246,7 @@ def through_daemon(
         profiler.join()
         cpu1 = _threads(d.process.pid)
         steps = client.stats().num_steps - steps0
+        phases1 = _phase_seconds(metrics_port)
     if result.errors:
         raise RuntimeError(f"{len(result.errors)} calls failed, e.g. {result.errors[0]}")
     roles = {d.process.pid: "frontend"}
@@ -252,8 +255,22 @@ def through_daemon(
     return {
         "tok_s": result.tokens / result.seconds, "ms_step": 1000 * result.seconds / steps,
         "busy": _median(busy[1:] or busy), "messages": result.messages, "cpu_ms_per_step": cpu,
+        "phase_ms_per_step": {k: round(1000 * (v - phases0.get(k, 0.0)) / steps, 3) for k, v in phases1.items()},
         "profile": profiled,
     }  # fmt: skip
+
+
+def _metrics(port: int) -> str:
+    return str(urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=2).read().decode())
+
+
+def _phase_seconds(port: int) -> dict[str, float]:
+    """The engine thread's seconds so far in each step phase (`cbd_engine_step_phase_seconds`'s sums)."""
+    sums = {}
+    for line in _metrics(port).splitlines():
+        if line.startswith("cbd_engine_step_phase_seconds_sum{"):
+            sums[line.split('phase="', 1)[1].split('"', 1)[0]] = float(line.rsplit(" ", 1)[1])
+    return sums
 
 
 def _children(pid: int) -> list[int]:
@@ -435,6 +452,7 @@ def report(
             if b < 0:
                 continue
             print(f"{label} B={b} CPU ms per engine step: {r['cpu_ms_per_step']}")
+            print(f"{label} B={b} engine thread ms per step by phase: {r['phase_ms_per_step']}")
             for line in r["profile"]:  # type: ignore[attr-defined]
                 print(line)
 
