@@ -10,7 +10,8 @@ Routes (gRPC over HTTP/2, on one listener):
   healthy whatever the ring does; if it is gone, the ring decides again and the header names the new one;
 - any other call goes to cluster `cbd_any`: LEAST_REQUEST (where there is room).
 Both clusters hold the same replicas, health-checked with grpc.health.v1 (a draining or loading replica
-answers NOT_SERVING and is taken out), with outlier detection on consecutive errors. Routes and streams
+answers NOT_SERVING and is taken out), with outlier detection on consecutive errors; a call whose
+connection to a replica fails (it died and is not taken out yet) is retried on another one. Routes and streams
 have no timeout (a long stream is normal); the client's deadline governs.
 
     python deploy/envoy.py --listen 127.0.0.1:50051 unix:/run/cbd-0/cbd.sock unix:/run/cbd-1/cbd.sock > envoy.yaml
@@ -88,8 +89,26 @@ def _cluster(name: str, policy: str, replicas: list[str], health_interval: float
     return cluster
 
 
+# A call that never reached a replica (the connection to it failed: the replica is gone and its health
+# checks have not noticed yet) is sent to another replica; nothing else is retried (a call that reached a
+# replica may have run).
+_RETRY = {
+    "retry_on": "connect-failure",
+    "num_retries": 2,
+    "retry_host_predicate": [
+        {
+            "name": "envoy.retry_host_predicates.previous_hosts",
+            "typed_config": {
+                "@type": "type.googleapis.com/envoy.extensions.retry.host.previous_hosts.v3.PreviousHostsPredicate"
+            },
+        }
+    ],
+    "host_selection_retry_max_attempts": 5,
+}  # fmt: skip
+
+
 def bootstrap(listen: str, replicas: list[str], admin_port: int = 0, health_interval: float = 1.0) -> dict[str, Any]:
-    route = {"timeout": "0s", "idle_timeout": "0s"}
+    route = {"timeout": "0s", "idle_timeout": "0s", "retry_policy": _RETRY}
     manager = {
         "@type": "type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager",
         "stat_prefix": "cbd",
