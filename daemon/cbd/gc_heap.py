@@ -8,11 +8,17 @@ those allocations are what set collections off. `freeze()` collects once, then m
 the permanent generation, which the collector never walks again: later collections cost what the
 requests' own objects cost. Called by each daemon process once it has started (the engine process after
 its warm-up, the frontend when it starts serving); objects made later are collected as before.
+
+`paused()` keeps the collector out of a block that must make no CUDA call but its own: a collection can
+run any finalizer, and a finalizer that frees a CUDA object (an earlier engine's graphs, events or
+streams, collected from a reference cycle) invalidates a CUDA graph being captured.
 """
 
 from __future__ import annotations
 
 import gc
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 
 def freeze() -> int:
@@ -20,3 +26,16 @@ def freeze() -> int:
     gc.collect()
     gc.freeze()
     return gc.get_freeze_count()
+
+
+@contextmanager
+def paused() -> Iterator[None]:
+    """Collect once, then no automatic collection until the block ends (the collector's state restored)."""
+    gc.collect()
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()

@@ -48,3 +48,18 @@ def test_cycles_made_after_the_freeze_are_still_collected(unfrozen: None) -> Non
     later = weakref.ref(_cycle())
     gc.collect()
     assert later() is None
+
+
+def test_paused_collects_first_then_none_until_the_block_ends() -> None:
+    garbage = weakref.ref(_cycle())
+    assert gc.isenabled()
+    with gc_heap.paused():
+        assert garbage() is None  # collected on entry
+        assert not gc.isenabled()
+        inside = weakref.ref(_cycle())
+        kept = [_Node() for _ in range(100_000)]  # far past the first generation's threshold
+        assert inside() is not None  # yet no collection ran
+        del kept
+    assert gc.isenabled()
+    gc.collect()
+    assert inside() is None

@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 
+from cbd import gc_heap
 from cbd.model.attention import BatchLayout, row_sequences, slot_mapping
 from cbd.model.attention_backends import AttentionBackend
 from cbd.model.llama import CausalLM
@@ -136,7 +137,7 @@ class DecodeGraphs:
         start = time.monotonic()
         self.pool = torch.cuda.graph_pool_handle()
         shapes = [(b, b) for b in self.buckets] + [(b, t) for b in self.verify_buckets for t in self.tokens[b]]
-        with torch.cuda.stream(self.stream):
+        with gc_heap.paused(), torch.cuda.stream(self.stream):  # no finalizer's CUDA call inside a capture
             for batch, tokens in sorted(shapes, key=lambda s: -s[1]):  # largest first: the pool fits all
                 self.forward(batch, tokens)  # compiles kernels and settles the allocator outside the capture
                 self.stream.synchronize()
