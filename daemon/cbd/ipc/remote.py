@@ -38,7 +38,7 @@ from cbd.errors import CapacityExceeded, EngineFailure, EngineStopped
 from cbd.ipc.engine_process import EngineProcess
 from cbd.ipc.frontend_requests import FrontendRequests
 from cbd.ipc.grammar_pool import CompileBudget, GrammarPool
-from cbd.model.files import load_tokenizer
+from cbd.model.files import expects_tokenizer, import_tokenizer_library, load_tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -62,6 +62,11 @@ class RemoteEngine:
     @classmethod
     async def start(cls, config: EngineConfig, program: Sequence[str], warmup: bool = True) -> RemoteEngine:
         """Spawn `program` (see EngineProcess.spawn) and wait until it serves. Raises EngineStartFailed."""
+        # The tokenizer's library is imported while the engine process starts (its tokenizer is loaded once
+        # the engine has said where its checkpoint is); a failed import shows again in load_tokenizer.
+        if expects_tokenizer(config.model):
+            ahead = asyncio.ensure_future(asyncio.to_thread(import_tokenizer_library))
+            ahead.add_done_callback(lambda f: f.cancelled() or f.exception())
         process, hello = await EngineProcess.spawn(config, program, warmup)
         engine = cls(config, process, hello)
         process.on_exit = engine._on_exit

