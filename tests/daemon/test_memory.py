@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import random
 import re
-import time
 import urllib.request
 
 import pytest
@@ -14,6 +13,7 @@ from cbd import allocator
 from cbd.server.memory import resident_bytes
 from cbd_client import AsyncClient, CbdError
 from cbd_client.address import free_port
+from helpers import poll_until
 
 MIB = 1 << 20
 
@@ -80,6 +80,13 @@ def _scrape_rss(port: int) -> dict[str, float]:
     return {name: float(value) for name, value in found}
 
 
+def _scrape_trims(port: int) -> dict[str, float]:
+    body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=30).read().decode()
+    found = re.findall(r'^cbd_idle_trims_total\{process="(\w+)"\} (\S+)$', body, re.M)
+    assert {name for name, _ in found} == {"frontend", "engine"}, body
+    return {name: float(value) for name, value in found}
+
+
 def test_repeated_bursts_plateau_and_the_metrics_show_both_processes(tiny_daemon) -> None:  # type: ignore[no-untyped-def]
     port = free_port()
     daemon = tiny_daemon("--metrics-port", str(port), "--idle-trim-seconds", "0.5")
@@ -89,9 +96,14 @@ def test_repeated_bursts_plateau_and_the_metrics_show_both_processes(tiny_daemon
                for name, pid in (("frontend", daemon.process.pid), ("engine", daemon.engine_pid())))  # fmt: skip
     after: list[dict[str, float]] = []
     for burst in range(5):
+        trims = _scrape_trims(port)
         asyncio.run(_burst(daemon.address, burst))
-        # the idle trim has run once both processes were idle for its delay (a scrape a little later)
-        time.sleep(2.0)
+        # once both processes were idle for the trim's delay, each has given its heap back
+        poll_until(
+            lambda before=trims: all(n > before[name] for name, n in _scrape_trims(port).items()),  # type: ignore[misc]
+            60,
+            what="both idle trims",
+        )
         after.append(_scrape_rss(port))
 
     for name in ("frontend", "engine"):

@@ -257,7 +257,9 @@ class Engine:
         self._send(api.Abort(request_id))
 
     def stats(self) -> EngineStats:
-        return replace(self._loop.stats, grammar_cache_bytes=self._grammars.cached_bytes)
+        return replace(
+            self._loop.stats, grammar_cache_bytes=self._grammars.cached_bytes, num_idle_trims=self._loop.idle_trims
+        )
 
     def reset_prefix_cache(self) -> None:
         """Drop every reusable prefix that no live request holds (applied before the next step)."""

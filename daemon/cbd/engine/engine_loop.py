@@ -119,6 +119,11 @@ class EngineLoop:
             self.started.set()
         self._loop()
 
+    @property
+    def idle_trims(self) -> int:
+        """Heap trims after idle periods so far (read from any thread)."""
+        return self._trim.trims
+
     def _loop(self) -> None:
         core = self.core
         next_expiry = 0.0
@@ -128,8 +133,10 @@ class EngineLoop:
                 self.heartbeat = time.monotonic()
             if not core.has_work():
                 # Sessions expire by time, so an idle engine still wakes now and then; so does a trim due.
+                trims = self._trim.trims
                 waits = [w for w in (1.0 if core.sessions.sessions else None, self._trim.poll()) if w is not None]
-                self._wake.wait(timeout=min(waits) if waits else None)
+                if self._trim.trims == trims:  # after a trim, one more turn reports it before the wait
+                    self._wake.wait(timeout=min(waits) if waits else None)
             else:
                 self._trim.busy()
                 if self._cores is not None:

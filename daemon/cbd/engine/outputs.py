@@ -71,6 +71,7 @@ class EngineStats:
     disk: DiskTierStats | None = None  # None: no disk tier (no --disk-kv-dir)
     speculation: SpeculationStats | None = None
     grammar_cache_bytes: int = 0  # compiled grammars the engine keeps (engine/grammar/matcher.py's byte bound)
+    num_idle_trims: int = 0  # the engine process's heap given back after idle periods (cbd/allocator.py)
     step_phases: StepPhaseStats | None = None  # None: not kept (a core whose loop files no phases)
 
 

@@ -85,8 +85,9 @@ async def serve(
     ]
     server = grpc.aio.server(interceptors=interceptors, options=options)
     service = CbdService(
-        tokens=tokens, admin_token_name=server_config.admin_token_name, stream_interval=server_config.stream_interval
-    )
+        tokens=tokens, admin_token_name=server_config.admin_token_name, stream_interval=server_config.stream_interval,
+        idle_trim_seconds=engine_config.idle_trim_seconds,
+    )  # fmt: skip
     add_cbd_service(service, server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
@@ -154,7 +155,7 @@ async def serve(
                     session_saving.save_in_background(engine, service.chats, server_config.session_save_idle)
                 )
             trimmer = asyncio.ensure_future(
-                memory.trim_when_idle(lambda: engine.num_live_requests, engine_config.idle_trim_seconds)
+                memory.trim_when_idle(lambda: (engine.num_live_requests, engine.stats().num_steps), service.idle_trim)
             )
             await stop.wait()
     finally:

@@ -26,16 +26,20 @@ def resident_bytes(pid: int) -> int | None:
         return None
 
 
-async def trim_when_idle(live_requests: Callable[[], int], delay: float, interval: float = 1.0) -> None:
-    """Trim the frontend's heap once per idle period (no live request for `delay` seconds after some),
-    in a worker thread so that the event loop keeps answering."""
-    trim = allocator.IdleTrim(delay)
-    if delay <= 0:
+async def trim_when_idle(work: Callable[[], tuple[int, int]], trim: allocator.IdleTrim, interval: float = 1.0) -> None:
+    """Trim the frontend's heap once per idle period (`trim.delay` seconds without work after some), in a
+    worker thread so that the event loop keeps answering; `trim.trims` counts them. work(): the live
+    requests and the engine's steps so far: work was done while requests live or steps were taken (a
+    burst shorter than `interval` is seen by its steps)."""
+    if trim.delay <= 0:
         return
     loop = asyncio.get_running_loop()
+    steps = work()[1]
     while True:
-        if live_requests():
+        live, now = work()
+        if live or now != steps:
             trim.busy()
+        steps = now
         if trim.wait() == 0:
             await loop.run_in_executor(None, allocator.trim)
             trim.trimmed()

@@ -52,6 +52,12 @@ class _EngineCollector(Collector):
         grammars.add_metric(["engine"], s.grammar_cache_bytes)
         grammars.add_metric(["frontend"], self._caches().get("grammar_cache_bytes", 0))
         yield grammars
+        trims = CounterMetricFamily(
+            "cbd_idle_trims", "Heaps given back to the system after an idle period, by process.", labels=["process"]
+        )
+        trims.add_metric(["engine"], s.num_idle_trims)
+        trims.add_metric(["frontend"], self._caches().get("idle_trims", 0))
+        yield trims
         yield GaugeMetricFamily(
             "cbd_chat_transcripts", "Chat sessions' transcripts the frontend keeps (one per open chat session).",
             value=self._caches().get("chat_transcripts", 0),

@@ -12,6 +12,7 @@ from typing import TypeVar
 
 import grpc
 
+from cbd import allocator
 from cbd.engine.outputs import RequestOutput, merge_outputs
 from cbd.engine.sampling_params import (
     PRIORITY_INTERACTIVE,
@@ -52,6 +53,7 @@ class CbdService(_Base):
         tokens: dict[str, bytes] | None = None,
         admin_token_name: str = "",
         stream_interval: int = 1,
+        idle_trim_seconds: float = 0.0,
     ) -> None:
         self.engine: RemoteEngine | None = None  # set once the engine process serves
         self.tokens = tokens  # auth tokens by name: a caller's token name is its tenant
@@ -62,13 +64,18 @@ class CbdService(_Base):
         # Bounded: at most PROMPT_THREADS prompts are tokenized at once (the tokenizer releases the GIL).
         self.prompt_threads = ThreadPoolExecutor(PROMPT_THREADS, thread_name_prefix="cbd-prompts")
         self.started_at = time.monotonic()
+        self.idle_trim = allocator.IdleTrim(idle_trim_seconds)  # the frontend's (app.py runs it)
         self.metrics = metrics or Metrics()
         self.metrics.watch_engine(
             lambda: self.engine.stats() if self.engine else None,
             lambda: self.engine.num_live_requests if self.engine else 0,
             lambda: {"frontend": os.getpid(), **({"engine": self.engine.pid} if self.engine else {})},
             lambda: (
-                {"grammar_cache_bytes": self.engine.grammar_cache_bytes, "chat_transcripts": len(self.chats.logs)}
+                {
+                    "grammar_cache_bytes": self.engine.grammar_cache_bytes,
+                    "chat_transcripts": len(self.chats.logs),
+                    "idle_trims": self.idle_trim.trims,
+                }
                 if self.engine
                 else {}
             ),
