@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import random
 import re
 import urllib.request
@@ -74,37 +75,34 @@ async def _burst(address: str, seed: int, clients: int = 24) -> None:
         assert stats.kv_blocks_used == 0
 
 
-def _scrape_rss(port: int) -> dict[str, float]:
+def _scrape(port: int, metric: str) -> dict[str, float]:
+    """Each daemon process's value of `metric` (a family labelled by process), from the metrics endpoint."""
     body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=30).read().decode()
-    found = re.findall(r'^cbd_process_resident_memory_bytes\{process="(\w+)"\} (\S+)$', body, re.M)
+    found = re.findall(rf'^{metric}\{{process="(\w+)"\}} (\S+)$', body, re.M)
     return {name: float(value) for name, value in found}
 
 
-def _scrape_trims(port: int) -> dict[str, float]:
-    body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=30).read().decode()
-    found = re.findall(r'^cbd_idle_trims_total\{process="(\w+)"\} (\S+)$', body, re.M)
-    assert {name for name, _ in found} == {"frontend", "engine"}, body
-    return {name: float(value) for name, value in found}
+def _trimmed_since(port: int, before: dict[str, float]) -> bool:
+    """Both processes have trimmed their heaps since `before` (their idle-trim counts then)."""
+    now = _scrape(port, "cbd_idle_trims_total")
+    return all(now[name] > before[name] for name in ("frontend", "engine"))
 
 
 def test_repeated_bursts_plateau_and_the_metrics_show_both_processes(tiny_daemon) -> None:  # type: ignore[no-untyped-def]
     port = free_port()
     daemon = tiny_daemon("--metrics-port", str(port), "--idle-trim-seconds", "0.5")
-    rss = _scrape_rss(port)
+    rss = _scrape(port, "cbd_process_resident_memory_bytes")
     assert set(rss) == {"frontend", "engine"} and all(v > 10 * MIB for v in rss.values())
     assert all(abs(rss[name] - (resident_bytes(pid) or 0)) < 64 * MIB  # what /proc says of each process
                for name, pid in (("frontend", daemon.process.pid), ("engine", daemon.engine_pid())))  # fmt: skip
     after: list[dict[str, float]] = []
     for burst in range(5):
-        trims = _scrape_trims(port)
+        trims = _scrape(port, "cbd_idle_trims_total")
+        assert set(trims) == {"frontend", "engine"}, trims
         asyncio.run(_burst(daemon.address, burst))
         # once both processes were idle for the trim's delay, each has given its heap back
-        poll_until(
-            lambda before=trims: all(n > before[name] for name, n in _scrape_trims(port).items()),  # type: ignore[misc]
-            60,
-            what="both idle trims",
-        )
-        after.append(_scrape_rss(port))
+        poll_until(functools.partial(_trimmed_since, port, trims), 60, what="both idle trims")
+        after.append(_scrape(port, "cbd_process_resident_memory_bytes"))
 
     for name in ("frontend", "engine"):
         level = after[1][name]
