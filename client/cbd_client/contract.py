@@ -74,6 +74,9 @@ KV_TIER_NAME = {v: k for k, v in KV_TIER_PROTO.items()}
 
 # SamplingParams.logprobs: the chosen token's logprob and at most this many alternatives.
 MAX_LOGPROBS = 20
+# GenerateRequest.n: at most this many candidates; SamplingParams.stop: at most this many strings.
+MAX_CANDIDATES = 64
+MAX_STOP_STRINGS = 16
 
 # gRPC's own name for a server's "retry after this many milliseconds" hint (gRFC A6), sent with
 # RESOURCE_EXHAUSTED; the client reads it into CbdError.retry_after and grpc's retry policy honours it.

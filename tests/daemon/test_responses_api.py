@@ -36,8 +36,9 @@ def test_a_continued_response_is_a_session_turn(gw: Stack) -> None:
                                temperature=0)  # fmt: skip
     assert first.status == "completed" and "Paris" in first.output_text
     assert first.usage is not None and first.usage.input_tokens > 10 and first.usage.output_tokens > 0
-    second = c.responses.create(model="m", input="And the capital of Germany?", previous_response_id=first.id,
-                                max_output_tokens=20, temperature=0)  # fmt: skip
+    ask = [{"role": "user", "content": "And the capital of Germany?"}]  # a message item whose content is a string
+    second = c.responses.create(model="m", input=ask, previous_response_id=first.id, max_output_tokens=20,
+                                temperature=0)  # fmt: skip
     assert "Berlin" in second.output_text and second.previous_response_id == first.id
     u = second.usage
     assert u is not None
@@ -48,9 +49,13 @@ def test_a_continued_response_is_a_session_turn(gw: Stack) -> None:
     assert u.input_tokens > u.input_tokens_details.cached_tokens
     again = c.responses.retrieve(second.id)
     assert again.output_text == second.output_text and again.usage == second.usage
-    listed = c.responses.input_items.list(second.id, order="asc")
-    assert [item.type for item in listed.data] == ["message"]
-    assert listed.data[0].content[0].text == "And the capital of Germany?"
+    # Listed as the API lists input items, whichever form the input took: content as parts, a status.
+    for response, text in ((first, "What is the capital of France?"), (second, "And the capital of Germany?")):
+        listed = c.responses.input_items.list(response.id, order="asc")
+        assert [item.type for item in listed.data] == ["message"]
+        item = listed.data[0]
+        assert item.role == "user" and item.status == "completed"
+        assert [(p.type, p.text) for p in item.content] == [("input_text", text)]
 
 
 @pytest.mark.slow

@@ -20,6 +20,7 @@ from cbd.gateway.agentic.caller import caller_key  # noqa: E402
 from cbd.gateway.app import create_app  # noqa: E402
 from cbd.gateway.errors import ApiError, from_cbd  # noqa: E402
 from cbd.gateway.limits import Limits, parse_json  # noqa: E402
+from cbd.gateway.messages import routes as messages_routes  # noqa: E402
 from cbd.gateway.requests import chat_call  # noqa: E402
 from cbd_client.errors import CbdError  # noqa: E402
 
@@ -67,6 +68,15 @@ MALFORMED = [  # (route, body, the param named)
     ("chat", {"messages": ASK, "stop_token_ids": [2**31]}, "stop_token_ids"),
     ("chat", {"messages": ASK, "stop_token_ids": [-1]}, "stop_token_ids"),
     ("chat", {"messages": ASK, "temperature": 10**400}, "temperature"),
+    # the API's ranges, refused here with the field named (the daemon's own are wider or its message names none)
+    ("chat", {"messages": ASK, "temperature": 2.5}, "temperature"),
+    ("chat", {"messages": ASK, "temperature": -1}, "temperature"),
+    ("chat", {"messages": ASK, "top_p": 1.5}, "top_p"),
+    ("chat", {"messages": ASK, "min_p": -0.5}, "min_p"),
+    ("chat", {"messages": ASK, "n": 65}, "n"),
+    ("chat", {"messages": ASK, "stop": [str(i) for i in range(17)]}, "stop"),
+    ("completions", {"prompt": "p", "temperature": 2.01}, "temperature"),
+    ("completions", {"prompt": "p", "n": 65, "best_of": 65}, "n"),
     ("chat", {"messages": ASK, "stream_options": "yes"}, "stream_options"),
     ("completions", {"prompt": ["p"] * 9}, "prompt"),
     ("completions", {"prompt": [[1, 2], [3, 2**40]]}, "prompt[1]"),
@@ -108,6 +118,36 @@ def test_bodies_over_the_limit_are_413_declared_or_streamed(client) -> None:  # 
     assert _error(streamed, 413)["message"] == "the request body is larger than 4096 bytes"
     assert streamed.headers["connection"] == "close"
     assert _error(client.post("/v1/chat/completions", content=b"{", headers={"Content-Length": "x1"}), 400)
+
+
+def _anthropic_error(response: Any, status: int) -> dict[str, Any]:
+    assert response.status_code == status, response.text
+    body = response.json()
+    assert set(body) == {"type", "error"} and body["type"] == "error", body
+    assert set(body["error"]) == {"type", "message"} and "\n" not in body["error"]["message"], body
+    return body["error"]
+
+
+def test_the_messages_routes_refuse_in_anthropics_shape_before_the_route_too(client, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    big = json.dumps({"model": "m", "max_tokens": 8, "messages": [{"role": "user", "content": "x" * 5000}]}).encode()
+    for path in ("/v1/messages", "/v1/messages/count_tokens"):
+        declared = client.post(path, content=big)  # refused by its Content-Length, before any route runs
+        assert _anthropic_error(declared, 413)["type"] == "request_too_large"
+        streamed = client.post(path, content=iter([big[:3000], big[3000:]]))
+        assert _anthropic_error(streamed, 413)["message"] == "the request body is larger than 4096 bytes"
+    assert _anthropic_error(client.post("/v1/messages", content=b"{", headers={"Content-Length": "x1"}), 400)
+    assert _anthropic_error(client.get("/v1/messages/nothing"), 404)["type"] == "not_found_error"
+    assert _anthropic_error(client.get("/v1/messages"), 405)
+
+    def broken(*args: Any) -> None:
+        raise KeyError("boom")
+
+    monkeypatch.setattr(messages_routes, "parse", broken)
+    ask = {"model": "m", "max_tokens": 8, "messages": ASK}
+    assert _anthropic_error(client.post("/v1/messages", json=ask), 500)["type"] == "api_error"
+    # the OpenAI routes beside them keep OpenAI's shape for the same refusals
+    assert _error(client.post("/v1/responses", content=big), 413)["code"] == "request_too_large"
+    assert _error(client.post("/v1/chat/completions", content=big), 413)["code"] == "request_too_large"
 
 
 def test_not_json_and_unknown_routes_answer_in_the_api_shape(client) -> None:  # type: ignore[no-untyped-def]

@@ -30,7 +30,7 @@ from starlette.routing import Route
 
 from cbd.gateway.agentic.caller import caller_key
 from cbd.gateway.agentic.resends import Resends, ResentTurn
-from cbd.gateway.agentic.routes import agent_routes
+from cbd.gateway.agentic.routes import agent_routes, error_response
 from cbd.gateway.agentic.turns import Turns
 from cbd.gateway.errors import ApiError, bad_request, from_cbd
 from cbd.gateway.guard import Guard
@@ -333,14 +333,16 @@ def create_app(
 
     async def on_error(request: Request, exc: Exception) -> Response:
         assert isinstance(exc, ApiError)
-        return exc.response()
+        return error_response(request.url.path, exc)
 
     async def on_http_error(request: Request, exc: Exception) -> Response:
         """Unknown routes and wrong methods in the API's error shape too."""
         assert isinstance(exc, HTTPException)
         kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
         message = f"{request.method} {request.url.path}: {exc.detail}"
-        return ApiError(exc.status_code, message, kind, headers=dict(exc.headers or {})).response()
+        return error_response(
+            request.url.path, ApiError(exc.status_code, message, kind, headers=dict(exc.headers or {}))
+        )
 
     app = Starlette(
         routes=[
@@ -352,7 +354,7 @@ def create_app(
             *agent_routes(gateway, store),  # /v1/responses, /v1/messages (agentic/routes.py)
         ],
         exception_handlers={ApiError: on_error, HTTPException: on_http_error},
-        middleware=[Middleware(Guard, limits=limits)],
+        middleware=[Middleware(Guard, limits=limits, render=error_response)],
         lifespan=lifespan,
     )
     app.state.gateway = gateway

@@ -14,6 +14,21 @@ from cbd.gateway.errors import bad_request
 MAX_TOKEN_ID = (1 << 31) - 1
 
 
+def number(body: dict[str, Any], name: str, low: float, high: float) -> float | None:
+    """body[name] (None when absent), a number from low to high, both included."""
+    value = body.get(name)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not low <= value <= high:
+        raise bad_request(f"{name} must be a number from {low:g} to {high:g}, got {_short(value)}", name)
+    return float(value)
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
 def flag(body: dict[str, Any], name: str, default: bool) -> bool:
     value = body.get(name, default)
     if value is None:

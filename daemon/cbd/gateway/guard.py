@@ -17,10 +17,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Callable
 from typing import Any
 
 import h11
 from starlette.requests import ClientDisconnect
+from starlette.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
@@ -30,10 +32,18 @@ from cbd.gateway.limits import Limits, too_large
 log = logging.getLogger("cbd.gateway")
 
 
+def openai_shape(path: str, error: ApiError) -> Response:
+    return error.response()
+
+
 class Guard:
-    def __init__(self, app: ASGIApp, limits: Limits) -> None:
+    def __init__(
+        self, app: ASGIApp, limits: Limits, render: Callable[[str, ApiError], Response] = openai_shape
+    ) -> None:
+        """render(path, error): the refusal in the error shape of the API that `path` belongs to."""
         self.app = app
         self.limits = limits
+        self.render = render
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -43,7 +53,7 @@ class Guard:
         declared = _content_length(scope)
         if isinstance(declared, ApiError) or (declared is not None and declared > self.limits.max_body_bytes):
             refusal = declared if isinstance(declared, ApiError) else too_large(self.limits.max_body_bytes, False)
-            await refusal.response()(scope, receive, send)
+            await self.render(scope["path"], refusal)(scope, receive, send)
             return
         started = False
 
@@ -60,8 +70,9 @@ class Guard:
             log.error("bug: %s: %s: %s", where, type(exc).__name__, " ".join(str(exc).split())[:300])
             log.debug("bug: %s", where, exc_info=exc)
             if not started:
-                await ApiError(500, "the gateway failed on this request (logged as a bug)", "server_error",
-                               code="internal_error").response()(scope, receive, send)  # fmt: skip
+                bug = ApiError(500, "the gateway failed on this request (logged as a bug)", "server_error",
+                               code="internal_error")  # fmt: skip
+                await self.render(scope["path"], bug)(scope, receive, send)
 
     def _receiving(self, receive: Receive, undeclared: bool) -> Receive:
         """`receive`, with the body counted against the size limit and the whole body against the timeout."""

@@ -7,9 +7,10 @@ import logging
 import sys
 from pathlib import Path
 
-_HELP = "serve the OpenAI-compatible HTTP API in front of a running daemon (needs cbd[openai])"
-_DESCRIPTION = ("Serve /v1/chat/completions, /v1/completions and /v1/models over HTTP, as a client of a running "
-                "cbd daemon (install with: pip install 'cbd[openai]').")  # fmt: skip
+_HELP = "serve the OpenAI- and Anthropic-compatible HTTP APIs in front of a running daemon (needs cbd[openai])"
+_DESCRIPTION = ("Serve OpenAI's /v1/chat/completions, /v1/completions, /v1/responses and /v1/models and "
+                "Anthropic's /v1/messages over HTTP, as a client of a running cbd daemon (install with: "
+                "pip install 'cbd[openai]').")  # fmt: skip
 
 
 def add_parser(sub: argparse._SubParsersAction, default_daemon: str) -> None:

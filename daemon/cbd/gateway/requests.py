@@ -21,7 +21,7 @@ from cbd.gateway import checks
 from cbd.gateway.errors import ApiError, bad_request
 from cbd.gateway.sessions import SessionKey
 from cbd_client.calls import set_prompt
-from cbd_client.contract import MAX_LOGPROBS
+from cbd_client.contract import MAX_CANDIDATES, MAX_LOGPROBS, MAX_STOP_STRINGS
 from cbd_client.errors import CbdError
 from cbd_client.structured import set_response_format, set_tools
 from cbd_client.v1 import cbd_pb2 as pb
@@ -106,8 +106,8 @@ def completion_call(body: dict[str, Any], max_prompts: int = 256) -> Call:
         raise bad_request("echo is not supported", "echo")
     if body.get("suffix"):
         raise bad_request("suffix is not supported", "suffix")
-    n = _int(body, "n", 1, 1, (1 << 16) - 1)
-    if _int(body, "best_of", n, 1, (1 << 16) - 1) != n:
+    n = _int(body, "n", 1, 1, MAX_CANDIDATES)
+    if _int(body, "best_of", n, 1, MAX_CANDIDATES) != n:
         raise bad_request("best_of other than n is not supported", "best_of")
     logprobs = None if body.get("logprobs") is None else _int(body, "logprobs", 0, 0, MAX_LOGPROBS)
     requests = []
@@ -150,13 +150,14 @@ def chat_message(m: Any, i: int) -> dict[str, Any]:
 
 
 def _request(body: dict[str, Any], logprobs: int | None) -> pb.GenerateRequest:
-    request = pb.GenerateRequest(n=_int(body, "n", 1, 1, (1 << 16) - 1))
+    request = pb.GenerateRequest(n=_int(body, "n", 1, 1, MAX_CANDIDATES))
     s = request.sampling
     name = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
     s.max_tokens = _int(body, name, MAX_TOKENS, 1, MAX_TOKENS)  # omitted: up to the context
-    for name in ("temperature", "top_p", "min_p"):
-        if body.get(name) is not None:
-            setattr(s, name, _float(body, name))
+    for name, high in (("temperature", 2.0), ("top_p", 1.0), ("min_p", 1.0)):  # the API's ranges
+        value = checks.number(body, name, 0.0, high)
+        if value is not None:
+            setattr(s, name, value)
     if body.get("top_k") is not None:
         s.top_k = max(0, _int(body, "top_k", 0, -1, (1 << 31) - 1))  # -1 disables, as 0 does here
     if body.get("seed") is not None:
@@ -168,6 +169,8 @@ def _request(body: dict[str, Any], logprobs: int | None) -> pb.GenerateRequest:
         s.stop.extend(stop)
     elif stop is not None:
         raise bad_request("stop must be a string or a list of strings", "stop")
+    if len(s.stop) > MAX_STOP_STRINGS:
+        raise bad_request(f"stop takes at most {MAX_STOP_STRINGS} strings, got {len(s.stop)}", "stop")
     ids = body.get("stop_token_ids")
     if ids is not None:
         s.stop_token_ids.extend(checks.token_ids(ids, "stop_token_ids"))
@@ -211,16 +214,6 @@ def _int(body: dict[str, Any], name: str, default: int, low: int, high: int) -> 
     if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
         raise bad_request(f"{name} must be an integer from {low} to {high}, got {value!r}", name)
     return value
-
-
-def _float(body: dict[str, Any], name: str) -> float:
-    value = body.get(name)
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise bad_request(f"{name} must be a number, got {value!r}", name)
-    try:
-        return float(value)
-    except OverflowError:  # an integer beyond any float
-        raise bad_request(f"{name} must be a number within a float's range", name) from None
 
 
 def checked(fn: Any) -> None:

@@ -5,19 +5,11 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from cbd.gateway.checks import number
 from cbd.gateway.errors import bad_request
 from cbd.gateway.requests import MAX_TOKENS, checked
 from cbd_client.structured import set_response_format, set_tools
 from cbd_client.v1 import cbd_pb2 as pb
-
-
-def number(body: dict[str, Any], name: str, low: float, high: float) -> float | None:
-    value = body.get(name)
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not low <= value <= high:
-        raise bad_request(f"{name} must be a number from {low:g} to {high:g}, got {value!r}", name)
-    return float(value)
 
 
 def integer(body: dict[str, Any], name: str, low: int, high: int, required: bool = False) -> int | None:

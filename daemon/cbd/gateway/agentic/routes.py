@@ -6,9 +6,11 @@ import os
 from pathlib import Path
 from typing import Any
 
+from starlette.responses import Response
 from starlette.routing import Route
 
-from cbd.gateway.messages.routes import Messages, anthropic_errors
+from cbd.gateway.errors import ApiError
+from cbd.gateway.messages.routes import Messages, anthropic_errors, anthropic_response
 from cbd.gateway.responses.routes import Responses
 from cbd.gateway.responses.store import ResponseStore, StoreSettings
 
@@ -20,6 +22,16 @@ def default_state_dir() -> Path:
     return cache / "gateway"
 
 
+MESSAGES_PREFIX = "/v1/messages"
+
+
+def error_response(path: str, error: ApiError) -> Response:
+    """An error in the shape of the API whose route `path` is: Anthropic's under /v1/messages, else OpenAI's."""
+    if path == MESSAGES_PREFIX or path.startswith(MESSAGES_PREFIX + "/"):
+        return anthropic_response(error)
+    return error.response()
+
+
 def agent_routes(gateway: Any, store: StoreSettings | None = None) -> list[Route]:
     responses = Responses(gateway, ResponseStore(store or StoreSettings(default_state_dir())))
     messages = Messages(gateway)
@@ -29,6 +41,6 @@ def agent_routes(gateway: Any, store: StoreSettings | None = None) -> list[Route
         Route("/v1/responses/{response_id}", responses.delete, methods=["DELETE"]),
         Route("/v1/responses/{response_id}/cancel", responses.cancel, methods=["POST"]),
         Route("/v1/responses/{response_id}/input_items", responses.input_items, methods=["GET"]),
-        Route("/v1/messages", anthropic_errors(messages.create), methods=["POST"]),
-        Route("/v1/messages/count_tokens", anthropic_errors(messages.count_tokens), methods=["POST"]),
+        Route(MESSAGES_PREFIX, anthropic_errors(messages.create), methods=["POST"]),
+        Route(f"{MESSAGES_PREFIX}/count_tokens", anthropic_errors(messages.count_tokens), methods=["POST"]),
     ]

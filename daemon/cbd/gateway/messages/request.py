@@ -43,7 +43,7 @@ def parse(body: dict[str, Any]) -> MessagesCall:
     max_tokens = convert.integer(body, "max_tokens", 1, convert.MAX_TOKENS, required=True)
     _refuse_unsupported(body)
     convert.sampling(template, {k: body.get(k) for k in ("top_p", "top_k")}, max_tokens)
-    temperature = convert.number(body, "temperature", 0, 1)
+    temperature = checks.number(body, "temperature", 0, 1)
     if temperature is not None:
         template.sampling.temperature = temperature
     stops = body.get("stop_sequences") or []

@@ -41,13 +41,18 @@ def error_body(error: ApiError) -> dict[str, Any]:
     return {"type": "error", "error": {"type": _KINDS.get(error.status, "api_error"), "message": error.message}}
 
 
+def anthropic_response(error: ApiError) -> JSONResponse:
+    """An error in this API's shape and status (the daemon being away is its 529, overloaded)."""
+    status = 529 if error.status == 503 else error.status
+    return JSONResponse(error_body(error), status_code=status, headers=error.headers)
+
+
 def anthropic_errors(handler: Callable[[Request], Awaitable[Response]]) -> Callable[[Request], Awaitable[Response]]:
     async def wrapped(request: Request) -> Response:
         try:
             return await handler(request)
         except ApiError as exc:
-            status = 529 if exc.status == 503 else exc.status
-            return JSONResponse(error_body(exc), status_code=status, headers=exc.headers)
+            return anthropic_response(exc)
 
     return wrapped
 

@@ -22,7 +22,9 @@ def new_id(prefix: str) -> str:
 
 
 def input_items(value: Any) -> list[dict[str, Any]]:
-    """The request's `input` as a list of items, each with an id (as input_items lists them)."""
+    """The request's `input` as a list of items as input_items lists them: each with an id, a message's
+    content as parts (a string becomes one `input_text`, an assistant's one `output_text`), messages and
+    function calls with a status."""
     if isinstance(value, str):
         value = [{"type": "message", "role": "user", "content": [{"type": "input_text", "text": value}]}]
     if not isinstance(value, list) or not value:
@@ -35,7 +37,14 @@ def input_items(value: Any) -> list[dict[str, Any]]:
         if not isinstance(kind, str):  # a list or object would not even be a key of the prefixes below
             raise bad_request(f"input[{i}].type must be a string", f"input[{i}].type")
         prefix = {"message": "msg", "function_call": "fc", "function_call_output": "fco"}.get(kind, "item")
-        items.append({**item, "type": kind, "id": item.get("id") or new_id(prefix)})
+        listed = {**item, "type": kind, "id": item.get("id") or new_id(prefix)}
+        if kind == "message" and isinstance(listed.get("content"), str):  # listed as the API lists it: parts
+            part = "output_text" if listed.get("role") == "assistant" else "input_text"
+            text = {"type": part, "text": listed["content"]}
+            listed["content"] = [{**text, "annotations": []} if part == "output_text" else text]
+        if kind in ("message", "function_call"):
+            listed.setdefault("status", "completed")
+        items.append(listed)
     return items
 
 
