@@ -14,6 +14,7 @@ from typing import Any
 
 from cbd.gateway.agentic.blocks import BlockKind, Event, EventKind, Fold
 from cbd.gateway.responses import items
+from cbd_client.v1 import cbd_pb2 as pb
 
 
 class Events:
@@ -50,7 +51,7 @@ class Events:
                     self.sse("response.output_text.delta", **where, content_index=0, delta=event.delta, logprobs=[])
                 ]
             return [self.sse("response.function_call_arguments.delta", **where, delta=event.delta)]
-        done = self.item(event.index, "completed")
+        done = self.item(event.index, self._closed_status(event.index))
         if text:
             return [
                 self.sse("response.output_text.done", **where, content_index=0, text=block.text, logprobs=[]),
@@ -67,7 +68,15 @@ class Events:
         return items.call_item(self.ids[index], block.call_id, block.name, block.text, status)
 
     def output(self, status: str) -> list[dict[str, Any]]:
-        return [self.item(i, status) for i in range(len(self.fold.blocks))]
+        """The output items; `status` is the last one's (only the last can have been cut off: a block
+        closes when the next one starts), every one before it is completed."""
+        last = len(self.fold.blocks) - 1
+        return [self.item(i, status if i == last else "completed") for i in range(last + 1)]
+
+    def _closed_status(self, index: int) -> str:
+        """A closing block's status: incomplete when it is the last and the reply was cut off."""
+        cut = self.fold.finish in (pb.FINISH_REASON_LENGTH, pb.FINISH_REASON_ERROR, pb.FINISH_REASON_ABORT)
+        return "incomplete" if cut and index == len(self.fold.blocks) - 1 else "completed"
 
 
 def _part(text: str) -> dict[str, Any]:
