@@ -249,6 +249,43 @@ def test_parent_candidate_without_session_is_refused(daemon) -> None:  # type: i
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "session_id" in info.value.details()
 
 
+def test_malformed_session_ids_name_the_field_never_the_value(daemon) -> None:  # type: ignore[no-untyped-def]
+    from cbd_client.v1 import cbd_pb2 as pb
+    from cbd_client.v1.cbd_pb2_grpc import CbdStub
+
+    def refused(call, request, field: str, value: str) -> None:  # type: ignore[no-untyped-def]
+        with pytest.raises(grpc.RpcError) as info:
+            call(request)
+        details = info.value.details()
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT, details
+        assert details.startswith(field + " must be 1-128 characters") and "\n" not in details, details
+        assert value not in details, details
+
+    with grpc.insecure_channel(daemon.address) as channel:
+        stub = CbdStub(channel)
+        long_id, dotted = "q" * 129, ".hidden-x"
+        for bad in (long_id, dotted):
+            refused(
+                stub.OpenSession, pb.OpenSessionRequest(session_id=bad, tokens=pb.TokenIds(ids=[1])), "session_id", bad
+            )
+        sid = stub.OpenSession(pb.OpenSessionRequest(tokens=pb.TokenIds(ids=[1, 2]))).session_id
+        try:
+            refused(stub.ForkSession, pb.ForkSessionRequest(session_id=sid, new_session_id=long_id), "new_session_id",
+                    long_id)  # fmt: skip
+            # a call that names a session must name one: empty is malformed, not an unknown session
+            refused(stub.GetSession, pb.GetSessionRequest(session_id=""), "session_id", "\x00")
+            refused(stub.CloseSession, pb.CloseSessionRequest(session_id=""), "session_id", "\x00")
+            refused(stub.ForkSession, pb.ForkSessionRequest(session_id=""), "session_id", "\x00")
+        finally:
+            stub.CloseSession(pb.CloseSessionRequest(session_id=sid))
+        for sampling, n, field in ((pb.SamplingParams(logprobs=21), 1, "logprobs"), (pb.SamplingParams(), 65, "n")):
+            with pytest.raises(grpc.RpcError) as info:
+                list(stub.Generate(pb.GenerateRequest(text="hi", n=n, sampling=sampling)))
+            details = info.value.details()
+            assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and details.startswith(field), details
+            assert "21" not in details and "65" not in details, details
+
+
 def test_fork_without_candidate_while_candidates_are_pending_is_failed_precondition_like_a_turn(client, daemon) -> None:  # type: ignore[no-untyped-def]
     from cbd_client.v1 import cbd_pb2 as pb
     from cbd_client.v1.cbd_pb2_grpc import CbdStub

@@ -75,9 +75,9 @@ class SamplingParams:
         if any(t < 0 for t in self.stop_token_ids):
             raise InvalidRequest("stop_token_ids must be non-negative token ids")
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
-            raise InvalidRequest(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
+            raise InvalidRequest(f"logprobs must be in [0, {MAX_LOGPROBS}]")
         if not 1 <= self.n <= MAX_CANDIDATES:
-            raise InvalidRequest(f"n must be in [1, {MAX_CANDIDATES}], got {self.n}")
+            raise InvalidRequest(f"n must be in [1, {MAX_CANDIDATES}]")
         if self.priority not in (None, PRIORITY_INTERACTIVE, PRIORITY_BATCH):
             raise InvalidRequest(f"unknown priority {self.priority}")
         if len(self.tenant) > MAX_TENANT_CHARS:

@@ -32,9 +32,10 @@ def check_request_id(request_id: str) -> None:
         )
 
 
-def check_session_id(session_id: str, field: str = "session_id") -> None:
-    """A session id a call names, by the rule of the ids a client may propose (engine/sessions/records.py)."""
-    if not session_id:
+def check_session_id(session_id: str, field: str = "session_id", required: bool = False) -> None:
+    """A session id a call names, by the rule of the ids a client may propose (engine/sessions/records.py);
+    an empty one is fine unless `required` (empty means: no session, or one the daemon names)."""
+    if not session_id and not required:
         return
     try:
         if len(session_id) > MAX_SESSION_ID_CHARS:

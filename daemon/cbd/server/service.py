@@ -20,7 +20,6 @@ from cbd.engine.sampling_params import (
 from cbd.engine.sequence import FinishReason
 from cbd.engine.sessions.records import (
     RETENTION_NORMAL,
-    check_client_session_id,
 )
 from cbd.errors import EngineFailure, EngineStopped, InvalidRequest, PermissionDenied
 from cbd.ipc.remote import RemoteEngine
@@ -225,8 +224,7 @@ class CbdService(_Base):
             tokens = await self._prompt_work(size, self.prompts.render, messages, False)
         elif kind is not None:
             tokens = await self._prompt_work(size, self.prompts.continuation, request, kind)
-        if request.session_id:
-            check_client_session_id(request.session_id)
+        bounds.check_session_id(request.session_id)  # empty: the daemon names it
         client_id = request.session_id or new_session_id()
         key = self._caller(context).key(client_id)
         with in_client_terms((key, client_id)):
@@ -250,7 +248,7 @@ class CbdService(_Base):
         self, request: pb.CloseSessionRequest, context: grpc.aio.ServicerContext
     ) -> pb.CloseSessionResponse:  # noqa: N802
         engine = self._engine()
-        bounds.check_session_id(request.session_id)
+        bounds.check_session_id(request.session_id, required=True)
         key = self._caller(context).key(request.session_id, request.tenant)
         try:
             with in_client_terms((key, request.session_id)):
@@ -262,7 +260,7 @@ class CbdService(_Base):
     @status.unary
     async def GetSession(self, request: pb.GetSessionRequest, context: grpc.aio.ServicerContext) -> pb.SessionInfo:  # noqa: N802
         engine = self._engine()
-        bounds.check_session_id(request.session_id)
+        bounds.check_session_id(request.session_id, required=True)
         key = self._caller(context).key(request.session_id, request.tenant)
         with in_client_terms((key, request.session_id)):
             return session_messages.session_info(await asyncio.wrap_future(engine.get_session(key)))
@@ -282,12 +280,11 @@ class CbdService(_Base):
     @status.unary
     async def ForkSession(self, request: pb.ForkSessionRequest, context: grpc.aio.ServicerContext) -> pb.SessionInfo:  # noqa: N802
         engine = self._engine()
-        bounds.check_session_id(request.session_id)
+        bounds.check_session_id(request.session_id, required=True)
         candidate = request.candidate if request.HasField("candidate") else None
         caller = self._caller(context)
         source = caller.key(request.session_id)  # a fork belongs to its source's owner: the caller
-        if request.new_session_id:
-            check_client_session_id(request.new_session_id)
+        bounds.check_session_id(request.new_session_id, "new_session_id")  # empty: the daemon names it
         new_id = request.new_session_id or new_session_id()
         fork = caller.key(new_id)
         # Taken before the engine hop: the engine refuses to fork a session with a turn in flight,

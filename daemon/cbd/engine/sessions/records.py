@@ -144,9 +144,9 @@ _SESSION_KEY = re.compile(r"(?:[A-Za-z0-9._~-]{1,128}/)?" + _SESSION_ID.pattern)
 def check_session_id(session_id: str, pattern: re.Pattern[str] = _SESSION_KEY) -> None:
     """A session key the engine takes (the frontend checks a client's id with `check_client_session_id`)."""
     if not pattern.fullmatch(session_id):
-        raise InvalidRequest(
-            f"session id {session_id[:140]!r} is not 1-128 characters of letters, digits and . _ ~ - "
-            "(not starting with '.')"
+        raise InvalidRequest(  # the id itself is not echoed: it may be anything a caller sent
+            "session id must be 1-128 characters of letters, digits and . _ ~ - (not starting with '.'); "
+            f"got {len(session_id)} characters"
         )
 
 
