@@ -37,8 +37,9 @@ class EngineConfig:
     # Host KV tier size in blocks; None sizes it from host_kv_gib.
     num_host_kv_blocks: int | None = None
     # Directory of session files: open sessions are saved there at shutdown and, once idle, in the background,
-    # and listed again when a daemon starts on it (their KV read back on their next turn); one daemon per
-    # directory. None: $STATE_DIRECTORY/sessions under systemd (the service's StateDirectory=, /var/lib/cbd),
+    # and listed again when a daemon starts on it (their KV read back on their next turn); replicas may share
+    # it, each in its own folder (disk_kv_owner). None: $STATE_DIRECTORY/sessions under systemd (the service's
+    # StateDirectory=, /var/lib/cbd),
     # else sessions are not saved (a restart loses them).
     disk_kv_dir: str | None = None
     # GiB of session files in disk_kv_dir at most: a session that would go over it is saved with its token ids

@@ -63,6 +63,12 @@ def test_a_refused_session_turn_keeps_the_chosen_candidate(one_seat: DaemonProce
 
 def test_shutdown_ends_every_stream_with_a_finish_reason(tiny_daemon) -> None:  # type: ignore[no-untyped-def]
     d = tiny_daemon("--max-num-seqs", "2", "--shutdown-grace", "0.2")
+    with Client(d.address, timeout=30) as client:  # a request's candidates run at once: n is bounded by the seats
+        assert client.model_info().max_n == 2
+        with pytest.raises(CbdError) as info:
+            client.generate(PROMPT, n=3, max_tokens=2)
+        assert info.value.code == grpc.StatusCode.INVALID_ARGUMENT and "n must be at most 2" in info.value.details
+        assert len(client.generate(PROMPT, n=2, max_tokens=2).candidates) == 2
     finishes: list[object] = []
 
     def run() -> None:

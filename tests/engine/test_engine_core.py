@@ -154,6 +154,16 @@ def test_bad_requests_are_refused_with_a_clear_error(tiny_loaded, prompt, params
         make_core(tiny_loaded).add_request(prompt, params)
 
 
+def test_more_candidates_than_the_engine_runs_at_once_are_refused_not_queued_forever(tiny_loaded) -> None:  # type: ignore[no-untyped-def]
+    """A request's candidates run together: n above max_num_seqs could never be admitted, and would hold
+    every request behind it at the head of the queue."""
+    core = make_core(tiny_loaded, max_num_seqs=2)
+    with pytest.raises(InvalidRequest, match="n must be at most 2"):
+        core.add_request([1, 2, 3], SamplingParams(max_tokens=2, temperature=0.0, n=3))
+    result = run_all(core, [[1, 2, 3], [4, 5]], SamplingParams(max_tokens=2, temperature=0.0, n=2))
+    assert [len(r["tokens"]) for r in result] == [2, 2]  # n at the limit runs, and nothing was left queued
+
+
 @pytest.mark.parametrize(
     "kw, match",
     [

@@ -102,8 +102,9 @@ class EngineCore:
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
         """Raise InvalidRequest for a request that can never run. Reads only config (safe from any thread)."""
         validate_request(
-            prompt_token_ids, params, self.loaded.spec.vocab_size, self.max_model_len, self.loaded.tokenizer is not None
-        )
+            prompt_token_ids, params, self.loaded.spec.vocab_size, self.max_model_len, self.loaded.tokenizer is not None,
+            self.config.max_num_seqs,
+        )  # fmt: skip
 
     @property
     def requests(self) -> dict[str, LiveRequest]:

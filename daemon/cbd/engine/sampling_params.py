@@ -91,11 +91,19 @@ class SamplingParams:
 
 
 def validate_request(
-    prompt_token_ids: list[int], params: SamplingParams, vocab_size: int, max_model_len: int, has_tokenizer: bool
-) -> None:
-    """Raise InvalidRequest for a request that can never run on a model with these facts."""
+    prompt_token_ids: list[int], params: SamplingParams, vocab_size: int, max_model_len: int, has_tokenizer: bool,
+    max_num_seqs: int,
+) -> None:  # fmt: skip
+    """Raise InvalidRequest for a request that can never run on a model with these facts (and an engine that
+    runs at most max_num_seqs sequences at once: a request's candidates run together, so n above it would
+    wait forever at the head of the queue)."""
     if not prompt_token_ids:
         raise InvalidRequest("the prompt is empty")
+    if params.n > max_num_seqs:
+        raise InvalidRequest(
+            f"n must be at most {max_num_seqs} on this daemon: its candidates run at once, and it runs at most "
+            f"{max_num_seqs} sequences at once (max_num_seqs)"
+        )
     if len(prompt_token_ids) >= max_model_len:  # first: O(1), before a pass over millions of ids
         raise InvalidRequest(
             f"the prompt has {len(prompt_token_ids)} tokens; this engine's context holds at most "

@@ -208,7 +208,14 @@ class RemoteEngine:
 
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
         f = self.facts
-        validate_request(prompt_token_ids, params, f.vocab_size, f.max_model_len, self.tokenizer is not None)
+        validate_request(
+            prompt_token_ids,
+            params,
+            f.vocab_size,
+            f.max_model_len,
+            self.tokenizer is not None,
+            self.config.max_num_seqs,
+        )
 
     def submit(
         self, prompt_token_ids: list[int], params: SamplingParams, request_id: str | None = None,

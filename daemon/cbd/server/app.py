@@ -50,7 +50,7 @@ from cbd.server.settings import (
     render_defaults,
     setting_sources,
 )
-from cbd.server.sockets import AddressInUse, UnixSocketClaim, describe_bind_failure, unix_path
+from cbd.server.sockets import AddressInUse, UnixSocketClaim, describe_bind_failure, tcp_port_taken, unix_path
 from cbd_client.v1 import cbd_pb2
 
 log = logging.getLogger("cbd")
@@ -186,6 +186,8 @@ async def _listen(server: grpc.aio.Server, config: ServerConfig, claims: list[Un
         claim.acquire()
     credentials = _server_credentials(config)
     for address in config.addresses():
+        if unix_path(address) is None and tcp_port_taken(address):
+            raise StartupError(describe_bind_failure(address, None))
         try:
             if credentials is not None and unix_path(address) is None:
                 port = server.add_secure_port(address, credentials)
@@ -319,10 +321,16 @@ def main(argv: list[str] | None = None) -> int:
             server_config = replace(server_config, log_file=str(default_cache_dir() / "cbd.log"))
         report = detach(server_config.log_file)
     configure_logging(server_config.log_level, log_file=server_config.log_file or None)
-    log.info("cbd %s, pid %d, torch %s", __version__, os.getpid(), importlib.metadata.version("torch"))
-    log.info("settings not at their defaults: %s", "; ".join(setting_sources(argv)))
     memory.configure(engine_config)
-    on_listening = (lambda addresses: report(0, ", ".join(addresses))) if report else None
+
+    def on_listening(addresses: list[str]) -> None:
+        # Logged once the addresses are this daemon's: a start refused before (another daemon serves the
+        # address) says so in one line.
+        log.info("cbd %s, pid %d, torch %s", __version__, os.getpid(), importlib.metadata.version("torch"))
+        log.info("settings not at their defaults: %s", "; ".join(setting_sources(argv)))
+        if report is not None:
+            report(0, ", ".join(addresses))
+
     try:
         asyncio.run(serve(engine_config, server_config, on_listening))
     except (StartupError, AddressInUse) as exc:

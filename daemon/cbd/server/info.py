@@ -25,7 +25,7 @@ def model_info(facts: ModelFacts, config: EngineConfig, prompts: PromptEncoder) 
         num_kv_blocks=facts.num_kv_blocks,
         max_num_seqs=config.max_num_seqs,
         max_num_batched_tokens=config.max_num_batched_tokens,
-        max_n=MAX_CANDIDATES,
+        max_n=min(MAX_CANDIDATES, config.max_num_seqs),  # a request's candidates run at once
         max_logprobs=MAX_LOGPROBS,
         max_stop_strings=MAX_STOP_STRINGS,
         max_queued_requests=config.max_queued_requests,

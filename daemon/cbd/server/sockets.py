@@ -101,6 +101,27 @@ class UnixSocketClaim:
         )
 
 
+def tcp_port_taken(address: str) -> bool:
+    """Whether a TCP address (HOST:PORT) is already listened on here: a bind of it (SO_REUSEADDR, as gRPC
+    binds, so that closing connections do not count) fails with EADDRINUSE. Checked before gRPC binds, whose
+    own refusal also logs a line of its own; a port taken between the two is still refused by gRPC."""
+    name, _, port = address.rpartition(":")
+    host = name.strip("[]") or None  # no host: every address, as gRPC takes ":PORT"
+    try:
+        infos = socket.getaddrinfo(host, int(port), type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except (OSError, ValueError):
+        return False  # not resolvable or not a port: gRPC says what is wrong
+    for family, kind, proto, _, sockaddr in infos:
+        with socket.socket(family, kind, proto) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                probe.bind(sockaddr)
+            except OSError as exc:
+                if exc.errno == errno.EADDRINUSE:
+                    return True
+    return False
+
+
 def describe_bind_failure(address: str, error: Exception | None) -> str:
     if unix_path(address) is not None:
         return f"cannot listen on {address}: {error}"
