@@ -207,10 +207,15 @@ def test_a_client_that_goes_away_is_one_info_line(stack) -> None:  # type: ignor
             "ignore_eos": True}  # fmt: skip
     with pytest.raises(httpx.ReadTimeout):  # gone while its whole reply is being generated
         httpx.post(f"{stack.gateway.base}/v1/chat/completions", json=body, timeout=1.5)
+    streamed = {**body, "stream": True}
+    with httpx.stream("POST", f"{stack.gateway.base}/v1/chat/completions", json=streamed, timeout=60) as response:
+        lines = response.iter_lines()
+        assert next(lines).startswith("data: ")  # gone while its reply streams: after the first chunk
     deadline = time.monotonic() + GENEROUS
-    while (log := stack.gateway.log()[len(before) :]).count("client went away") < 2:
+    while (log := stack.gateway.log()[len(before) :]).count("client went away") < 3:
         assert time.monotonic() < deadline, log
         time.sleep(0.1)
+    assert log.count("client went away mid-stream: POST /v1/chat/completions") == 1, log
     assert "Traceback" not in log and "ClientDisconnect" not in log, log
     while (s := stack.stats()).live_requests:
         assert time.monotonic() < deadline, s

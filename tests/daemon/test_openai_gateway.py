@@ -76,6 +76,15 @@ def test_streamed_deltas_join_to_the_whole_reply(stack) -> None:  # type: ignore
     assert chunks[0].choices[0].delta.role == "assistant"
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "stop"
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
+    # On the wire, as the API documents include_usage: every chunk has "usage", null but on the last one.
+    body = {"model": "m", "messages": ASK, "max_tokens": 6, "temperature": 0, "stream": True,
+            "stream_options": {"include_usage": True}}  # fmt: skip
+    auth = {"Authorization": f"Bearer {TOKEN}"}
+    with httpx.stream("POST", f"{stack.url}/chat/completions", json=body, headers=auth, timeout=60) as response:
+        data = [line[6:] for line in response.iter_lines() if line.startswith("data: ")]
+    raw = [json.loads(d) for d in data[:-1]]
+    assert data[-1] == "[DONE]" and raw[-1]["choices"] == [] and raw[-1]["usage"]["completion_tokens"] == 6
+    assert all("usage" in c and c["usage"] is None for c in raw[:-1]) and all(c["choices"] for c in raw[:-1])
 
 
 def test_n_candidates_with_a_seed_are_reproducible(stack) -> None:  # type: ignore[no-untyped-def]

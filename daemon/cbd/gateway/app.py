@@ -39,7 +39,7 @@ from cbd.gateway.replies import Reply
 from cbd.gateway.requests import Call, chat_call, chat_message, completion_call
 from cbd.gateway.responses.store import StoreSettings
 from cbd.gateway.sessions import SessionMap
-from cbd.gateway.streams import first, rest, settled_when_dropped, unless_gone
+from cbd.gateway.streams import first, noting_gone, rest, settled_when_dropped, unless_gone
 from cbd_client.errors import CbdError
 from cbd_client.routing import with_affinity
 from cbd_client.v1 import cbd_pb2 as pb
@@ -163,8 +163,8 @@ class Gateway:
                 return JSONResponse(reply.whole())
             handed_off = True
             events = self._events(call, reply, streams, heads, fresh, metadata, resent)
-            return StreamingResponse(settled_when_dropped(events, resent.settle) if resent else events,
-                                     media_type="text/event-stream",
+            body = settled_when_dropped(events, resent.settle) if resent else events
+            return StreamingResponse(noting_gone(body, request), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})  # fmt: skip
         finally:
             if not handed_off:  # refused, failed, or the client went away: nothing may keep running
@@ -224,6 +224,8 @@ class Gateway:
                     yield _sse(from_cbd(CbdError.from_rpc(item)).body())
                     return
                 for chunk in reply.add(item, i * call.n):
+                    if call.include_usage:  # every chunk has the key; the last one (no choices) its value
+                        chunk["usage"] = None
                     yield _sse(chunk)
             if call.include_usage:
                 yield _sse(reply.usage_chunk())

@@ -94,6 +94,7 @@ class Reply:
         self.n = n
         self.usage: pb.Usage | None = None
         self._started: set[int] = set()
+        self._chars: dict[int, int] = {}  # per choice: characters of its tokens streamed so far (text_offset)
 
     def _head(self) -> dict[str, Any]:
         obj = "chat.completion" if self.kind == "chat" else "text_completion"
@@ -109,10 +110,14 @@ class Reply:
             index = offset + c.index
             choice = self.choices.setdefault(index, Choice(index))
             choice.add(c, self.kind == "chat")
-            chunks.append(self._chat_chunk(index, c) if self.kind == "chat" else self._text_chunk(index, c))
+            chunk = self._chat_chunk(index, c) if self.kind == "chat" else self._text_chunk(index, c)
+            if chunk is not None:
+                chunks.append(chunk)
         return chunks
 
-    def _chat_chunk(self, index: int, c: pb.CandidateDelta) -> dict[str, Any]:
+    def _chat_chunk(self, index: int, c: pb.CandidateDelta) -> dict[str, Any] | None:
+        """The chunk of one candidate's delta; None when it says nothing (no text, call, logprobs or finish:
+        tokens that only mark a tool call's start)."""
         delta: dict[str, Any] = {}
         if index not in self._started:
             self._started.add(index)
@@ -130,12 +135,18 @@ class Reply:
             delta["tool_calls"] = list(calls.values())
         logprobs = {"content": chat_logprobs(c)} if self.logprobs is not None and c.logprobs else None
         finish = finish_reason(c.finish_reason) if c.finish_reason else None
+        if not delta and logprobs is None and finish is None:
+            return None
         choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
         return {**self._head(), "object": "chat.completion.chunk", "choices": [choice]}
 
     def _text_chunk(self, index: int, c: pb.CandidateDelta) -> dict[str, Any]:
         finish = finish_reason(c.finish_reason) if c.finish_reason else None
-        logprobs = _legacy_logprobs(list(c.logprobs)) if self.logprobs is not None else None
+        logprobs = None
+        if self.logprobs is not None:  # offsets continue from the tokens this choice has streamed
+            start = self._chars.get(index, 0)
+            logprobs = _legacy_logprobs(list(c.logprobs), start)
+            self._chars[index] = start + sum(len(lp.token) for lp in c.logprobs)
         return {
             **self._head(),
             "choices": [{"index": index, "text": c.text, "logprobs": logprobs, "finish_reason": finish}],
@@ -160,8 +171,9 @@ class Reply:
         return {**self._head(), "choices": choices, "usage": usage(self.usage)}
 
 
-def _legacy_logprobs(items: list[pb.TokenLogprob]) -> dict[str, Any]:
-    offsets, at = [], 0
+def _legacy_logprobs(items: list[pb.TokenLogprob], start: int = 0) -> dict[str, Any]:
+    """The legacy completions API's logprobs of these tokens, the first at character `start` of the text."""
+    offsets, at = [], start
     for lp in items:
         offsets.append(at)
         at += len(lp.token)

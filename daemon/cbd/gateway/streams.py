@@ -2,7 +2,8 @@
 
 A call is read one way only (with `read()`): `first` takes the message that says the daemon accepted
 it, `rest` the ones after. `unless_gone` awaits work unless the HTTP client disconnects first.
-`settled_when_dropped` runs a streamed reply's clean-up also when the server never starts its body.
+`settled_when_dropped` runs a streamed reply's clean-up also when the server never starts its body;
+`noting_gone` logs a client that goes away while its reply streams.
 """
 
 from __future__ import annotations
@@ -80,3 +81,20 @@ def settled_when_dropped(events: AsyncIterator[bytes], settle: Callable[[], obje
     the response started means its body is never iterated, so its own `finally` never runs."""
     weakref.finalize(events, settle)
     return events
+
+
+async def noting_gone(events: AsyncIterator[bytes], request: Request) -> AsyncIterator[bytes]:
+    """`events`, as a streamed reply's body: a client that goes away before its end (the server cancels the
+    body, or closes it unfinished) is logged in one info line, and `events` is closed at once (its own
+    clean-up cancels the daemon's calls now, not when it is collected)."""
+    gone = False
+    try:
+        async for chunk in events:
+            yield chunk
+    except (asyncio.CancelledError, GeneratorExit):
+        gone = True
+        raise
+    finally:
+        if gone:
+            log.info("client went away mid-stream: %s %s", request.method, request.url.path)
+        await events.aclose()  # type: ignore[attr-defined]

@@ -26,7 +26,7 @@ from cbd.gateway.errors import ApiError, from_cbd
 from cbd.gateway.messages.request import MessagesCall, parse
 from cbd.gateway.requests import checked
 from cbd.gateway.responses.items import new_id
-from cbd.gateway.streams import rest, settled_when_dropped, unless_gone
+from cbd.gateway.streams import noting_gone, rest, settled_when_dropped, unless_gone
 from cbd_client.calls import set_prompt
 from cbd_client.errors import CbdError
 from cbd_client.v1 import cbd_pb2 as pb
@@ -76,7 +76,7 @@ class Messages:
             turn.started = await unless_gone(request, turn.resent.start(call.template))
             if call.stream:
                 events = settled_when_dropped(turn.events(), turn.resent.settle)
-                return StreamingResponse(events, media_type="text/event-stream",
+                return StreamingResponse(noting_gone(events, request), media_type="text/event-stream",
                                          headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})  # fmt: skip
             return JSONResponse(await unless_gone(request, turn.whole()))
         finally:

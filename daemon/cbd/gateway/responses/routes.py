@@ -32,7 +32,7 @@ from cbd.gateway.responses.background import Background
 from cbd.gateway.responses.request import Create, parse
 from cbd.gateway.responses.store import ResponseStore, Stored
 from cbd.gateway.responses.stream import Events
-from cbd.gateway.streams import rest, settled_when_dropped, unless_gone
+from cbd.gateway.streams import noting_gone, rest, settled_when_dropped, unless_gone
 from cbd_client.errors import CbdError
 from cbd_client.v1 import cbd_pb2 as pb
 
@@ -57,7 +57,7 @@ class Responses:
             run.started = await unless_gone(request, self.turns.start(create.template, plan, metadata))
             if create.stream:
                 events = settled_when_dropped(run.events(metadata), lambda: run.settle(metadata))
-                return StreamingResponse(events, media_type="text/event-stream",
+                return StreamingResponse(noting_gone(events, request), media_type="text/event-stream",
                                          headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})  # fmt: skip
             if create.background:
                 return JSONResponse(await self.background.begin(run, metadata))
