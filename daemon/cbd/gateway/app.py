@@ -16,7 +16,7 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from typing import Any
 
 import grpc
@@ -199,7 +199,7 @@ class Gateway:
     async def _events(
         self, call: Call, reply: Reply, streams: list[Any], firsts: list[pb.GenerateResponse], fresh: str | None,
         metadata: list[tuple[str, str]], resent: ResentTurn | None,
-    ) -> AsyncIterator[bytes]:  # fmt: skip
+    ) -> AsyncGenerator[bytes, None]:  # fmt: skip
         queue: asyncio.Queue[tuple[int, Any]] = asyncio.Queue()
 
         async def pump(i: int, stream: Any, first: pb.GenerateResponse) -> None:

@@ -32,14 +32,8 @@ from cbd.gateway.limits import Limits, too_large
 log = logging.getLogger("cbd.gateway")
 
 
-def openai_shape(path: str, error: ApiError) -> Response:
-    return error.response()
-
-
 class Guard:
-    def __init__(
-        self, app: ASGIApp, limits: Limits, render: Callable[[str, ApiError], Response] = openai_shape
-    ) -> None:
+    def __init__(self, app: ASGIApp, limits: Limits, render: Callable[[str, ApiError], Response]) -> None:
         """render(path, error): the refusal in the error shape of the API that `path` belongs to."""
         self.app = app
         self.limits = limits

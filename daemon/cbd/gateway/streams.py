@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import weakref
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from typing import Any
 
 import grpc
@@ -76,14 +76,16 @@ async def _disconnected(request: Request) -> None:
         pass
 
 
-def settled_when_dropped(events: AsyncIterator[bytes], settle: Callable[[], object]) -> AsyncIterator[bytes]:
+def settled_when_dropped(
+    events: AsyncGenerator[bytes, None], settle: Callable[[], object]
+) -> AsyncGenerator[bytes, None]:
     """`events`, whose `settle` (idempotent) also runs when the generator is dropped: a client gone before
     the response started means its body is never iterated, so its own `finally` never runs."""
     weakref.finalize(events, settle)
     return events
 
 
-async def noting_gone(events: AsyncIterator[bytes], request: Request) -> AsyncIterator[bytes]:
+async def noting_gone(events: AsyncGenerator[bytes, None], request: Request) -> AsyncGenerator[bytes, None]:
     """`events`, as a streamed reply's body: a client that goes away before its end (the server cancels the
     body, or closes it unfinished) is logged in one info line, and `events` is closed at once (its own
     clean-up cancels the daemon's calls now, not when it is collected)."""
@@ -97,4 +99,4 @@ async def noting_gone(events: AsyncIterator[bytes], request: Request) -> AsyncIt
     finally:
         if gone:
             log.info("client went away mid-stream: %s %s", request.method, request.url.path)
-        await events.aclose()  # type: ignore[attr-defined]
+        await events.aclose()

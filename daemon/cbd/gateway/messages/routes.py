@@ -10,7 +10,7 @@ A cache_control mark raises the session's retention to high and, for ttl 1h, its
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, Awaitable, Callable
 from typing import Any
 
 import grpc
@@ -117,7 +117,7 @@ class Turn:
         return {**self._head(), "content": [self._block(i) for i in range(len(self.fold.blocks))],
                 "stop_reason": stop_reason, "stop_sequence": stop_sequence, "usage": self._usage()}  # fmt: skip
 
-    async def events(self) -> AsyncIterator[bytes]:
+    async def events(self) -> AsyncGenerator[bytes, None]:
         assert self.started is not None
         try:
             start = {**self._head(), "content": [], "stop_reason": None, "stop_sequence": None,

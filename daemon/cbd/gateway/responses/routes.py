@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import hashlib
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from typing import Any
 
 import grpc
@@ -31,7 +31,7 @@ from cbd.gateway.responses import items
 from cbd.gateway.responses.background import Background
 from cbd.gateway.responses.request import Create, parse
 from cbd.gateway.responses.store import ResponseStore, Stored
-from cbd.gateway.responses.stream import Events
+from cbd.gateway.responses.stream import Events, reply_status
 from cbd.gateway.streams import noting_gone, rest, settled_when_dropped, unless_gone
 from cbd_client.errors import CbdError
 from cbd_client.v1 import cbd_pb2 as pb
@@ -175,7 +175,7 @@ class Run:
             self.stream.of(event)
         return await self._finish()
 
-    async def events(self, metadata: list[tuple[str, str]]) -> AsyncIterator[bytes]:
+    async def events(self, metadata: list[tuple[str, str]]) -> AsyncGenerator[bytes, None]:
         self.name()
         assert self.started is not None
         try:
@@ -207,8 +207,7 @@ class Run:
     async def _finish(self) -> dict[str, Any]:
         """The response object; stored (with the session's new turn) when asked to."""
         finish = self.fold.finish
-        status = {pb.FINISH_REASON_LENGTH: "incomplete", pb.FINISH_REASON_ERROR: "failed",
-                  pb.FINISH_REASON_ABORT: "failed"}.get(finish, "completed")  # fmt: skip
+        status = reply_status(finish)
         response = self.response(status, self.stream.output("completed" if status == "completed" else "incomplete"))
         if status == "incomplete":
             response["incomplete_details"] = {"reason": "max_output_tokens"}

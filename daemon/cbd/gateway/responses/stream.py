@@ -17,6 +17,12 @@ from cbd.gateway.responses import items
 from cbd_client.v1 import cbd_pb2 as pb
 
 
+def reply_status(finish: pb.FinishReason) -> str:
+    """A response's status by how its reply ended: cut off by max_output_tokens, ended by the daemon, or done."""
+    return {pb.FINISH_REASON_LENGTH: "incomplete", pb.FINISH_REASON_ERROR: "failed",
+            pb.FINISH_REASON_ABORT: "failed"}.get(finish, "completed")  # fmt: skip
+
+
 class Events:
     def __init__(self, fold: Fold) -> None:
         self.fold = fold
@@ -75,7 +81,7 @@ class Events:
 
     def _closed_status(self, index: int) -> str:
         """A closing block's status: incomplete when it is the last and the reply was cut off."""
-        cut = self.fold.finish in (pb.FINISH_REASON_LENGTH, pb.FINISH_REASON_ERROR, pb.FINISH_REASON_ABORT)
+        cut = reply_status(self.fold.finish) != "completed"
         return "incomplete" if cut and index == len(self.fold.blocks) - 1 else "completed"
 
 
