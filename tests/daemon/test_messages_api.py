@@ -102,7 +102,11 @@ def test_stop_sequences_and_cache_control(gw: Stack) -> None:
     mark = {"type": "ephemeral", "ttl": "1h"}
     system = [{"type": "text", "text": "You are a terse geography assistant.", "cache_control": mark}]
     marked = c.messages.create(model="m", max_tokens=10, **GREEDY, system=system, messages=ASK)
-    assert marked.usage.cache_creation_input_tokens == marked.usage.input_tokens > 0
+    # The three input counts add up to the prompt (count_tokens): the computed part is the cache write.
+    u = marked.usage
+    prompt = c.messages.count_tokens(model="m", system=system, messages=ASK).input_tokens
+    assert u.input_tokens == 0 and u.cache_creation_input_tokens > 0
+    assert u.cache_creation_input_tokens + (u.cache_read_input_tokens or 0) == prompt
     # The mark is the session's retention: high, and kept idle for the mark's hour.
     with Client(gw.daemon.address, timeout=30, token=TOKEN) as daemon:
         held = [s for s in daemon.list_sessions() if s.retention == "high"]
@@ -120,6 +124,9 @@ def test_errors_in_the_apis_shape(gw: Stack) -> None:
         c.messages.create(model="m", max_tokens=5, messages=[
             {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_x", "content": "1"}]}])  # fmt: skip
     assert "names no earlier tool call" in bad.value.message
+    with pytest.raises(anthropic.BadRequestError) as bad:  # a prefill is refused, never silently dropped
+        c.messages.create(model="m", max_tokens=5, messages=[*ASK, {"role": "assistant", "content": "Paris is"}])
+    assert "final assistant message" in bad.value.message
     with pytest.raises(anthropic.AuthenticationError) as denied:
         client(gw, "wrong").messages.create(model="m", max_tokens=5, messages=ASK)
     body: Any = denied.value.body  # the SDK types an error body as object: it is the API's error dict

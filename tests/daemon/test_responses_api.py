@@ -152,6 +152,12 @@ def test_background_responses_are_polled_and_cancelled(gw: Stack) -> None:
     assert cancelled.status == "cancelled" and c.responses.retrieve(long.id).status == "cancelled"
     with pytest.raises(openai.BadRequestError):  # only background responses can be cancelled
         c.responses.cancel(c.responses.create(model="m", input="Hi", max_output_tokens=2).id)
+    running = c.responses.create(model="m", input="Count from 1 to 1000.", max_output_tokens=2000, temperature=0,
+                                 background=True)  # fmt: skip
+    with pytest.raises(openai.BadRequestError) as early:  # its output is not there yet to continue from
+        c.responses.create(model="m", input="Go on.", previous_response_id=running.id, max_output_tokens=4)
+    assert early.value.param == "previous_response_id" and "still in_progress" in early.value.message
+    assert c.responses.cancel(running.id).status == "cancelled"
     deadline = time.monotonic() + 30
     with Client(gw.daemon.address, timeout=30, token=TOKEN) as daemon:
         while daemon.stats().running:  # the cancelled turn left the engine
@@ -179,6 +185,20 @@ def test_errors_and_ownership(gw: Stack) -> None:
         body: Any = missing.value.body  # the SDK types an error body as object: it is the API's error dict
         assert body["message"] == f"no response with id {mine.id!r}"
     assert c.responses.retrieve(mine.id).id == mine.id
+    with pytest.raises(openai.AuthenticationError):  # a wrong key is refused as a create refuses it
+        client(gw, "wrong").responses.retrieve(mine.id)
+    # The daemon's refusals name the field as this API names it.
+    for ask, param in (({"tools": [TOOLS[0], TOOLS[0]]}, "tools[1]"),
+                       ({"input": "word " * 20000}, "input"),
+                       ({"metadata": {f"k{i}": "v" for i in range(17)}}, "metadata"),
+                       ({"truncation": "sometimes"}, "truncation")):  # fmt: skip
+        with pytest.raises(openai.BadRequestError) as bad:
+            c.responses.create(model="m", **{"input": "Hi", "max_output_tokens": 2, **ask})
+        assert bad.value.param == param, bad.value.message
+    echoed = c.responses.create(model="m", input="Say yes.", max_output_tokens=4, top_p=0, truncation="auto",
+                                user="u1")  # fmt: skip
+    assert (echoed.truncation, echoed.user, echoed.top_p, echoed.temperature) == ("auto", "u1", 0, 1.0)
+    assert echoed.usage is not None and echoed.usage.input_tokens_details.cache_write_tokens >= 0
     c.responses.delete(mine.id)
     with pytest.raises(openai.NotFoundError):
         c.responses.retrieve(mine.id)
@@ -220,6 +240,56 @@ def test_a_chain_continues_across_a_gateway_and_daemon_restart(gw: Stack) -> Non
     assert oracle.usage.input_tokens_details.cached_tokens >= first.usage.input_tokens
     assert again.usage.input_tokens_details.cached_tokens < first.usage.input_tokens
     assert again.usage.input_tokens == oracle.usage.input_tokens  # the same prompt, token for token
+
+
+@pytest.mark.slow
+def test_a_streamed_response_is_stored_while_it_streams_and_when_its_client_leaves(gw: Stack) -> None:
+    c = client(gw)
+    events = c.responses.create(model="m", input="Count from 1 to 1000.", max_output_tokens=2000, temperature=0,
+                                stream=True)  # fmt: skip
+    response_id = None
+    for event in events:
+        if event.type == "response.created":
+            response_id = event.response.id
+        if event.type == "response.output_text.delta":
+            break
+    assert response_id is not None
+    assert c.responses.retrieve(response_id).status == "in_progress"
+    events.close()  # the client leaves mid-stream: the turn is cancelled and stored as it ended
+    deadline = time.monotonic() + 60
+    while (left := c.responses.retrieve(response_id)).status == "in_progress":
+        assert time.monotonic() < deadline
+        time.sleep(0.1)
+    assert left.status == "cancelled" and left.output and left.output[-1].status == "incomplete"
+
+
+def test_a_response_still_running_is_not_continued_yet() -> None:
+    from cbd.gateway.errors import ApiError
+    from cbd.gateway.responses.routes import _check_continuable
+
+    _check_continuable(Stored("resp_1", "a", "s1", 1, 0.0, None, [], [], {"status": "completed", "output": []}))
+    running = Stored("resp_2", "a", None, 1, 0.0, None, [], [], {"status": "in_progress", "output": []})
+    with pytest.raises(ApiError, match="still in_progress") as refused:
+        _check_continuable(running)
+    assert refused.value.param == "previous_response_id"
+
+
+def test_a_response_left_in_progress_by_a_stopped_gateway_is_failed_by_the_next(tmp_path) -> None:
+    import asyncio
+
+    from cbd.gateway.responses.store import ORPHANED
+
+    async def scenario() -> None:
+        before = ResponseStore(StoreSettings(tmp_path))
+        await before.put(Stored("resp_1", "a", None, 1, time.time(), None, [], [], {"status": "in_progress"}))
+        await before.put(Stored("resp_2", "a", "s2", 1, time.time(), None, [], [], {"status": "completed"}))
+        after = ResponseStore(StoreSettings(tmp_path))  # the next gateway on the state directory
+        orphan, done = await after.get("a", "resp_1"), await after.get("a", "resp_2")
+        assert orphan is not None and orphan[0].response["status"] == "failed"
+        assert orphan[0].response["error"] == {"code": "server_error", "message": ORPHANED}
+        assert done is not None and done[0].response == {"status": "completed"}
+
+    asyncio.run(scenario())
 
 
 def _row(owner: str, n: int, created_at: float) -> Stored:

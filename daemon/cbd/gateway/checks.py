@@ -24,6 +24,15 @@ def number(body: dict[str, Any], name: str, low: float, high: float) -> float | 
     return float(value)
 
 
+def set_top_p(sampling: Any, top_p: float) -> None:
+    """The APIs allow top_p 0 (the daemon's nucleus must be above 0): the smallest nucleus, the most likely
+    token alone, is greedy decoding."""
+    if top_p == 0:
+        sampling.temperature = 0.0
+    else:
+        sampling.top_p = top_p
+
+
 def _short(value: Any) -> str:
     text = repr(value)
     return text if len(text) <= 40 else text[:37] + "..."

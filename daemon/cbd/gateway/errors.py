@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import math
+import re
+from collections.abc import Mapping
 
 import grpc
 from starlette.responses import JSONResponse
@@ -66,3 +68,33 @@ def from_cbd(error: CbdError) -> ApiError:
         headers = {"Retry-After": str(max(1, math.ceil(error.retry_after))),
                    "retry-after-ms": str(max(1, round(1000 * error.retry_after)))}  # fmt: skip
     return ApiError(status, error.details or error.code.name, kind, code=error.code.name.lower(), headers=headers)
+
+
+# The daemon's refusals begin with its own name for the field at fault; an API names that field its way.
+_DAEMON_FIELDS = (
+    (re.compile(r"tool (\d+)\b"), "tools[{}]"),
+    (re.compile(r"tool '|at most \d+ tools|invalid structural_tag"), "tools"),
+    (re.compile(r"(tool_choice|temperature|top_p|top_k|min_p|seed|n|logprobs|max_tokens)\b"), "{}"),
+    (re.compile(r"stop |each stop string|stop strings"), "stop"),
+    (re.compile(r"invalid (json_schema|json_object|response_format)|response_format"), "response_format"),
+    (re.compile(r"the prompt|the chat template|chat message"), "messages"),
+)
+_TOO_LONG = re.compile(r"the prompt(?:'s text)? has \d+ (?:tokens|characters)")
+
+
+def named(error: ApiError, names: Mapping[str, str]) -> ApiError:
+    """A 400 that names no param (the daemon's refusal): the param its message names, as the API calls it
+    (`names`: the daemon's field -> the API's, where they differ); a prompt over the context also gets the
+    code context_length_exceeded."""
+    if error.status != 400 or error.param is not None:
+        return error
+    for pattern, template in _DAEMON_FIELDS:
+        found = pattern.match(error.message)
+        if found is not None:
+            field = template.format(*found.groups()) if found.groups() else template
+            head = field.split("[", 1)[0]
+            error.param = names.get(head, head) + field[len(head) :]
+            if _TOO_LONG.match(error.message):
+                error.code = "context_length_exceeded"
+            return error
+    return error

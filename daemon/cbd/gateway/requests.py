@@ -45,6 +45,11 @@ class Call:
     messages: list[dict[str, Any]] | None = None  # a chat's messages, normalised (sessions.py)
 
 
+# The daemon's names of fields its refusals name, as each API names them (errors.named).
+CHAT_DAEMON_PARAMS: dict[str, str] = {}
+COMPLETIONS_DAEMON_PARAMS = {"messages": "prompt"}
+
+
 def chat_call(body: dict[str, Any], session_header: str | None, owner: str = "") -> Call:
     """owner: the caller's key (agentic/caller.py), which scopes the session name."""
     messages = body.get("messages")
@@ -156,7 +161,9 @@ def _request(body: dict[str, Any], logprobs: int | None) -> pb.GenerateRequest:
     s.max_tokens = _int(body, name, MAX_TOKENS, 1, MAX_TOKENS)  # omitted: up to the context
     for name, high in (("temperature", 2.0), ("top_p", 1.0), ("min_p", 1.0)):  # the API's ranges
         value = checks.number(body, name, 0.0, high)
-        if value is not None:
+        if value is not None and name == "top_p":
+            checks.set_top_p(s, value)
+        elif value is not None:
             setattr(s, name, value)
     if body.get("top_k") is not None:
         s.top_k = max(0, _int(body, "top_k", 0, -1, (1 << 31) - 1))  # -1 disables, as 0 does here

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from cbd.gateway.checks import number
+from cbd.gateway.checks import number, set_top_p
 from cbd.gateway.errors import bad_request
 from cbd.gateway.requests import MAX_TOKENS, checked
 from cbd_client.structured import set_response_format, set_tools
@@ -32,7 +32,7 @@ def sampling(request: pb.GenerateRequest, body: dict[str, Any], max_tokens: int 
         s.temperature = temperature
     top_p = number(body, "top_p", 0, 1)
     if top_p is not None:
-        s.top_p = top_p
+        set_top_p(s, top_p)
     top_k = integer(body, "top_k", 0, MAX_TOKENS)
     if top_k is not None:
         s.top_k = top_k

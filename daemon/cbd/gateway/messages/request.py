@@ -146,6 +146,9 @@ def _messages(value: Any, marks: list[str]) -> list[dict[str, Any]]:
             if calls:
                 message["tool_calls"] = calls
             out.append(message)
+    if value[-1].get("role") == "assistant":
+        raise bad_request("a final assistant message (a prefill to continue) is not supported: end with the "
+                          "user's turn", f"messages[{len(value) - 1}]")  # fmt: skip
     return out
 
 

@@ -186,9 +186,12 @@ class Turn:
     def _usage(self) -> dict[str, Any]:
         u = self.fold.usage or pb.Usage()
         fresh = u.prompt_tokens - u.cached_prompt_tokens
-        return {"input_tokens": fresh, "output_tokens": u.completion_tokens,
+        # The three input counts add up to the prompt: the computed tokens are cache writes when the call
+        # carries a cache_control mark (its session keeps them), else plain input.
+        marked = self.call.cache_ttl is not None
+        return {"input_tokens": 0 if marked else fresh, "output_tokens": u.completion_tokens,
                 "cache_read_input_tokens": u.cached_prompt_tokens,
-                "cache_creation_input_tokens": fresh if self.call.cache_ttl is not None else 0}  # fmt: skip
+                "cache_creation_input_tokens": fresh if marked else 0}  # fmt: skip
 
 
 def _sse(kind: str, data: dict[str, Any]) -> bytes:

@@ -4,7 +4,8 @@ the turn; the turn runs on in a task of the gateway, and its stored row is what 
 While it runs the row has no session (nothing may continue it yet); at the end it is the finished
 response (completed, incomplete or failed, continuable as any other). Cancel aborts the turn (the
 daemon frees its KV; a continued session stays as it was) and stores it as `cancelled`, with what it
-had produced. A gateway that stops while one runs leaves the row in_progress: the turn died with it.
+had produced. A gateway that stops while one runs leaves the row in_progress; the next gateway on that
+state directory stores it as failed when it opens the store (store.py): the turn died with the first.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 from cbd.gateway.errors import ApiError
 from cbd.gateway.responses.store import ResponseStore
+from cbd.gateway.responses.stream import failure
 
 if TYPE_CHECKING:
     from cbd.gateway.responses.routes import Run
@@ -44,7 +46,7 @@ class Background:
             await self.store.put(run.stored(run.response("cancelled", run.stream.output("incomplete")), None))
         except ApiError as exc:
             failed = run.response("failed", run.stream.output("incomplete"))
-            failed["error"] = {"code": exc.code or exc.kind, "message": exc.message}
+            failed["error"] = failure(exc)
             await self.store.put(run.stored(failed, None))
         finally:
             run.settle(metadata)

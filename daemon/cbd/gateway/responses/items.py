@@ -75,7 +75,7 @@ def messages(items: list[dict[str, Any]]) -> list[dict[str, Any]]:
             if not isinstance(item.get("call_id"), str):
                 raise bad_request(f"{where}: a function_call_output needs a string call_id", where)
             output = item.get("output")
-            text = output if isinstance(output, str) else _text(output, where)
+            text = output if isinstance(output, str) else _text(output, where, "output")
             out.append({"role": "tool", "tool_call_id": item["call_id"], "content": text})
         else:
             raise bad_request(f"{where}.type {kind!r} is not supported (message, function_call, "
@@ -83,16 +83,18 @@ def messages(items: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return out
 
 
-def _text(content: Any, where: str) -> str:
+def _text(content: Any, where: str, field: str = "content") -> str:
     if isinstance(content, str):
         return content
     if not isinstance(content, list):
-        raise bad_request(f"{where}.content must be a string or a list of text parts", f"{where}.content")
+        raise bad_request(f"{where}.{field} must be a string or a list of text parts", f"{where}.{field}")
     texts = []
-    for part in content:
-        if not isinstance(part, dict) or part.get("type") not in _TEXT_PARTS or not isinstance(part.get("text"), str):
-            raise bad_request(f"{where}: only text content parts are supported ({', '.join(_TEXT_PARTS)})",
-                              f"{where}.content")  # fmt: skip
+    for j, part in enumerate(content):
+        at = f"{where}.{field}[{j}]"
+        if not isinstance(part, dict) or part.get("type") not in _TEXT_PARTS:
+            raise bad_request(f"{at}: only text content parts are supported ({', '.join(_TEXT_PARTS)})", at)
+        if not isinstance(part.get("text"), str):
+            raise bad_request(f"{at}.text must be a string", f"{at}.text")
         texts.append(part["text"])
     return "".join(texts)
 

@@ -22,6 +22,10 @@ from cbd.gateway.errors import bad_request
 from cbd.gateway.responses import items
 from cbd_client.v1 import cbd_pb2 as pb
 
+# The daemon's names of fields its refusals name, as this API names them (errors.named).
+DAEMON_PARAMS = {"max_tokens": "max_output_tokens", "messages": "input", "response_format": "text.format",
+                 "logprobs": "top_logprobs"}  # fmt: skip
+
 
 @dataclass(slots=True)
 class Create:
@@ -39,6 +43,8 @@ class Create:
 
 def parse(body: dict[str, Any]) -> Create:
     _refuse_unsupported(body)
+    if not isinstance(body.get("model"), (str, type(None))):
+        raise bad_request("model must be a string (one model is served, whatever it names)", "model")
     given = items.input_items(body.get("input"))
     instructions = body.get("instructions")
     if instructions is not None and not isinstance(instructions, str):
@@ -56,13 +62,22 @@ def parse(body: dict[str, Any]) -> Create:
         convert.tools(template, tools, choice, parallel)
     elif choice not in (None, "none", "auto"):
         raise bad_request("tool_choice needs tools", "tool_choice")
-    text = body.get("text") or {}
-    fmt = text.get("format") if isinstance(text, dict) else None
+    text = body.get("text")
+    if text is not None and not isinstance(text, dict):
+        raise bad_request("text must be an object", "text")
+    fmt = (text or {}).get("format")
     if fmt is not None:
         _format(template, fmt)
-    metadata = body.get("metadata")
-    if metadata is not None and not isinstance(metadata, dict):
-        raise bad_request("metadata must be an object", "metadata")
+    verbosity = (text or {}).get("verbosity")
+    if verbosity not in (None, "medium"):
+        raise bad_request("text.verbosity is not supported (only its default, medium)", "text.verbosity")
+    metadata = _metadata(body.get("metadata"))
+    truncation = body.get("truncation")
+    if truncation not in (None, "auto", "disabled"):
+        raise bad_request(f"truncation must be auto or disabled, got {truncation!r}", "truncation")
+    user = body.get("user")
+    if user is not None and not isinstance(user, str):
+        raise bad_request("user must be a string", "user")
     store = checks.flag(body, "store", True)
     stream = checks.flag(body, "stream", False)
     background = checks.flag(body, "background", False)
@@ -72,11 +87,13 @@ def parse(body: dict[str, Any]) -> Create:
     if background and (stream or not store):
         raise bad_request("background needs store: true and no stream", "background")
     echo: dict[str, Any] = {
-        "instructions": instructions, "max_output_tokens": max_tokens, "metadata": metadata or {},
-        "parallel_tool_calls": parallel, "previous_response_id": previous, "temperature": body.get("temperature"),
-        "top_p": body.get("top_p"), "tool_choice": body.get("tool_choice") or "auto", "tools": body.get("tools") or [],
-        "text": {"format": fmt or {"type": "text"}}, "truncation": "disabled", "background": background,
-        "store": store, "prompt_cache_key": cache_key,
+        "instructions": instructions, "max_output_tokens": max_tokens, "metadata": metadata,
+        "parallel_tool_calls": parallel, "previous_response_id": previous,
+        "temperature": _or(body.get("temperature"), 1.0), "top_p": _or(body.get("top_p"), 1.0),
+        "tool_choice": body.get("tool_choice") or "auto", "tools": body.get("tools") or [],
+        "text": {"format": fmt or {"type": "text"}, "verbosity": "medium"}, "truncation": truncation or "disabled",
+        "background": background, "store": store, "prompt_cache_key": cache_key, "user": user,
+        "max_tool_calls": body.get("max_tool_calls"), "top_logprobs": 0,
     }  # fmt: skip
     return Create(
         template, given, items.messages(given), instructions, previous, stream, store, background, echo, cache_key
@@ -91,6 +108,33 @@ def _refuse_unsupported(body: dict[str, Any]) -> None:
         raise bad_request("reasoning is not supported", "reasoning")
     if body.get("include"):
         raise bad_request("include is not supported", "include")
+    if body.get("prompt") is not None:
+        raise bad_request("prompt templates are not supported: send input and instructions", "prompt")
+    if body.get("top_logprobs") not in (None, 0):
+        raise bad_request("top_logprobs is not supported", "top_logprobs")
+    calls = body.get("max_tool_calls")
+    if calls is not None and (isinstance(calls, bool) or not isinstance(calls, int) or calls < 1):
+        raise bad_request("max_tool_calls must be a positive integer", "max_tool_calls")
+
+
+def _or(value: Any, default: Any) -> Any:
+    return default if value is None else value
+
+
+MAX_METADATA_PAIRS, MAX_METADATA_KEY, MAX_METADATA_VALUE = 16, 64, 512
+
+
+def _metadata(value: Any) -> dict[str, str]:
+    """At most 16 pairs of strings: keys of at most 64 characters, values of at most 512 (the API's bounds)."""
+    if value is None:
+        return {}
+    if not isinstance(value, dict) or len(value) > MAX_METADATA_PAIRS:
+        raise bad_request(f"metadata must be an object of at most {MAX_METADATA_PAIRS} pairs", "metadata")
+    for key, text in value.items():
+        if len(key) > MAX_METADATA_KEY or not isinstance(text, str) or len(text) > MAX_METADATA_VALUE:
+            raise bad_request(f"metadata[{key[:MAX_METADATA_KEY]!r}]: keys are strings of at most {MAX_METADATA_KEY} "
+                              f"characters, values strings of at most {MAX_METADATA_VALUE}", "metadata")  # fmt: skip
+    return value
 
 
 def _tools(tools: Any) -> list[dict[str, Any]]:
@@ -122,8 +166,10 @@ def _format(template: pb.GenerateRequest, fmt: Any) -> None:
     if kind == "json_object":
         convert.response_format(template, {"type": "json_object"})
     elif kind == "json_schema":
+        if not isinstance(fmt.get("name"), str) or not fmt["name"]:
+            raise bad_request("text.format.name is required (a string)", "text.format.name")
         if not isinstance(fmt.get("schema"), dict):
-            raise bad_request("text.format.schema must be an object", "text.format")
+            raise bad_request("text.format.schema must be an object", "text.format.schema")
         convert.response_format(template, {"type": "json_schema", "json_schema": {"schema": fmt["schema"]}})
     else:
         raise bad_request(f"text.format.type must be text, json_object or json_schema, got {kind!r}", "text.format")

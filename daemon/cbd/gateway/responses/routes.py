@@ -13,6 +13,7 @@ both take the session: the second forks.
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import time
 from collections.abc import AsyncGenerator
@@ -31,7 +32,7 @@ from cbd.gateway.responses import items
 from cbd.gateway.responses.background import Background
 from cbd.gateway.responses.request import Create, parse
 from cbd.gateway.responses.store import ResponseStore, Stored
-from cbd.gateway.responses.stream import Events, reply_status
+from cbd.gateway.responses.stream import Events, failure, reply_status
 from cbd.gateway.streams import noting_gone, rest, settled_when_dropped, unless_gone
 from cbd_client.errors import CbdError
 from cbd_client.v1 import cbd_pb2 as pb
@@ -75,6 +76,7 @@ class Responses:
         if found is None:
             raise not_found(create.previous_response_id, "previous_response_id")
         previous, latest = found
+        _check_continuable(previous)
         history = previous.conversation
         whole = _with(create.instructions, history + create.messages)
         if not create.store:
@@ -93,12 +95,14 @@ class Responses:
         self._claimed.discard(session_id or "")
 
     async def retrieve(self, request: Request) -> Response:
+        if request.query_params.get("stream", "false").lower() not in ("false", "0"):
+            raise bad_request("a stored response is not streamed again: retrieve polls it", "stream")
         stored = await self._find(request)
         return JSONResponse(stored.response)
 
     async def delete(self, request: Request) -> Response:
         response_id = request.path_params["response_id"]
-        if not await self.store.delete(caller.caller_key(request.headers), response_id):
+        if not await self.store.delete(await self._caller(request), response_id):
             raise not_found(response_id)
         return JSONResponse({"id": response_id, "object": "response.deleted", "deleted": True})
 
@@ -128,9 +132,19 @@ class Responses:
         return JSONResponse({"object": "list", "data": page, "first_id": page[0]["id"] if page else None,
                              "last_id": page[-1]["id"] if page else None, "has_more": len(listed) > len(page)})  # fmt: skip
 
+    async def _caller(self, request: Request) -> str:
+        """The caller's key, once the daemon has taken its token: a missing or wrong one is the 401 (or 403) a
+        create gets. An unreachable daemon does not stop a read: rows are scoped by key either way."""
+        try:
+            await self.gateway.model(caller.metadata(request.headers), fresh=True)
+        except ApiError as exc:
+            if exc.status in (401, 403):
+                raise
+        return caller.caller_key(request.headers)
+
     async def _find(self, request: Request) -> Stored:
         response_id = request.path_params["response_id"]
-        found = await self.store.get(caller.caller_key(request.headers), response_id)
+        found = await self.store.get(await self._caller(request), response_id)
         if found is None:
             raise not_found(response_id)
         return found[0]
@@ -178,7 +192,10 @@ class Run:
     async def events(self, metadata: list[tuple[str, str]]) -> AsyncGenerator[bytes, None]:
         self.name()
         assert self.started is not None
+        ended = False  # stored as it ended (else, while stored, a client gone mid-stream stores it cancelled)
         try:
+            if self.create.store:  # retrieve finds it while it streams
+                await self.api.store.put(self.stored(self.response("in_progress", []), None))
             yield self.stream.lifecycle("response.created", self.response("in_progress", []))
             yield self.stream.lifecycle("response.in_progress", self.response("in_progress", []))
             try:
@@ -190,19 +207,25 @@ class Run:
                         for chunk in self.stream.of(event):
                             yield chunk
             except grpc.aio.AioRpcError as exc:
-                error = from_cbd(CbdError.from_rpc(exc))
                 failed = self.response("failed", self.stream.output("incomplete"))
-                failed["error"] = {"code": error.code or "server_error", "message": error.message}
+                failed["error"] = failure(from_cbd(CbdError.from_rpc(exc)))
+                if self.create.store:
+                    await self.api.store.put(self.stored(failed, None))
+                ended = True
                 yield self.stream.lifecycle("response.failed", failed)
                 return
             for event in self.fold.end(at_least_one=True):
                 for chunk in self.stream.of(event):
                     yield chunk
             final = await self._finish()
+            ended = True
             kind = {"completed": "response.completed", "incomplete": "response.incomplete"}.get(final["status"])
             yield self.stream.lifecycle(kind or "response.failed", final)
         finally:
             self.settle(metadata)
+            if self.create.store and not ended:
+                cancelled = self.stored(self.response("cancelled", self.stream.output("incomplete")), None)
+                await asyncio.shield(self.api.store.put(cancelled))
 
     async def _finish(self) -> dict[str, Any]:
         """The response object; stored (with the session's new turn) when asked to."""
@@ -213,9 +236,14 @@ class Run:
             response["incomplete_details"] = {"reason": "max_output_tokens"}
         if status == "failed":
             response["error"] = {"code": "server_error", "message": "the daemon ended the reply without finishing it"}
+        if status == "completed":
+            response["completed_at"] = int(time.time())
         u = self.fold.usage or pb.Usage()
         response["usage"] = {
-            "input_tokens": u.prompt_tokens, "input_tokens_details": {"cached_tokens": u.cached_prompt_tokens},
+            "input_tokens": u.prompt_tokens,
+            # The prompt tokens computed are what the session's KV (and the prefix cache) now hold.
+            "input_tokens_details": {"cached_tokens": u.cached_prompt_tokens,
+                                     "cache_write_tokens": u.prompt_tokens - u.cached_prompt_tokens},
             "output_tokens": u.completion_tokens, "output_tokens_details": {"reasoning_tokens": 0},
             "total_tokens": u.prompt_tokens + u.completion_tokens,
         }  # fmt: skip
@@ -247,6 +275,14 @@ class Run:
         s.cancel()
         if s.opened and not self.done and s.session_id is not None:
             self.api.turns.close(s.session_id, metadata)
+
+
+def _check_continuable(previous: Stored) -> None:
+    """A response still running (in the background, or streaming) has no output yet to continue from."""
+    status = previous.response.get("status")
+    if status in ("queued", "in_progress"):
+        raise bad_request(f"previous response {previous.id!r} is still {status}: continue it once it has "
+                          "finished (retrieve polls it)", "previous_response_id")  # fmt: skip
 
 
 def _snapshot(session_id: str, turn: int) -> str:

@@ -81,6 +81,7 @@ class ResponseStore:
             conn.execute("PRAGMA journal_mode=WAL")
             conn.execute("PRAGMA synchronous=NORMAL")
             conn.executescript(_SCHEMA)
+            _end_orphans(conn)
             self._conn = conn
         return self._conn
 
@@ -138,3 +139,17 @@ class ResponseStore:
             cursor = self._db.execute("DELETE FROM responses WHERE id = ? AND owner = ?", (response_id, owner))
             self._rows -= cursor.rowcount
             return cursor.rowcount > 0
+
+
+ORPHANED = "the gateway stopped while this response ran"
+
+
+def _end_orphans(conn: sqlite3.Connection) -> None:
+    """Responses stored as in_progress by a gateway that stopped (its background tasks and streams died with
+    it) are failed: a client polling one sees it end instead of waiting forever."""
+    rows = conn.execute("SELECT id, response FROM responses WHERE response LIKE '%\"in\\_progress\"%' ESCAPE '\\'")
+    for response_id, text in rows.fetchall():
+        response = json.loads(text)
+        if response.get("status") == "in_progress":
+            response.update(status="failed", error={"code": "server_error", "message": ORPHANED})
+            conn.execute("UPDATE responses SET response = ? WHERE id = ?", (json.dumps(response), response_id))

@@ -13,6 +13,7 @@ import json
 from typing import Any
 
 from cbd.gateway.agentic.blocks import BlockKind, Event, EventKind, Fold
+from cbd.gateway.errors import ApiError
 from cbd.gateway.responses import items
 from cbd_client.v1 import cbd_pb2 as pb
 
@@ -87,3 +88,9 @@ class Events:
 
 def _part(text: str) -> dict[str, Any]:
     return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+
+
+def failure(error: ApiError) -> dict[str, str]:
+    """A failed response's `error`, with one of the API's codes."""
+    code = {429: "rate_limit_exceeded", 400: "invalid_prompt"}.get(error.status, "server_error")
+    return {"code": code, "message": error.message}
