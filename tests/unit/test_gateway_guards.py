@@ -81,17 +81,48 @@ MALFORMED = [  # (route, body, the param named)
     ("completions", {"prompt": ["p"] * 9}, "prompt"),
     ("completions", {"prompt": [[1, 2], [3, 2**40]]}, "prompt[1]"),
     ("completions", {"prompt": [1, -2]}, "prompt"),
-]
+    ("responses", {"input": "p", "tools": [{"type": "function", "name": "f", "description": 5}]},
+     "tools[0].description"),
+    ("responses", {"input": "p", "metadata": {f"k{i}": "v" for i in range(17)}}, "metadata"),
+    ("responses", {"input": "p", "metadata": {"k": 5}}, "metadata"),
+    ("responses", {"input": "p", "truncation": "bogus"}, "truncation"),
+    ("responses", {"input": "p", "text": "json"}, "text"),
+    ("responses", {"input": "p", "text": {"format": {"type": "json_schema", "schema": {}}}}, "text.format.name"),
+    ("responses", {"input": [{"role": "user", "content": [{"type": "input_text", "text": 5}]}]},
+     "input[0].content[0].text"),
+    ("responses", {"input": [{"type": "function_call_output", "call_id": "c", "output": 5}]}, "input[0].output"),
+    ("responses", {"input": "p", "top_logprobs": 3}, "top_logprobs"),
+]  # fmt: skip
 
 
 @pytest.mark.parametrize(("route", "body", "param"), MALFORMED)
 def test_a_malformed_field_is_a_400_naming_it(client, route: str, body: dict[str, Any], param: str) -> None:  # type: ignore[no-untyped-def]
-    path = "/v1/chat/completions" if route == "chat" else "/v1/completions"
+    path = {"chat": "/v1/chat/completions", "completions": "/v1/completions", "responses": "/v1/responses"}[route]
     # json.dumps writes lone surrogates and huge integers as JSON allows (\ud800, digits)
     response = client.post(path, content=json.dumps(body), headers={"Content-Type": "application/json"})
     error = _error(response, 400)
     assert error["param"] == param, error
     assert "bad argument type" not in error["message"]
+
+
+def test_the_daemons_refusals_name_the_field_as_each_api_names_it() -> None:
+    from cbd.gateway.errors import ApiError, named
+    from cbd.gateway.responses.request import DAEMON_PARAMS
+
+    cases = [  # (the daemon's message, the Responses API's param, its code)
+        ("tool 1: the name 'f' is given twice", "tools[1]", None),
+        ("invalid structural_tag: Unsupported type", "tools", None),
+        ("tool_choice names 'g', which is not among the tools given", "tool_choice", None),
+        ("max_tokens must be >= 1, got 0", "max_output_tokens", None),
+        ("the prompt has 9000 tokens; this engine's context holds at most 8192", "input", "context_length_exceeded"),
+        ("invalid json_schema: bad", "text.format", None),
+        ("something else entirely", None, None),
+    ]
+    for message, param, code in cases:
+        error = named(ApiError(400, message), DAEMON_PARAMS)
+        assert (error.param, error.code) == (param, code), message
+    assert named(ApiError(400, "top_p must be in (0, 1]", param="given"), DAEMON_PARAMS).param == "given"
+    assert named(ApiError(503, "tool 1 gone"), DAEMON_PARAMS).param is None  # only refusals of the request
 
 
 def test_json_nested_too_deep_is_a_400_and_never_a_recursion_error(client) -> None:  # type: ignore[no-untyped-def]

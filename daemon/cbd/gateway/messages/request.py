@@ -62,8 +62,13 @@ def parse(body: dict[str, Any]) -> MessagesCall:
     elif choice not in (None, "auto", "none"):
         raise bad_request("tool_choice needs tools", "tool_choice")
     _format(template, body)
-    user = (body.get("metadata") or {}).get("user_id") if isinstance(body.get("metadata"), dict) else None
-    if isinstance(user, str):
+    metadata = body.get("metadata")
+    if metadata is not None and not isinstance(metadata, dict):
+        raise bad_request("metadata must be an object", "metadata")
+    user = (metadata or {}).get("user_id")
+    if user is not None and not isinstance(user, str):
+        raise bad_request("metadata.user_id must be a string", "metadata.user_id")
+    if user:
         template.tenant = user[:128]
     ttl = max((_TTL[m] for m in marks), default=None)
     return MessagesCall(template, messages, checks.flag(body, "stream", False), list(stops), ttl, marks)
@@ -163,7 +168,11 @@ def _tools(tools: Any, marks: list[str]) -> list[dict[str, Any]]:
             raise bad_request(f"tools[{i}]: only client tools (name, description, input_schema) are supported",
                               f"tools[{i}]")  # fmt: skip
         _mark(t, f"tools[{i}]", marks)
-        out.append({"name": t["name"], "description": t.get("description"), "parameters": t.get("input_schema")})
+        if not isinstance(t.get("description"), (str, type(None))):
+            raise bad_request(f"tools[{i}].description must be a string", f"tools[{i}].description")
+        if not isinstance(t.get("input_schema"), dict):
+            raise bad_request(f"tools[{i}].input_schema is required: a JSON schema object", f"tools[{i}].input_schema")
+        out.append({"name": t["name"], "description": t.get("description"), "parameters": t["input_schema"]})
     return out
 
 

@@ -146,6 +146,10 @@ def _tools(tools: Any) -> list[dict[str, Any]]:
     for i, tool in enumerate(tools):
         if not isinstance(tool, dict) or tool.get("type") != "function":
             raise bad_request(f"tools[{i}]: only function tools are supported", f"tools[{i}]")
+        if not isinstance(tool.get("description"), (str, type(None))):
+            raise bad_request(f"tools[{i}].description must be a string", f"tools[{i}].description")
+        if not isinstance(tool.get("parameters"), (dict, type(None))):
+            raise bad_request(f"tools[{i}].parameters must be a JSON schema object", f"tools[{i}].parameters")
         out.append({"name": tool.get("name"), "description": tool.get("description"),
                     "parameters": tool.get("parameters")})  # fmt: skip
     return out
