@@ -86,3 +86,13 @@ def test_bad_specs_are_invalid_requests_with_a_readable_message(compiler, kind, 
 def test_a_spec_over_the_limit_is_refused() -> None:
     with pytest.raises(InvalidRequest, match=f"at most {MAX_GRAMMAR_BYTES}"):
         GrammarSpec(GrammarKind.REGEX, "a" * (MAX_GRAMMAR_BYTES + 1))
+
+
+def test_a_regex_anchor_is_taken_only_where_it_restates_a_whole_match() -> None:
+    from cbd.engine.grammar.matcher import check_anchors
+
+    for regex in ("abc", "^abc$", "^a|^b$", "(^a|b$)", "[^a]b", "[a^$]", r"a\^b\$", "x[]^]y"):
+        check_anchors(regex)
+    for regex in ("a^b", "a$b", "[a]^", r"\d$x"):
+        with pytest.raises(InvalidRequest, match=r"\^ and \$ are taken only"):
+            check_anchors(regex)

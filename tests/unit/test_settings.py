@@ -38,6 +38,9 @@ def test_default_listen_address_follows_the_client_default(monkeypatch) -> None:
         ("[server]\nmetrics_max_connections = 0\n", "metrics_max_connections must be >= 1"),
         ("[server]\nmetrics_auth_token_file = '/x'\n", "metrics_auth_token_file needs metrics_port"),
         ("[engine]\nblas_library = 'mkl'\n", "blas_library must be 'auto', 'cublas' or 'cublaslt'"),
+        ("[server]\nlisten = '127.0.0.1:99999'\n", "listen: '127.0.0.1:99999' is not unix:/path or host:port"),
+        ("[server]\nlisten = 'unix:/tmp/a.sock,localhost'\n", "listen: 'localhost' is not"),
+        ("[server]\nlisten = 'unix:'\n", "listen: a unix address needs a path"),
     ],
 )
 def test_bad_settings_are_errors(tmp_path, toml, match) -> None:  # type: ignore[no-untyped-def]

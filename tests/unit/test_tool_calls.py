@@ -171,3 +171,10 @@ def test_generic_rendering_describes_tools_and_turns_calls_and_results_into_text
         "name": "get_weather",
         "arguments": {"city": "Paris", "unit": "C"},
     }
+
+
+def test_a_tools_parameters_describe_an_object() -> None:
+    assert parse_tools([("t", "d", '{"type": "object"}'), ("u", "d", "")])[0].parameters == {"type": "object"}
+    for schema in ('{"type": "integer"}', '{"type": "string"}', '{"type": ["object", "null"]}'):
+        with pytest.raises(InvalidRequest, match="parameters must be the schema of an object"):
+            parse_tools([("t", "d", schema)])

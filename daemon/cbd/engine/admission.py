@@ -79,7 +79,7 @@ class Admission:
         kind = "; batch requests get a share of it" if batch and share < 1 else ""
         with self._lock:
             if request_id in self._live:
-                raise InvalidRequest(f"request id {request_id!r} is already in use by a live request")
+                raise InvalidRequest("request_id is already in use by a live request")
             if len(self._live) >= max_requests:
                 wait = self._retry_after(len(self._live) - max_requests + 1)
                 raise CapacityExceeded(

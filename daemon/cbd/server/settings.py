@@ -112,9 +112,22 @@ class ServerConfig:
             raise ValueError(f"stall_seconds must be > 0, got {self.stall_seconds}")
         if self.log_level.upper() not in ("DEBUG", "INFO", "WARNING", "ERROR"):
             raise ValueError(f"log_level must be DEBUG, INFO, WARNING or ERROR, got {self.log_level!r}")
+        for address in self.addresses():
+            _check_address(address)
 
     def addresses(self) -> list[str]:
         return [a.strip() for a in (self.listen or default_listen()).split(",") if a.strip()]
+
+
+def _check_address(address: str) -> None:
+    """unix:/path, or host:port with a port from 1 to 65535 (gRPC would otherwise bind another port)."""
+    if address.startswith("unix:"):
+        if not address[len("unix:") :]:
+            raise ValueError("listen: a unix address needs a path (unix:/path)")
+        return
+    host, _, port = address.rpartition(":")
+    if not host or not port.isdigit() or not 1 <= int(port) <= 65535:
+        raise ValueError(f"listen: {address!r} is not unix:/path or host:port with a port from 1 to 65535")
 
 
 def default_listen() -> str:

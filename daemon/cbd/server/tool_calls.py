@@ -103,6 +103,9 @@ def parse_tools(entries: list[tuple[str, str, str]]) -> list[Tool]:
         schema = load_schema(parameters, f"tool {name!r}: parameters") if parameters else {}
         if not isinstance(schema, dict):
             raise InvalidRequest(f"tool {name!r}: parameters must be a JSON schema object")
+        kind = schema.get("type", "object")
+        if kind != "object" and not (isinstance(kind, list) and kind == ["object"]):
+            raise InvalidRequest(f"tool {name!r}: parameters must be the schema of an object (the call's arguments)")
         tools.append(Tool(name, description, schema))
     return tools
 

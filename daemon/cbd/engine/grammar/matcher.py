@@ -139,6 +139,7 @@ class GrammarCompiler:
                 load_schema(spec.source, "json_schema")  # refuses keywords the grammar would not enforce
                 return c.compile_json_schema(spec.source, any_whitespace=False, separators=JSON_SEPARATORS)
             if spec.kind is GrammarKind.REGEX:
+                check_anchors(spec.source)
                 return c.compile_regex(spec.source)
             if spec.kind is GrammarKind.GRAMMAR:
                 return c.compile_grammar(spec.source)
@@ -275,3 +276,27 @@ def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int] |
     import xgrammar as xgr
 
     xgr.apply_token_bitmask_inplace(logits, bitmask.to(logits.device, non_blocking=True), indices=rows)
+
+
+def check_anchors(regex: str) -> None:
+    """The reply matches a regex as a whole, and the compiler drops `^` and `$` wherever they stand: an anchor
+    is refused unless it only restates that (at the start or end of the regex or of an alternative)."""
+    i, in_class = 0, False
+    while i < len(regex):
+        ch = regex[i]
+        if ch == "\\":
+            i += 2
+            continue
+        if in_class:
+            in_class = ch != "]"
+        elif ch == "[":
+            in_class = True
+            i += 2 if regex[i + 1 : i + 2] == "^" else 1
+            i += 1 if regex[i : i + 1] == "]" else 0  # a leading ] is a member of the class
+            continue
+        elif (ch == "^" and regex[i - 1 : i] not in ("", "(", "|")) or (
+            ch == "$" and regex[i + 1 : i + 2] not in ("", ")", "|")
+        ):
+            raise InvalidRequest("regex: ^ and $ are taken only at the start and end of the regex or of an "
+                                 "alternative (the reply matches the regex as a whole)")  # fmt: skip
+        i += 1
