@@ -58,9 +58,9 @@ class EngineConfig:
     max_num_seqs: int = 128
     # Token budget of one engine step; longer prefills are split into chunks that fit.
     max_num_batched_tokens: int = 2048
-    # Live requests (queued or running) beyond which submit refuses with CapacityExceeded.
+    # Live requests (queued or running) beyond which a new one is refused (RESOURCE_EXHAUSTED, with a retry hint).
     max_queued_requests: int = 4096
-    # Prompt tokens of live requests beyond which submit refuses with CapacityExceeded (bounds memory
+    # Prompt tokens of live requests beyond which a new one is refused (RESOURCE_EXHAUSTED; bounds memory
     # whatever the offered load).
     max_queued_tokens: int = 1_048_576
     # None: the model's own context length.
@@ -107,8 +107,8 @@ class EngineConfig:
     # Largest decode batch with a CUDA graph (capped by max_num_seqs).
     cuda_graph_max_batch: int = 256
     # Threads torch uses inside one CPU operation (intra-op); 0: the cores this process may run on (its CPU
-    # affinity mask). On a shared host, set it to the cores cbd may use alone: oversubscribed threads slow
-    # every step many times over.
+    # affinity mask), less those other processes keep busy (re-read every 2 s of work: a thread is given up
+    # per core they take beyond half a core, at least one kept). A number given is used as it is.
     num_threads: int = 0
     # Structured output: grammars (JSON schemas, regexes, EBNF, tool sets) compile in this many worker
     # processes at most at once; further compiles wait their turn (requests without a grammar never do).

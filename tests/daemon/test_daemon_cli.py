@@ -91,6 +91,7 @@ def test_a_stale_socket_is_replaced_and_a_foreign_file_is_refused(tiny_checkpoin
         ([], {}, '[engine]\nblock_size = "abc"\n', ["block_size", "abc"]),
         ([], {}, "[server]\nshutdown_grace = true\n", ["shutdown_grace"]),
         (["--host-kv-gib", "1000000"], {}, None, ["host_kv_gib", "1000000", "RAM"]),
+        (["--listen", "127.0.0.1:99999"], {}, None, ["listen", "127.0.0.1:99999", "port from 1 to 65535"]),
     ],
 )
 def test_start_up_failures_exit_78_with_one_line_and_leave_nothing_behind(tmp_path, args, env, toml, needles) -> None:  # type: ignore[no-untyped-def]
@@ -101,6 +102,16 @@ def test_start_up_failures_exit_78_with_one_line_and_leave_nothing_behind(tmp_pa
     proc = run_cbd("serve", "--listen", f"unix:{sock}", *args, env=env)
     assert_one_clear_line(proc, *needles)
     assert sorted(p.name for p in tmp_path.iterdir()) == (["cbd.toml"] if toml else [])
+
+
+def test_a_model_file_that_is_not_a_checkpoint_is_refused_before_anything_is_bound(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    (tmp_path / "bad.gguf").write_text("garbage")
+    (tmp_path / "ckpt").mkdir()
+    (tmp_path / "ckpt" / "config.json").write_text("{not json")
+    for model, needle in ((tmp_path / "bad.gguf", "not a GGUF file"), (tmp_path / "ckpt", "not readable JSON")):
+        proc = run_cbd("serve", "--listen", f"unix:{tmp_path / 'cbd.sock'}", "--model", str(model))
+        assert_one_clear_line(proc, "model", needle)
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["bad.gguf", "ckpt"]
 
 
 def test_a_host_kv_tier_that_cannot_be_allocated_is_a_configuration_error(tiny_checkpoint, tmp_path) -> None:  # type: ignore[no-untyped-def]

@@ -53,3 +53,18 @@ def test_only_the_last_output_item_of_a_cut_reply_is_incomplete(finish: int, las
     assert [d["item"]["status"] for d in done] == ["completed", "completed", last]
     status = "completed" if last == "completed" else "incomplete"
     assert [i["status"] for i in events.output(status)] == ["completed", "completed", last]
+
+
+def test_a_last_call_whose_arguments_are_whole_is_completed_though_the_reply_was_cut() -> None:
+    """The cut fell in a next call never begun (dropped): the call before it closed whole."""
+    fold = Fold()
+    events = Events(fold)
+    chunks = []
+    for response in (_calls((0, "", '{"city": "Oslo"}')), _calls(finish=pb.FINISH_REASON_LENGTH)):
+        for event in fold.add(response):
+            chunks += events.of(event)
+    for event in fold.end(at_least_one=True):
+        chunks += events.of(event)
+    done = [json.loads(c.decode().split("data: ", 1)[1]) for c in chunks if b"response.output_item.done" in c]
+    assert [d["item"]["status"] for d in done] == ["completed"]
+    assert [i["status"] for i in events.output("incomplete")] == ["completed"]

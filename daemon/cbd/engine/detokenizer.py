@@ -36,7 +36,8 @@ class IncrementalDetokenizer:
 
 
 class StopStringMatcher:
-    """Finds the earliest stop string in the growing text and holds back any tail that could start one.
+    """Finds the earliest stop string in the growing text and holds back the tail that could start one (the
+    longest tail that is a beginning of a stop string: text that cannot start one is released at once).
 
     The text it releases never contains a stop string or a part of one.
     """
@@ -44,6 +45,7 @@ class StopStringMatcher:
     def __init__(self, stops: tuple[str, ...]) -> None:
         self._stops = stops
         self._holdback = max((len(s) for s in stops), default=1) - 1
+        self._firsts = frozenset(s[0] for s in stops if s)
         self._text = ""
         self._released = 0
 
@@ -58,7 +60,17 @@ class StopStringMatcher:
             end = min(hits)
             self._text = self._text[:end]
             return self._take(max(end, self._released)), True
-        return self._take(max(self._released, len(self._text) - self._holdback)), False
+        return self._take(self._start_of_a_stop()), False
+
+    def _start_of_a_stop(self) -> int:
+        """Where the longest unreleased tail that begins some stop string starts (the text's end: none)."""
+        text = self._text
+        for at in range(max(self._released, len(text) - self._holdback), len(text)):
+            if text[at] in self._firsts:
+                tail = text[at:]
+                if any(stop.startswith(tail) for stop in self._stops):
+                    return at
+        return len(text)
 
     def flush(self) -> str:
         """Release the held-back tail (the candidate finished for another reason)."""

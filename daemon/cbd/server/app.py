@@ -327,7 +327,9 @@ def main(argv: list[str] | None = None) -> int:
         # Logged once the addresses are this daemon's: a start refused before (another daemon serves the
         # address) says so in one line.
         log.info("cbd %s, pid %d, torch %s", __version__, os.getpid(), importlib.metadata.version("torch"))
-        log.info("settings not at their defaults: %s", "; ".join(setting_sources(argv)))
+        log.info(
+            "settings given (by file, environment or flag; the rest are defaults): %s", "; ".join(setting_sources(argv))
+        )
         if report is not None:
             report(0, ", ".join(addresses))
 

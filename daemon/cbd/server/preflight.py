@@ -7,6 +7,7 @@ systemd (RestartPreventExitStatus=78) does not restart it in a loop.
 from __future__ import annotations
 
 import grp
+import json
 from pathlib import Path
 
 from cbd.config import EngineConfig, physical_memory
@@ -57,6 +58,23 @@ def _check_model(model: str | None) -> None:
         raise ValueError(f"model: {model} is a directory without config.json, not a checkpoint directory")
     if path.is_file() and path.suffix != ".gguf":
         raise ValueError(f"model: {model} is a file but not a .gguf file")
+    if path.is_file() and _head(path, 4) != b"GGUF":
+        raise ValueError(f"model: {model} is not a GGUF file (it does not begin with the GGUF magic)")
+    if path.is_dir():
+        try:
+            config = json.loads((path / "config.json").read_text())
+        except (OSError, UnicodeDecodeError, ValueError) as exc:
+            raise ValueError(f"model: {path / 'config.json'} is not readable JSON: {exc}") from None
+        if not isinstance(config, dict) or "model_type" not in config:
+            raise ValueError(f"model: {path / 'config.json'} names no model_type, not a checkpoint's config")
+
+
+def _head(path: Path, size: int) -> bytes:
+    try:
+        with open(path, "rb") as f:
+            return f.read(size)
+    except OSError as exc:
+        raise ValueError(f"model: {path} cannot be read: {exc.strerror}") from None
 
 
 def _check_device(engine: EngineConfig) -> None:

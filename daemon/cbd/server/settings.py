@@ -13,7 +13,7 @@ import tomllib
 from dataclasses import MISSING, dataclass, fields
 from typing import Any
 
-from cbd.config import EngineConfig, config_from_dict
+from cbd.config import EngineConfig, config_from_dict, physical_memory
 from cbd.server.stream_interval import MAX_STREAM_INTERVAL
 from cbd_client.address import default_address
 
@@ -230,7 +230,11 @@ def _shown_defaults() -> dict[str, str]:
         "listen": default_listen(),
         "num_kv_blocks": "sized from kv_cache_gib",
         "max_model_len": "the model's context length",
-        "num_threads": f"0 = the cores this process may use ({len(os.sched_getaffinity(0))} here)",
+        "num_threads": f"0 = the cores this process may use ({len(os.sched_getaffinity(0))} here), less those "
+        "other processes keep busy",
+        "host_kv_gib": f"a quarter of RAM, at most 64 GiB and 4x the KV pool ({physical_memory() / 2**30 / 4:.1f} GiB "
+        "of RAM's quarter here)",
+        "num_host_kv_blocks": "sized from host_kv_gib",
         "socket_group": "the process's group",
     }
 
@@ -241,7 +245,7 @@ def load_settings(argv: list[str] | None = None) -> tuple[EngineConfig, ServerCo
 
 
 def setting_sources(argv: list[str] | None = None) -> list[str]:
-    """One line per setting that is not at its default: `section.name = value  (where it was set)`,
+    """One line per setting given by the file, the environment or a flag: `section.name = value  (where)`,
     after a line naming the configuration file read (if any)."""
     values, sources = _collect(argv)
     lines = [f"config file: {sources.pop('', 'none')}"]

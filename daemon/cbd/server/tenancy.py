@@ -20,7 +20,8 @@ import secrets
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-from cbd.errors import CbdError, PermissionDenied
+from cbd.engine.sampling_params import MAX_TENANT_CHARS
+from cbd.errors import CbdError, InvalidRequest, PermissionDenied
 
 
 @dataclass(frozen=True, slots=True)
@@ -32,6 +33,8 @@ class Caller:
         """Where a call looks: the caller's own namespace, or (the admin only) the one it names."""
         if not tenant or tenant == self.tenant:
             return self.tenant
+        if len(tenant) > MAX_TENANT_CHARS:
+            raise InvalidRequest(f"tenant has at most {MAX_TENANT_CHARS} characters, got {len(tenant)}")
         if not self.admin:
             raise PermissionDenied("only the admin token may name another tenant's sessions")
         return tenant

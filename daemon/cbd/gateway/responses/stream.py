@@ -76,14 +76,26 @@ class Events:
 
     def output(self, status: str) -> list[dict[str, Any]]:
         """The output items; `status` is the last one's (only the last can have been cut off: a block
-        closes when the next one starts), every one before it is completed."""
+        closes when the next one starts), every one before it is completed, as is a last call whose
+        arguments are whole (the cut fell after them, e.g. in a next call never begun)."""
         last = len(self.fold.blocks) - 1
-        return [self.item(i, status if i == last else "completed") for i in range(last + 1)]
+        return [self.item(i, status if i == last and not self._whole_call(i) else "completed") for i in range(last + 1)]
 
     def _closed_status(self, index: int) -> str:
-        """A closing block's status: incomplete when it is the last and the reply was cut off."""
+        """A closing block's status: incomplete when it is the last and the reply was cut off in it."""
         cut = reply_status(self.fold.finish) != "completed"
-        return "incomplete" if cut and index == len(self.fold.blocks) - 1 else "completed"
+        return (
+            "incomplete" if cut and index == len(self.fold.blocks) - 1 and not self._whole_call(index) else "completed"
+        )
+
+    def _whole_call(self, index: int) -> bool:
+        block = self.fold.blocks[index] if 0 <= index < len(self.fold.blocks) else None
+        if block is None or block.kind is not BlockKind.CALL:
+            return False
+        try:
+            return isinstance(json.loads(block.text), dict)
+        except ValueError:
+            return False
 
 
 def _part(text: str) -> dict[str, Any]:
