@@ -114,6 +114,31 @@ def test_stop_sequences_and_cache_control(gw: Stack) -> None:
 
 
 @pytest.mark.slow
+def test_a_final_assistant_message_is_the_start_of_the_reply_it_continues(gw: Stack) -> None:
+    """The prompt ends inside the prefill (the chat template's own continue_final_message rendering), and
+    the reply is only what follows it: greedy, the tokens the daemon gives that rendering's token ids."""
+    from transformers import AutoTokenizer
+
+    from cbd.model.loader import resolve_checkpoint
+
+    c = client(gw)
+    conversation = [{"role": "user", "content": "Count from 1 to 10, separated by commas."},
+                    {"role": "assistant", "content": "1, 2, 3,"}]  # fmt: skip
+    reply = c.messages.create(model="m", max_tokens=12, **GREEDY, messages=conversation)
+    tokenizer = AutoTokenizer.from_pretrained(resolve_checkpoint(None))
+    ids = tokenizer.apply_chat_template(conversation, continue_final_message=True, tokenize=True, return_dict=True)
+    with Client(gw.daemon.address, timeout=60, token=TOKEN) as daemon:
+        oracle = daemon.generate(list(ids["input_ids"]), max_tokens=12, temperature=0)
+    assert reply.content[0].text == oracle.candidates[0].text and reply.content[0].text
+    assert c.messages.count_tokens(model="m", messages=conversation).input_tokens == len(ids["input_ids"])
+    # An empty final assistant message is no prefill: the reply is the one to the conversation without it.
+    empty = c.messages.create(model="m", max_tokens=8, **GREEDY, messages=[conversation[0], {"role": "assistant",
+                                                                                            "content": ""}])  # fmt: skip
+    plain = c.messages.create(model="m", max_tokens=8, **GREEDY, messages=[conversation[0]])
+    assert empty.content[0].text == plain.content[0].text
+
+
+@pytest.mark.slow
 def test_errors_in_the_apis_shape(gw: Stack) -> None:
     c = client(gw)
     with pytest.raises(anthropic.BadRequestError) as bad:
@@ -124,9 +149,9 @@ def test_errors_in_the_apis_shape(gw: Stack) -> None:
         c.messages.create(model="m", max_tokens=5, messages=[
             {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_x", "content": "1"}]}])  # fmt: skip
     assert "names no earlier tool call" in bad.value.message
-    with pytest.raises(anthropic.BadRequestError) as bad:  # a prefill is refused, never silently dropped
-        c.messages.create(model="m", max_tokens=5, messages=[*ASK, {"role": "assistant", "content": "Paris is"}])
-    assert "final assistant message" in bad.value.message
+    with pytest.raises(anthropic.BadRequestError) as bad:  # as the API: a prefill ends in no whitespace
+        c.messages.create(model="m", max_tokens=5, messages=[*ASK, {"role": "assistant", "content": "Paris "}])
+    assert "trailing whitespace" in bad.value.message
     with pytest.raises(anthropic.AuthenticationError) as denied:
         client(gw, "wrong").messages.create(model="m", max_tokens=5, messages=ASK)
     body: Any = denied.value.body  # the SDK types an error body as object: it is the API's error dict

@@ -46,8 +46,17 @@ class PromptEncoder:
         return self.special
 
     def _chat(self, chat: pb.Chat, tools: list[Tool] | None) -> list[int]:
+        messages = self.messages(chat)
+        if chat.continue_final_message:
+            last = messages[-1]
+            if last["role"] != "assistant" or last.get("tool_calls"):
+                raise InvalidRequest("continue_final_message needs the last message to be an assistant's text")
+            if not last["content"] or last["content"] != last["content"].rstrip():
+                raise InvalidRequest("continue_final_message: the last message's content must be text that does "
+                                     "not end in whitespace")  # fmt: skip
+            return self.render(messages, False, tools, continue_final=True)
         add_prompt = chat.add_generation_prompt if chat.HasField("add_generation_prompt") else True
-        return self.render(self.messages(chat), add_prompt, tools)
+        return self.render(messages, add_prompt, tools)
 
     def messages(self, chat: pb.Chat) -> list[dict]:
         if not self.has_chat_template:
@@ -66,10 +75,16 @@ class PromptEncoder:
             messages.append(message)
         return messages
 
-    def render(self, messages: list[dict], add_generation_prompt: bool, tools: list[Tool] | None = None) -> list[int]:
-        """Token ids of a conversation; tool calls, tool results and tools in the model family's way."""
+    def render(
+        self, messages: list[dict], add_generation_prompt: bool, tools: list[Tool] | None = None,
+        continue_final: bool = False,
+    ) -> list[int]:  # fmt: skip
+        """Token ids of a conversation; tool calls, tool results and tools in the model family's way.
+        continue_final: the rendering ends inside the last message (a reply to continue)."""
         fmt, special = self.call_format, self._special()
-        kwargs = {"tools": [t.openai() for t in tools]} if tools and fmt.template_renders_tools else {}
+        kwargs: dict = {"tools": [t.openai() for t in tools]} if tools and fmt.template_renders_tools else {}
+        if continue_final:
+            kwargs["continue_final_message"] = True
         try:
             return special.render(render_messages(fmt, messages, tools or []), add_generation_prompt, **kwargs)
         except Exception as exc:  # jinja errors raised by the template itself (e.g. role order)

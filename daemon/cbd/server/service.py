@@ -220,6 +220,8 @@ class CbdService(_Base):
         size = self._check_prompt(request)
         messages, tokens = None, []
         if kind == "chat":
+            if request.chat.continue_final_message:
+                raise InvalidRequest("continue_final_message is for calls without a session_id")
             messages = self.prompts.messages(request.chat)
             tokens = await self._prompt_work(size, self.prompts.render, messages, False)
         elif kind is not None:

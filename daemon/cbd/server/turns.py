@@ -44,6 +44,9 @@ async def submit_turn(
         raise InvalidRequest("a turn needs an input: set one of text, chat or tokens")
     if kind != "chat" and request.whole_conversation:
         raise InvalidRequest("whole_conversation needs chat input")
+    if kind == "chat" and request.chat.continue_final_message:
+        raise InvalidRequest("continue_final_message is for calls without a session_id (a turn's reply is a new "
+                             "message of the session)")  # fmt: skip
     if kind != "chat":
         tokens = await prompt_work(size, prompts.continuation, request, kind)
         turn = TurnInput(tokens, False, parent, idle, keep)

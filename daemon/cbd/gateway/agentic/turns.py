@@ -58,6 +58,9 @@ class Plan:
     # sharing it reach the same replica (Responses' prompt_cache_key); None: the session's own id
     affinity: str | None = None
     retention: pb.Retention = pb.RETENTION_UNSPECIFIED
+    # The last message is the start of the reply, which the call continues (a plain call: Chat's
+    # continue_final_message)
+    continue_final: bool = False
 
 
 @dataclass(slots=True)
@@ -152,6 +155,8 @@ class Turns:
         request.CopyFrom(template)
         request.ClearField("input")
         checked(lambda: set_prompt(request, messages))
+        if plan.continue_final:
+            request.chat.continue_final_message = True
         if session_id is not None:
             request.session_id = session_id
             request.retention = plan.retention

@@ -34,6 +34,7 @@ class MessagesCall:
     stop_sequences: list[str]
     cache_ttl: float | None = None  # seconds a cache_control mark asks the prefix to stay (None: no mark)
     marks: list[str] = field(default_factory=list)
+    prefill: bool = False  # the last message is the start of the reply: the reply continues it
 
 
 def parse(body: dict[str, Any]) -> MessagesCall:
@@ -55,6 +56,7 @@ def parse(body: dict[str, Any]) -> MessagesCall:
         template.sampling.stop.extend(stops)
         template.sampling.logprobs = 0  # the tokens' texts tell which sequence stopped the reply
     messages = _system(body.get("system"), marks) + _messages(body.get("messages"), marks)
+    prefill = _prefill(messages, len(body["messages"]))
     tools = _tools(body.get("tools"), marks)
     choice = _tool_choice(body.get("tool_choice"))
     if tools:
@@ -71,7 +73,7 @@ def parse(body: dict[str, Any]) -> MessagesCall:
     if user:
         template.tenant = user[:128]
     ttl = max((_TTL[m] for m in marks), default=None)
-    return MessagesCall(template, messages, checks.flag(body, "stream", False), list(stops), ttl, marks)
+    return MessagesCall(template, messages, checks.flag(body, "stream", False), list(stops), ttl, marks, prefill)
 
 
 def _refuse_unsupported(body: dict[str, Any]) -> None:
@@ -151,10 +153,25 @@ def _messages(value: Any, marks: list[str]) -> list[dict[str, Any]]:
             if calls:
                 message["tool_calls"] = calls
             out.append(message)
-    if value[-1].get("role") == "assistant":
-        raise bad_request("a final assistant message (a prefill to continue) is not supported: end with the "
-                          "user's turn", f"messages[{len(value) - 1}]")  # fmt: skip
     return out
+
+
+def _prefill(messages: list[dict[str, Any]], count: int) -> bool:
+    """Whether the conversation ends with the start of the reply (a final assistant message), which is then
+    continued; an empty one is dropped (nothing to continue). `count`: the request's messages."""
+    last = messages[-1] if messages else None
+    if last is None or last["role"] != "assistant":
+        return False
+    where = f"messages[{count - 1}]"
+    if last.get("tool_calls"):
+        raise bad_request(f"{where}: a final assistant message with tool_use blocks needs their tool_result "
+                          "in a user message after it", where)  # fmt: skip
+    if not last["content"]:
+        messages.pop()
+        return False
+    if last["content"] != last["content"].rstrip():
+        raise bad_request(f"{where}: final assistant content cannot end with trailing whitespace", where)
+    return True
 
 
 def _tools(tools: Any, marks: list[str]) -> list[dict[str, Any]]:

@@ -21,7 +21,7 @@ from cbd.gateway.agentic import caller
 from cbd.gateway.agentic.blocks import BlockKind, Event, EventKind, Fold
 from cbd.gateway.agentic.convert import check_tool_results
 from cbd.gateway.agentic.resends import ResentTurn
-from cbd.gateway.agentic.turns import Started, json_body
+from cbd.gateway.agentic.turns import Plan, Started, json_body
 from cbd.gateway.errors import ApiError, from_cbd
 from cbd.gateway.messages.request import MessagesCall, parse
 from cbd.gateway.requests import checked
@@ -70,7 +70,10 @@ class Messages:
         retention = pb.RETENTION_HIGH if call.cache_ttl is not None else pb.RETENTION_UNSPECIFIED
         resends = self.gateway.resends
         ttl = 3600.0 if (call.cache_ttl or 0) > 600 else 0.0
-        plan = resends.plan(owner, call.messages, ttl_seconds=ttl, retention=retention)
+        if call.prefill:  # a reply continued from its start: a plain call (a session's turn is a new message)
+            plan = Plan(call.messages, keep=False, whole=True, continue_final=True)
+        else:
+            plan = resends.plan(owner, call.messages, ttl_seconds=ttl, retention=retention)
         turn = Turn(call, model, ResentTurn(resends, owner, plan, metadata))
         try:
             turn.started = await unless_gone(request, turn.resent.start(call.template))
@@ -87,6 +90,8 @@ class Messages:
         call = parse({"max_tokens": 1, **await json_body(request)})
         tokenize = pb.TokenizeRequest()
         checked(lambda: set_prompt(tokenize, call.messages))
+        if call.prefill:
+            tokenize.chat.continue_final_message = True
         try:
             answer = await self.gateway.stub.Tokenize(tokenize, metadata=caller.metadata(request.headers), timeout=60)
         except grpc.aio.AioRpcError as exc:
