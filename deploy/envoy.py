@@ -89,11 +89,12 @@ def _cluster(name: str, policy: str, replicas: list[str], health_interval: float
     return cluster
 
 
-# A call that never reached a replica (the connection to it failed: the replica is gone and its health
-# checks have not noticed yet) is sent to another replica; nothing else is retried (a call that reached a
-# replica may have run).
+# A call that never ran on a replica is sent to another: the connection to it failed (the replica is gone
+# and its health checks have not noticed yet), or it refused the call at its door with UNAVAILABLE (it is
+# loading or draining: a trailers-only answer, before any response, which is all Envoy retries). Nothing
+# else is retried (a call that reached a replica and was answered may have run).
 _RETRY = {
-    "retry_on": "connect-failure",
+    "retry_on": "connect-failure,unavailable",
     "num_retries": 2,
     "retry_host_predicate": [
         {

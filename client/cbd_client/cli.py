@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import sys
 from typing import Any
 
@@ -75,6 +76,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--address", help="unix:/path or host:port (default: $CBD_ADDRESS or the daemon's default socket)"
     )
+    parser.add_argument("--token", default=os.environ.get("CBD_TOKEN"),
+                        help="the bearer token of a daemon started with --auth-token-file (default: $CBD_TOKEN)")  # fmt: skip
     parser.add_argument("--raw", action="store_true", help="send the prompt as plain text, not as a chat message")
     parser.add_argument("--system", help="a system message for chat prompts")
     parser.add_argument("--max-tokens", type=int, default=256)
@@ -94,7 +97,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"cbd-client: INVALID_ARGUMENT: n must be at least 1, got {args.n}", file=sys.stderr)
         return 1
     try:
-        with Client(args.address) as client:
+        with Client(args.address, token=args.token) as client:
             client.wait_ready(args.wait, on_wait=lambda message: print(f"cbd-client: {message}", file=sys.stderr))
             command = args.prompt[0] if len(args.prompt) == 1 else None
             if command in ("info", "stats"):

@@ -92,6 +92,7 @@ def test_a_stale_socket_is_replaced_and_a_foreign_file_is_refused(tiny_checkpoin
         ([], {}, "[server]\nshutdown_grace = true\n", ["shutdown_grace"]),
         (["--host-kv-gib", "1000000"], {}, None, ["host_kv_gib", "1000000", "RAM"]),
         (["--listen", "127.0.0.1:99999"], {}, None, ["listen", "127.0.0.1:99999", "port from 1 to 65535"]),
+        (["--disk-kv-dir", "/dev/null"], {}, None, ["disk_kv_dir", "/dev/null", "not a directory"]),
     ],
 )
 def test_start_up_failures_exit_78_with_one_line_and_leave_nothing_behind(tmp_path, args, env, toml, needles) -> None:  # type: ignore[no-untyped-def]
@@ -112,6 +113,20 @@ def test_a_model_file_that_is_not_a_checkpoint_is_refused_before_anything_is_bou
         proc = run_cbd("serve", "--listen", f"unix:{tmp_path / 'cbd.sock'}", "--model", str(model))
         assert_one_clear_line(proc, "model", needle)
         assert sorted(p.name for p in tmp_path.iterdir()) == ["bad.gguf", "ckpt"]
+
+
+def test_a_session_directory_owner_held_by_a_live_daemon_is_refused_before_anything_is_bound(
+    tiny_daemon: DaemonFactory, tiny_checkpoint: Callable[..., Path], tmp_path: Path
+) -> None:
+    sessions = tmp_path / "sessions"
+    first = tiny_daemon("--disk-kv-dir", str(sessions), "--disk-kv-owner", "shared")
+    second = tmp_path / "second"
+    second.mkdir()
+    proc = run_cbd("serve", "--listen", f"unix:{second / 'cbd.sock'}", "--model", str(tiny_checkpoint("llama")),
+                   "--disk-kv-dir", str(sessions), "--disk-kv-owner", "shared", "--pid-file", str(second / "pid"))  # fmt: skip
+    assert_one_clear_line(proc, "disk_kv_owner", "another cbd daemon holds the owner name 'shared'")
+    assert list(second.iterdir()) == []
+    assert first.health() == "SERVING"
 
 
 def test_a_host_kv_tier_that_cannot_be_allocated_is_a_configuration_error(tiny_checkpoint, tmp_path) -> None:  # type: ignore[no-untyped-def]

@@ -128,3 +128,4 @@ def test_metrics_token_is_required_when_set(tiny_daemon, tmp_path) -> None:  # t
     assert _scrape(port, {"Authorization": "scrape-secret"})[0] == 401
     status, body = _scrape(port, {"Authorization": "Bearer scrape-secret"})
     assert status == 200 and b"cbd_engine_steps_total" in body
+    assert _scrape(port, {"Authorization": "bearer scrape-secret"})[0] == 200  # the scheme's case is free

@@ -120,3 +120,18 @@ def test_without_auth_every_tenants_listing_is_still_the_admins_only(shared_tiny
         assert _refusal(lambda: anyone.list_sessions(all_tenants=True)).code == grpc.StatusCode.PERMISSION_DENIED
         too_long = _refusal(lambda: anyone.get_session("s", tenant="t" * 129))
         assert too_long.code == grpc.StatusCode.INVALID_ARGUMENT and "at most 128" in too_long.details
+
+
+def test_the_command_line_client_presents_a_token(daemon) -> None:  # type: ignore[no-untyped-def]
+    import json
+    import os
+    import subprocess
+    import sys
+
+    def stats(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, "-m", "cbd_client.cli", "--address", daemon.address, *args, "stats"],
+                              capture_output=True, text=True, timeout=120, env={**os.environ, **(env or {})})  # fmt: skip
+
+    assert "UNAUTHENTICATED" in stats().stderr
+    assert "open_sessions" in json.loads(stats("--token", "bob-token").stdout)
+    assert "open_sessions" in json.loads(stats(env={"CBD_TOKEN": "alice-token"}).stdout)

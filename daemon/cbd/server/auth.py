@@ -45,9 +45,12 @@ def token_name(tokens: dict[str, bytes], metadata: Sequence[tuple[str, str | byt
     for key, value in metadata or ():
         if key == "authorization":
             presented = value.encode() if isinstance(value, str) else value
+    scheme, _, credential = presented.partition(b" ")
+    if scheme.lower() != b"bearer":  # the scheme is case-insensitive (RFC 9110), the token is not
+        credential = b""
     found = None
     for name, token in tokens.items():  # every entry is compared: the time does not say which matched
-        if hmac.compare_digest(presented, b"Bearer " + token):
+        if hmac.compare_digest(credential, token) and credential:
             found = name
     return found
 

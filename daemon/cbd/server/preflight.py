@@ -11,8 +11,10 @@ import json
 from pathlib import Path
 
 from cbd.config import EngineConfig, physical_memory
+from cbd.engine.kv.owner_lock import LOCK_WAIT, hold
 from cbd.model.files import default_gguf_path
 from cbd.server.auth import read_tokens
+from cbd.server.session_saving import owner_name
 from cbd.server.settings import ServerConfig
 
 
@@ -20,6 +22,7 @@ def preflight(engine: EngineConfig, server: ServerConfig) -> None:
     """Raise ValueError or OSError naming the setting that cannot work on this host."""
     _check_model(engine.model)
     _check_device(engine)
+    _check_session_dir(engine, server)
     if engine.host_kv_gib is not None and engine.host_kv_gib * 2**30 > physical_memory():
         raise ValueError(
             f"host_kv_gib: {engine.host_kv_gib:.12g} GiB is more than this host's RAM ({physical_memory() / 2**30:.1f} GiB)"
@@ -75,6 +78,23 @@ def _head(path: Path, size: int) -> bytes:
             return f.read(size)
     except OSError as exc:
         raise ValueError(f"model: {path} cannot be read: {exc.strerror}") from None
+
+
+def _check_session_dir(engine: EngineConfig, server: ServerConfig) -> None:
+    """The session directory can be this daemon's: a directory (made if missing) whose owner folder no other
+    live daemon holds (the engine takes the same lock for its life once the model is loaded)."""
+    directory = engine.session_dir()
+    if directory is None:
+        return
+    root = Path(directory).expanduser()
+    if root.exists() and not root.is_dir():
+        raise ValueError(f"disk_kv_dir: {root} is not a directory")
+    owner = engine.disk_kv_owner or owner_name(server.addresses())
+    lock = hold(root, owner, LOCK_WAIT)
+    if lock is None:
+        raise ValueError(f"disk_kv_owner: another cbd daemon holds the owner name {owner!r} in {root}; give each "
+                         "daemon its own (--disk-kv-owner)")  # fmt: skip
+    lock.close()  # released: the engine takes it again
 
 
 def _check_device(engine: EngineConfig) -> None:

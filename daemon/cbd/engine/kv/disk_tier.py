@@ -24,7 +24,6 @@ daemon at a time, and a session of a drained replica moves to whichever replica 
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import hashlib
 import json
 import logging
@@ -34,7 +33,7 @@ from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, Any
+from typing import Any
 
 import torch
 
@@ -42,13 +41,13 @@ from cbd.config import EngineConfig
 from cbd.engine.kv import session_files as files
 from cbd.engine.kv.host_pool import HostCopy
 from cbd.engine.kv.host_tier import HostTier
+from cbd.engine.kv.owner_lock import LOCK_WAIT, hold
 from cbd.engine.kv.session_files import DiskCopy
 from cbd.engine.outputs import DiskTierStats
 from cbd.errors import SettingError
 from cbd.model.loader import LoadedModel
 
 log = logging.getLogger(__name__)
-LOCK_WAIT = 5.0  # seconds a starting daemon waits for its owner lock (held for a moment by a claim)
 
 
 @dataclass(slots=True)
@@ -88,7 +87,7 @@ class DiskTier:
         # KV is saved and read back through the host tier; without one (tensor parallelism: each rank holds
         # a shard) files hold token ids only.
         self.keeps_kv = host_tier is not None
-        lock = _hold(root, owner, LOCK_WAIT)
+        lock = hold(root, owner, LOCK_WAIT)
         if lock is None:
             raise SettingError(
                 f"disk_kv_dir {str(root)!r}: another cbd daemon holds the owner name {owner!r}; give each daemon "
@@ -201,7 +200,7 @@ class DiskTier:
         for folder in sorted(p for p in self.root.iterdir() if p.is_dir() and p.name != self.owner):
             if not (folder / name).exists():
                 continue
-            lock = _hold(self.root, folder.name, 0.0)
+            lock = hold(self.root, folder.name, 0.0)
             if lock is None:  # its owner serves it: not ours to take
                 continue
             try:
@@ -334,23 +333,3 @@ def fingerprint(loaded: LoadedModel, config: EngineConfig, kv_caches: torch.Tens
 
 def _digest(value: dict[str, Any]) -> str:
     return hashlib.sha256(json.dumps(value, sort_keys=True, default=str).encode()).hexdigest()
-
-
-def _hold(root: Path, owner: str, wait: float) -> IO[str] | None:
-    """The owner's lock (its folder made), waiting up to `wait` seconds for it (another daemon may hold it for
-    the moment of a claim); None if it stayed held."""
-    try:
-        (root / owner).mkdir(parents=True, exist_ok=True, mode=0o700)
-        lock = open(root / f"{owner}.lock", "a+")  # noqa: SIM115 (held for the daemon's life, or a claim)
-    except OSError as exc:
-        raise SettingError(f"disk_kv_dir {str(root)!r}: {exc.strerror or exc}") from None
-    deadline = time.monotonic() + wait
-    while True:
-        try:
-            fcntl.flock(lock.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
-            return lock
-        except BlockingIOError:
-            if time.monotonic() >= deadline:
-                lock.close()
-                return None
-            time.sleep(0.05)
