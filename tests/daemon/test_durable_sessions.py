@@ -96,6 +96,7 @@ def test_sessions_survive_sigterm_and_sigkill_answering_as_a_daemon_that_never_s
         assert client.get_session(agents.sessions[0].session_id).kv_tier == "gpu"
         stats = client.stats()
         assert stats.sessions_restored == 8 and stats.session_kv_reads >= 8 and stats.session_kv_read_failures == 0
+        assert stats.last_save_seconds > 0  # the last shutdown's saving, the one before this daemon started
         # SIGKILL once the background saving has caught up with the third turns: nothing is lost.
         poll_until(lambda: client.stats().session_files_written >= 8, 60, what="the idle sessions are saved")
         d, _ = _restart_in_place(d, default_daemon, (*flags, "0.5"), signal.SIGKILL)

@@ -73,6 +73,9 @@ class Written:
         return [DiskCopy(self.path, self.start, b) if b.kv_tokens else None for b in self.saved.branches]
 
 
+LAST_SAVE_FILE = "last-save-seconds"  # in the owner's folder: how long the last shutdown's saving took
+
+
 class DiskTier:
     def __init__(
         self, root: Path, owner: str, cap_bytes: int, fingerprint: files.Fingerprint, kv_caches: torch.Tensor,
@@ -100,6 +103,7 @@ class DiskTier:
         self._reader = ThreadPoolExecutor(1, thread_name_prefix="cbd-disk-read")
         self._count = threading.Lock()  # the stats, written by the writer thread
         self._stats = DiskTierStats(cap_bytes=cap_bytes)
+        self._stats.last_checkpoint_seconds = self._read_last_save()  # the last shutdown's, if this folder's
         self._sizes: dict[str, int] = {}  # file name -> bytes, the writer thread's view of the directory
         left = files.remove_temporaries(self.directory)
         if left:
@@ -300,9 +304,23 @@ class DiskTier:
             self._stats.num_spilled += 1
 
     def count_checkpoint(self, seconds: float) -> None:
+        """A shutdown's saving took `seconds`: counted, and kept in the folder, so that the daemon started next
+        on it reports the last shutdown's saving too."""
         with self._count:
             self._stats.num_checkpoints += 1
             self._stats.last_checkpoint_seconds = seconds
+        try:
+            temporary = self.directory / f"{LAST_SAVE_FILE}.tmp"
+            temporary.write_text(f"{seconds:.6f}\n")
+            temporary.replace(self.directory / LAST_SAVE_FILE)
+        except OSError as exc:
+            log.warning("the saving time could not be kept in %s: %s", self.directory, exc.strerror or exc)
+
+    def _read_last_save(self) -> float:
+        try:
+            return max(0.0, float((self.directory / LAST_SAVE_FILE).read_text()))
+        except (OSError, ValueError):
+            return 0.0
 
     def _count_lost(self) -> None:
         with self._count:
