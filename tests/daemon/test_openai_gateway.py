@@ -275,3 +275,39 @@ def test_a_client_that_gives_up_on_a_whole_reply_frees_the_request(stack) -> Non
     while (s := stack.stats()).running or s.live_requests or s.open_sessions != sessions_before:
         assert time.monotonic() < deadline, s  # the call is cancelled and the session it opened is closed
         time.sleep(0.1)
+
+
+def test_calls_the_daemon_cancels_as_it_shuts_down_are_503s_not_a_finish(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """A reply the daemon ends unfinished (it is shutting down, no grace) is the 503 of a call it cancelled:
+    whole, the call's status; streamed, an error event after what had arrived; never finish_reason abort."""
+    daemon = DaemonProcess(tmp_path / "cbd.sock", "--shutdown-grace", "0")
+    gateway = GatewayProcess(daemon.address, tmp_path / "gateway.log")
+    try:
+        daemon.wait_serving()
+        gateway.wait_serving(60)
+        long = {"model": "m", "messages": ASK, "max_tokens": 4000, "temperature": 0, "ignore_eos": True}
+        whole: list[httpx.Response] = []
+        caller = threading.Thread(
+            target=lambda: whole.append(httpx.post(f"{gateway.base}/v1/chat/completions", json=long, timeout=120))
+        )
+        with httpx.stream("POST", f"{gateway.base}/v1/chat/completions", json={**long, "stream": True},
+                          timeout=120) as streamed:  # fmt: skip
+            lines = streamed.iter_lines()
+            first = next(line for line in lines if line.startswith("data: "))
+            caller.start()
+            with Client(daemon.address, timeout=30) as c:
+                deadline = time.monotonic() + 60
+                while c.stats().running < 2:
+                    assert time.monotonic() < deadline, "the whole call never started"
+                    time.sleep(0.05)
+            daemon.process.terminate()
+            rest = [line[len("data: ") :] for line in lines if line.startswith("data: ")]
+        caller.join(120)
+        chunks = [json.loads(data) for data in [first[len("data: ") :], *rest] if data != "[DONE]"]
+        assert all(c["choices"][0].get("finish_reason") != "abort" for c in chunks if c.get("choices"))
+        assert chunks[-1]["error"]["type"] == "service_unavailable_error", chunks[-1]
+        assert whole and whole[0].status_code == 503, whole[0].text if whole else "no answer"
+        assert whole[0].json()["error"]["type"] == "service_unavailable_error"
+    finally:
+        gateway.stop()
+        daemon.stop()

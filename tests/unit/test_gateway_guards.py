@@ -92,6 +92,14 @@ MALFORMED = [  # (route, body, the param named)
      "input[0].content[0].text"),
     ("responses", {"input": [{"type": "function_call_output", "call_id": "c", "output": 5}]}, "input[0].output"),
     ("responses", {"input": "p", "top_logprobs": 3}, "top_logprobs"),
+    # booleans given as strings are refused, never read as true
+    ("chat", {"messages": ASK, "logprobs": "false"}, "logprobs"),
+    ("chat", {"messages": ASK, "ignore_eos": "false"}, "ignore_eos"),
+    ("chat", {"messages": ASK, "stream_options": {"include_usage": "false"}}, "stream_options.include_usage"),
+    ("completions", {"prompt": "p", "echo": "false"}, "echo"),
+    ("chat", {"messages": ASK, "functions": [{"name": "f"}]}, "functions"),
+    ("chat", {"messages": ASK, "tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "sometimes"},
+     "tool_choice"),
 ]  # fmt: skip
 
 

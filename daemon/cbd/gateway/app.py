@@ -40,6 +40,7 @@ from cbd.gateway.requests import Call, chat_call, chat_message, completion_call
 from cbd.gateway.responses.store import StoreSettings
 from cbd.gateway.sessions import SessionMap
 from cbd.gateway.streams import first, noting_gone, rest, settled_when_dropped, unless_gone
+from cbd_client.contract import FinishReason
 from cbd_client.errors import CbdError
 from cbd_client.routing import with_affinity
 from cbd_client.v1 import cbd_pb2 as pb
@@ -158,9 +159,12 @@ class Gateway:
                     await unless_gone(request, folds)
                 except grpc.aio.AioRpcError as exc:
                     raise from_cbd(CbdError.from_rpc(exc)) from None
+                whole = reply.whole()
+                if any(c.get("finish_reason") == FinishReason.ABORT.value for c in whole["choices"]):
+                    raise _cancelled_by_daemon()
                 self._remember(call, reply, resent)
                 fresh = None
-                return JSONResponse(reply.whole())
+                return JSONResponse(whole)
             handed_off = True
             events = self._events(call, reply, streams, heads, fresh, metadata, resent)
             body = settled_when_dropped(events, resent.settle) if resent else events
@@ -226,7 +230,13 @@ class Gateway:
                 for chunk in reply.add(item, i * call.n):
                     if call.include_usage:  # every chunk has the key; the last one (no choices) its value
                         chunk["usage"] = None
+                    cut = [c for c in chunk.get("choices", ()) if c.get("finish_reason") == FinishReason.ABORT.value]
+                    for c in cut:  # the daemon cancelled the call (it is shutting down): an error, not a finish
+                        c["finish_reason"] = None
                     yield _sse(chunk)
+                    if cut:
+                        yield _sse(_cancelled_by_daemon().body())
+                        return
             if call.include_usage:
                 yield _sse(reply.usage_chunk())
             self._remember(call, reply, resent)  # before [DONE]: a client may hang up the moment it sees it
@@ -361,3 +371,10 @@ def create_app(
     )
     app.state.gateway = gateway
     return app
+
+
+def _cancelled_by_daemon() -> ApiError:
+    """A reply the daemon ended before it was complete (it is shutting down): the 503 a call the daemon
+    cancelled gets, not a finish reason of the API."""
+    return ApiError(503, "the daemon cancelled this call before its reply was complete (it is shutting down); "
+                    "retry it", "service_unavailable_error", code="cancelled")  # fmt: skip

@@ -73,8 +73,10 @@ def tools(value: Any) -> None:
 
 
 def tool_choice(value: Any) -> None:
-    if value is None or isinstance(value, str):
+    if value is None or value in ("auto", "none", "required"):
         return
+    if isinstance(value, str):
+        raise bad_request("tool_choice must be 'auto', 'none', 'required' or an object naming a tool", "tool_choice")
     if not isinstance(value, dict):
         raise bad_request("tool_choice must be 'auto', 'none', 'required' or an object naming a tool", "tool_choice")
     function = value.get("function", value)

@@ -77,7 +77,7 @@ _DAEMON_FIELDS = (
     (re.compile(r"(tool_choice|temperature|top_p|top_k|min_p|seed|n|logprobs|max_tokens)\b"), "{}"),
     (re.compile(r"stop |each stop string|stop strings"), "stop"),
     (re.compile(r"invalid (json_schema|json_object|response_format)|response_format"), "response_format"),
-    (re.compile(r"the prompt|the chat template|chat message"), "messages"),
+    (re.compile(r"the prompt|prompt token ids|the chat template|chat message"), "messages"),
 )
 _TOO_LONG = re.compile(r"the prompt(?:'s text)? has \d+ (?:tokens|characters)")
 

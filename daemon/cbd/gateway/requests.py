@@ -58,7 +58,7 @@ def chat_call(body: dict[str, Any], session_header: str | None, owner: str = "")
     normal = [chat_message(m, i) for i, m in enumerate(messages)]
     _refuse_unsupported(body)
     logprobs = None
-    if body.get("logprobs"):
+    if checks.flag(body, "logprobs", False):
         logprobs = _int(body, "top_logprobs", 0, 0, MAX_LOGPROBS)
     elif body.get("top_logprobs") is not None:
         raise bad_request("top_logprobs needs logprobs: true", "top_logprobs")
@@ -107,7 +107,7 @@ def completion_call(body: dict[str, Any], max_prompts: int = 256) -> Call:
         if isinstance(p, list):
             checks.token_ids(p, f"prompt[{i}]" if len(prompts) > 1 or prompt is not p else "prompt")
     _refuse_unsupported(body)
-    if body.get("echo"):
+    if checks.flag(body, "echo", False):
         raise bad_request("echo is not supported", "echo")
     if body.get("suffix"):
         raise bad_request("suffix is not supported", "suffix")
@@ -181,7 +181,7 @@ def _request(body: dict[str, Any], logprobs: int | None) -> pb.GenerateRequest:
     ids = body.get("stop_token_ids")
     if ids is not None:
         s.stop_token_ids.extend(checks.token_ids(ids, "stop_token_ids"))
-    s.ignore_eos = bool(body.get("ignore_eos", False))
+    s.ignore_eos = checks.flag(body, "ignore_eos", False)
     if logprobs is not None:
         s.logprobs = logprobs
     return request
@@ -194,6 +194,9 @@ def _refuse_unsupported(body: dict[str, Any]) -> None:
             raise bad_request(f"{name} is not supported (only its neutral value)", name)
     if body.get("logit_bias"):
         raise bad_request("logit_bias is not supported", "logit_bias")
+    for name in ("functions", "function_call"):  # the API's older names for tools and tool_choice
+        if body.get(name) is not None:
+            raise bad_request(f"{name} is not supported: use tools and tool_choice", name)
     modalities = body.get("modalities")
     if modalities not in (None, ["text"]) or body.get("audio") is not None:
         raise bad_request("only text output is supported", "modalities")
@@ -210,7 +213,10 @@ def _include_usage(body: dict[str, Any]) -> bool:
     options = body.get("stream_options")
     if options is not None and not isinstance(options, dict):
         raise bad_request("stream_options must be an object", "stream_options")
-    return isinstance(options, dict) and bool(options.get("include_usage"))
+    include = (options or {}).get("include_usage")
+    if include is not None and not isinstance(include, bool):
+        raise bad_request("stream_options.include_usage must be a boolean", "stream_options.include_usage")
+    return bool(include)
 
 
 def _int(body: dict[str, Any], name: str, default: int, low: int, high: int) -> int:
