@@ -38,13 +38,22 @@ def _short(value: Any) -> str:
     return text if len(text) <= 40 else text[:37] + "..."
 
 
-def flag(body: dict[str, Any], name: str, default: bool) -> bool:
+def flag(body: dict[str, Any], name: str, default: bool, param: str | None = None) -> bool:
+    """body[name] (default when absent), a boolean; `param`: its path when body is a nested object."""
     value = body.get(name, default)
     if value is None:
         return default
     if not isinstance(value, bool):
-        raise bad_request(f"{name} must be a boolean", name)
+        raise bad_request(f"{param or name} must be a boolean", param or name)
     return value
+
+
+def section(body: dict[str, Any], name: str) -> dict[str, Any]:
+    """body[name], an object ({} when absent)."""
+    value = body.get(name)
+    if value is not None and not isinstance(value, dict):
+        raise bad_request(f"{name} must be an object", name)
+    return value or {}
 
 
 def token_ids(value: Any, param: str) -> list[int]:
@@ -75,8 +84,6 @@ def tools(value: Any) -> None:
 def tool_choice(value: Any) -> None:
     if value is None or value in ("auto", "none", "required"):
         return
-    if isinstance(value, str):
-        raise bad_request("tool_choice must be 'auto', 'none', 'required' or an object naming a tool", "tool_choice")
     if not isinstance(value, dict):
         raise bad_request("tool_choice must be 'auto', 'none', 'required' or an object naming a tool", "tool_choice")
     function = value.get("function", value)

@@ -210,13 +210,8 @@ def _stream(body: dict[str, Any]) -> bool:
 
 
 def _include_usage(body: dict[str, Any]) -> bool:
-    options = body.get("stream_options")
-    if options is not None and not isinstance(options, dict):
-        raise bad_request("stream_options must be an object", "stream_options")
-    include = (options or {}).get("include_usage")
-    if include is not None and not isinstance(include, bool):
-        raise bad_request("stream_options.include_usage must be a boolean", "stream_options.include_usage")
-    return bool(include)
+    options = checks.section(body, "stream_options")
+    return checks.flag(options, "include_usage", False, "stream_options.include_usage")
 
 
 def _int(body: dict[str, Any], name: str, default: int, low: int, high: int) -> int:

@@ -64,10 +64,7 @@ def parse(body: dict[str, Any]) -> MessagesCall:
     elif choice not in (None, "auto", "none"):
         raise bad_request("tool_choice needs tools", "tool_choice")
     _format(template, body)
-    metadata = body.get("metadata")
-    if metadata is not None and not isinstance(metadata, dict):
-        raise bad_request("metadata must be an object", "metadata")
-    user = (metadata or {}).get("user_id")
+    user = checks.section(body, "metadata").get("user_id")
     if user is not None and not isinstance(user, str):
         raise bad_request("metadata.user_id must be a string", "metadata.user_id")
     if user:

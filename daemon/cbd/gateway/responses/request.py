@@ -62,13 +62,11 @@ def parse(body: dict[str, Any]) -> Create:
         convert.tools(template, tools, choice, parallel)
     elif choice not in (None, "none", "auto"):
         raise bad_request("tool_choice needs tools", "tool_choice")
-    text = body.get("text")
-    if text is not None and not isinstance(text, dict):
-        raise bad_request("text must be an object", "text")
-    fmt = (text or {}).get("format")
+    text = checks.section(body, "text")
+    fmt = text.get("format")
     if fmt is not None:
         _format(template, fmt)
-    verbosity = (text or {}).get("verbosity")
+    verbosity = text.get("verbosity")
     if verbosity not in (None, "medium"):
         raise bad_request("text.verbosity is not supported (only its default, medium)", "text.verbosity")
     metadata = _metadata(body.get("metadata"))

@@ -89,8 +89,9 @@ class Events:
         )
 
     def _whole_call(self, index: int) -> bool:
-        block = self.fold.blocks[index] if 0 <= index < len(self.fold.blocks) else None
-        if block is None or block.kind is not BlockKind.CALL:
+        """The block is a call whose arguments are a whole JSON object."""
+        block = self.fold.blocks[index]
+        if block.kind is not BlockKind.CALL:
             return False
         try:
             return isinstance(json.loads(block.text), dict)
