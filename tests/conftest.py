@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -12,7 +13,17 @@ import torch
 from cbd.model.loader import LoadedModel, load_model
 from daemon_process import DaemonFactory, DaemonProcess, serving
 
-torch.set_num_threads(max(1, min(2, torch.get_num_threads())))
+MAX_WORKERS = 4  # each worker may hold the default model twice and start daemons: memory, not cores, bounds it
+
+
+def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
+    """`-n auto` (pyproject.toml): a worker per core this process may use, at most MAX_WORKERS."""
+    return max(1, min(MAX_WORKERS, len(os.sched_getaffinity(0))))
+
+
+# The in-process engines' intra-op threads: the cores shared out between the workers (at most 2 each).
+_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+torch.set_num_threads(max(1, min(2, len(os.sched_getaffinity(0)) // _WORKERS, torch.get_num_threads())))
 
 
 def gpu_available() -> bool:
