@@ -143,3 +143,10 @@ def test_a_client_that_reads_slowly_neither_stalls_the_engine_nor_loses_tokens(
     ]
     assert len(tokens[1]) == new_tokens and tokens[1] == tokens[0]  # greedy: the same tokens, none lost
     assert len(slow_replies) < new_tokens  # what piled up came merged, several tokens per message
+
+
+def test_serving_the_embedded_model_the_frontend_has_no_torch_loaded(shared_daemon: DaemonProcess) -> None:
+    """Its tokenizer (the generic fast class) is loaded without AutoTokenizer's torch import."""
+    with Client(shared_daemon.address, timeout=60) as client:
+        assert client.generate([{"role": "user", "content": "Hi"}], max_tokens=2).candidates[0].token_ids
+    assert "libtorch" not in Path(f"/proc/{shared_daemon.process.pid}/maps").read_text()

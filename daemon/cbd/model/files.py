@@ -4,6 +4,7 @@ are, and the tokenizer."""
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 from pathlib import Path
 from typing import Any
@@ -16,10 +17,30 @@ def _has_tokenizer(directory: Path) -> bool:
     return any((directory / f).exists() for f in ("tokenizer.json", "tokenizer.model", "vocab.json"))
 
 
+# Tokenizer classes that AutoTokenizer resolves to transformers' one generic fast tokenizer (a converted GGUF
+# file's tokenizer names it): loading that class directly builds the same tokenizer without AutoTokenizer's
+# imports, which load torch (seconds of a start, hundreds of MiB in a process that has no other use for it).
+GENERIC_TOKENIZER_CLASSES = frozenset({"TokenizersBackend", "PreTrainedTokenizerFast"})
+
+
+def tokenizer_class(directory: Path) -> str | None:
+    """The class that the checkpoint's tokenizer_config.json names, if it names one."""
+    try:
+        config = json.loads((directory / "tokenizer_config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    name = config.get("tokenizer_class") if isinstance(config, dict) else None
+    return name if isinstance(name, str) else None
+
+
 def load_tokenizer(directory: Path) -> Any | None:
     """The checkpoint's tokenizer, or None for a weights-only checkpoint."""
     if not _has_tokenizer(directory):
         return None
+    if tokenizer_class(directory) in GENERIC_TOKENIZER_CLASSES:
+        from transformers import TokenizersBackend
+
+        return TokenizersBackend.from_pretrained(directory)
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(directory)
@@ -34,9 +55,9 @@ def expects_tokenizer(model: str | None) -> bool:
 
 
 def import_tokenizer_library() -> None:
-    """Import what load_tokenizer needs (transformers: seconds of a start), so that it can run beside
-    something else, such as the engine process's start."""
-    from transformers import AutoTokenizer  # noqa: F401
+    """Import what load_tokenizer needs for a generic tokenizer (transformers: a second of a start), so that
+    it can run beside something else, such as the engine process's start."""
+    from transformers import TokenizersBackend  # noqa: F401
 
 
 def default_cache_dir() -> Path:
