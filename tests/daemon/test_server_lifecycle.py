@@ -178,12 +178,17 @@ def test_prometheus_metrics_count_requests_tokens_and_kv(tiny_daemon) -> None:  
     d = tiny_daemon("--metrics-port", str(port))
     with Client(d.address, timeout=60) as client:
         client.generate(PROMPT, n=2, max_tokens=5, temperature=0.5, seed=3, ignore_eos=True)
+        for bad in ({"temperature": -1.0}, {"session_id": "no-such-session"}):  # refused before they run
+            with pytest.raises(CbdError):
+                client.generate(PROMPT, max_tokens=5, **bad)
         stream = client.stream(PROMPT, max_tokens=400, ignore_eos=True)
         next(stream)
         text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
         stream.close()
     values = {line.split(" ")[0]: float(line.split(" ")[1]) for line in text.splitlines() if line and line[0] != "#"}
     assert values['cbd_requests_total{outcome="completed"}'] == 1
+    assert values['cbd_requests_refused_total{code="INVALID_ARGUMENT"}'] == 1
+    assert values['cbd_requests_refused_total{code="NOT_FOUND"}'] == 1
     assert values['cbd_candidates_total{finish_reason="length"}'] == 2
     assert values["cbd_completion_tokens_total"] == 10
     assert values["cbd_prompt_tokens_total"] == len(PROMPT)

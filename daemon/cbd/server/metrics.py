@@ -191,6 +191,13 @@ class Metrics:
             ["outcome"],
             registry=self.registry,
         )
+        self.refused = Counter(
+            "cbd_requests_refused",
+            "Generate requests refused before they ran (bad input, over a cap, unknown session, ...), by gRPC "
+            "status code.",
+            ["code"],
+            registry=self.registry,
+        )
         self.candidates = Counter(
             "cbd_candidates", "Finished candidates by finish reason.", ["finish_reason"], registry=self.registry
         )

@@ -111,49 +111,53 @@ class CbdService(_Base):
     async def Generate(
         self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.GenerateResponse]:  # noqa: N802
-        engine = self._engine()
-        bounds.check_request_id(request.request_id)
-        bounds.check_session_id(request.session_id)
-        own_interval = bounds.stream_interval(request)
-        prompt_size = self._check_prompt(request)
-        caller = self._caller(context)
-        # The scheduling tenant: the token's name when auth is on (it wins over the field), else the field.
-        tenant = caller.tenant if self.tokens is not None else request.tenant
-        params = replace(convert.sampling_params(request, tenant), cache_scope=caller.tenant)
-        structured = structure(request, self.prompts.call_format)
-        if structured.spec is not None:  # compiled in a worker process within its budgets; cached by text
-            params = replace(params, grammar=await engine.compile_grammar(structured.spec))
-        replies = (
-            convert.ToolCallReplies(self.prompts.call_format, structured.calls_only, structured.formatted)
-            if structured.parse_calls
-            else None
-        )
-        # Unbounded: the engine never waits for a stream; one that fell behind gets what piled up merged.
-        outputs: asyncio.Queue[list[RequestOutput]] = asyncio.Queue()
-        on_output = StreamInterval(outputs.put_nowait, own_interval, self.stream_interval, params.priority)
-        arrived = time.monotonic()
-        prompt_tokens: int | None = None  # known here for a plain request; a turn's (history + turn) from its usage
-        # Client-chosen request ids live in the caller's namespace (server/tenancy.py); answers carry the client's.
-        proposed_id = caller.key(request.request_id) if request.request_id else None
-        session_key = caller.key(request.session_id)
-        names = ((session_key, request.session_id), (proposed_id or "", request.request_id))
-        if request.session_id:
-            with in_client_terms(*names):
-                request_id = await submit_turn(
-                    engine, self.prompts, self.chats, self._prompt_work, request, session_key, proposed_id, params,
-                    on_output, structured.tools, prompt_size,
-                )  # fmt: skip
-        elif request.HasField("parent_candidate"):
-            raise InvalidRequest("parent_candidate names a candidate of a session's last turn; it needs session_id")
-        elif request.HasField("expected_idle_ms") or request.retention:
-            raise InvalidRequest("expected_idle_ms and retention are hints about a session; they need session_id")
-        elif request.whole_conversation:
-            raise InvalidRequest("whole_conversation is a way to continue a session; it needs session_id")
-        else:
-            prompt = await self._prompt_work(prompt_size, self.prompts.encode, request, structured.tools)
-            prompt_tokens = len(prompt)
-            with in_client_terms(*names):
-                request_id = engine.submit(prompt, params, proposed_id, on_output)  # makes an id if none
+        try:  # a request refused before it runs is counted by its status code
+            engine = self._engine()
+            bounds.check_request_id(request.request_id)
+            bounds.check_session_id(request.session_id)
+            own_interval = bounds.stream_interval(request)
+            prompt_size = self._check_prompt(request)
+            caller = self._caller(context)
+            # The scheduling tenant: the token's name when auth is on (it wins over the field), else the field.
+            tenant = caller.tenant if self.tokens is not None else request.tenant
+            params = replace(convert.sampling_params(request, tenant), cache_scope=caller.tenant)
+            structured = structure(request, self.prompts.call_format)
+            if structured.spec is not None:  # compiled in a worker process within its budgets; cached by text
+                params = replace(params, grammar=await engine.compile_grammar(structured.spec))
+            replies = (
+                convert.ToolCallReplies(self.prompts.call_format, structured.calls_only, structured.formatted)
+                if structured.parse_calls
+                else None
+            )
+            # Unbounded: the engine never waits for a stream; one that fell behind gets what piled up merged.
+            outputs: asyncio.Queue[list[RequestOutput]] = asyncio.Queue()
+            on_output = StreamInterval(outputs.put_nowait, own_interval, self.stream_interval, params.priority)
+            arrived = time.monotonic()
+            prompt_tokens: int | None = None  # known here for a plain request; a turn's (history + turn) from its usage
+            # Client-chosen request ids live in the caller's namespace (server/tenancy.py); answers carry the client's.
+            proposed_id = caller.key(request.request_id) if request.request_id else None
+            session_key = caller.key(request.session_id)
+            names = ((session_key, request.session_id), (proposed_id or "", request.request_id))
+            if request.session_id:
+                with in_client_terms(*names):
+                    request_id = await submit_turn(
+                        engine, self.prompts, self.chats, self._prompt_work, request, session_key, proposed_id, params,
+                        on_output, structured.tools, prompt_size,
+                    )  # fmt: skip
+            elif request.HasField("parent_candidate"):
+                raise InvalidRequest("parent_candidate names a candidate of a session's last turn; it needs session_id")
+            elif request.HasField("expected_idle_ms") or request.retention:
+                raise InvalidRequest("expected_idle_ms and retention are hints about a session; they need session_id")
+            elif request.whole_conversation:
+                raise InvalidRequest("whole_conversation is a way to continue a session; it needs session_id")
+            else:
+                prompt = await self._prompt_work(prompt_size, self.prompts.encode, request, structured.tools)
+                prompt_tokens = len(prompt)
+                with in_client_terms(*names):
+                    request_id = engine.submit(prompt, params, proposed_id, on_output)  # makes an id if none
+        except Exception as exc:
+            self.metrics.refused.labels(status.status_of(exc)[0].name).inc()
+            raise
         client_request_id = split_key(request_id)[1]
         output: RequestOutput | None = None
         priority = params.priority  # the class it runs in, known for sure from its first output
