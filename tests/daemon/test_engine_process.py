@@ -145,6 +145,7 @@ def test_a_client_that_reads_slowly_neither_stalls_the_engine_nor_loses_tokens(
     assert len(slow_replies) < new_tokens  # what piled up came merged, several tokens per message
 
 
+@pytest.mark.slow
 def test_serving_the_embedded_model_the_frontend_has_no_torch_loaded(shared_daemon: DaemonProcess) -> None:
     """Its tokenizer (the generic fast class) is loaded without AutoTokenizer's torch import."""
     with Client(shared_daemon.address, timeout=60) as client:

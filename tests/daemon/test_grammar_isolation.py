@@ -26,14 +26,18 @@ ASK = [{"role": "user", "content": "Write something."}]
 WORKERS = 2  # --grammar-compile-workers
 MEMORY_BOUND = 150 * 2**20  # README's limits: RSS after grammar bombs, over its value before
 REGEX = {"type": "regex", "regex": "[a-z]+"}  # its masks cost microseconds, far below the budget
-METRICS_PORT = free_port()
 
 
 @pytest.fixture(scope="module")
-def daemon(tmp_path_factory):  # type: ignore[no-untyped-def]
+def metrics_port() -> int:
+    return free_port()  # picked as the module starts, just before its daemon binds it
+
+
+@pytest.fixture(scope="module")
+def daemon(tmp_path_factory, metrics_port):  # type: ignore[no-untyped-def]
     d = DaemonProcess(
         tmp_path_factory.mktemp("cbd") / "cbd.sock", "--grammar-compile-workers", str(WORKERS),
-        "--grammar-compile-timeout", "6", "--grammar-mask-budget-ms", "20", "--metrics-port", str(METRICS_PORT),
+        "--grammar-compile-timeout", "6", "--grammar-mask-budget-ms", "20", "--metrics-port", str(metrics_port),
     )  # fmt: skip
     try:
         d.wait_serving()
@@ -76,9 +80,9 @@ def assert_documented_errors(ended: list[CbdError | str], count: int) -> None:
         assert "grammar_compile_timeout" in exc.details or "grammar_compile_memory_mib" in exc.details, exc.details
 
 
-def test_both_grammar_caches_show_in_the_metrics(daemon) -> None:  # type: ignore[no-untyped-def]
+def test_both_grammar_caches_show_in_the_metrics(daemon, metrics_port) -> None:  # type: ignore[no-untyped-def]
     # The fixture compiled one regex: the frontend keeps its outcome, the engine its loaded grammar.
-    body = urllib.request.urlopen(f"http://127.0.0.1:{METRICS_PORT}/metrics", timeout=30).read().decode()
+    body = urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=30).read().decode()
     found = dict(re.findall(r'^cbd_grammar_cache_bytes\{process="(\w+)"\} (\S+)$', body, re.M))
     assert set(found) == {"frontend", "engine"} and all(float(v) > 0 for v in found.values()), found
     assert re.search(r"^cbd_chat_transcripts 0\.0$", body, re.M)

@@ -12,7 +12,7 @@ from cbd.engine.engine import Engine
 from cbd.engine.sampling_params import SamplingParams
 from cbd.engine.sequence import FinishReason
 from cbd.model.loader import load_model
-from helpers import assert_greedy_matches, hf_greedy, make_core, run_all
+from helpers import assert_greedy_matches, hf_greedy, make_core, poll_until, run_all
 
 pytestmark = pytest.mark.slow
 
@@ -127,7 +127,8 @@ def test_converted_checkpoint_is_cached_and_reused(default_model, monkeypatch) -
     directory = default_model.checkpoint_dir
     for name in ("config.json", "model.safetensors", "tokenizer.json", "generation_config.json"):
         assert (directory / name).exists(), name
-    assert not list(directory.parent.glob(".convert-*"))  # no half-written entries left behind
+    # No half-written entries left behind (another test worker's conversion, started as this one's, ends too).
+    poll_until(lambda: not list(directory.parent.glob(".convert-*")), 300, what="no .convert-* entry")
     weights = (directory / "model.safetensors").stat().st_mtime_ns
 
     def no_second_conversion(name: str) -> None:  # a conversion starts by reporting its progress

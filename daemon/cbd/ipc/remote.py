@@ -65,7 +65,7 @@ class RemoteEngine:
         # The tokenizer's library is imported while the engine process starts (its tokenizer is loaded once
         # the engine has said where its checkpoint is); a failed import shows again in load_tokenizer.
         if expects_tokenizer(config.model):
-            ahead = asyncio.ensure_future(asyncio.to_thread(import_tokenizer_library))
+            ahead = asyncio.ensure_future(asyncio.to_thread(import_tokenizer_library, config.model))
             ahead.add_done_callback(lambda f: f.cancelled() or f.exception())
         process, hello = await EngineProcess.spawn(config, program, warmup)
         engine = cls(config, process, hello)

@@ -17,27 +17,39 @@ def _has_tokenizer(directory: Path) -> bool:
     return any((directory / f).exists() for f in ("tokenizer.json", "tokenizer.model", "vocab.json"))
 
 
-# Tokenizer classes that AutoTokenizer resolves to transformers' one generic fast tokenizer (a converted GGUF
-# file's tokenizer names it): loading that class directly builds the same tokenizer without AutoTokenizer's
-# imports, which load torch (seconds of a start, hundreds of MiB in a process that has no other use for it).
+# A tokenizer config that names transformers' one generic fast tokenizer (as a converted GGUF file's does),
+# on a checkpoint of one of these model types and with no code of its own (auto_map): AutoTokenizer builds
+# that class, and loading it directly builds the same tokenizer without AutoTokenizer's imports, which load
+# torch (seconds of a start, hundreds of MiB in a process with no other use for it). Other model types may
+# swap the generic name for their own class (qwen2 does) or read other files (mistral's tekken.json): they
+# keep AutoTokenizer.
 GENERIC_TOKENIZER_CLASSES = frozenset({"TokenizersBackend", "PreTrainedTokenizerFast"})
+GENERIC_TOKENIZER_MODEL_TYPES = frozenset({"llama", "qwen3"})
 
 
-def tokenizer_class(directory: Path) -> str | None:
-    """The class that the checkpoint's tokenizer_config.json names, if it names one."""
+def _json_object(path: Path) -> dict[str, Any]:
     try:
-        config = json.loads((directory / "tokenizer_config.json").read_text())
+        value = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, ValueError):
-        return None
-    name = config.get("tokenizer_class") if isinstance(config, dict) else None
-    return name if isinstance(name, str) else None
+        return {}
+    return value if isinstance(value, dict) else {}
+
+
+def loads_generic_tokenizer(directory: Path) -> bool:
+    """Whether the checkpoint's tokenizer is the generic one AutoTokenizer would build (see above)."""
+    tokenizer_config = _json_object(directory / "tokenizer_config.json")
+    return (
+        tokenizer_config.get("tokenizer_class") in GENERIC_TOKENIZER_CLASSES
+        and "auto_map" not in tokenizer_config
+        and _json_object(directory / "config.json").get("model_type") in GENERIC_TOKENIZER_MODEL_TYPES
+    )
 
 
 def load_tokenizer(directory: Path) -> Any | None:
     """The checkpoint's tokenizer, or None for a weights-only checkpoint."""
     if not _has_tokenizer(directory):
         return None
-    if tokenizer_class(directory) in GENERIC_TOKENIZER_CLASSES:
+    if loads_generic_tokenizer(directory):
         from transformers import TokenizersBackend
 
         return TokenizersBackend.from_pretrained(directory)
@@ -54,10 +66,14 @@ def expects_tokenizer(model: str | None) -> bool:
     return Path(model).is_dir() and _has_tokenizer(Path(model))
 
 
-def import_tokenizer_library() -> None:
-    """Import what load_tokenizer needs for a generic tokenizer (transformers: a second of a start), so that
-    it can run beside something else, such as the engine process's start."""
+def import_tokenizer_library(model: str | None) -> None:
+    """Import what load_tokenizer will need for `model` (EngineConfig.model; None: the embedded default, a
+    Llama) (transformers: seconds of a start), so that it can run beside something else, such as the engine
+    process's start. A GGUF file other than the default may convert to any tokenizer class."""
     from transformers import TokenizersBackend  # noqa: F401
+
+    if model is not None and not (Path(model).is_dir() and loads_generic_tokenizer(Path(model))):
+        from transformers import AutoTokenizer  # noqa: F401
 
 
 def default_cache_dir() -> Path:

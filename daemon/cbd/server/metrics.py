@@ -193,8 +193,8 @@ class Metrics:
         )
         self.refused = Counter(
             "cbd_requests_refused",
-            "Generate requests refused before they ran (bad input, over a cap, unknown session, ...), by gRPC "
-            "status code.",
+            "Generate requests the daemon refused before they ran (bad input, over a cap, unknown session, not "
+            "serving), by gRPC status code.",
             ["code"],
             registry=self.registry,
         )

@@ -21,7 +21,7 @@ from cbd.engine.sequence import FinishReason
 from cbd.engine.sessions.records import (
     RETENTION_NORMAL,
 )
-from cbd.errors import EngineFailure, EngineStopped, InvalidRequest, PermissionDenied
+from cbd.errors import CbdError, EngineFailure, EngineStopped, InvalidRequest, PermissionDenied
 from cbd.ipc.remote import RemoteEngine
 from cbd.server import bounds, convert, session_messages, status
 from cbd.server.auth import token_name
@@ -155,8 +155,9 @@ class CbdService(_Base):
                 prompt_tokens = len(prompt)
                 with in_client_terms(*names):
                     request_id = engine.submit(prompt, params, proposed_id, on_output)  # makes an id if none
-        except Exception as exc:
-            self.metrics.refused.labels(status.status_of(exc)[0].name).inc()
+        except CbdError as exc:  # the engine failing (INTERNAL) is not a refusal
+            if not isinstance(exc, EngineFailure):
+                self.metrics.refused.labels(status.status_of(exc)[0].name).inc()
             raise
         client_request_id = split_key(request_id)[1]
         output: RequestOutput | None = None
