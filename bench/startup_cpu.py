@@ -13,7 +13,6 @@ converts the GGUF file once). Medians over --rounds. `--before DIR` runs the sam
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import sys
 import tempfile
@@ -23,21 +22,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
 from conftest import build_tiny_checkpoint  # noqa: E402
-from daemon_process import DaemonProcess  # noqa: E402
+from daemon_process import DaemonProcess, cpu_seconds, rss_bytes  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def cpu_seconds(pid: int) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
-def rss_mib(pid: int) -> float:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) / 1024
-    return 0.0
 
 
 def start_once(tree: Path, model: list[str], directory: Path) -> dict[str, float]:
@@ -52,7 +39,7 @@ def start_once(tree: Path, model: list[str], directory: Path) -> dict[str, float
             "serving_s": serving,
             "frontend_cpu_s": cpu_seconds(front),
             "engine_cpu_s": cpu_seconds(d.engine_pid()),
-            "frontend_rss_mib": rss_mib(front),
+            "frontend_rss_mib": rss_bytes(front) / 2**20,
             "frontend_torch": float("libtorch" in Path(f"/proc/{front}/maps").read_text()),
         }
     finally:

@@ -17,7 +17,6 @@ the frontend's is the part the stream interval changes (bench/host_cost_cpu.py h
 from __future__ import annotations
 
 import argparse
-import os
 import random
 import sys
 import tempfile
@@ -30,13 +29,7 @@ from host_cost_cpu import build_checkpoint  # noqa: E402
 from load_clients import Call, run  # noqa: E402
 
 from cbd_client import Client  # noqa: E402
-from daemon_process import DaemonProcess  # noqa: E402
-
-
-def cpu_seconds(pid: int) -> float:
-    """User + system CPU seconds of one process, all its threads."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+from daemon_process import DaemonProcess, cpu_seconds  # noqa: E402
 
 
 def one_run(d: DaemonProcess, engine: int, prompts: list[list[int]], new_tokens: int, k: int, procs: int) -> dict:

@@ -142,9 +142,10 @@ SHARED_DAEMON_FLAGS = ("--max-message-bytes", str(64 * MiB))
 
 @pytest.fixture(scope="session")
 def shared_daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DaemonProcess]:
-    """One daemon on the embedded default model, shared by the whole run (one per test worker): every test that only calls it
-    (no flags of its own, no auth, nothing killed or restarted). Its gRPC message limit is 64 MiB, so that
-    a prompt's own bound (not the message size) is what refuses big prompts (tests/daemon/test_prompt_bounds.py)."""
+    """One daemon on the embedded default model, shared by the whole run (one per test worker): every test
+    that only calls it (no flags of its own, no auth, nothing killed or restarted). Its gRPC message limit is
+    64 MiB, so that a prompt's own bound (not the message size) is what refuses big prompts
+    (tests/daemon/test_prompt_bounds.py)."""
     with serving(tmp_path_factory.mktemp("shared-default"), *SHARED_DAEMON_FLAGS) as d:
         yield d
 

@@ -43,6 +43,12 @@ def alive(pid: int) -> bool:
     return state != "Z"
 
 
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of one process, all its threads (from /proc)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def rss_bytes(pid: int) -> int:
     """A process's resident memory (VmRSS), from /proc."""
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():

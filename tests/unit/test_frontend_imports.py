@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 TEXT = "Hello  wörld\n\tdef f(x): return x**2 <|im_end|>"
+CHAT = [{"role": "system", "content": "s"}, {"role": "user", "content": "u \U0001f642"}]
 
 
 def test_the_frontend_entry_imports_no_torch() -> None:
@@ -27,16 +28,19 @@ def test_a_generic_tokenizer_loads_as_autotokenizer_would_without_torch() -> Non
     class with the same vocabulary, specials, chat template and encodings as AutoTokenizer's, in a process
     that never imports torch."""
     code = (
-        "import sys, json\n"
-        "from pathlib import Path\n"
-        "from cbd.model.files import load_tokenizer, loads_generic_tokenizer\n"
-        "d = Path(sys.argv[1])\n"
-        "t = load_tokenizer(d)\n"
-        "chat = [{'role': 'system', 'content': 's'}, {'role': 'user', 'content': 'u \U0001f642'}]\n"
-        "print(json.dumps([loads_generic_tokenizer(d), type(t).__name__, 'torch' in sys.modules, t.get_vocab(),\n"
-        "    t.all_special_ids, t.eos_token_id, t.apply_chat_template(chat, tokenize=False, add_generation_prompt=True),\n"
-        "    t.encode(TEXT)]))\n"
-    ).replace("TEXT", repr(TEXT))
+        (
+            "import sys, json\n"
+            "from pathlib import Path\n"
+            "from cbd.model.files import load_tokenizer, loads_generic_tokenizer\n"
+            "d = Path(sys.argv[1])\n"
+            "t = load_tokenizer(d)\n"
+            "print(json.dumps([loads_generic_tokenizer(d), type(t).__name__, 'torch' in sys.modules, t.get_vocab(),\n"
+            "    t.all_special_ids, t.eos_token_id, t.apply_chat_template(CHAT, tokenize=False, add_generation_prompt=True),\n"
+            "    t.encode(TEXT)]))\n"
+        )
+        .replace("TEXT", repr(TEXT))
+        .replace("CHAT", repr(CHAT))
+    )
     from transformers import AutoTokenizer
 
     from cbd.model.loader import resolve_checkpoint
@@ -48,11 +52,10 @@ def test_a_generic_tokenizer_loads_as_autotokenizer_would_without_torch() -> Non
     generic, cls, torch_loaded, *facts = json.loads(out.stdout)
     assert generic and not torch_loaded, out.stderr
     auto = AutoTokenizer.from_pretrained(directory)
-    chat = [{"role": "system", "content": "s"}, {"role": "user", "content": "u \U0001f642"}]
     assert cls == type(auto).__name__
     assert facts == [
         auto.get_vocab(), auto.all_special_ids, auto.eos_token_id,
-        auto.apply_chat_template(chat, tokenize=False, add_generation_prompt=True), auto.encode(TEXT),
+        auto.apply_chat_template(CHAT, tokenize=False, add_generation_prompt=True), auto.encode(TEXT),
     ]  # fmt: skip
 
 
