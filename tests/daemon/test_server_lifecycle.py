@@ -182,7 +182,8 @@ def test_prometheus_metrics_count_requests_tokens_and_kv(tiny_daemon) -> None:  
             with pytest.raises(CbdError):
                 client.generate(PROMPT, max_tokens=5, **bad)
         stream = client.stream(PROMPT, max_tokens=400, ignore_eos=True)
-        next(stream)
+        for _ in range(5):  # five messages with tokens: four gaps between them, each observed before it went
+            next(stream)
         text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
         stream.close()
     values = {line.split(" ")[0]: float(line.split(" ")[1]) for line in text.splitlines() if line and line[0] != "#"}

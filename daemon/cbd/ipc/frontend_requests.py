@@ -46,7 +46,9 @@ class _Delivery:
                 self.text.fill(out)
             except Exception:  # the tokenizer failed on these ids: the text is lost, the tokens are not
                 log.exception("detokenising an output of %s failed", out.request_id)
-        self.done.update(d.index for d in out.candidates if d.finish_reason is not None)
+        for d in out.candidates:
+            if d.finish_reason is not None:
+                self.done.add(d.index)
         if self.on_output is not None:
             try:
                 self.on_output(out)

@@ -41,4 +41,4 @@ class RequestText:
             ids = delta.token_ids
             if delta.finish_reason is FinishReason.STOP:
                 ids = ids[:-1]  # the token that stopped it has no text
-            delta.text = "".join(detok.push(t) for t in ids)
+            delta.text = detok.push(ids[0]) if len(ids) == 1 else "".join([detok.push(t) for t in ids])

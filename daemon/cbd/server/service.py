@@ -171,19 +171,25 @@ class CbdService(_Base):
                 while not outputs.empty():  # this stream fell behind the engine: what piled up goes as one message
                     pending.extend(outputs.get_nowait())  # each list is the stream's own (StreamInterval)
                 elapsed = time.monotonic() - arrived
+                has_tokens = False
                 for out in pending:  # metrics count every engine output, merged or not
-                    finishes.update(d.finish_reason.value for d in out.candidates if d.finish_reason is not None)
-                    prompt_tokens = next((d.usage.prompt_tokens for d in out.candidates if d.usage), prompt_tokens)
-                    priority = out.priority if out.priority is not None else priority
-                    if any(d.token_ids for d in out.candidates):
-                        if waiting_first_token:
-                            self.metrics.first_token.labels(priority_label(priority)).observe(elapsed)
-                            waiting_first_token = False
-                            first_token_at = elapsed
-                        else:
-                            self.metrics.inter_token.observe(elapsed - last_token_at)
-                        last_token_at = elapsed
+                    if out.priority is not None:
+                        priority = out.priority
+                    for d in out.candidates:
+                        has_tokens = has_tokens or bool(d.token_ids)
+                        if d.finish_reason is not None:
+                            finishes.add(d.finish_reason.value)
+                        if d.usage is not None:  # every candidate's names the request's prompt
+                            prompt_tokens = d.usage.prompt_tokens
                     self.metrics.observe(out, elapsed)
+                if has_tokens:  # latencies are per message: the outputs it gathers reach the client together
+                    if waiting_first_token:
+                        self.metrics.first_token.labels(priority_label(priority)).observe(elapsed)
+                        waiting_first_token = False
+                        first_token_at = elapsed
+                    else:
+                        self.metrics.inter_token.observe(elapsed - last_token_at)
+                    last_token_at = elapsed
                 output = merge_outputs(pending)
                 message = convert.response(output, replies, self.prompts.token_text)
                 message.request_id = client_request_id
