@@ -13,9 +13,12 @@ CUDA-event measure, read from the metrics endpoint during the run) and the CPU t
 of the daemon's processes spent per engine step (from /proc: where the time goes), and the engine thread's
 own time per step in each phase of its loop (its `cbd_engine_step_phase_seconds` histograms' sums).
 `--before DIR` also runs a daemon from another source tree (DIR/daemon, DIR/client) for comparison.
+`--daemon-cpus LIST` (e.g. 0-3,8-11) runs every thread of the daemon's two processes on those CPUs and the
+client processes on the others, as when the clients are other hosts: by default they share every CPU
+with the daemon, and at a small model's step length the daemon's threads then run slower.
 
     python bench/daemon_gpu.py --tokenizer DIR [--batches 32,128,256] [--new-tokens 512,384,256]
-                               [--client-processes 8] [--rounds 2] [--before DIR]
+                               [--client-processes 8] [--rounds 2] [--before DIR] [--daemon-cpus LIST]
 """
 
 from __future__ import annotations
@@ -291,6 +294,25 @@ def _start_gateway(address: str) -> tuple[subprocess.Popen, str]:
     return proc, f"http://127.0.0.1:{port}/v1"
 
 
+def cpu_list(text: str) -> set[int]:
+    """CPUs written as taskset writes them: 0-3,8,10-11."""
+    cpus: set[int] = set()
+    for part in text.split(","):
+        low, _, high = part.partition("-")
+        cpus.update(range(int(low), int(high or low) + 1))
+    return cpus
+
+
+def pin(pid: int, cpus: set[int]) -> None:
+    """Every thread of a process and of its children onto cpus (threads started later inherit it)."""
+    for p in [pid, *_children(pid)]:
+        for task in Path(f"/proc/{p}/task").glob("*"):
+            try:
+                os.sched_setaffinity(int(task.name), cpus)
+            except OSError:
+                pass  # a thread that has just ended
+
+
 def daemon_runs(
     label: str,
     config_file: Path,
@@ -304,6 +326,10 @@ def daemon_runs(
         d = DaemonProcess(Path(tmp) / "cbd.sock", "--config", str(config_file), "--metrics-port", str(port), env=env)
         try:
             d.wait_serving(900)
+            if args.daemon_cpus:  # the daemon on its CPUs; this process (and the clients it starts) on the rest
+                mine = cpu_list(args.daemon_cpus)
+                pin(d.process.pid, mine)
+                os.sched_setaffinity(0, set(range(os.cpu_count() or 1)) - mine)
             run(d.address, [Call(workloads[0][2][0], 8)], 1)  # warm-up
             best: dict[int, dict[str, object]] = {}
             gateway = _start_gateway(d.address) if args.gateway and label == "daemon" else None
@@ -357,6 +383,7 @@ def main() -> None:
     parser.add_argument("--gateway", action="store_true", help="also drive the daemon through `cbd openai`")
     parser.add_argument("--before", help="also run a daemon from this source tree (DIR/daemon, DIR/client)")
     parser.add_argument("--stream-intervals", default="", help="also run the daemon's calls with these stream_interval")
+    parser.add_argument("--daemon-cpus", default="", help="the daemon's CPUs (e.g. 0-3); the clients get the others")
     args = parser.parse_args()
     checkpoint = Path(args.checkpoint)
     t0 = time.perf_counter()

@@ -6,10 +6,11 @@ import random
 
 import pytest
 
+from cbd.engine.outputs import RequestOutput
 from cbd.engine.sampling_params import SamplingParams
 from cbd.engine.sequence import FinishReason
 from cbd.errors import InvalidRequest, UnknownRequest
-from helpers import checked_step, make_core, poll_until, run_all
+from helpers import checked_step, collect, make_core, poll_until, run_all
 
 GREEDY = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
 
@@ -310,3 +311,35 @@ def test_each_step_files_its_host_time_by_phase_and_the_metrics_export_it(tiny_l
     text = generate_latest(metrics.registry).decode()
     for phase in STEP_PHASES:
         assert f'cbd_engine_step_phase_seconds_count{{phase="{phase}"}} {float(counts[0])}' in text
+
+
+def test_outputs_gathered_by_the_stream_interval_lose_reorder_and_change_nothing(tiny_loaded) -> None:  # type: ignore[no-untyped-def]
+    """A request with an interval gets its first token at once, then an output per `interval` tokens of a
+    candidate (or a candidate's end) with the same tokens and text, in order, as a request without one."""
+    prompt = list(range(2, 30))
+    base = dict(max_tokens=23, temperature=0.9, seed=5, n=3, ignore_eos=True)
+    runs = {}
+    for interval in (None, 4):
+        core = make_core(tiny_loaded)
+        outputs: list[RequestOutput] = []
+        core.add_request(prompt, SamplingParams(**base, stream_interval=interval), on_output=outputs.append)
+        while core.has_work():
+            core.step()
+            core.deliver()
+        runs[interval] = outputs
+    results = {interval: {"tokens": {}, "text": {}, "finish": {}, "usage": None, "outputs": []} for interval in runs}
+    for interval, outputs in runs.items():
+        for out in outputs:
+            collect(results[interval], out)
+    assert results[4]["tokens"] == results[None]["tokens"] and results[4]["text"] == results[None]["text"]
+    assert all(len(t) == 23 for t in results[4]["tokens"].values())
+    assert results[4]["usage"] == results[None]["usage"] and runs[4][-1].finished
+    gathered = runs[4]
+    assert any(d.token_ids for d in gathered[0].candidates) and gathered[0].queue_seconds is not None
+    for out in gathered[1:]:
+        assert (
+            out.finished
+            or any(d.finish_reason for d in out.candidates)
+            or max(len(d.token_ids) for d in out.candidates) >= 4
+        )
+    assert len(gathered) < len(runs[None]) / 2

@@ -1,4 +1,4 @@
-"""A stream's outputs gathered by its interval (server/stream_interval.py): the first token at once, then a
+"""A request's outputs gathered by its interval (engine/stream_interval.py): the first token at once, then a
 delivery when a candidate has gathered the interval, a candidate ends or the request ends; everything
 delivered in order, nothing lost; the class (and so the default interval) from the first output."""
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 from cbd.engine.outputs import CandidateDelta, RequestOutput
 from cbd.engine.sampling_params import PRIORITY_BATCH, PRIORITY_INTERACTIVE
 from cbd.engine.sequence import FinishReason
-from cbd.server.stream_interval import StreamInterval
+from cbd.engine.stream_interval import StreamInterval, gathers
 
 
 def step(*tokens: list[int], priority: int | None = None, finish: bool = False) -> RequestOutput:
@@ -18,9 +18,11 @@ def step(*tokens: list[int], priority: int | None = None, finish: bool = False) 
 
 def deliveries(stream: list[RequestOutput], own: int | None, batch: int = 4, asked: int | None = None):  # type: ignore[no-untyped-def]
     got: list[list[RequestOutput]] = []
-    callback = StreamInterval(got.append, own, batch, asked)
+    gathering = StreamInterval(own, batch, asked)
     for out in stream:
-        callback(out)
+        due = gathering.add(out)
+        if due:
+            got.append(due)
     return got
 
 
@@ -56,3 +58,8 @@ def test_a_request_that_asked_for_batch_is_gathered_until_its_first_output_says_
     # It asked for batch but runs interactive (a session turn of an interactive session): each step at once.
     stream = [step([0], priority=PRIORITY_INTERACTIVE), step([1]), step([2])]
     assert [len(d) for d in deliveries(stream, None, asked=PRIORITY_BATCH)] == [1, 1, 1]
+
+
+def test_only_an_interval_above_one_gathers() -> None:
+    assert gathers(None, 8) and gathers(5, 1) and gathers(2, 8)
+    assert not gathers(None, 1) and not gathers(1, 8)  # its own 1 wins over the batch setting

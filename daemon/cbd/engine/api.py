@@ -161,6 +161,8 @@ class WireParams(msgspec.Struct, array_like=True):
     priority: int | None
     tenant: str
     cache_scope: str
+    stream_interval: int | None
+    batch_stream_interval: int
 
     @classmethod
     def of(cls, params: SamplingParams) -> WireParams:

@@ -9,7 +9,9 @@ Invariants:
   `turn_ok`, is decided here once, for the engine and the frontend alike);
 - outputs are handed to callbacks in the order they were made, only from `deliver()`: the threaded
   engine refreshes its stats snapshot first, so a caller that has seen its request finish never reads
-  stats that still count it.
+  stats that still count it;
+- a request whose params gather its outputs (engine/stream_interval.py) has them held here until due, then
+  handed over as one (outputs.merge_outputs): its first token and its end are never held.
 Not thread-safe: called from the engine thread only.
 """
 
@@ -21,11 +23,12 @@ from cbd.engine.admission import Admission
 from cbd.engine.device.runner import SampledTokens
 from cbd.engine.live import LiveRequest
 from cbd.engine.output_processor import OutputProcessor
-from cbd.engine.outputs import CandidateDelta, RequestOutput, TokenLogprob, Usage, merge_deltas
+from cbd.engine.outputs import CandidateDelta, RequestOutput, TokenLogprob, Usage, merge_deltas, merge_outputs
 from cbd.engine.sched.plan import SampleRow, StepPlan
 from cbd.engine.sched.scheduler import Scheduler
 from cbd.engine.sequence import FinishReason, Request, Sequence
 from cbd.engine.sessions.manager import SessionManager
+from cbd.engine.stream_interval import StreamInterval, gathers
 
 log = logging.getLogger(__name__)
 
@@ -110,7 +113,17 @@ class Emitter:
         else:
             live = self.live.get(request.request_id)
         if live is not None and live.on_output is not None:
-            self._outbox.append((live, out))
+            params = request.params
+            if request.gathering is None and gathers(params.stream_interval, params.batch_stream_interval):
+                request.gathering = StreamInterval(
+                    params.stream_interval, params.batch_stream_interval, params.priority
+                )
+            if request.gathering is None:
+                self._outbox.append((live, out))
+            else:
+                due = request.gathering.add(out)
+                if due:
+                    self._outbox.append((live, due[0] if len(due) == 1 else merge_outputs(due)))
         return out
 
     def deliver(self) -> None:

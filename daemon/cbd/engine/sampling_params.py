@@ -22,6 +22,8 @@ MIN_TEMPERATURE = 1e-5
 # Priority classes (scheduler.py): interactive requests are admitted first and may preempt batch ones.
 PRIORITY_INTERACTIVE, PRIORITY_BATCH = 0, 1
 
+MAX_STREAM_INTERVAL = 1024  # tokens per gathered output (engine/stream_interval.py)
+
 
 @dataclass(frozen=True, slots=True)
 class SamplingParams:
@@ -48,6 +50,11 @@ class SamplingParams:
     # The frontend sets it to the caller's authenticated tenant ("" when the daemon has no auth), so no
     # tenant's prompt can be probed through another's cache hits (usage.cached_prompt_tokens, timing).
     cache_scope: str = ""
+    # Outputs gathered to at most one per this many tokens of a candidate after the first token
+    # (engine/stream_interval.py): the request's own interval, or None: 1 for an interactive request and
+    # batch_stream_interval for a batch one (the class is the one it runs in).
+    stream_interval: int | None = None
+    batch_stream_interval: int = 1
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
@@ -84,6 +91,12 @@ class SamplingParams:
             raise InvalidRequest(f"tenant has at most {MAX_TENANT_CHARS} characters, got {len(self.tenant)}")
         if len(self.cache_scope) > MAX_TENANT_CHARS:
             raise InvalidRequest(f"cache_scope has at most {MAX_TENANT_CHARS} characters")
+        for name, value in (
+            ("stream_interval", self.stream_interval),
+            ("batch_stream_interval", self.batch_stream_interval),
+        ):
+            if value is not None and not 1 <= value <= MAX_STREAM_INTERVAL:
+                raise InvalidRequest(f"{name} must be 1-{MAX_STREAM_INTERVAL} tokens, got {value}")
 
     @property
     def greedy(self) -> bool:

@@ -152,6 +152,7 @@ class Request:
     tenant: str = ""
     queued_at: float | None = None
     queue_reported: bool = False
+    gathering: Any = None  # its outputs' StreamInterval (engine/stream_interval.py), made by the emitter
 
     @property
     def is_finished(self) -> bool:

@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import re
 
+from cbd.engine.sampling_params import MAX_STREAM_INTERVAL
 from cbd.engine.sessions.records import check_client_session_id
 from cbd.errors import InvalidRequest
-from cbd.server.stream_interval import MAX_STREAM_INTERVAL
 from cbd_client.v1 import cbd_pb2 as pb
 
 MAX_REQUEST_ID_CHARS = 128

@@ -31,7 +31,6 @@ from cbd.server.info import stats as stats_message
 from cbd.server.logs import request_line
 from cbd.server.metrics import Metrics, priority_label
 from cbd.server.prompts import PromptEncoder
-from cbd.server.stream_interval import StreamInterval
 from cbd.server.structured import structure
 from cbd.server.tenancy import Caller, in_client_terms, new_session_id, split_key
 from cbd.server.turns import submit_turn
@@ -57,7 +56,7 @@ class CbdService(_Base):
         self.engine: RemoteEngine | None = None  # set once the engine process serves
         self.tokens = tokens  # auth tokens by name: a caller's token name is its tenant
         self.admin_token_name = admin_token_name  # the operator's token (server/tenancy.py)
-        self.stream_interval = stream_interval  # tokens per message of a batch stream (server/stream_interval.py)
+        self.stream_interval = stream_interval  # tokens per message of a batch stream (engine/stream_interval.py)
         self.prompts = PromptEncoder(None)
         self.chats = ChatLogs(None, ())
         # Bounded: at most PROMPT_THREADS prompts are tokenized at once (the tokenizer releases the GIL).
@@ -120,7 +119,11 @@ class CbdService(_Base):
             caller = self._caller(context)
             # The scheduling tenant: the token's name when auth is on (it wins over the field), else the field.
             tenant = caller.tenant if self.tokens is not None else request.tenant
-            params = replace(convert.sampling_params(request, tenant), cache_scope=caller.tenant)
+            # The engine gathers a stream's outputs by its interval (engine/stream_interval.py): a message each.
+            params = replace(
+                convert.sampling_params(request, tenant), cache_scope=caller.tenant, stream_interval=own_interval,
+                batch_stream_interval=self.stream_interval,
+            )  # fmt: skip
             structured = structure(request, self.prompts.call_format)
             if structured.spec is not None:  # compiled in a worker process within its budgets; cached by text
                 params = replace(params, grammar=await engine.compile_grammar(structured.spec))
@@ -131,7 +134,10 @@ class CbdService(_Base):
             )
             # Unbounded: the engine never waits for a stream; one that fell behind gets what piled up merged.
             outputs: asyncio.Queue[list[RequestOutput]] = asyncio.Queue()
-            on_output = StreamInterval(outputs.put_nowait, own_interval, self.stream_interval, params.priority)
+
+            def on_output(out: RequestOutput) -> None:
+                outputs.put_nowait([out])
+
             arrived = time.monotonic()
             prompt_tokens: int | None = None  # known here for a plain request; a turn's (history + turn) from its usage
             # Client-chosen request ids live in the caller's namespace (server/tenancy.py); answers carry the client's.
@@ -167,9 +173,9 @@ class CbdService(_Base):
         finishes: set[str] = set()
         try:
             while output is None or not output.finished:
-                pending = await outputs.get()  # one or more outputs, as the stream interval gathers them
+                pending = await outputs.get()  # an output (the engine gathers them by the stream interval)
                 while not outputs.empty():  # this stream fell behind the engine: what piled up goes as one message
-                    pending.extend(outputs.get_nowait())  # each list is the stream's own (StreamInterval)
+                    pending.extend(outputs.get_nowait())
                 elapsed = time.monotonic() - arrived
                 has_tokens = False
                 for out in pending:  # metrics count every engine output, merged or not

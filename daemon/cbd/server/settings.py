@@ -14,7 +14,7 @@ from dataclasses import MISSING, dataclass, fields
 from typing import Any
 
 from cbd.config import EngineConfig, config_from_dict, physical_memory
-from cbd.server.stream_interval import MAX_STREAM_INTERVAL
+from cbd.engine.sampling_params import MAX_STREAM_INTERVAL
 from cbd_client.address import default_address
 
 

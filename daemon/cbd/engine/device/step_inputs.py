@@ -188,26 +188,24 @@ class InputStager:
         self.streams.record(staged.slot.consumed, self.streams.compute)
 
 
-def pack_step(
-    plan: StepPlan, graph_bucket: Callable[[int, int, int], tuple[int, int] | None], tables: BlockTableRows
-) -> StepBatch:
-    """Pack a planned step. Reads only what the plan recorded when it was made (chunk starts, carry
-    rows, sample rows), and the sequences' block tables (the scheduler has already advanced the sequences
-    past the plan; their tables cover it). tables: the device block table's rows (block_tables.py).
-    graph_bucket(num_seqs, num_tokens, max_query_len): the captured graph (batch, tokens) for a step whose
-    every sequence samples after each of its new tokens (a decode step, or one verifying drafts), or None.
-    A graph's step is packed padded: sequences with no tokens up to `batch` (a decode graph: one token each,
-    on the scratch block), then rows up to `tokens`."""
-    rows = plan.samples
-    num_seqs = len(plan.chunks)
-    max_query_len = max(c.num_new_tokens for c in plan.chunks)
-    # Every token sampled from (its own logits row, no forks): a decode step, or drafts being verified.
-    uniform = len(rows) == plan.num_tokens and all(
-        c.samples and c.num_new_tokens == c.num_draft + 1 for c in plan.chunks
-    )
-    decode_only = uniform and max_query_len == 1
-    graph = graph_bucket(num_seqs, plan.num_tokens, max_query_len) if uniform else None
-    batch, graph_tokens = graph if graph is not None else (num_seqs, 0)
+@dataclass(slots=True)
+class _ChunkArrays:
+    """The per-token and per-sequence arrays of a step's chunks (before padding), as pack_step reads them."""
+
+    ids: list[int]
+    qstart: list[int]
+    ctx: list[int]
+    query_lens: list[int]
+    logits_rows: list[int]
+    carry_dst: list[int]
+    carry_src: list[int]
+    after: list[tuple[int, int, int]]  # chunks after drafts in flight: (chunk, carry index, group + 1)
+    drafted: list[tuple[int, int]]  # chunks with drafts: (index of the first draft in ids, drafts)
+    width: int  # the widest block table
+
+
+def gather_chunks(plan: StepPlan) -> _ChunkArrays:
+    """Any step's chunks, one at a time."""
     ids: list[int] = []
     qstart: list[int] = [0]
     ctx: list[int] = []
@@ -215,8 +213,8 @@ def pack_step(
     logits_rows: list[int] = []
     carry_dst: list[int] = []
     carry_src: list[int] = []
-    after: list[tuple[int, int, int]] = []  # chunks after drafts in flight: (chunk, carry index, group + 1)
-    drafted: list[tuple[int, int]] = []  # chunks with drafts: (index of the first draft in ids, drafts)
+    after: list[tuple[int, int, int]] = []
+    drafted: list[tuple[int, int]] = []
     width = 1
     for chunk in plan.chunks:
         seq, start, n = chunk.seq, chunk.start, chunk.num_new_tokens
@@ -241,6 +239,59 @@ def pack_step(
         ctx.append(start + n)
         query_lens.append(n)
         width = max(width, len(seq.block_table))
+    return _ChunkArrays(ids, qstart, ctx, query_lens, logits_rows, carry_dst, carry_src, after, drafted, width)
+
+
+def is_plain_decode(plan: StepPlan) -> bool:
+    """Every chunk one new token, sampled once, without drafts or forks, none after drafts in flight: what
+    `gather_decodes` packs (most steps of a running batch)."""
+    return len(plan.samples) == len(plan.chunks) and all(
+        c.num_new_tokens == 1 and c.samples and not c.num_draft and c.carry_group < 0 for c in plan.chunks
+    )
+
+
+def gather_decodes(plan: StepPlan) -> _ChunkArrays:
+    """A plain decode step's chunks (is_plain_decode), as gather_chunks makes them, a list at a time."""
+    chunks = plan.chunks
+    num_seqs = len(chunks)
+    ids = [0 if c.carry_row >= 0 else c.seq.token_ids[c.start] for c in chunks]
+    carried = [i for i, c in enumerate(chunks) if c.carry_row >= 0]
+    return _ChunkArrays(
+        ids=ids, qstart=list(range(num_seqs + 1)), ctx=[c.start + 1 for c in chunks], query_lens=[1] * num_seqs,
+        logits_rows=list(range(num_seqs)), carry_dst=carried, carry_src=[chunks[i].carry_row for i in carried],
+        after=[], drafted=[], width=max(1, max(len(c.seq.block_table) for c in chunks)),
+    )  # fmt: skip
+
+
+def pack_step(
+    plan: StepPlan, graph_bucket: Callable[[int, int, int], tuple[int, int] | None], tables: BlockTableRows
+) -> StepBatch:
+    """Pack a planned step. Reads only what the plan recorded when it was made (chunk starts, carry
+    rows, sample rows), and the sequences' block tables (the scheduler has already advanced the sequences
+    past the plan; their tables cover it). tables: the device block table's rows (block_tables.py).
+    graph_bucket(num_seqs, num_tokens, max_query_len): the captured graph (batch, tokens) for a step whose
+    every sequence samples after each of its new tokens (a decode step, or one verifying drafts), or None.
+    A graph's step is packed padded: sequences with no tokens up to `batch` (a decode graph: one token each,
+    on the scratch block), then rows up to `tokens`."""
+    rows = plan.samples
+    num_seqs = len(plan.chunks)
+    if is_plain_decode(plan):
+        a = gather_decodes(plan)
+        num_tokens, max_query_len, num_decodes = num_seqs, 1, num_seqs
+        uniform = True
+    else:
+        a = gather_chunks(plan)
+        num_tokens = len(a.ids)
+        max_query_len = max(a.query_lens)
+        num_decodes = next((i for i, n in enumerate(a.query_lens) if n != 1), num_seqs)
+        # Every token sampled from (its own logits row, no forks): a decode step, or drafts being verified.
+        uniform = len(rows) == num_tokens and all(
+            c.samples and c.num_new_tokens == c.num_draft + 1 for c in plan.chunks
+        )
+    decode_only = uniform and max_query_len == 1
+    graph = graph_bucket(num_seqs, num_tokens, max_query_len) if uniform else None
+    batch, graph_tokens = graph if graph is not None else (num_seqs, 0)
+    ids, qstart, ctx, carry_dst, after = a.ids, a.qstart, a.ctx, a.carry_dst, a.after
     max_context_len = max(ctx)
     table_index: list[int] = []
     table_values: list[int] = []
@@ -256,8 +307,8 @@ def pack_step(
     packed.add("ids", ids)
     packed.add("qstart", qstart)
     packed.add("ctx", ctx)
-    packed.add("logits_rows", logits_rows)
-    if len(rows) != len(logits_rows):  # forks: several rows read one logits row (rows come grouped by source)
+    packed.add("logits_rows", a.logits_rows)
+    if len(rows) != len(a.logits_rows):  # forks: several rows read one logits row (rows come grouped by source)
         row_logits, k, source, position = [], -1, None, -1
         for r in rows:
             if r.source is not source or r.position != position:  # a fork repeats its parent's position
@@ -266,15 +317,15 @@ def pack_step(
         packed.add("row_logits", row_logits)
     if carry_dst:
         packed.add("carry_dst", carry_dst)
-        packed.add("carry_src", carry_src)
+        packed.add("carry_src", a.carry_src)
     if after:  # see draft_carry.py
         carry_group, seq_group = [0] * len(carry_dst), [0] * batch
         for index, carried, group in after:
             carry_group[carried] = seq_group[index] = group
         packed.add("carry_group", carry_group)
         packed.add("seq_group", seq_group)
-    if drafted:
-        _pack_verify(packed, drafted, rows)
+    if a.drafted:
+        _pack_verify(packed, a.drafted, rows)
     packed.add("table_rows", table_rows)
     if table_index:
         packed.add("table_index", table_index)
@@ -294,12 +345,12 @@ def pack_step(
         packed.add_float("min_p", [p.min_p for p in params])
     wanted = [p.logprobs for p in params if p.logprobs is not None]
     meta = StepMeta(
-        num_seqs=num_seqs, batch=batch, width=width, graph=graph is not None, decode_only=decode_only,
+        num_seqs=num_seqs, batch=batch, width=a.width, graph=graph is not None, decode_only=decode_only,
         max_query_len=max_query_len, max_context_len=max_context_len, num_rows=len(rows), any_random=any_random,
-        any_top_k_or_p=any(not p.greedy and (p.top_k > 0 or p.top_p < 1.0) for p in params),
-        any_min_p=any(not p.greedy and p.min_p > 0.0 for p in params),
+        any_top_k_or_p=any_random and any(not p.greedy and (p.top_k > 0 or p.top_p < 1.0) for p in params),
+        any_min_p=any_random and any(not p.greedy and p.min_p > 0.0 for p in params),
         max_logprobs=max(wanted) if wanted else None, graph_tokens=graph_tokens,
-        num_decodes=next((i for i, n in enumerate(query_lens) if n != 1), num_seqs),
+        num_decodes=num_decodes,
         masked=plan.constrained, table_shape=(tables.num_rows, tables.num_columns),
     )  # fmt: skip
     return StepBatch(packed, meta, plan.block_copies)

@@ -1,0 +1,65 @@
+"""A request's outputs gathered into fewer: at most one per `tokens` tokens of a candidate.
+
+A step makes one output per request. At a large batch, an output per request per step is most of the
+work after the step: handing it over, sending it to the frontend, decoding it there, and one gRPC message
+per stream per step (the frontend's and the client's largest cost per token). So the engine may gather a
+request's outputs (the emitter, engine/emitter.py): once its first token has gone out (time to first token is
+unchanged), its outputs are held until one candidate has `tokens` tokens not yet passed on, a candidate
+ends, or the request ends; then everything held goes on at once as one output, in order. Nothing is
+dropped or reordered. The interval is the request's own (SamplingParams.stream_interval, from
+GenerateRequest.stream_interval) or, unset, 1 for an interactive request and
+SamplingParams.batch_stream_interval (the daemon's --stream-interval) for a batch one; the class is known
+for sure from the request's first output (a session turn takes its session's). An interval of 1 passes
+each output on as it comes.
+"""
+
+from __future__ import annotations
+
+from cbd.engine.outputs import RequestOutput
+from cbd.engine.sampling_params import PRIORITY_BATCH
+
+
+def gathers(own: int | None, batch_interval: int) -> bool:
+    """Whether a request with these settings may have its outputs gathered (else each goes on as it comes)."""
+    return (own or batch_interval) > 1
+
+
+class StreamInterval:
+    """The gathering of one request's outputs: `add` each as it is made; it answers those due to go on."""
+
+    __slots__ = ("_own", "_batch", "_tokens", "_held", "_gathered", "_started")
+
+    def __init__(self, own: int | None, batch_interval: int, priority: int | None) -> None:
+        """own: the request's stream_interval (None: by its class); batch_interval: a batch request's;
+        priority: the class it asked for (None: known from its first output)."""
+        self._own = own
+        self._batch = batch_interval
+        self._tokens = self._interval(priority)  # until the first output tells the class it runs in
+        self._held: list[RequestOutput] = []
+        self._gathered: dict[int, int] = {}  # tokens held per candidate since the last delivery
+        self._started = False  # a token has gone out
+
+    def _interval(self, priority: int | None) -> int:
+        if self._own is not None:
+            return self._own
+        return self._batch if priority == PRIORITY_BATCH else 1
+
+    def add(self, out: RequestOutput) -> list[RequestOutput] | None:
+        """Hold `out`; the outputs held so far, in order, once they are due (else None)."""
+        if out.priority is not None:  # the first output: the class it runs in
+            self._tokens = self._interval(out.priority)
+        if self._tokens == 1 and not self._held:  # the interval is fixed from here on (priority: first output only)
+            return [out]
+        self._held.append(out)
+        due = out.finished
+        gathered = self._gathered
+        for d in out.candidates:
+            count = gathered[d.index] = gathered.get(d.index, 0) + len(d.token_ids)
+            if d.finish_reason is not None or count >= self._tokens or (count and not self._started):
+                due = True  # a candidate ended, has gathered enough, or holds the stream's first token
+        if not due:
+            return None
+        held, self._held = self._held, []
+        gathered.clear()
+        self._started = self._started or any(d.token_ids for o in held for d in o.candidates)
+        return held
