@@ -55,6 +55,7 @@ from cbd_client.address import free_port  # noqa: E402
 from daemon_process import DaemonProcess  # noqa: E402
 
 OUT = Path(os.environ.get("OUT", "."))
+ALLOWED_CPUS = os.sched_getaffinity(0)  # before --daemon-cpus narrows this process to the clients' CPUs
 SHAPES = {
     "8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
                num_key_value_heads=8, vocab_size=49152, max_position_embeddings=8192, rope_theta=500000.0,
@@ -304,7 +305,8 @@ def cpu_list(text: str) -> set[int]:
 
 
 def pin(pid: int, cpus: set[int]) -> None:
-    """Every thread of a process and of its children onto cpus (threads started later inherit it)."""
+    """Every thread of a process and of its children (not theirs: no tensor parallelism here) onto cpus;
+    threads started later inherit it."""
     for p in [pid, *_children(pid)]:
         for task in Path(f"/proc/{p}/task").glob("*"):
             try:
@@ -328,8 +330,11 @@ def daemon_runs(
             d.wait_serving(900)
             if args.daemon_cpus:  # the daemon on its CPUs; this process (and the clients it starts) on the rest
                 mine = cpu_list(args.daemon_cpus)
+                theirs = ALLOWED_CPUS - mine
+                if not theirs or not mine <= ALLOWED_CPUS:
+                    raise SystemExit(f"--daemon-cpus {args.daemon_cpus}: not a part of this process's CPUs")
                 pin(d.process.pid, mine)
-                os.sched_setaffinity(0, set(range(os.cpu_count() or 1)) - mine)
+                os.sched_setaffinity(0, theirs)
             run(d.address, [Call(workloads[0][2][0], 8)], 1)  # warm-up
             best: dict[int, dict[str, object]] = {}
             gateway = _start_gateway(d.address) if args.gateway and label == "daemon" else None
@@ -349,7 +354,7 @@ def daemon_runs(
                     r = through_daemon(d, port, batch, n, args.client_processes, label)
                     print(f"{label} B={b} profiled: {r['tok_s']:.0f} tok/s, {r['ms_step']:.2f} ms/step", flush=True)
                     best[b]["profile"] = r["profile"]
-                for k in intervals if label == "daemon" else []:  # the same calls, k tokens per stream message
+                for k in intervals:  # the same calls, k tokens per stream message
                     for _ in range(args.rounds):
                         r = through_daemon(d, port, batch, n, args.client_processes, stream_interval=k)
                         print(f"{label} B={b} interval {k}: {r['tok_s']:.0f} tok/s, {r['ms_step']:.2f} ms/step, "
@@ -464,16 +469,17 @@ def report(
         frontend_ms = sum(v for k, v in cpu.items() if k.startswith("frontend:"))
         print(f"{b:4d} {gpu_ms:16.2f} {1000 * b / gpu_ms:14.0f} {remote[b]['tok_s'] / (1000 * b / gpu_ms):17.2f} "  # type: ignore[operator]
               f"{1000 * engine_ms / b:36.1f} {1000 * frontend_ms / b:8.1f}")  # fmt: skip
-    for b, _, _ in workloads:  # the same calls with a stream interval
-        gpu_ms = local.get(b, {}).get("gpu_ms", float("nan"))
-        for k, r in remote[b].get("intervals", {}).items():  # type: ignore[union-attr]
-            cpu = r["cpu_ms_per_step"]
-            engine_ms = sum(v for key, v in cpu.items() if key.startswith("engine:"))
-            frontend_ms = sum(v for key, v in cpu.items() if key.startswith("frontend:"))
-            print(f"{b:4d} stream_interval {k:3d}: {r['tok_s']:.0f} tok/s, {r['ms_step']:.2f} ms/step, "
-                  f"daemon / GPU-only {r['tok_s'] / (1000 * b / gpu_ms):.2f}, host CPU us/seq/step engine "
-                  f"{1000 * engine_ms / b:.1f} frontend {1000 * frontend_ms / b:.1f}, {r['messages']} messages "
-                  f"(interval 1: {remote[b]['messages']})")  # fmt: skip
+    for label, runs in (("this tree", remote), ("before", before or {})):  # the same calls with a stream interval
+        for b, _, _ in workloads:
+            gpu_ms = local.get(b, {}).get("gpu_ms", float("nan"))
+            for k, r in runs.get(b, {}).get("intervals", {}).items():  # type: ignore[union-attr]
+                cpu = r["cpu_ms_per_step"]
+                engine_ms = sum(v for key, v in cpu.items() if key.startswith("engine:"))
+                frontend_ms = sum(v for key, v in cpu.items() if key.startswith("frontend:"))
+                print(f"{label} {b:4d} stream_interval {k:3d}: {r['tok_s']:.0f} tok/s, {r['ms_step']:.2f} ms/step, "
+                      f"daemon / GPU-only {r['tok_s'] / (1000 * b / gpu_ms):.2f}, host CPU us/seq/step engine "
+                      f"{1000 * engine_ms / b:.1f} frontend {1000 * frontend_ms / b:.1f}, {r['messages']} messages "
+                      f"(interval 1: {runs[b]['messages']})")  # fmt: skip
     for label, runs in (("daemon", remote), ("before", before or {})):
         for b, r in runs.items():
             if b < 0:

@@ -10,6 +10,7 @@ import asyncio
 import pytest
 
 from cbd.engine.grammar.matcher import GrammarKind, GrammarSpec, LazyGrammarCompiler
+from cbd.engine.outputs import RequestOutput
 from cbd.engine.sampling_params import SamplingParams
 from cbd.engine.sequence import FinishReason
 from cbd.errors import InvalidRequest
@@ -27,11 +28,15 @@ def test_a_grammar_over_its_mask_budget_ends_with_an_error_while_a_greedy_stream
     alone = run_all(make_core(default_model, overlap=overlap), [plain], greedy)[0]["tokens"][0]
 
     core = make_core(default_model, overlap=overlap, grammar_mask_budget_ms=1.0, grammar_mask_budget_steps=3)
-    bomb = SamplingParams(
-        max_tokens=1000, temperature=0.0, grammar=compiler.compile(GrammarSpec(GrammarKind.GRAMMAR, MASK_BOMB))
+    bomb = SamplingParams(  # its outputs after the first held to its end: the error must reach the one handed over
+        max_tokens=1000,
+        temperature=0.0,
+        grammar=compiler.compile(GrammarSpec(GrammarKind.GRAMMAR, MASK_BOMB)),
+        stream_interval=1000,
     )
+    delivered: list[RequestOutput] = []
     plain_id = core.add_request(plain, greedy).request_id
-    bomb_id = core.add_request(bomb_prompt, bomb).request_id
+    bomb_id = core.add_request(bomb_prompt, bomb, on_output=delivered.append).request_id
     tokens: dict[str, list[int]] = {plain_id: [], bomb_id: []}
     ended, plain_tokens_when_bomb_ended = None, 0
     for _ in range(5000):
@@ -41,8 +46,13 @@ def test_a_grammar_over_its_mask_budget_ends_with_an_error_while_a_greedy_stream
             tokens[out.request_id] += [t for d in out.candidates for t in d.token_ids]
             if out.request_id == bomb_id and out.finished:
                 ended, plain_tokens_when_bomb_ended = out, len(tokens[plain_id])
+        core.deliver()
     assert ended is not None and ended.candidates[0].finish_reason is FinishReason.ERROR
     assert ended.error is not None and ended.error.startswith("grammar too expensive"), ended.error
+    assert len(delivered) == 2  # the first token at once; the rest, held, with the end
+    last = delivered[-1]  # what the callback got: the held tokens and the end, with the error
+    assert last.finished and last.error == ended.error and last.candidates[0].finish_reason is FinishReason.ERROR
+    assert [t for out in delivered for d in out.candidates for t in d.token_ids] == tokens[bomb_id]
     assert 0 < len(tokens[bomb_id]) < 1000  # it ran, under its grammar, and was cut long before its end
     assert plain_tokens_when_bomb_ended < 160  # the greedy stream was still running then ...
     assert tokens[plain_id] == alone  # ... went on to its end, and sampled what it samples alone

@@ -283,8 +283,7 @@ class EngineCore:
         for seq in self.grammar_masks.take_over_budget():
             if seq.request.is_finished:
                 continue
-            out = self.emitter.fail(seq.request, FinishReason.ERROR)
-            out.error = self.grammar_masks.error()
+            out = self.emitter.fail(seq.request, FinishReason.ERROR, self.grammar_masks.error())
             log.warning("request %s: %s", seq.request.request_id, out.error)
             outputs.append(out)
         return outputs

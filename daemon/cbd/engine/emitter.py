@@ -79,8 +79,9 @@ class Emitter:
         self.num_generated_tokens += sum(len(ds) for _, ds in deltas.values())
         return [self.output(seq.request, merge_deltas(ds), ended) for seq, ds in deltas.values()]
 
-    def fail(self, request: Request, reason: FinishReason) -> RequestOutput:
-        """End every unfinished candidate of request (and the forks it has not made yet) with reason."""
+    def fail(self, request: Request, reason: FinishReason, error: str | None = None) -> RequestOutput:
+        """End every unfinished candidate of request (and the forks it has not made yet) with reason; error:
+        why, when it is the request's doing (RequestOutput.error)."""
         deltas = []
         for seq in request.sequences:
             if not seq.is_finished:
@@ -92,12 +93,16 @@ class Emitter:
             for c in range(seq.candidate_index + 1, seq.candidate_index + 1 + seq.pending_forks):
                 deltas.append(CandidateDelta(c, [], "", None, reason, _usage(request, 0)))
             seq.pending_forks = 0
-        return self.output(request, deltas)
+        return self.output(request, deltas, error=error)
 
-    def output(self, request: Request, deltas: list[CandidateDelta], ended: bool = True) -> RequestOutput:
+    def output(
+        self, request: Request, deltas: list[CandidateDelta], ended: bool = True, error: str | None = None
+    ) -> RequestOutput:
         """The request's output of these deltas; a finished request's ends its turn and releases its record.
-        ended False: no candidate finished since the last output (the request cannot have ended)."""
-        out = RequestOutput(request.request_id, deltas)
+        ended False: no candidate finished since the last output (the request cannot have ended). What is
+        handed over may be this output merged with ones held before it (the stream interval): complete it
+        here (`error`), never after."""
+        out = RequestOutput(request.request_id, deltas, error=error)
         if not request.queue_reported and request.first_scheduled is not None:
             out.queue_seconds = request.first_scheduled - request.arrival_time
             out.priority = request.priority
@@ -113,17 +118,21 @@ class Emitter:
         else:
             live = self.live.get(request.request_id)
         if live is not None and live.on_output is not None:
-            params = request.params
-            if request.gathering is None and gathers(params.stream_interval, params.batch_stream_interval):
-                request.gathering = StreamInterval(
-                    params.stream_interval, params.batch_stream_interval, params.priority
-                )
-            if request.gathering is None:
+            gathering = request.gathering
+            if gathering is None:  # its first output: gathered or not, by its params (and then its class)
+                params = request.params
+                gathering = StreamInterval(params.stream_interval, params.batch_stream_interval, params.priority)
+                if not gathers(params.stream_interval, params.batch_stream_interval):
+                    gathering = False
+                request.gathering = gathering
+            if gathering is False:
                 self._outbox.append((live, out))
             else:
-                due = request.gathering.add(out)
+                due = gathering.add(out)
                 if due:
                     self._outbox.append((live, due[0] if len(due) == 1 else merge_outputs(due)))
+                if out.priority is not None and gathering.passes_each:  # its class's interval is 1
+                    request.gathering = False
         return out
 
     def deliver(self) -> None:

@@ -95,8 +95,10 @@ class SamplingParams:
             ("stream_interval", self.stream_interval),
             ("batch_stream_interval", self.batch_stream_interval),
         ):
-            if value is not None and not 1 <= value <= MAX_STREAM_INTERVAL:
-                raise InvalidRequest(f"{name} must be 1-{MAX_STREAM_INTERVAL} tokens, got {value}")
+            if value is None and name == "stream_interval":
+                continue  # by its class
+            if type(value) is not int or not 1 <= value <= MAX_STREAM_INTERVAL:
+                raise InvalidRequest(f"{name} must be 1-{MAX_STREAM_INTERVAL} tokens, got {value!r}")
 
     @property
     def greedy(self) -> bool:

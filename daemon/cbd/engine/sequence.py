@@ -152,7 +152,9 @@ class Request:
     tenant: str = ""
     queued_at: float | None = None
     queue_reported: bool = False
-    gathering: Any = None  # its outputs' StreamInterval (engine/stream_interval.py), made by the emitter
+    # Its outputs' StreamInterval (engine/stream_interval.py), made by the emitter at its first output; False:
+    # each output goes on as it comes.
+    gathering: Any = None
 
     @property
     def is_finished(self) -> bool:

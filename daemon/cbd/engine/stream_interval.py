@@ -6,7 +6,8 @@ per stream per step (the frontend's and the client's largest cost per token). So
 request's outputs (the emitter, engine/emitter.py): once its first token has gone out (time to first token is
 unchanged), its outputs are held until one candidate has `tokens` tokens not yet passed on, a candidate
 ends, or the request ends; then everything held goes on at once as one output, in order. Nothing is
-dropped or reordered. The interval is the request's own (SamplingParams.stream_interval, from
+dropped or reordered while the engine runs (a request's last output, however it ends, is never held; if
+the engine process itself dies, what it held dies with it and the stream ends with an error). The interval is the request's own (SamplingParams.stream_interval, from
 GenerateRequest.stream_interval) or, unset, 1 for an interactive request and
 SamplingParams.batch_stream_interval (the daemon's --stream-interval) for a batch one; the class is known
 for sure from the request's first output (a session turn takes its session's). An interval of 1 passes
@@ -43,6 +44,11 @@ class StreamInterval:
         if self._own is not None:
             return self._own
         return self._batch if priority == PRIORITY_BATCH else 1
+
+    @property
+    def passes_each(self) -> bool:
+        """Its interval is 1 and nothing is held: each output goes on as it comes."""
+        return self._tokens == 1 and not self._held
 
     def add(self, out: RequestOutput) -> list[RequestOutput] | None:
         """Hold `out`; the outputs held so far, in order, once they are due (else None)."""
