@@ -120,10 +120,11 @@ class Emitter:
         if live is not None and live.on_output is not None:
             gathering = request.gathering
             if gathering is None:  # its first output: gathered or not, by its params (and then its class)
-                params = request.params
-                gathering = StreamInterval(params.stream_interval, params.batch_stream_interval, params.priority)
-                if not gathers(params.stream_interval, params.batch_stream_interval):
-                    gathering = False
+                p = request.params
+                gathers_any = gathers(p.stream_interval, p.batch_stream_interval)
+                gathering = (
+                    StreamInterval(p.stream_interval, p.batch_stream_interval, p.priority) if gathers_any else False
+                )
                 request.gathering = gathering
             if gathering is False:
                 self._outbox.append((live, out))

@@ -25,6 +25,12 @@ PRIORITY_INTERACTIVE, PRIORITY_BATCH = 0, 1
 MAX_STREAM_INTERVAL = 1024  # tokens per gathered output (engine/stream_interval.py)
 
 
+def check_stream_interval(name: str, value: object) -> None:
+    """A stream interval (tokens per gathered output) is an int in 1..MAX_STREAM_INTERVAL (InvalidRequest)."""
+    if type(value) is not int or not 1 <= value <= MAX_STREAM_INTERVAL:
+        raise InvalidRequest(f"{name} must be 1-{MAX_STREAM_INTERVAL} tokens, got {value!r}")
+
+
 @dataclass(frozen=True, slots=True)
 class SamplingParams:
     max_tokens: int = 256
@@ -91,14 +97,9 @@ class SamplingParams:
             raise InvalidRequest(f"tenant has at most {MAX_TENANT_CHARS} characters, got {len(self.tenant)}")
         if len(self.cache_scope) > MAX_TENANT_CHARS:
             raise InvalidRequest(f"cache_scope has at most {MAX_TENANT_CHARS} characters")
-        for name, value in (
-            ("stream_interval", self.stream_interval),
-            ("batch_stream_interval", self.batch_stream_interval),
-        ):
-            if value is None and name == "stream_interval":
-                continue  # by its class
-            if type(value) is not int or not 1 <= value <= MAX_STREAM_INTERVAL:
-                raise InvalidRequest(f"{name} must be 1-{MAX_STREAM_INTERVAL} tokens, got {value!r}")
+        if self.stream_interval is not None:  # None: by its class
+            check_stream_interval("stream_interval", self.stream_interval)
+        check_stream_interval("batch_stream_interval", self.batch_stream_interval)
 
     @property
     def greedy(self) -> bool:

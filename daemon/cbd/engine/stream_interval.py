@@ -7,11 +7,11 @@ request's outputs (the emitter, engine/emitter.py): once its first token has gon
 unchanged), its outputs are held until one candidate has `tokens` tokens not yet passed on, a candidate
 ends, or the request ends; then everything held goes on at once as one output, in order. Nothing is
 dropped or reordered while the engine runs (a request's last output, however it ends, is never held; if
-the engine process itself dies, what it held dies with it and the stream ends with an error). The interval is the request's own (SamplingParams.stream_interval, from
-GenerateRequest.stream_interval) or, unset, 1 for an interactive request and
-SamplingParams.batch_stream_interval (the daemon's --stream-interval) for a batch one; the class is known
-for sure from the request's first output (a session turn takes its session's). An interval of 1 passes
-each output on as it comes.
+the engine process itself dies, what it held dies with it and the stream ends with an error). The
+interval is the request's own (SamplingParams.stream_interval, from GenerateRequest.stream_interval) or,
+unset, 1 for an interactive request and SamplingParams.batch_stream_interval (the daemon's
+--stream-interval) for a batch one; the class is known for sure from the request's first output (a
+session turn takes its session's). An interval of 1 passes each output on as it comes.
 """
 
 from __future__ import annotations
@@ -54,7 +54,7 @@ class StreamInterval:
         """Hold `out`; the outputs held so far, in order, once they are due (else None)."""
         if out.priority is not None:  # the first output: the class it runs in
             self._tokens = self._interval(out.priority)
-        if self._tokens == 1 and not self._held:  # the interval is fixed from here on (priority: first output only)
+        if self.passes_each:  # the interval is fixed from here on (priority: first output only)
             return [out]
         self._held.append(out)
         due = out.finished

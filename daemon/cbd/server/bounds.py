@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import re
 
-from cbd.engine.sampling_params import MAX_STREAM_INTERVAL
+from cbd.engine.sampling_params import check_stream_interval
 from cbd.engine.sessions.records import check_client_session_id
 from cbd.errors import InvalidRequest
 from cbd_client.v1 import cbd_pb2 as pb
@@ -85,6 +85,5 @@ def stream_interval(request: pb.GenerateRequest) -> int | None:
     """The request's own stream_interval (None: unset, the daemon chooses by its class)."""
     if not request.HasField("stream_interval"):
         return None
-    if not 1 <= request.stream_interval <= MAX_STREAM_INTERVAL:
-        raise InvalidRequest(f"stream_interval must be 1-{MAX_STREAM_INTERVAL} tokens, got {request.stream_interval}")
+    check_stream_interval("stream_interval", request.stream_interval)  # refused before anything else is read
     return request.stream_interval

@@ -133,11 +133,8 @@ class CbdService(_Base):
                 else None
             )
             # Unbounded: the engine never waits for a stream; one that fell behind gets what piled up merged.
-            outputs: asyncio.Queue[list[RequestOutput]] = asyncio.Queue()
-
-            def on_output(out: RequestOutput) -> None:
-                outputs.put_nowait([out])
-
+            outputs: asyncio.Queue[RequestOutput] = asyncio.Queue()
+            on_output = outputs.put_nowait
             arrived = time.monotonic()
             prompt_tokens: int | None = None  # known here for a plain request; a turn's (history + turn) from its usage
             # Client-chosen request ids live in the caller's namespace (server/tenancy.py); answers carry the client's.
@@ -173,9 +170,9 @@ class CbdService(_Base):
         finishes: set[str] = set()
         try:
             while output is None or not output.finished:
-                pending = await outputs.get()  # an output (the engine gathers them by the stream interval)
+                pending = [await outputs.get()]  # an output (the engine gathers them by the stream interval)
                 while not outputs.empty():  # this stream fell behind the engine: what piled up goes as one message
-                    pending.extend(outputs.get_nowait())
+                    pending.append(outputs.get_nowait())
                 elapsed = time.monotonic() - arrived
                 has_tokens = False
                 for out in pending:  # metrics count every engine output, merged or not
