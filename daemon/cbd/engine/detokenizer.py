@@ -2,37 +2,112 @@
 
 from __future__ import annotations
 
+import weakref
 from typing import Any
+
+# Tokens pushed with no text out yet after which their bytes are given out as they stand. A character is at most
+# four bytes, so valid text never waits this long: only a run of broken bytes does (each push would otherwise
+# decode the whole run again: a request that samples garbage would cost the process quadratic time).
+HOLD_LIMIT = 8
+_SPECIAL_IDS: weakref.WeakKeyDictionary[Any, frozenset[int]] = weakref.WeakKeyDictionary()
 
 
 class IncrementalDetokenizer:
     """Turns token ids into text as they arrive; multi-byte characters split across tokens come out whole.
 
-    Uses the tokenizers library's DecodeStream when the tokenizer has a fast backend; otherwise
-    decodes the whole output and emits the new suffix once it holds no partial character.
+    Each push decodes a bounded window of tokens, whatever the output holds:
+    - skipped special tokens (skip_special_tokens) never enter it: they have no text;
+    - with a fast tokenizer, the tokenizers library's DecodeStream; once HOLD_LIMIT tokens in a row gave no
+      text (broken bytes), the window below takes over from where the stream stood;
+    - otherwise a window of the tokens since the last text and those before it (their text decides how
+      the new ones read, e.g. a leading space): text goes out when it grows and holds no partial character,
+      or when HOLD_LIMIT tokens wait, as they stand (replacement characters for the broken bytes).
+    Valid text reads as the whole output decoded at once.
     """
 
     def __init__(self, tokenizer: Any, skip_special_tokens: bool = True) -> None:
-        self._tokenizer = tokenizer
         self._skip = skip_special_tokens
-        self._backend = getattr(tokenizer, "backend_tokenizer", None)
+        backend = getattr(tokenizer, "backend_tokenizer", None)
+        self._backend = backend
+        self._decode: Any = backend.decode if backend is not None else tokenizer.decode
+        self._special = special_ids(tokenizer) if skip_special_tokens else frozenset()
         self._stream: Any = None
-        if self._backend is not None:
+        if backend is not None:
             from tokenizers.decoders import DecodeStream
 
             self._stream = DecodeStream(skip_special_tokens=skip_special_tokens)
+        self._held: list[int] = []  # stream mode: pushed since its last text
+        self._context: int | None = None  # stream mode: the token that gave its last text
+        # Window mode: ids[start:read] gave the last text (`prefix`); ids[read:] have given none yet.
         self._ids: list[int] = []
-        self._emitted = 0
+        self._start = self._read = 0
+        self._prefix = ""
+
+    @property
+    def held(self) -> int:
+        """Tokens pushed whose text has not come out (at most HOLD_LIMIT - 1 between pushes)."""
+        return len(self._held) if self._stream is not None else len(self._ids) - self._read
 
     def push(self, token_id: int) -> str:
-        if self._stream is not None:
-            return self._stream.step(self._backend, token_id) or ""
-        self._ids.append(token_id)
-        text = self._tokenizer.decode(self._ids, skip_special_tokens=self._skip)
-        if text.endswith("\ufffd"):
+        if token_id in self._special:
             return ""
-        new, self._emitted = text[self._emitted :], len(text)
+        if self._stream is not None:
+            text = self._stream.step(self._backend, token_id)
+            if text:
+                self._context = token_id
+                if self._held:
+                    self._held.clear()
+                return text
+            self._held.append(token_id)
+            if len(self._held) < HOLD_LIMIT:
+                return ""
+            # Broken bytes: go on in window mode, the stream's last text as the window's context.
+            self._stream = None
+            context = [] if self._context is None else [self._context]
+            self._ids = context + self._held
+            self._start, self._read = 0, len(context)
+            self._prefix = self._decode(context, skip_special_tokens=self._skip) if context else ""
+            return self._window_text(force=True)
+        self._ids.append(token_id)
+        return self._window_text(force=len(self._ids) - self._read >= HOLD_LIMIT)
+
+    def _window_text(self, force: bool) -> str:
+        ids = self._ids
+        text = self._decode(ids[self._start :], skip_special_tokens=self._skip)
+        if force:  # out as it stands; what follows reads on its own (no context ending in broken bytes)
+            new = text[len(self._prefix) :] if text.startswith(self._prefix) else text
+            self._start = self._read = len(ids)
+            self._prefix = ""
+        elif len(text) > len(self._prefix) and not text.endswith("\ufffd"):
+            new = text[len(self._prefix) :]
+            self._start, self._read = self._read, len(ids)
+            self._prefix = self._decode(ids[self._start :], skip_special_tokens=self._skip)
+        else:
+            return ""
+        if self._start > 64:  # what lies before the window is never read again
+            del ids[: self._start]
+            self._read -= self._start
+            self._start = 0
         return new
+
+
+def special_ids(tokenizer: Any) -> frozenset[int]:
+    """The ids that decoding with skip_special_tokens leaves out (the backend's special added tokens)."""
+    try:
+        return _SPECIAL_IDS[tokenizer]
+    except KeyError:
+        pass
+    except TypeError:  # not weakly referenceable: not cached
+        return _special_ids(tokenizer)
+    found = _SPECIAL_IDS[tokenizer] = _special_ids(tokenizer)
+    return found
+
+
+def _special_ids(tokenizer: Any) -> frozenset[int]:
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is not None:
+        return frozenset(i for i, token in backend.get_added_tokens_decoder().items() if token.special)
+    return frozenset(getattr(tokenizer, "all_special_ids", ()))
 
 
 class StopStringMatcher:
