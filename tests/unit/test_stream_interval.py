@@ -4,7 +4,9 @@ delivered in order, nothing lost; the class (and so the default interval) from t
 
 from __future__ import annotations
 
-from cbd.engine.outputs import CandidateDelta, RequestOutput
+import msgspec
+
+from cbd.engine.outputs import CandidateDelta, RequestOutput, TokenLogprob, Usage, merge_outputs
 from cbd.engine.sampling_params import PRIORITY_BATCH, PRIORITY_INTERACTIVE
 from cbd.engine.sequence import FinishReason
 from cbd.engine.stream_interval import StreamInterval, gathers
@@ -17,12 +19,19 @@ def step(*tokens: list[int], priority: int | None = None, finish: bool = False) 
 
 
 def deliveries(stream: list[RequestOutput], own: int | None, batch: int = 4, asked: int | None = None):  # type: ignore[no-untyped-def]
+    """The groups of the stream's outputs delivered together; each delivery must be its group merged."""
     got: list[list[RequestOutput]] = []
     gathering = StreamInterval(own, batch, asked)
+    held: list[RequestOutput] = []
+    copies = [msgspec.convert(msgspec.to_builtins(o), RequestOutput) for o in stream]
     for out in stream:
+        held.append(out)
         due = gathering.add(out)
-        if due:
-            got.append(due)
+        if due is not None:
+            assert due == merge_outputs(held)
+            got.append(held)
+            held = []
+    assert stream == copies  # the outputs added are never changed
     return got
 
 
@@ -63,3 +72,18 @@ def test_a_request_that_asked_for_batch_is_gathered_until_its_first_output_says_
 def test_only_an_interval_above_one_gathers() -> None:
     assert gathers(None, 8) and gathers(5, 1) and gathers(2, 8)
     assert not gathers(None, 1) and not gathers(1, 8)  # its own 1 wins over the batch setting
+
+
+def test_a_delivery_is_its_outputs_merged_field_by_field() -> None:
+    lp = [TokenLogprob(5, -0.5, [(5, -0.5), (6, -1.5)])]
+    first = RequestOutput("r", [CandidateDelta(1, [1], "a"), CandidateDelta(0, [2], "b")], priority=PRIORITY_BATCH,
+                          queue_seconds=0.25)  # fmt: skip
+    second = RequestOutput("r", [CandidateDelta(1, [5], "c", logprobs=lp), CandidateDelta(0, [3], "")])
+    third = RequestOutput("r", [CandidateDelta(0, [4], "d", logprobs=lp)])
+    last = RequestOutput(
+        "r", [CandidateDelta(1, [], "", finish_reason=FinishReason.ERROR, usage=Usage(3, 0, 2)),
+              CandidateDelta(0, [], "", finish_reason=FinishReason.ERROR, usage=Usage(3, 0, 3))],
+        finished=True, usage=Usage(3, 0, 5), error="too expensive", turn_ok=False,
+    )  # fmt: skip
+    got = deliveries([first, second, third, last], None)
+    assert got == [[first], [second, third, last]]  # the first token at once; the rest at the end

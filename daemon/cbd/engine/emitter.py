@@ -11,7 +11,7 @@ Invariants:
   engine refreshes its stats snapshot first, so a caller that has seen its request finish never reads
   stats that still count it;
 - a request whose params gather its outputs (engine/stream_interval.py) has them held here until due, then
-  handed over as one (outputs.merge_outputs): its first token and its end are never held.
+  handed over as one (outputs.merge_outputs' rule): its first token and its end are never held.
 Not thread-safe: called from the engine thread only.
 """
 
@@ -23,7 +23,7 @@ from cbd.engine.admission import Admission
 from cbd.engine.device.runner import SampledTokens
 from cbd.engine.live import LiveRequest
 from cbd.engine.output_processor import OutputProcessor
-from cbd.engine.outputs import CandidateDelta, RequestOutput, TokenLogprob, Usage, merge_deltas, merge_outputs
+from cbd.engine.outputs import CandidateDelta, RequestOutput, TokenLogprob, Usage, merge_deltas
 from cbd.engine.sched.plan import SampleRow, StepPlan
 from cbd.engine.sched.scheduler import Scheduler
 from cbd.engine.sequence import FinishReason, Request, Sequence
@@ -131,7 +131,7 @@ class Emitter:
             else:
                 due = gathering.add(out)
                 if due:
-                    self._outbox.append((live, due[0] if len(due) == 1 else merge_outputs(due)))
+                    self._outbox.append((live, due))
                 if out.priority is not None and gathering.passes_each:  # its class's interval is 1
                     request.gathering = False
         return out

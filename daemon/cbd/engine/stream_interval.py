@@ -16,7 +16,7 @@ session turn takes its session's). An interval of 1 passes each output on as it 
 
 from __future__ import annotations
 
-from cbd.engine.outputs import RequestOutput
+from cbd.engine.outputs import CandidateDelta, RequestOutput
 from cbd.engine.sampling_params import PRIORITY_BATCH
 
 
@@ -26,9 +26,9 @@ def gathers(own: int | None, batch_interval: int) -> bool:
 
 
 class StreamInterval:
-    """The gathering of one request's outputs: `add` each as it is made; it answers those due to go on."""
+    """The gathering of one request's outputs: `add` each as it is made; it answers the output due to go on."""
 
-    __slots__ = ("_own", "_batch", "_tokens", "_held", "_gathered", "_started")
+    __slots__ = ("_own", "_batch", "_tokens", "_held", "_num_held", "_started")
 
     def __init__(self, own: int | None, batch_interval: int, priority: int | None) -> None:
         """own: the request's stream_interval (None: by its class); batch_interval: a batch request's;
@@ -36,8 +36,10 @@ class StreamInterval:
         self._own = own
         self._batch = batch_interval
         self._tokens = self._interval(priority)  # until the first output tells the class it runs in
-        self._held: list[RequestOutput] = []
-        self._gathered: dict[int, int] = {}  # tokens held per candidate since the last delivery
+        # What was gathered since the last delivery, as one output (outputs.merge_outputs' rule, kept as each
+        # comes: a candidate's held tokens are its delta's), and how many outputs it holds.
+        self._held: RequestOutput | None = None
+        self._num_held = 0
         self._started = False  # a token has gone out
 
     def _interval(self, priority: int | None) -> int:
@@ -48,24 +50,57 @@ class StreamInterval:
     @property
     def passes_each(self) -> bool:
         """Its interval is 1 and nothing is held: each output goes on as it comes."""
-        return self._tokens == 1 and not self._held
+        return self._tokens == 1 and self._held is None
 
-    def add(self, out: RequestOutput) -> list[RequestOutput] | None:
-        """Hold `out`; the outputs held so far, in order, once they are due (else None)."""
+    def add(self, out: RequestOutput) -> RequestOutput | None:
+        """Gather `out`; everything gathered so far, as one output, once it is due (else None). `out` itself
+        is never changed (the held output is a copy)."""
         if out.priority is not None:  # the first output: the class it runs in
             self._tokens = self._interval(out.priority)
-        if self.passes_each:  # the interval is fixed from here on (priority: first output only)
-            return [out]
-        self._held.append(out)
+        held = self._held
+        if held is None:
+            if self._tokens == 1:  # passes each (the interval is fixed from here on: priority, first output only)
+                return out
+            held = self._held = RequestOutput(out.request_id, [], out.finished, out.usage, out.queue_seconds,
+                                              out.priority, out.error, out.turn_ok)  # fmt: skip
+        else:
+            held.finished = held.finished or out.finished
+            held.usage = out.usage or held.usage
+            held.queue_seconds = held.queue_seconds if held.queue_seconds is not None else out.queue_seconds
+            held.priority = held.priority if held.priority is not None else out.priority
+            held.error = out.error or held.error
+            held.turn_ok = out.turn_ok if out.turn_ok is not None else held.turn_ok
+        self._num_held += 1
         due = out.finished
-        gathered = self._gathered
         for d in out.candidates:
-            count = gathered[d.index] = gathered.get(d.index, 0) + len(d.token_ids)
+            count = len(_merge_delta(held.candidates, d).token_ids)
             if d.finish_reason is not None or count >= self._tokens or (count and not self._started):
                 due = True  # a candidate ended, has gathered enough, or holds the stream's first token
         if not due:
             return None
-        held, self._held = self._held, []
-        gathered.clear()
-        self._started = self._started or any(d.token_ids for o in held for d in o.candidates)
+        if self._num_held > 1:
+            held.candidates.sort(key=_index)
+        self._held, self._num_held = None, 0
+        self._started = self._started or any(d.token_ids for d in held.candidates)
         return held
+
+
+def _merge_delta(deltas: list[CandidateDelta], d: CandidateDelta) -> CandidateDelta:
+    """Add d to its candidate's delta in `deltas` (a copy of d when it has none yet); the merged delta."""
+    for m in deltas:
+        if m.index == d.index:
+            m.token_ids.extend(d.token_ids)
+            m.text += d.text
+            if d.logprobs is not None:
+                m.logprobs = (m.logprobs or []) + d.logprobs
+            m.finish_reason = d.finish_reason or m.finish_reason
+            m.usage = d.usage or m.usage
+            return m
+    m = CandidateDelta(d.index, list(d.token_ids), d.text, None if d.logprobs is None else list(d.logprobs),
+                       d.finish_reason, d.usage)  # fmt: skip
+    deltas.append(m)
+    return m
+
+
+def _index(d: CandidateDelta) -> int:
+    return d.index
