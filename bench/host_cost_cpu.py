@@ -11,10 +11,14 @@ decode steps to the end are measured; best of --rounds. The engine's own step-ph
 CPU forward here, so the host figure is every phase but launch and wait, plus the two host parts of
 launch timed apart (the bench wraps them): packing the step's inputs (`pack_step`) and staging them
 (`InputStager.stage`). Printed as µs per sequence per step. `--before DIR` runs the same from another
-source tree.
+source tree. `--stub-forward` replaces the model's forward by a constant row of logits (every row samples
+the same plain token): the host phases then run without the forward's cache pollution, as on a GPU, and
+"launch" is only its host part. `--stream-interval K` gathers each request's outputs by K tokens (the
+batch streams' setting; engine/stream_interval.py). Each tree runs in its own process (gc frozen after
+start-up by its own `gc_heap.freeze()`, as its engine process does).
 
     python bench/host_cost_cpu.py [--batches 32,128,256] [--new-tokens 64] [--prompt-len 128] [--rounds 2]
-                                  [--before DIR]
+                                  [--stub-forward] [--stream-interval K] [--before DIR]
 """
 
 from __future__ import annotations
@@ -47,10 +51,27 @@ def build_checkpoint(directory: Path) -> None:
     tokenizer.save_pretrained(directory)
 
 
-def measure(checkpoint: str, batches: list[int], new_tokens: int, prompt_len: int, rounds: int) -> dict:
+def stub_forward() -> None:
+    """The model's forward as a constant [rows, 256] of logits, the largest at a plain token (id 253)."""
+    from cbd.engine.device.runner import ModelRunner
+
+    logits = torch.zeros(8192, 256)
+    logits[:, 253] = 1.0
+
+    def forward(self, t, meta):  # type: ignore[no-untyped-def]
+        rows = t.ids.shape[0] if t.logits_rows is None else t.logits_rows.shape[0]
+        return logits[:rows]
+
+    ModelRunner._forward = forward  # type: ignore[method-assign]
+
+
+def measure(
+    checkpoint: str, batches: list[int], new_tokens: int, prompt_len: int, rounds: int, stream_interval: int = 1
+) -> dict:
     import time
 
     import cbd.engine.core as core_module
+    from cbd import gc_heap
     from cbd.config import EngineConfig
     from cbd.engine.core import EngineCore
     from cbd.engine.device.step_inputs import InputStager
@@ -67,6 +88,7 @@ def measure(checkpoint: str, batches: list[int], new_tokens: int, prompt_len: in
     loaded = load_model(config.model, config.cache_dir, config.torch_device(), config.torch_dtype(),
                         pack_cpu_gemm=config.cpu_packed_gemm)  # fmt: skip
     core = EngineCore(loaded, config, detokenize=False)
+    gc_heap.freeze()  # as the engine process does once it has started (this tree's rule)
     # The two host parts of launch, timed by wrapping them (on the CPU the forward runs inside launch too).
     packing = {"pack": 0.0, "stage": 0.0}
 
@@ -82,7 +104,8 @@ def measure(checkpoint: str, batches: list[int], new_tokens: int, prompt_len: in
 
     core_module.pack_step = timed("pack", core_module.pack_step)  # type: ignore[assignment]
     InputStager.stage = timed("stage", InputStager.stage)  # type: ignore[method-assign]
-    params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
+    gathered = {"stream_interval": stream_interval} if stream_interval > 1 else {}
+    params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True, **gathered)
     rng = random.Random(0)
     received = [0]
 
@@ -130,12 +153,17 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--stub-forward", action="store_true", help="a constant forward: host work only")
+    parser.add_argument("--stream-interval", type=int, default=1)
     parser.add_argument("--before", help="also measure the engine of this source tree (DIR/daemon)")
     parser.add_argument("--worker", help=argparse.SUPPRESS)  # a checkpoint: measure and print JSON
     args = parser.parse_args()
     batches = [int(x) for x in args.batches.split(",")]
     if args.worker:
-        print(json.dumps(measure(args.worker, batches, args.new_tokens, args.prompt_len, args.rounds)))
+        if args.stub_forward:
+            stub_forward()
+        found = measure(args.worker, batches, args.new_tokens, args.prompt_len, args.rounds, args.stream_interval)
+        print(json.dumps(found))
         return
     with tempfile.TemporaryDirectory() as tmp:
         build_checkpoint(Path(tmp))
@@ -146,12 +174,14 @@ def main() -> None:
             if tree is not None:
                 env["PYTHONPATH"] = os.pathsep.join([f"{tree}/daemon", env.get("PYTHONPATH", "")])
             argv = [sys.executable, __file__, "--worker", tmp, "--batches", args.batches, "--new-tokens",
-                    str(args.new_tokens), "--prompt-len", str(args.prompt_len), "--rounds", str(args.rounds)]  # fmt: skip
+                    str(args.new_tokens), "--prompt-len", str(args.prompt_len), "--rounds", str(args.rounds),
+                    "--stream-interval", str(args.stream_interval), *(["--stub-forward"] if args.stub_forward else [])]  # fmt: skip
             out = subprocess.run(argv, env=env, check=True, capture_output=True, text=True).stdout
             found[label] = {int(k): v for k, v in json.loads(out.splitlines()[-1]).items()}
     print(
         f"host µs per sequence per decode step (engine thread; every phase but launch and wait, with pack and stage), "
-        f"best of {args.rounds}"
+        f"best of {args.rounds}; stream interval {args.stream_interval}"
+        + ("; forward stubbed (launch: its host part)" if args.stub_forward else "")
     )
     print(f"{'tree':>10} {'B':>4} {'host':>6} " + " ".join(f"{p:>8}" for p in (*HOST_PHASES, "launch")))
     for label, results in found.items():

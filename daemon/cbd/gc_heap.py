@@ -7,7 +7,11 @@ descriptors), while every step allocates short-lived ones (each request's output
 those allocations are what set collections off. `freeze()` collects once, then moves everything alive into
 the permanent generation, which the collector never walks again: later collections cost what the
 requests' own objects cost. Called by each daemon process once it has started (the engine process after
-its warm-up, the frontend when it starts serving); objects made later are collected as before.
+its warm-up, the frontend when it starts serving); objects made later are collected as before, less often:
+a step at a large batch allocates thousands of small objects (outputs, deltas, rows), nearly all freed by
+their reference counts within the step, and the default thresholds (a young collection every 700
+allocations) spent a quarter of the engine thread's output phase at B = 256 walking the few that live on
+(bench/host_cost_cpu.py). Reference cycles are still collected, a few steps later.
 
 `paused()` keeps the collector out of a block that must make no CUDA call but its own: a collection can
 run any finalizer, and a finalizer that frees a CUDA object (an earlier engine's graphs, events or
@@ -20,11 +24,16 @@ import gc
 from collections.abc import Iterator
 from contextlib import contextmanager
 
+# Collection thresholds after start-up: young objects, then collections of the younger generation per older one.
+THRESHOLDS = (20000, 50, 100)
+
 
 def freeze() -> int:
-    """Collect once, then keep every object now alive out of later collections; how many were frozen."""
+    """Collect once, then keep every object now alive out of later collections (and collect less often);
+    how many were frozen."""
     gc.collect()
     gc.freeze()
+    gc.set_threshold(*THRESHOLDS)
     return gc.get_freeze_count()
 
 

@@ -24,12 +24,15 @@ def _cycle() -> _Node:
 
 @pytest.fixture
 def unfrozen() -> Iterator[None]:
-    """No automatic collection during the test (the only ones are those it makes); thawed after."""
+    """No automatic collection during the test (the only ones are those it makes); thawed, and the
+    thresholds as they were, after."""
+    thresholds = gc.get_threshold()
     gc.disable()
     try:
         yield
     finally:
         gc.unfreeze()
+        gc.set_threshold(*thresholds)
         gc.enable()
 
 
@@ -48,6 +51,16 @@ def test_cycles_made_after_the_freeze_are_still_collected(unfrozen: None) -> Non
     later = weakref.ref(_cycle())
     gc.collect()
     assert later() is None
+
+
+def test_after_the_freeze_young_cycles_are_collected_automatically_past_the_raised_threshold(unfrozen: None) -> None:
+    gc_heap.freeze()
+    assert gc.get_threshold() == gc_heap.THRESHOLDS
+    gc.enable()
+    later = weakref.ref(_cycle())
+    kept = [_Node() for _ in range(2 * gc_heap.THRESHOLDS[0])]  # past the young generation's threshold
+    assert later() is None  # no explicit collection: the automatic one found it
+    del kept
 
 
 def test_paused_collects_first_then_none_until_the_block_ends() -> None:

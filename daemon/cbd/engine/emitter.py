@@ -26,7 +26,7 @@ from cbd.engine.output_processor import OutputProcessor
 from cbd.engine.outputs import CandidateDelta, RequestOutput, TokenLogprob, Usage, merge_deltas
 from cbd.engine.sched.plan import SampleRow, StepPlan
 from cbd.engine.sched.scheduler import Scheduler
-from cbd.engine.sequence import FinishReason, Request, Sequence
+from cbd.engine.sequence import FinishReason, Request, Sequence, SequenceStatus
 from cbd.engine.sessions.manager import SessionManager
 from cbd.engine.stream_interval import StreamInterval, gathers
 
@@ -53,10 +53,11 @@ class Emitter:
         samples, on_token = plan.samples, self.processor.on_token
         with_logprobs = sampled.logprobs is not None
         ended = False  # some candidate finished: its request may have ended
+        finished = SequenceStatus.FINISHED
         for i in rows:
             row = samples[i]
             seq = row.target
-            if seq.is_finished:  # it stopped at an earlier token of the drafts it kept: nothing past it
+            if seq.status is finished:  # it stopped at an earlier token of the drafts it kept: nothing past it
                 continue
             delta = on_token(seq, row.position, _logprob(sampled, row, i) if with_logprobs else None)
             if delta.finish_reason is not None:
@@ -76,8 +77,12 @@ class Emitter:
                 deltas[seq.request.request_id] = (seq, [delta])
             else:
                 entry[1].append(delta)
-        self.num_generated_tokens += sum(len(ds) for _, ds in deltas.values())
-        return [self.output(seq.request, merge_deltas(ds), ended) for seq, ds in deltas.values()]
+        outputs = []
+        output = self.output
+        for seq, ds in deltas.values():
+            self.num_generated_tokens += len(ds)
+            outputs.append(output(seq.request, ds if len(ds) == 1 else merge_deltas(ds), ended))
+        return outputs
 
     def fail(self, request: Request, reason: FinishReason, error: str | None = None) -> RequestOutput:
         """End every unfinished candidate of request (and the forks it has not made yet) with reason; error:

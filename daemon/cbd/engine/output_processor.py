@@ -56,10 +56,5 @@ class OutputProcessor:
         if reason is not None and not hit:
             text += state.matcher.flush()  # the held-back tail was not the start of a stop string
         seq.finish_reason = reason
-        return CandidateDelta(
-            index=seq.candidate_index,
-            token_ids=[token_id],
-            text=text,
-            logprobs=None if logprob is None else [logprob],
-            finish_reason=reason,
-        )
+        # index, token_ids, text, logprobs, finish_reason (positional: this runs per sequence per step)
+        return CandidateDelta(seq.candidate_index, [token_id], text, None if logprob is None else [logprob], reason)

@@ -95,8 +95,11 @@ class BlockManager:
         full costs one comparison (a step's decodes fill a block every `block_size` tokens)."""
         if not self.enable_prefix_caching:
             return
+        block_size = self.block_size
         for seq in seqs:
-            end = min(seq.num_computed_tokens, seq.num_known_tokens) // self.block_size
+            known = len(seq.token_ids) - seq.num_placeholders - seq.num_draft  # num_known_tokens, inline (hot)
+            computed = seq.num_computed_tokens
+            end = (computed if computed < known else known) // block_size
             if end != seq.num_committed_blocks:
                 self._commit_blocks(seq, end)
 

@@ -120,12 +120,15 @@ class Scheduler:
             self._preempt_for_priority(plan, now)
         short = False
         index = 0
-        while index < len(self.running) and budget > 0:
-            seq = self.running[index]
+        running, chunks = self.running, plan.chunks
+        while index < len(running) and budget > 0:
+            seq = running[index]
             if seq.final_in_flight:
                 index += 1  # its last token is being sampled: nothing left to compute
                 continue
-            num_new = min(seq.num_uncomputed, budget)
+            num_new = len(seq.token_ids) - seq.num_computed_tokens  # num_uncomputed (this loop is per sequence)
+            if num_new > budget:
+                num_new = budget
             if not bm.fits(seq, num_new):  # most decodes fit: no block to add or copy
                 if seq.num_draft:  # drafts in flight: it grows or waits, never preempted
                     if not self.make_room(seq, num_new):
@@ -144,10 +147,10 @@ class Scheduler:
                         plan.block_copies += bm.append(seq, num_new)
                     if seq.status is not SequenceStatus.RUNNING:  # preempted itself: running[index] is the next
                         continue
-            plan.chunks.append(ScheduledChunk(seq, num_new))
+            chunks.append(ScheduledChunk(seq, num_new))
             budget -= num_new
             index += 1
-        if not short:  # the pool is short: admitting now would only thrash
+        if not short and self.waiting:  # the pool is short: admitting now would only thrash
             admit(self, plan, budget, now)
         if speculate and not short:
             self.speculator.add_drafts(plan, self.max_num_batched_tokens)
@@ -168,8 +171,7 @@ class Scheduler:
         now = None
         for chunk in plan.chunks:
             seq, request = chunk.seq, chunk.seq.request
-            chunk.start = seq.num_computed_tokens
-            chunk.carry_row = chunk.carry_group = -1
+            chunk.start = seq.num_computed_tokens  # (carry_row and carry_group are -1 in a new chunk)
             if seq.num_placeholders:  # only its newest token can be in flight: the chunk's first, then its drafts
                 assert seq.num_placeholders == 1 and chunk.start + chunk.num_new_tokens == seq.num_tokens
                 chunk.carry_row, chunk.carry_group = seq.pending_row, seq.pending_group
@@ -200,9 +202,11 @@ class Scheduler:
 
     def _sample_with_forks(self, parent: Sequence, rows: list[SampleRow]) -> None:
         """The row after a chunk without drafts, and one per fork it makes (each a new candidate)."""
-        bm = self.block_manager
-        position = parent.num_tokens
+        position = len(parent.token_ids)
         self._sample_into(parent, parent, position, rows)
+        if not parent.pending_forks:
+            return
+        bm = self.block_manager
         after = parent
         for candidate in range(parent.candidate_index + 1, parent.candidate_index + 1 + parent.pending_forks):
             # A sibling sharing the parent's blocks, created before its first token is known.
@@ -216,10 +220,11 @@ class Scheduler:
         parent.pending_forks = 0
 
     def _sample_into(self, source: Sequence, target: Sequence, position: int, rows: list[SampleRow]) -> None:
-        target.token_ids.append(PLACEHOLDER)
+        tokens = target.token_ids
+        tokens.append(PLACEHOLDER)
         target.num_placeholders += 1
         target.pending_row, target.pending_group = len(rows), -1
-        target.final_in_flight = target.length_limit_reached(target.num_tokens, self.max_model_len)
+        target.final_in_flight = target.length_limit_reached(len(tokens), self.max_model_len)
         rows.append(SampleRow(source, target, position))
 
     def update_from_output(self, plan: StepPlan, token_ids: list[int]) -> list[int]:
@@ -228,6 +233,7 @@ class Scheduler:
         the step was in flight drops its token)."""
         live = []
         skip = 0
+        finished = SequenceStatus.FINISHED
         for i, row in enumerate(plan.samples):
             if skip:
                 skip -= 1
@@ -235,17 +241,17 @@ class Scheduler:
             seq = row.target
             if row.num_draft:
                 skip = row.num_draft
-                if not seq.is_finished:
+                if seq.status is not finished:
                     live += self.speculator.verify(seq, row, i, token_ids)
                 continue
-            if seq.is_finished:
+            if seq.status is finished:
                 continue
             seq.token_ids[row.position] = token_ids[i]
             seq.num_placeholders -= 1
             if seq.grammar is not None:  # the token was sampled under this grammar's mask
                 seq.grammar.accept(token_ids[i])
             live.append(i)
-        self.block_manager.commit_all([c.seq for c in plan.chunks if not c.seq.is_finished])
+        self.block_manager.commit_all([c.seq for c in plan.chunks if c.seq.status is not finished])
         return live
 
     def _preempt_for_priority(self, plan: StepPlan, now: float) -> None:
