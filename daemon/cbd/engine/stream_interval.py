@@ -63,7 +63,7 @@ class StreamInterval:
                 return out
             held = self._held = RequestOutput(out.request_id, [], out.finished, out.usage, out.queue_seconds,
                                               out.priority, out.error, out.turn_ok)  # fmt: skip
-        else:
+        elif _carries_request_fields(out):  # most outputs carry none: nothing to merge
             held.finished = held.finished or out.finished
             held.usage = out.usage or held.usage
             held.queue_seconds = held.queue_seconds if held.queue_seconds is not None else out.queue_seconds
@@ -85,16 +85,26 @@ class StreamInterval:
         return held
 
 
+def _carries_request_fields(out: RequestOutput) -> bool:
+    return (
+        out.finished or out.usage is not None or out.queue_seconds is not None or out.priority is not None
+        or out.error is not None or out.turn_ok is not None
+    )  # fmt: skip
+
+
 def _merge_delta(deltas: list[CandidateDelta], d: CandidateDelta) -> CandidateDelta:
     """Add d to its candidate's delta in `deltas` (a copy of d when it has none yet); the merged delta."""
     for m in deltas:
         if m.index == d.index:
-            m.token_ids.extend(d.token_ids)
-            m.text += d.text
+            m.token_ids += d.token_ids
+            if d.text:
+                m.text += d.text
             if d.logprobs is not None:
                 m.logprobs = (m.logprobs or []) + d.logprobs
-            m.finish_reason = d.finish_reason or m.finish_reason
-            m.usage = d.usage or m.usage
+            if d.finish_reason:
+                m.finish_reason = d.finish_reason
+            if d.usage:
+                m.usage = d.usage
             return m
     m = CandidateDelta(d.index, list(d.token_ids), d.text, None if d.logprobs is None else list(d.logprobs),
                        d.finish_reason, d.usage)  # fmt: skip
