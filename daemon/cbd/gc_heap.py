@@ -11,7 +11,9 @@ its warm-up, the frontend when it starts serving); objects made later are collec
 a step at a large batch allocates thousands of small objects (outputs, deltas, rows), nearly all freed by
 their reference counts within the step, and the default thresholds (a young collection every 700
 allocations) spent a quarter of the engine thread's output phase at B = 256 walking the few that live on
-(bench/host_cost_cpu.py). Reference cycles are still collected, a few steps later.
+(bench/host_cost_cpu.py). Only the young threshold moves: a finished request is a reference cycle (the
+request and its sequences) that only the collector frees, so the older generations keep their default
+ratios and a full collection still comes every half a million allocations (a few hundred steps at B = 256).
 
 `paused()` keeps the collector out of a block that must make no CUDA call but its own: a collection can
 run any finalizer, and a finalizer that frees a CUDA object (an earlier engine's graphs, events or
@@ -25,7 +27,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 # Collection thresholds after start-up: young objects, then collections of the younger generation per older one.
-THRESHOLDS = (20000, 50, 100)
+THRESHOLDS = (5000, 10, 10)
 
 
 def freeze() -> int:

@@ -4,6 +4,7 @@ a bounded window whatever the output holds (skipped special tokens, runs of brok
 from __future__ import annotations
 
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -17,6 +18,32 @@ def tokenizer() -> Any:
     from cbd.model.loader import resolve_checkpoint
 
     return load_tokenizer(resolve_checkpoint(None))
+
+
+@pytest.fixture(scope="module")
+def metaspace() -> Any:
+    """A Llama-style tokenizer (SentencePiece pieces, byte fallback, the first piece's leading space stripped):
+    its text depends on the tokens before, unlike the default model's byte-level one."""
+    from tokenizers import Tokenizer, decoders, models
+
+    vocab = {
+        "<unk>": 0,
+        "<s>": 1,
+        "</s>": 2,
+        **{f"<0x{b:02X}>": 3 + b for b in range(256)},
+        "▁Hello": 259,
+        "▁world": 260,
+    }
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[], byte_fallback=True, unk_token="<unk>"))
+    tok.decoder = decoders.Sequence(
+        [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(), decoders.Strip(" ", 1, 0)]
+    )
+    tok.add_special_tokens(["<s>", "</s>"])
+    return SimpleNamespace(backend_tokenizer=tok, decode=tok.decode)
+
+
+def metaspace_bytes(text: str) -> list[int]:
+    return [3 + b for b in text.encode()]
 
 
 class SlowTokenizer:
@@ -82,6 +109,28 @@ def test_runs_of_broken_bytes_come_out_as_replacement_characters_without_holding
     run += tokenizer.encode(" héllo wörld — ✓ 日本語 🙂", add_special_tokens=False)
     tok = SlowTokenizer(tokenizer) if slow else tokenizer
     assert stream(IncrementalDetokenizer(tok), run) == tokenizer.decode(run, skip_special_tokens=True)
+
+
+@pytest.mark.parametrize("slow", [False, True])
+@pytest.mark.parametrize("bad", [1, HOLD_LIMIT - 1, HOLD_LIMIT, HOLD_LIMIT + 1, 2 * HOLD_LIMIT - 1, 3 * HOLD_LIMIT])
+def test_characters_after_broken_bytes_come_out_whole(tokenizer: Any, slow: bool, bad: int) -> None:
+    garbage = broken_bytes(tokenizer)
+    hello = tokenizer.encode("Hello", add_special_tokens=False)
+    for tail in (" é world", "é", "🙂 ok", " 日本語", "🙂🙂"):
+        ids = hello + garbage[:bad] + tokenizer.encode(tail, add_special_tokens=False)
+        tok = SlowTokenizer(tokenizer) if slow else tokenizer
+        assert stream(IncrementalDetokenizer(tok), ids) == tokenizer.decode(ids, skip_special_tokens=True)
+
+
+@pytest.mark.parametrize("slow", [False, True])
+@pytest.mark.parametrize("bad", [1, HOLD_LIMIT - 1, HOLD_LIMIT, HOLD_LIMIT + 1, 3 * HOLD_LIMIT])
+def test_a_leading_space_that_depends_on_the_tokens_before_survives_broken_bytes(
+    metaspace: Any, slow: bool, bad: int
+) -> None:
+    for tail in ([260], metaspace_bytes("é") + [260], metaspace_bytes("🙂") + [260, 260]):
+        ids = [1, 259] + [3 + 0x80] * bad + tail  # <s> "▁Hello", lone continuation bytes, then more
+        tok = SlowTokenizer(metaspace) if slow else metaspace
+        assert stream(IncrementalDetokenizer(tok), ids) == metaspace.decode(ids, skip_special_tokens=True)
 
 
 def test_a_thousand_skipped_special_tokens_hold_nothing(tokenizer: Any) -> None:

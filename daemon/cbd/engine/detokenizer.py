@@ -9,6 +9,7 @@ from typing import Any
 # four bytes, so valid text never waits this long: only a run of broken bytes does (each push would otherwise
 # decode the whole run again: a request that samples garbage would cost the process quadratic time).
 HOLD_LIMIT = 8
+_KEEP = 3  # tokens a forced release keeps back: a character's last bytes may still come
 _SPECIAL_IDS: weakref.WeakKeyDictionary[Any, frozenset[int]] = weakref.WeakKeyDictionary()
 
 
@@ -21,8 +22,9 @@ class IncrementalDetokenizer:
       text (broken bytes), the window below takes over from where the stream stood;
     - otherwise a window of the tokens since the last text and those before it (their text decides how
       the new ones read, e.g. a leading space): text goes out when it grows and holds no partial character,
-      or when HOLD_LIMIT tokens wait, as they stand (replacement characters for the broken bytes).
-    Valid text reads as the whole output decoded at once.
+      or when HOLD_LIMIT tokens wait: then as it stands (replacement characters for the broken bytes) up to
+      the last few tokens, which may begin a character, never splitting one.
+    Valid text reads as the whole output decoded at once, also after broken bytes.
     """
 
     def __init__(self, tokenizer: Any, skip_special_tokens: bool = True) -> None:
@@ -72,18 +74,26 @@ class IncrementalDetokenizer:
         return self._window_text(force=len(self._ids) - self._read >= HOLD_LIMIT)
 
     def _window_text(self, force: bool) -> str:
-        ids = self._ids
-        text = self._decode(ids[self._start :], skip_special_tokens=self._skip)
-        if force:  # out as it stands; what follows reads on its own (no context ending in broken bytes)
-            new = text[len(self._prefix) :] if text.startswith(self._prefix) else text
-            self._start = self._read = len(ids)
-            self._prefix = ""
-        elif len(text) > len(self._prefix) and not text.endswith("\ufffd"):
-            new = text[len(self._prefix) :]
-            self._start, self._read = self._read, len(ids)
-            self._prefix = self._decode(ids[self._start :], skip_special_tokens=self._skip)
+        ids, start, prefix = self._ids, self._start, self._prefix
+        text = self._decode(ids[start:], skip_special_tokens=self._skip)
+        end = len(ids)
+        if len(text) > len(prefix) and not text.endswith("\ufffd"):
+            pass
+        elif force:
+            # Out as it stands up to a cut before the last _KEEP tokens (they may begin a character the next
+            # ones complete), moved back until the text before it is what the whole window reads there: a
+            # character is never split, and the window keeps its context (e.g. a leading space).
+            end -= _KEEP
+            head = self._decode(ids[start:end], skip_special_tokens=self._skip)
+            while end > self._read + 1 and not text.startswith(head):
+                end -= 1
+                head = self._decode(ids[start:end], skip_special_tokens=self._skip)
+            text = head
         else:
             return ""
+        new = text[len(prefix) :] if text.startswith(prefix) else text
+        self._start, self._read = self._read, end
+        self._prefix = self._decode(ids[self._start : end], skip_special_tokens=self._skip)
         if self._start > 64:  # what lies before the window is never read again
             del ids[: self._start]
             self._read -= self._start

@@ -135,7 +135,7 @@ class Emitter:
                 self._outbox.append((live, out))
             else:
                 due = gathering.add(out)
-                if due:
+                if due is not None:
                     self._outbox.append((live, due))
                 if out.priority is not None and gathering.passes_each:  # its class's interval is 1
                     request.gathering = False

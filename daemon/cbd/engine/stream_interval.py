@@ -68,7 +68,7 @@ class StreamInterval:
             held.usage = out.usage or held.usage
             held.queue_seconds = held.queue_seconds if held.queue_seconds is not None else out.queue_seconds
             held.priority = held.priority if held.priority is not None else out.priority
-            held.error = out.error or held.error
+            held.error = out.error if out.error is not None else held.error
             held.turn_ok = out.turn_ok if out.turn_ok is not None else held.turn_ok
         self._num_held += 1
         due = out.finished
