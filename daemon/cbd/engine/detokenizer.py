@@ -74,23 +74,13 @@ class IncrementalDetokenizer:
         return self._window_text(force=len(self._ids) - self._read >= HOLD_LIMIT)
 
     def _window_text(self, force: bool) -> str:
-        ids, start, prefix = self._ids, self._start, self._prefix
-        text = self._decode(ids[start:], skip_special_tokens=self._skip)
+        ids, prefix = self._ids, self._prefix
+        text = self._decode(ids[self._start :], skip_special_tokens=self._skip)
         end = len(ids)
-        if len(text) > len(prefix) and not text.endswith("\ufffd"):
-            pass
-        elif force:
-            # Out as it stands up to a cut before the last _KEEP tokens (they may begin a character the next
-            # ones complete), moved back until the text before it is what the whole window reads there: a
-            # character is never split, and the window keeps its context (e.g. a leading space).
-            end -= _KEEP
-            head = self._decode(ids[start:end], skip_special_tokens=self._skip)
-            while end > self._read + 1 and not text.startswith(head):
-                end -= 1
-                head = self._decode(ids[start:end], skip_special_tokens=self._skip)
-            text = head
-        else:
-            return ""
+        if len(text) <= len(prefix) or text.endswith("\ufffd"):  # no new whole character yet
+            if not force:
+                return ""
+            end, text = self._cut(text)
         new = text[len(prefix) :] if text.startswith(prefix) else text
         self._start, self._read = self._read, end
         self._prefix = self._decode(ids[self._start : end], skip_special_tokens=self._skip)
@@ -99,6 +89,18 @@ class IncrementalDetokenizer:
             self._read -= self._start
             self._start = 0
         return new
+
+    def _cut(self, text: str) -> tuple[int, str]:
+        """Where a forced release ends, and the window's text up to there: before the last _KEEP tokens
+        (they may begin a character the next ones complete), moved back until the text there is what the
+        whole window (`text`) reads: a character is never split, and what follows keeps its context."""
+        ids, start = self._ids, self._start
+        end = len(ids) - _KEEP
+        head = self._decode(ids[start:end], skip_special_tokens=self._skip)
+        while end > self._read + 1 and not text.startswith(head):
+            end -= 1
+            head = self._decode(ids[start:end], skip_special_tokens=self._skip)
+        return end, head
 
 
 def special_ids(tokenizer: Any) -> frozenset[int]:
