@@ -87,3 +87,12 @@ def test_a_delivery_is_its_outputs_merged_field_by_field() -> None:
     )  # fmt: skip
     got = deliveries([first, second, third, last], None)
     assert got == [[first], [second, third, last]]  # the first token at once; the rest at the end
+    # The rule spelled out (merge_outputs and the gathering share it): candidates in index order, each's tokens,
+    # text and logprobs in order, its last finish reason and usage; the request's last usage, error and outcome.
+    assert merge_outputs(got[1]) == RequestOutput(
+        "r", [CandidateDelta(0, [3, 4], "d", lp, FinishReason.ERROR, Usage(3, 0, 3)),
+              CandidateDelta(1, [5], "c", lp, FinishReason.ERROR, Usage(3, 0, 2))],
+        finished=True, usage=Usage(3, 0, 5), error="too expensive", turn_ok=False,
+    )  # fmt: skip
+    assert merge_outputs([first, second]).queue_seconds == 0.25  # the first queue time and class
+    assert merge_outputs([first, second]).priority == PRIORITY_BATCH

@@ -11,6 +11,7 @@ from __future__ import annotations
 import bisect
 from collections.abc import Collection
 from dataclasses import dataclass, field
+from operator import attrgetter
 
 import msgspec
 
@@ -185,45 +186,77 @@ def ended(request_id: str, n: int, reason: FinishReason, done: Collection[int] =
     return RequestOutput(request_id, deltas, True, None)
 
 
+def copy_delta(d: CandidateDelta) -> CandidateDelta:
+    """A copy of d that later deltas of its candidate can be merged into (extend_delta) without changing d."""
+    logprobs = None if d.logprobs is None else list(d.logprobs)
+    return CandidateDelta(d.index, list(d.token_ids), d.text, logprobs, d.finish_reason, d.usage)
+
+
+def extend_delta(merged: CandidateDelta, d: CandidateDelta) -> None:
+    """Merge d, a later delta of the same candidate, into merged: tokens, text and logprobs concatenated;
+    the last finish reason and usage. The one rule for folding a candidate's deltas."""
+    merged.token_ids += d.token_ids
+    if d.text:
+        merged.text += d.text
+    if d.logprobs is not None:
+        merged.logprobs = (merged.logprobs or []) + d.logprobs
+    if d.finish_reason is not None:
+        merged.finish_reason = d.finish_reason
+    if d.usage is not None:
+        merged.usage = d.usage
+
+
 def merge_deltas(deltas: list[CandidateDelta]) -> list[CandidateDelta]:
-    """Consecutive deltas as one per candidate (in first-seen order): tokens, text and logprobs
-    concatenated; the last finish reason and usage. A step that keeps drafts moves a candidate by
-    several tokens."""
+    """Consecutive deltas as one per candidate (in first-seen order; extend_delta's rule). A step that keeps
+    drafts moves a candidate by several tokens."""
     if len(deltas) < 2 or len({d.index for d in deltas}) == len(deltas):
         return deltas
     merged: dict[int, CandidateDelta] = {}
     for d in deltas:
         m = merged.get(d.index)
         if m is None:
-            merged[d.index] = CandidateDelta(
-                d.index, list(d.token_ids), d.text, None if d.logprobs is None else list(d.logprobs),
-                d.finish_reason, d.usage,
-            )  # fmt: skip
-            continue
-        m.token_ids.extend(d.token_ids)
-        m.text += d.text
-        if d.logprobs is not None:
-            m.logprobs = (m.logprobs or []) + d.logprobs
-        m.finish_reason = d.finish_reason or m.finish_reason
-        m.usage = d.usage or m.usage
+            merged[d.index] = copy_delta(d)
+        else:
+            extend_delta(m, d)
     return list(merged.values())
+
+
+def start_merge(first: RequestOutput, candidates: list[CandidateDelta]) -> RequestOutput:
+    """A new output with these candidates and first's request fields, for later outputs of its request to
+    be merged into (merge_request_fields)."""
+    return RequestOutput(first.request_id, candidates, first.finished, first.usage, first.queue_seconds,
+                         first.priority, first.error, first.turn_ok)  # fmt: skip
+
+
+def merge_request_fields(merged: RequestOutput, out: RequestOutput) -> None:
+    """Merge the request fields of out, a later output of the same request, into merged: finished if either
+    is; the first queue time and class; the last usage, error and turn outcome."""
+    if not (
+        out.finished or out.usage is not None or out.queue_seconds is not None or out.priority is not None
+        or out.error is not None or out.turn_ok is not None
+    ):  # fmt: skip
+        return  # most outputs carry none of them
+    merged.finished = merged.finished or out.finished
+    if merged.queue_seconds is None:
+        merged.queue_seconds = out.queue_seconds
+    if merged.priority is None:
+        merged.priority = out.priority
+    if out.usage is not None:
+        merged.usage = out.usage
+    if out.error is not None:
+        merged.error = out.error
+    if out.turn_ok is not None:
+        merged.turn_ok = out.turn_ok
 
 
 def merge_outputs(outputs: list[RequestOutput]) -> RequestOutput:
     """Consecutive outputs of one request as one (a stream that fell behind catches up in one message):
-    each candidate's tokens, text and logprobs concatenated in order; its last finish reason and usage;
-    the request's first queue time and last usage. Nothing is dropped."""
+    each candidate's deltas merged (extend_delta), candidates in index order, the request fields merged
+    (merge_request_fields). Nothing is dropped."""
     if len(outputs) == 1:
         return outputs[0]
-    merged = merge_deltas([d for out in outputs for d in out.candidates])
-    last = outputs[-1]
-    queue_seconds = next((o.queue_seconds for o in outputs if o.queue_seconds is not None), None)
-    priority = next((o.priority for o in outputs if o.priority is not None), None)
-    usage = next((o.usage for o in reversed(outputs) if o.usage is not None), None)
-    finished = any(o.finished for o in outputs)
-    error = next((o.error for o in reversed(outputs) if o.error is not None), None)
-    turn_ok = next((o.turn_ok for o in reversed(outputs) if o.turn_ok is not None), None)
-    return RequestOutput(
-        last.request_id, sorted(merged, key=lambda d: d.index), finished, usage, queue_seconds, priority, error,
-        turn_ok,
-    )  # fmt: skip
+    deltas = merge_deltas([d for out in outputs for d in out.candidates])
+    merged = start_merge(outputs[0], sorted(deltas, key=attrgetter("index")))
+    for out in outputs[1:]:
+        merge_request_fields(merged, out)
+    return merged

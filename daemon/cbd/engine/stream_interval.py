@@ -16,7 +16,16 @@ session turn takes its session's). An interval of 1 passes each output on as it 
 
 from __future__ import annotations
 
-from cbd.engine.outputs import CandidateDelta, RequestOutput
+from operator import attrgetter
+
+from cbd.engine.outputs import (
+    CandidateDelta,
+    RequestOutput,
+    copy_delta,
+    extend_delta,
+    merge_request_fields,
+    start_merge,
+)  # fmt: skip
 from cbd.engine.sampling_params import PRIORITY_BATCH
 
 
@@ -36,8 +45,8 @@ class StreamInterval:
         self._own = own
         self._batch = batch_interval
         self._tokens = self._interval(priority)  # until the first output tells the class it runs in
-        # What was gathered since the last delivery, as one output (outputs.merge_outputs' rule, kept as each
-        # comes: a candidate's held tokens are its delta's), and how many outputs it holds.
+        # What was gathered since the last delivery, as one output (merged as each comes, by outputs.py's rule:
+        # a candidate's held tokens are its delta's), and how many outputs it holds.
         self._held: RequestOutput | None = None
         self._num_held = 0
         self._started = False  # a token has gone out
@@ -61,56 +70,30 @@ class StreamInterval:
         if held is None:
             if self._tokens == 1:  # passes each (the interval is fixed from here on: priority, first output only)
                 return out
-            held = self._held = RequestOutput(out.request_id, [], out.finished, out.usage, out.queue_seconds,
-                                              out.priority, out.error, out.turn_ok)  # fmt: skip
-        elif _carries_request_fields(out):  # most outputs carry none: nothing to merge
-            held.finished = held.finished or out.finished
-            held.usage = out.usage or held.usage
-            held.queue_seconds = held.queue_seconds if held.queue_seconds is not None else out.queue_seconds
-            held.priority = held.priority if held.priority is not None else out.priority
-            held.error = out.error if out.error is not None else held.error
-            held.turn_ok = out.turn_ok if out.turn_ok is not None else held.turn_ok
+            held = self._held = start_merge(out, [])
+        else:
+            merge_request_fields(held, out)
         self._num_held += 1
         due = out.finished
         for d in out.candidates:
-            count = len(_merge_delta(held.candidates, d).token_ids)
+            count = len(_gather(held.candidates, d).token_ids)
             if d.finish_reason is not None or count >= self._tokens or (count and not self._started):
                 due = True  # a candidate ended, has gathered enough, or holds the stream's first token
         if not due:
             return None
         if self._num_held > 1:
-            held.candidates.sort(key=_index)
+            held.candidates.sort(key=attrgetter("index"))
         self._held, self._num_held = None, 0
         self._started = self._started or any(d.token_ids for d in held.candidates)
         return held
 
 
-def _carries_request_fields(out: RequestOutput) -> bool:
-    return (
-        out.finished or out.usage is not None or out.queue_seconds is not None or out.priority is not None
-        or out.error is not None or out.turn_ok is not None
-    )  # fmt: skip
-
-
-def _merge_delta(deltas: list[CandidateDelta], d: CandidateDelta) -> CandidateDelta:
-    """Add d to its candidate's delta in `deltas` (a copy of d when it has none yet); the merged delta."""
-    for m in deltas:
+def _gather(candidates: list[CandidateDelta], d: CandidateDelta) -> CandidateDelta:
+    """Merge d into its candidate's delta among those held (a copy of d when it has none yet); that delta."""
+    for m in candidates:
         if m.index == d.index:
-            m.token_ids += d.token_ids
-            if d.text:
-                m.text += d.text
-            if d.logprobs is not None:
-                m.logprobs = (m.logprobs or []) + d.logprobs
-            if d.finish_reason:
-                m.finish_reason = d.finish_reason
-            if d.usage:
-                m.usage = d.usage
+            extend_delta(m, d)
             return m
-    m = CandidateDelta(d.index, list(d.token_ids), d.text, None if d.logprobs is None else list(d.logprobs),
-                       d.finish_reason, d.usage)  # fmt: skip
-    deltas.append(m)
+    m = copy_delta(d)
+    candidates.append(m)
     return m
-
-
-def _index(d: CandidateDelta) -> int:
-    return d.index
