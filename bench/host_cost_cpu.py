@@ -54,15 +54,16 @@ def build_checkpoint(directory: Path) -> None:
 def stub_forward() -> None:
     """The model's forward as a constant [rows, 256] of logits, the largest at a plain token (id 253)."""
     from cbd.engine.device.runner import ModelRunner
+    from cbd.engine.device.step_inputs import StepMeta, StepTensors
 
     logits = torch.zeros(8192, 256)
     logits[:, 253] = 1.0
 
-    def forward(self, t, meta):  # type: ignore[no-untyped-def]
+    def forward(self: ModelRunner, t: StepTensors, meta: StepMeta) -> torch.Tensor:
         rows = t.ids.shape[0] if t.logits_rows is None else t.logits_rows.shape[0]
         return logits[:rows]
 
-    ModelRunner._forward = forward  # type: ignore[method-assign]
+    ModelRunner._forward = forward  # type: ignore[method-assign]  # the stub replaces the method on purpose
 
 
 def measure(
