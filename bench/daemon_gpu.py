@@ -472,7 +472,7 @@ def report(
     for label, runs in (("this tree", remote), ("before", before or {})):  # the same calls with a stream interval
         for b, _, _ in workloads:
             gpu_ms = local.get(b, {}).get("gpu_ms", float("nan"))
-            for k, r in runs.get(b, {}).get("intervals", {}).items():  # type: ignore[union-attr]
+            for k, r in runs.get(b, {}).get("intervals", {}).items():  # type: ignore[union-attr]  # records are loose dicts
                 cpu = r["cpu_ms_per_step"]
                 engine_ms = sum(v for key, v in cpu.items() if key.startswith("engine:"))
                 frontend_ms = sum(v for key, v in cpu.items() if key.startswith("frontend:"))

@@ -10,6 +10,7 @@ from cbd.engine.outputs import RequestOutput
 from cbd.engine.sampling_params import SamplingParams
 from cbd.engine.sequence import FinishReason
 from cbd.errors import InvalidRequest, UnknownRequest
+from cbd.model.loader import LoadedModel
 from helpers import checked_step, collect, make_core, poll_until, run_all
 
 GREEDY = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
@@ -313,7 +314,7 @@ def test_each_step_files_its_host_time_by_phase_and_the_metrics_export_it(tiny_l
         assert f'cbd_engine_step_phase_seconds_count{{phase="{phase}"}} {float(counts[0])}' in text
 
 
-def test_outputs_gathered_by_the_stream_interval_lose_reorder_and_change_nothing(tiny_loaded) -> None:  # type: ignore[no-untyped-def]
+def test_outputs_gathered_by_the_stream_interval_lose_reorder_and_change_nothing(tiny_loaded: LoadedModel) -> None:
     """A request with an interval gets its first token at once, then an output per `interval` tokens of a
     candidate (or a candidate's end) with the same tokens and text, in order, as a request without one."""
     prompt = list(range(2, 30))
