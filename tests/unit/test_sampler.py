@@ -85,16 +85,46 @@ def test_filters_restrict_the_support(kw, allowed) -> None:  # type: ignore[no-u
     assert set(tokens.tolist()) == allowed
 
 
+_M32 = 0xFFFFFFFF
+
+
+def _fmix32(x: int) -> int:
+    """murmur3's finaliser, the hash the sampler's noise is built from."""
+    x ^= x >> 16
+    x = (x * 0x85EBCA6B) & _M32
+    x ^= x >> 13
+    x = (x * 0xC2B2AE35) & _M32
+    return x ^ (x >> 16)
+
+
+def _unfmix32(x: int) -> int:
+    """The inverse of `_fmix32` (each of its steps is a bijection on 32 bits)."""
+    x ^= x >> 16
+    x = (x * pow(0xC2B2AE35, -1, 1 << 32)) & _M32
+    x ^= (x >> 13) ^ (x >> 26)
+    x = (x * pow(0x85EBCA6B, -1, 1 << 32)) & _M32
+    return x ^ (x >> 16)
+
+
 def test_noise_never_reaches_one_so_a_token_without_probability_is_never_drawn() -> None:
-    # 2,000 rows over a 49,152-token vocabulary: ~3 draws fall in the top bucket of the 24-bit noise,
-    # which rounded to exactly 1.0 (infinite Gumbel noise) before it was capped.
-    rows, vocab = 2000, 49152
-    b = batch(rows, seed=list(range(rows)), position=list(range(rows)))
+    # The noise's top bucket ((2^24 - 0.5) / 2^24) rounds to exactly 1.0 in float32: infinite Gumbel noise,
+    # a token drawn whatever its probability. Rather than hope a random draw lands there (one in 2^24), each
+    # row's position is solved for (the hash inverted) so that its draw for one chosen token has every bit set.
+    vocab, seed = 49152, 7
+    assert all(_unfmix32(_fmix32(x)) == x for x in (0, 1, 0xDEADBEEF, _M32))
+    key = _fmix32((seed & _M32) ^ 0x243F6A88)
+    key = _fmix32(key ^ (seed >> 32))
+    key = _fmix32(key ^ 0 ^ 0x5BE0CD19)  # stream 0
+    chosen = [0, 1, 4097, vocab - 1]
+    positions = [_unfmix32(_unfmix32(_M32) ^ _fmix32(v * 0x9E3779B1 & _M32)) ^ key for v in chosen]
+    rows = len(chosen)
+    b = batch(rows, seed=seed, position=positions)
     noise = uniform_noise(b, vocab)
+    assert noise[torch.arange(rows), chosen].tolist() == [1.0 - 2.0**-24] * rows  # the top bucket, capped
     assert float(noise.max()) < 1.0 and float(noise.min()) > 0.0
     logits = torch.full((rows, vocab), float("-inf"))
-    allowed = torch.arange(rows) % vocab
-    logits[torch.arange(rows), allowed] = 0.0  # one possible token per row
+    allowed = torch.tensor([5, 6, 7, 8])  # one possible token per row, never the one whose noise is at the top
+    logits[torch.arange(rows), allowed] = 0.0
     assert sample(logits, b).token_ids.tolist() == allowed.tolist()
 
 
