@@ -68,14 +68,23 @@ def test_a_reply_of_calls_only_has_no_text_wherever_max_tokens_cuts_it(client) -
     """tool_choice required: the separators between calls and a call cut before its name is complete are
     not text either."""
     kwargs = dict(tools=TOOLS, tool_choice="required", temperature=0.0, max_tokens=160)
-    full = client.generate(ASK, **kwargs).candidates[0]
+
+    def announced() -> list[int]:
+        """Where each further call's name is announced: the tokens before it hold the separator and its
+        begin marker."""
+        tokens, at = 0, []
+        for delta in client.stream(ASK, **kwargs):
+            tokens += len(delta.token_ids)
+            at += [tokens for call in delta.tool_calls if call.name and call.index > 0]
+        return at
+
+    with ThreadPoolExecutor(2) as pool:  # the whole reply and its stream in one batch, as the cuts below are
+        streamed = pool.submit(announced)
+        full = client.generate(ASK, **kwargs).candidates[0]
+        names_at = streamed.result()
     check_calls(full, set(SCHEMAS))
-    # Where each further call's name is announced: the tokens before it hold the separator and its begin marker.
-    tokens, announced = 0, []
-    for delta in client.stream(ASK, **kwargs):
-        tokens += len(delta.token_ids)
-        announced += [tokens for call in delta.tool_calls if call.name and call.index > 0]
-    cuts = [1, 2, 3] + [at - k for at in announced for k in range(1, 7)]
+    assert names_at, "the reply has a second call"
+    cuts = [1, 2, 3] + [at - k for at in names_at for k in range(1, 7)]
     with ThreadPoolExecutor(len(cuts)) as pool:  # one batch: each cut is its own request all the same
         replies = list(pool.map(lambda n: client.generate(ASK, **{**kwargs, "max_tokens": n}).candidates[0], cuts))
     for max_tokens, cut in zip(cuts, replies):
