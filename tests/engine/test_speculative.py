@@ -15,7 +15,7 @@ import torch
 
 from cbd.engine.core import EngineCore
 from cbd.engine.sampling_params import SamplingParams
-from cbd.engine.sequence import Request, Sequence
+from cbd.engine.sequence import FinishReason, Request, Sequence
 from cbd.engine.spec.drafter import NgramDrafter, NgramIndex
 from helpers import checked_step, make_core, run_all
 
@@ -108,13 +108,18 @@ def test_fan_out_and_seeded_sampling_equal_without_speculation(default_model, pr
     assert [(r["tokens"], r["finish"]) for r in run_all(again, batch, cases)] == results["ngram"]  # reproducible
 
 
-def test_stops_inside_a_kept_run_end_the_output_there(default_model, prompts) -> None:  # type: ignore[no-untyped-def]
-    base = SamplingParams(max_tokens=60, temperature=0.0)
+@pytest.fixture(scope="module")
+def copy_stops(default_model, prompts) -> tuple[str, int]:  # type: ignore[no-untyped-def]
+    """A stop string and a stop token id from inside the greedy copy reply (60 tokens, speculation off),
+    where drafts are kept in runs: a stop there ends a kept run part-way."""
     core = make_core(default_model, speculative="off", num_kv_blocks=512)
-    full = run_all(core, [prompts["copy"]], base)[0]
+    full = run_all(core, [prompts["copy"]], SamplingParams(max_tokens=60, temperature=0.0))[0]
     tokens, text = full["tokens"][0], full["text"][0]
-    stop_string = text[len(text) // 2 : len(text) // 2 + 6]
-    stop_id = tokens[len(tokens) * 2 // 3]
+    return text[len(text) // 2 : len(text) // 2 + 6], tokens[len(tokens) * 2 // 3]
+
+
+def test_stops_inside_a_kept_run_end_the_output_there(default_model, prompts, copy_stops) -> None:  # type: ignore[no-untyped-def]
+    stop_string, stop_id = copy_stops
     cases = [
         SamplingParams(max_tokens=60, temperature=0.0, stop=[stop_string]),
         SamplingParams(max_tokens=60, temperature=0.0, stop_token_ids=[stop_id]),
@@ -385,7 +390,7 @@ def _record_launches(core: EngineCore) -> list[set[str]]:
 
 
 @pytest.mark.parametrize("graphs", [False, True])
-def test_the_overlap_loop_verifies_drafts_with_a_step_in_flight(default_model, prompts, graphs: bool) -> None:  # type: ignore[no-untyped-def]
+def test_the_overlap_loop_verifies_drafts_with_a_step_in_flight(default_model, prompts, copy_stops, graphs: bool) -> None:  # type: ignore[no-untyped-def]
     """Overlap on (forced on the CPU): drafts follow a guess of the token in flight, and the step after a
     verifying one is launched before its kept count reaches the host (the device moves that step's inputs
     back by the drafts rejected). Outputs equal speculation off token for token: greedy, seeded, fan-out,
@@ -393,14 +398,13 @@ def test_the_overlap_loop_verifies_drafts_with_a_step_in_flight(default_model, p
     graphs' layout; and the in-flight paths did run."""
     from cbd.engine.device.cuda_graphs import DecodeGraphs
 
-    base = run_all(make_core(default_model, num_kv_blocks=512), [prompts["copy"]], SamplingParams(max_tokens=60))
-    text, tokens = base[0]["text"][0], base[0]["tokens"][0]
+    stop_string, stop_id = copy_stops
     cases = [
         SamplingParams(max_tokens=60, temperature=0.0, logprobs=1),
         SamplingParams(max_tokens=48, temperature=0.8, seed=3),
         SamplingParams(max_tokens=40, temperature=0.0, n=2),
-        SamplingParams(max_tokens=60, temperature=0.0, stop=[text[len(text) // 2 : len(text) // 2 + 6]]),
-        SamplingParams(max_tokens=60, temperature=0.0, stop_token_ids=[tokens[len(tokens) * 2 // 3]]),
+        SamplingParams(max_tokens=60, temperature=0.0, stop=[stop_string]),
+        SamplingParams(max_tokens=60, temperature=0.0, stop_token_ids=[stop_id]),
         SamplingParams(max_tokens=23, temperature=0.0),
     ]
     batch = [prompts["copy"], prompts["quote"], prompts["quote"], prompts["copy"], prompts["copy"], prompts["plain"]]
@@ -428,6 +432,9 @@ def test_the_overlap_loop_verifies_drafts_with_a_step_in_flight(default_model, p
             assert any("row_group" in names for names in launched)  # a seeded row moved back on the device
     assert results["ngram"] == results["off"]
     assert results["ngram logprobs"] == results["off logprobs"]
+    # The stop string and the stop id did end their replies early (at them, not at max_tokens).
+    for stopped in results["ngram"][3:5]:
+        assert stopped[1] == {0: FinishReason.STOP} and len(stopped[0][0]) < 60, stopped
 
 
 def test_the_overlap_loop_with_drafts_in_flight_under_preemption_and_abort(default_model, prompts) -> None:  # type: ignore[no-untyped-def]
