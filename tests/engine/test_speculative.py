@@ -390,7 +390,9 @@ def _record_launches(core: EngineCore) -> list[set[str]]:
 
 
 @pytest.mark.parametrize("graphs", [False, True])
-def test_the_overlap_loop_verifies_drafts_with_a_step_in_flight(default_model, prompts, copy_stops, graphs: bool) -> None:  # type: ignore[no-untyped-def]
+def test_the_overlap_loop_verifies_drafts_with_a_step_in_flight(  # type: ignore[no-untyped-def]
+    default_model, prompts, copy_stops, graphs: bool
+) -> None:
     """Overlap on (forced on the CPU): drafts follow a guess of the token in flight, and the step after a
     verifying one is launched before its kept count reaches the host (the device moves that step's inputs
     back by the drafts rejected). Outputs equal speculation off token for token: greedy, seeded, fan-out,
