@@ -82,7 +82,21 @@ def test_sessions_keep_their_replica_and_spread_over_all(cluster) -> None:  # ty
     for usage in usages:  # as on one daemon: each turn finds everything before it resident
         for (prev_prompt, prev_cached), (_, cached) in zip(usage, usage[1:]):
             assert cached > prev_cached and cached >= prev_prompt, usage
-    assert sum(per_replica) == SESSIONS and all(n > 0 for n in per_replica), per_replica
+    assert sum(per_replica) == SESSIONS and all(n > 0 for n in per_replica), (per_replica, _envoy_hosts(cluster))
+
+
+def _envoy_hosts(cluster: Cluster) -> list[str]:
+    """What Envoy says of each replica in the session cluster (health flags, requests, errors, ejections):
+    a failure's message shows why a replica got no sessions."""
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{cluster.admin_port}/clusters", timeout=2) as r:
+            lines = r.read().decode().splitlines()
+    except OSError as exc:
+        return [f"Envoy's admin endpoint did not answer: {exc}"]
+    wanted = ("health_flags", "rq_total", "rq_error", "cx_connect_fail", "weight")
+    return [line for line in lines if line.startswith("cbd_sessions::") and any(w in line for w in wanted)]
 
 
 def test_plain_calls_go_to_any_replica(cluster) -> None:  # type: ignore[no-untyped-def]

@@ -434,9 +434,12 @@ def test_the_overlap_loop_verifies_drafts_with_a_step_in_flight(  # type: ignore
             assert any("row_group" in names for names in launched)  # a seeded row moved back on the device
     assert results["ngram"] == results["off"]
     assert results["ngram logprobs"] == results["off logprobs"]
-    # The stop string and the stop id did end their replies early (at them, not at max_tokens).
+    # The stop string and the stop id did end their replies early: shorter than the same greedy reply
+    # without them (case 0), the stop id its last token.
+    whole = results["ngram"][0][0][0]
     for stopped in results["ngram"][3:5]:
-        assert stopped[1] == {0: FinishReason.STOP} and len(stopped[0][0]) < 60, stopped
+        assert stopped[1] == {0: FinishReason.STOP} and len(stopped[0][0]) < len(whole), stopped
+    assert results["ngram"][4][0][0][-1] == stop_id
 
 
 def test_the_overlap_loop_with_drafts_in_flight_under_preemption_and_abort(default_model, prompts) -> None:  # type: ignore[no-untyped-def]
