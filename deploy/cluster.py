@@ -26,7 +26,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from envoy import bootstrap  # noqa: E402
 
+from cbd.lifetime import signalled_with_parent  # noqa: E402
 from cbd_client.address import free_port  # noqa: E402
+
+# A cluster killed outright (SIGKILL, OOM) takes its children with it: each replica gets SIGTERM, and drains
+# and saves its sessions as on any SIGTERM; Envoy stops.
+_WITH_US = signalled_with_parent(signal.SIGTERM)
 
 
 def envoy_binary() -> str | None:
@@ -34,7 +39,9 @@ def envoy_binary() -> str | None:
 
 
 class Cluster:
-    """Start with `start()`, stop with `stop()`; `replicas[i]` is the i-th daemon's Popen, `addresses[i]` its socket."""
+    """Start with `start()`, stop with `stop()`; `replicas[i]` is the i-th daemon's Popen, `addresses[i]` its socket.
+    The replicas and Envoy get SIGTERM when the thread that started them exits: start them from one that
+    outlives them (the main thread)."""
 
     def __init__(
         self, replicas: int, listen: str, serve_flags: list[str], directory: Path, gpus: list[str] | None = None,
@@ -62,7 +69,7 @@ class Cluster:
         log = open(self.directory / f"cbd-{i}.log", "a")  # noqa: SIM115 - the replica's stdout for its life
         return subprocess.Popen(
             [sys.executable, "-m", "cbd.cli", "serve", "--listen", self.addresses[i], *flags],
-            stdout=log, stderr=subprocess.STDOUT, env=env,
+            stdout=log, stderr=subprocess.STDOUT, env=env, preexec_fn=_WITH_US,
         )  # fmt: skip
 
     def start(
@@ -79,7 +86,7 @@ class Cluster:
         config.write_text(json.dumps(bootstrap(self.listen, self.addresses, self.admin_port, self.health_interval)))
         log = open(self.directory / "envoy.log", "a")  # noqa: SIM115
         self.envoy = subprocess.Popen([binary, "-c", str(config), "--disable-hot-restart", "--log-level", os.environ.get("CBD_ENVOY_LOG_LEVEL", "warn")], stdout=log,
-                                      stderr=subprocess.STDOUT)  # fmt: skip
+                                      stderr=subprocess.STDOUT, preexec_fn=_WITH_US)  # fmt: skip
         self.wait_healthy(len(self.addresses), timeout, cancelled, on_progress)
 
     def healthy(self, everywhere: bool = True) -> int:

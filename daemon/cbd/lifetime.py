@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ctypes
 import signal
+from collections.abc import Callable
 
 _PR_SET_PDEATHSIG = 1
 _PR_SET_NAME = 15
@@ -19,6 +20,17 @@ def _prctl(option: int, value: int | bytes) -> None:
 def die_with_parent() -> None:
     """This process gets SIGKILL when the thread that started it exits (so it is never orphaned)."""
     _prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+
+
+def signalled_with_parent(sig: int) -> Callable[[], None]:
+    """A `preexec_fn` for `subprocess.Popen`: the child gets `sig` when the thread that starts it exits, so
+    a parent killed outright takes its children with it. libc's prctl is looked up here, before the fork:
+    the child only calls it."""
+    try:
+        prctl = ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return lambda: None
+    return lambda: prctl(_PR_SET_PDEATHSIG, sig, 0, 0, 0)
 
 
 def name_os_thread(name: str) -> None:

@@ -4,6 +4,8 @@ that holds its KV, and sessions spread over all replicas. Real daemons (tiny mod
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
 import sys
 import time
 from pathlib import Path
@@ -337,3 +339,41 @@ def test_a_drained_replicas_sessions_go_on_elsewhere_from_the_shared_session_dir
     finally:
         cluster.stop()
     assert not list(shared.rglob("*.session"))  # closed sessions leave no file, wherever they were held
+
+
+def _children(pid: int) -> list[int]:
+    """A process's child processes (/proc: each of its threads' children)."""
+    tasks = Path(f"/proc/{pid}/task")
+    return [int(c) for t in tasks.iterdir() for c in (t / "children").read_text().split()]
+
+
+def _running(pid: int) -> bool:
+    """The process exists and has not exited (a zombie waiting for its new parent to reap it has)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+
+
+def test_a_cluster_killed_outright_leaves_no_replica_or_envoy_behind(tiny_checkpoint) -> None:  # type: ignore[no-untyped-def]
+    import subprocess
+
+    script = Path(__file__).resolve().parents[2] / "deploy" / "cluster.py"
+    command = [sys.executable, str(script), "--replicas", "2", "--listen", f"127.0.0.1:{free_port()}", "--",
+               "--model", str(tiny_checkpoint("llama")), "--num-threads", "1"]  # fmt: skip
+    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    children: list[int] = []
+    try:
+        assert proc.stdout is not None
+        ready = proc.stdout.readline()  # the line it prints once every replica is healthy ("" if it exited)
+        assert "replicas behind Envoy" in ready, ready
+        children = _children(proc.pid)
+        assert len(children) == 3  # two replicas and Envoy
+        proc.kill()  # SIGKILL: no handler of the cluster's runs
+        proc.wait(30)
+        poll_until(lambda: not any(_running(pid) for pid in children), 120, what="the replicas and Envoy exit")
+    finally:
+        for pid in [proc.pid, *children]:
+            if _running(pid):
+                os.kill(pid, signal.SIGKILL)
