@@ -58,6 +58,20 @@ class ChatLogs:
     def open(self, session_id: str, messages: list[dict]) -> None:
         self.logs[session_id] = ChatLog(list(messages))
 
+    def open_fork(self, session_id: str, messages: list[dict]) -> ChatLog | None:
+        """The transcript of a fork about to be made, put in place before the engine makes it: a fork of the
+        new session that races with this one (it can only succeed once the engine has made it) then finds
+        it. None where the id has a transcript already (the engine refuses an open id): left as it is."""
+        if session_id in self.logs:
+            return None
+        log = self.logs[session_id] = ChatLog(list(messages))
+        return log
+
+    def discard(self, session_id: str, log: ChatLog) -> None:
+        """The engine did not make the fork `open_fork` made this transcript for: it goes."""
+        if self.logs.get(session_id) is log:
+            self.forget(session_id)
+
     def forget(self, session_id: str) -> None:
         """The session was closed or expired."""
         self.logs.pop(session_id, None)

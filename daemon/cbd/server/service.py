@@ -304,13 +304,20 @@ class CbdService(_Base):
         new_id = request.new_session_id or new_session_id()
         fork = caller.key(new_id)
         # Taken before the engine hop: the engine refuses to fork a session with a turn in flight,
-        # so the conversation cannot change between this read and the fork.
+        # so the conversation cannot change between this read and the fork. The fork's transcript is in
+        # place before the hop too, so that a fork of the fork sent meanwhile finds it.
         conversation = self.chats.conversation(source, candidate)
-        with in_client_terms((source, request.session_id), (fork, new_id)):
-            info = await asyncio.wrap_future(
-                engine.fork_session(source, candidate, session_messages.ttl(request.ttl_seconds), fork)
-            )
-        if conversation is not None:
+        opened = self.chats.open_fork(fork, conversation) if conversation is not None else None
+        try:
+            with in_client_terms((source, request.session_id), (fork, new_id)):
+                info = await asyncio.wrap_future(
+                    engine.fork_session(source, candidate, session_messages.ttl(request.ttl_seconds), fork)
+                )
+        except BaseException:
+            if opened is not None:
+                self.chats.discard(fork, opened)
+            raise
+        if conversation is not None and opened is None:  # the id's earlier transcript was stale
             self.chats.open(info.session_id, conversation)
         return session_messages.session_info(info)
 
