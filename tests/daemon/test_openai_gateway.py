@@ -198,6 +198,11 @@ def test_errors_have_the_apis_statuses(stack) -> None:  # type: ignore[no-untype
     with pytest.raises(openai.BadRequestError) as bad:  # the ignore below: a role the SDK does not know, on purpose
         client.chat.completions.create(model="m", messages=[{"role": "wizard", "content": "hi"}], max_tokens=2)  # type: ignore[list-item,misc]
     assert "messages[0].role must be one of" in bad.value.message
+    with pytest.raises(openai.BadRequestError) as bad:  # a tool result must answer a call made before it
+        client.chat.completions.create(model="m", max_tokens=2, messages=[
+            *ASK, {"role": "tool", "tool_call_id": "call_nope", "content": "42"}])  # fmt: skip
+    assert "a tool result names no earlier tool call: 'call_nope'" in bad.value.message
+    assert bad.value.param == "messages"
     with pytest.raises(openai.NotFoundError) as missing:  # unknown routes answer in the API's error shape too
         client.get("/no/such/route", cast_to=object)
     # The SDK types the error body as object; it is the API's error dict.

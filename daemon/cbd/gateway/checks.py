@@ -120,3 +120,12 @@ def tool_call_id(value: Any, i: int) -> str:
     if not isinstance(value, str):
         raise bad_request(f"{param} must be a string, got {type(value).__name__}", param)
     return value
+
+
+def check_tool_results(messages: list[dict[str, Any]], where: str) -> None:
+    """Every tool result names a call an earlier assistant message made."""
+    called: set[str] = set()
+    for m in messages:
+        called.update(c.get("id", "") for c in m.get("tool_calls") or ())
+        if m["role"] == "tool" and m.get("tool_call_id") not in called:
+            raise bad_request(f"a tool result names no earlier tool call: {m.get('tool_call_id')!r}", where)

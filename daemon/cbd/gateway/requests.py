@@ -56,6 +56,7 @@ def chat_call(body: dict[str, Any], session_header: str | None, owner: str = "")
     if not isinstance(messages, list) or not messages:
         raise bad_request("'messages' must be a non-empty list of messages", "messages")
     normal = [chat_message(m, i) for i, m in enumerate(messages)]
+    checks.check_tool_results(normal, "messages")
     _refuse_unsupported(body)
     logprobs = None
     if checks.flag(body, "logprobs", False):

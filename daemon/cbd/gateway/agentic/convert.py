@@ -55,12 +55,3 @@ def canonical_arguments(arguments: str) -> str:
         return json.dumps(json.loads(arguments), sort_keys=True, separators=(",", ":"))
     except ValueError:
         return arguments
-
-
-def check_tool_results(messages: list[dict[str, Any]], where: str) -> None:
-    """Every tool result names a call an earlier assistant message made."""
-    called: set[str] = set()
-    for m in messages:
-        called.update(c.get("id", "") for c in m.get("tool_calls") or ())
-        if m["role"] == "tool" and m.get("tool_call_id") not in called:
-            raise bad_request(f"a tool result names no earlier tool call: {m.get('tool_call_id')!r}", where)

@@ -17,9 +17,9 @@ import grpc
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
+from cbd.gateway import checks
 from cbd.gateway.agentic import caller
 from cbd.gateway.agentic.blocks import BlockKind, Event, EventKind, Fold
-from cbd.gateway.agentic.convert import check_tool_results
 from cbd.gateway.agentic.resends import ResentTurn
 from cbd.gateway.agentic.turns import Plan, Started, json_body
 from cbd.gateway.errors import ApiError, from_cbd
@@ -63,7 +63,7 @@ class Messages:
 
     async def create(self, request: Request) -> Response:
         call = parse(await json_body(request))
-        check_tool_results(call.messages, "messages")
+        checks.check_tool_results(call.messages, "messages")
         metadata = caller.metadata(request.headers)
         owner = caller.caller_key(request.headers)
         model = await self.gateway.model(metadata)

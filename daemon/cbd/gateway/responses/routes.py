@@ -23,9 +23,9 @@ import grpc
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
+from cbd.gateway import checks
 from cbd.gateway.agentic import caller
 from cbd.gateway.agentic.blocks import Fold
-from cbd.gateway.agentic.convert import check_tool_results
 from cbd.gateway.agentic.turns import Plan, Started, Turns, json_body
 from cbd.gateway.errors import ApiError, bad_request, from_cbd
 from cbd.gateway.responses import items
@@ -54,7 +54,7 @@ class Responses:
         plan, history, turn = await self._plan(create, owner)
         run = Run(self, create, owner, model, history, turn, plan.session_id)
         try:
-            check_tool_results(history + create.messages, "input")
+            checks.check_tool_results(history + create.messages, "input")
             run.started = await unless_gone(request, self.turns.start(create.template, plan, metadata))
             if create.stream:
                 events = settled_when_dropped(run.events(metadata), lambda: run.settle(metadata))
