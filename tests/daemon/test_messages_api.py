@@ -152,6 +152,11 @@ def test_errors_in_the_apis_shape(gw: Stack) -> None:
     with pytest.raises(anthropic.BadRequestError) as bad:  # as the API: a prefill ends in no whitespace
         c.messages.create(model="m", max_tokens=5, messages=[*ASK, {"role": "assistant", "content": "Paris "}])
     assert "trailing whitespace" in bad.value.message
+    with pytest.raises(anthropic.BadRequestError) as bad:  # a schema the daemon refuses, named by this API's path
+        c.messages.create(model="m", max_tokens=5, messages=ASK,
+                          extra_body={"output_config": {"format": {"type": "json_schema", "schema": {"not": {}}}}})  # fmt: skip
+    refusal: Any = bad.value.body  # the SDK types an error body as object: it is the API's error dict
+    assert refusal["error"]["message"].startswith("output_config.format.schema.not: "), refusal
     with pytest.raises(anthropic.AuthenticationError) as denied:
         client(gw, "wrong").messages.create(model="m", max_tokens=5, messages=ASK)
     body: Any = denied.value.body  # the SDK types an error body as object: it is the API's error dict

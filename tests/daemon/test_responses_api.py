@@ -195,6 +195,11 @@ def test_errors_and_ownership(gw: Stack) -> None:
         with pytest.raises(openai.BadRequestError) as bad:
             c.responses.create(model="m", **{"input": "Hi", "max_output_tokens": 2, **ask})
         assert bad.value.param == param, bad.value.message
+    unenforceable = {"type": "json_schema", "name": "n", "schema": {"not": {}}}  # a schema the daemon refuses
+    with pytest.raises(openai.BadRequestError) as bad:  # in this API's words: its path and its param
+        c.responses.create(model="m", input="Hi", max_output_tokens=2, text={"format": unenforceable})
+    refusal: Any = bad.value.body  # the SDK types an error body as object: it is the API's error dict
+    assert bad.value.param == "text.format" and refusal["message"].startswith("text.format.schema.not: "), refusal
     echoed = c.responses.create(model="m", input="Say yes.", max_output_tokens=4, top_p=0, truncation="auto",
                                 user="u1")  # fmt: skip
     assert (echoed.truncation, echoed.user, echoed.top_p, echoed.temperature) == ("auto", "u1", 0, 1.0)

@@ -82,6 +82,16 @@ _DAEMON_FIELDS = (
 _TOO_LONG = re.compile(r"the prompt(?:'s text)? has \d+ (?:tokens|characters)")
 
 
+def reworded(error: ApiError, paths: Mapping[str, str]) -> ApiError:
+    """A refusal whose message begins with the daemon's path of a field the API calls otherwise (`paths`: the
+    daemon's -> the API's, e.g. a schema's `response_format.json_schema`), in the API's words."""
+    for daemon, api in paths.items():
+        if error.message.startswith((daemon + ".", daemon + ":", daemon + " ")):
+            error.message = api + error.message[len(daemon) :]
+            break
+    return error
+
+
 def named(error: ApiError, names: Mapping[str, str]) -> ApiError:
     """A 400 that names no param (the daemon's refusal): the param its message names, as the API calls it
     (`names`: the daemon's field -> the API's, where they differ); a prompt over the context also gets the

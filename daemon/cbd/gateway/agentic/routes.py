@@ -9,10 +9,10 @@ from typing import Any
 from starlette.responses import Response
 from starlette.routing import Route
 
-from cbd.gateway.errors import ApiError, named
+from cbd.gateway.errors import ApiError, named, reworded
 from cbd.gateway.messages.routes import Messages, anthropic_errors, anthropic_response
 from cbd.gateway.requests import CHAT_DAEMON_PARAMS, COMPLETIONS_DAEMON_PARAMS
-from cbd.gateway.responses.request import DAEMON_PARAMS
+from cbd.gateway.responses.request import DAEMON_PARAMS, DAEMON_PATHS
 from cbd.gateway.responses.routes import Responses
 from cbd.gateway.responses.store import ResponseStore, StoreSettings
 
@@ -31,14 +31,15 @@ def error_response(path: str, error: ApiError) -> Response:
     """An error in the shape of the API whose route `path` is: Anthropic's under /v1/messages, else OpenAI's."""
     if path == MESSAGES_PREFIX or path.startswith(MESSAGES_PREFIX + "/"):
         return anthropic_response(error)
-    for prefix, names in _DAEMON_PARAMS:
+    for prefix, names, paths in _DAEMON_PARAMS:
         if path.startswith(prefix):
-            return named(error, names).response()
+            return reworded(named(error, names), paths).response()
     return error.response()
 
 
-_DAEMON_PARAMS = (("/v1/responses", DAEMON_PARAMS), ("/v1/chat/completions", CHAT_DAEMON_PARAMS),
-                  ("/v1/completions", COMPLETIONS_DAEMON_PARAMS))  # fmt: skip
+_NO_PATHS: dict[str, str] = {}
+_DAEMON_PARAMS = (("/v1/responses", DAEMON_PARAMS, DAEMON_PATHS), ("/v1/chat/completions", CHAT_DAEMON_PARAMS, _NO_PATHS),
+                  ("/v1/completions", COMPLETIONS_DAEMON_PARAMS, _NO_PATHS))  # fmt: skip
 
 
 def agent_routes(gateway: Any, store: StoreSettings | None = None) -> list[Route]:

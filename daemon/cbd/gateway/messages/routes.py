@@ -22,8 +22,8 @@ from cbd.gateway.agentic import caller
 from cbd.gateway.agentic.blocks import BlockKind, Event, EventKind, Fold
 from cbd.gateway.agentic.resends import ResentTurn
 from cbd.gateway.agentic.turns import Plan, Started, json_body
-from cbd.gateway.errors import ApiError, from_cbd
-from cbd.gateway.messages.request import MessagesCall, parse
+from cbd.gateway.errors import ApiError, from_cbd, reworded
+from cbd.gateway.messages.request import DAEMON_PATHS, MessagesCall, parse
 from cbd.gateway.requests import checked
 from cbd.gateway.responses.items import new_id
 from cbd.gateway.streams import noting_gone, rest, settled_when_dropped, unless_gone
@@ -44,7 +44,7 @@ def error_body(error: ApiError) -> dict[str, Any]:
 def anthropic_response(error: ApiError) -> JSONResponse:
     """An error in this API's shape and status (the daemon being away is its 529, overloaded)."""
     status = 529 if error.status == 503 else error.status
-    return JSONResponse(error_body(error), status_code=status, headers=error.headers)
+    return JSONResponse(error_body(reworded(error, DAEMON_PATHS)), status_code=status, headers=error.headers)
 
 
 def anthropic_errors(handler: Callable[[Request], Awaitable[Response]]) -> Callable[[Request], Awaitable[Response]]:

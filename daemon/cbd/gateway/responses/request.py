@@ -25,6 +25,8 @@ from cbd_client.v1 import cbd_pb2 as pb
 # The daemon's names of fields its refusals name, as this API names them (errors.named).
 DAEMON_PARAMS = {"max_tokens": "max_output_tokens", "messages": "input", "response_format": "text.format",
                  "logprobs": "top_logprobs"}  # fmt: skip
+# ... and the paths its messages begin with (errors.reworded).
+DAEMON_PATHS = {"response_format.json_schema": "text.format.schema"}
 
 
 @dataclass(slots=True)
