@@ -141,6 +141,9 @@ def test_a_final_assistant_message_is_the_start_of_the_reply_it_continues(gw: St
 @pytest.mark.slow
 def test_errors_in_the_apis_shape(gw: Stack) -> None:
     c = client(gw)
+    (listed,) = c.models.list().data  # the model routes answer in this API's shape too
+    assert listed.id.startswith("SmolLM2") and listed.display_name == listed.id and listed.type == "model"
+    assert c.models.retrieve(listed.id).id == listed.id
     with pytest.raises(anthropic.BadRequestError) as bad:
         c.messages.create(model="m", max_tokens=0, messages=ASK)
     assert bad.value.body == {"type": "error", "error": {"type": "invalid_request_error",

@@ -97,7 +97,9 @@ class Gateway:
 
     async def models(self, request: Request) -> Response:
         name = await self.model(_metadata(request), fresh=True)
-        return JSONResponse({"object": "list", "data": [_model_card(name)]})
+        # Both APIs' list shapes in one (each SDK reads its own fields and ignores the other's).
+        return JSONResponse({"object": "list", "data": [_model_card(name)], "has_more": False, "first_id": name,
+                             "last_id": name})  # fmt: skip
 
     async def model_card(self, request: Request) -> Response:
         name = await self.model(_metadata(request), fresh=True)
@@ -319,7 +321,9 @@ def _metadata(request: Request) -> list[tuple[str, str]]:
 
 
 def _model_card(name: str) -> dict[str, Any]:
-    return {"id": name, "object": "model", "created": 0, "owned_by": "cbd"}
+    """The served model as OpenAI's and Anthropic's model objects both describe one."""
+    return {"id": name, "object": "model", "created": 0, "owned_by": "cbd",
+            "type": "model", "display_name": name, "created_at": "1970-01-01T00:00:00Z"}  # fmt: skip
 
 
 def _sse(obj: dict[str, Any]) -> bytes:
