@@ -60,11 +60,19 @@ def test_streamed_events_assemble_to_the_whole_reply(gw: Stack) -> None:
     c = client(gw)
     whole = c.messages.create(model="m", max_tokens=30, **GREEDY, messages=ASK)
     with c.messages.stream(model="m", max_tokens=30, **GREEDY, messages=ASK) as stream:
-        kinds = []
+        kinds, started = [], None
         for event in stream:
             kinds.append(event.type)
+            if event.type == "message_start":
+                started = event.message.usage.model_copy()  # as message_start had it (the snapshot changes)
         final = stream.get_final_message()
     assert kinds[0] == "message_start" and kinds[-1] == "message_stop" and "content_block_stop" in kinds
+    # message_start carries the prompt's input counts (nothing preempted here: the final ones are the same)
+    inputs = ("input_tokens", "cache_read_input_tokens", "cache_creation_input_tokens")
+    assert started is not None and started.output_tokens == 0
+    assert [getattr(started, k) for k in inputs] == [getattr(final.usage, k) for k in inputs], (started, final.usage)
+    assert started.input_tokens + (started.cache_read_input_tokens or 0) == whole.usage.input_tokens + (
+        whole.usage.cache_read_input_tokens or 0)  # fmt: skip
     assert final.content[0].text == whole.content[0].text
     assert final.stop_reason == whole.stop_reason and final.usage.output_tokens == whole.usage.output_tokens
 

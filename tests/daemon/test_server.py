@@ -189,6 +189,32 @@ def test_a_fork_of_a_fork_being_made_continues_the_whole_conversation(client, da
     assert len(prompts) > 6 and set(prompts) == {whole}, (prompts, whole)  # some second forks were made
 
 
+def test_the_first_message_carries_the_prompts_counts_and_the_last_the_totals(client, daemon) -> None:  # type: ignore[no-untyped-def]
+    from cbd_client.v1 import cbd_pb2 as pb
+    from cbd_client.v1.cbd_pb2_grpc import CbdStub
+
+    prompt = "Count from one to five."
+    size = len(client.tokenize(prompt))
+    with client.session([{"role": "system", "content": "Be brief."}]) as session:
+        session.send([{"role": "user", "content": "Hi."}], max_tokens=3, temperature=0)
+        history = session.info().num_tokens
+        with grpc.insecure_channel(daemon.address) as channel:
+            stub = CbdStub(channel)
+            sampling = pb.SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+            plain = list(stub.Generate(pb.GenerateRequest(text=prompt, sampling=sampling)))
+            turn = pb.GenerateRequest(session_id=session.session_id, sampling=sampling)
+            turn.chat.messages.add(role="user", content="And now?")
+            continued = list(stub.Generate(turn))
+    for stream in (plain, continued):
+        first, last = stream[0].prompt_usage, stream[-1].usage
+        assert stream[0].HasField("prompt_usage") and not any(m.HasField("prompt_usage") for m in stream[1:])
+        assert (first.prompt_tokens, first.cached_prompt_tokens) == (last.prompt_tokens, last.cached_prompt_tokens)
+        assert first.completion_tokens == 0 and last.completion_tokens == 12
+    assert plain[0].prompt_usage.prompt_tokens == size
+    # The session's history was resident (but its last token: the template re-renders the reply's end marker).
+    assert continued[0].prompt_usage.cached_prompt_tokens >= history - 1, (continued[0].prompt_usage, history)
+
+
 def test_session_fan_out_choose_fork_and_busy(client) -> None:  # type: ignore[no-untyped-def]
     with client.session([{"role": "system", "content": "Be brief."}]) as session:
         options = session.send(

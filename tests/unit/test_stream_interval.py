@@ -77,7 +77,7 @@ def test_only_an_interval_above_one_gathers() -> None:
 def test_a_delivery_is_its_outputs_merged_field_by_field() -> None:
     lp = [TokenLogprob(5, -0.5, [(5, -0.5), (6, -1.5)])]
     first = RequestOutput("r", [CandidateDelta(1, [1], "a"), CandidateDelta(0, [2], "b")], priority=PRIORITY_BATCH,
-                          queue_seconds=0.25)  # fmt: skip
+                          queue_seconds=0.25, prompt_usage=Usage(3, 1, 0))  # fmt: skip
     second = RequestOutput("r", [CandidateDelta(1, [5], "c", logprobs=lp), CandidateDelta(0, [3], "")])
     third = RequestOutput("r", [CandidateDelta(0, [4], "d", logprobs=lp)])
     last = RequestOutput(
@@ -96,3 +96,5 @@ def test_a_delivery_is_its_outputs_merged_field_by_field() -> None:
     )  # fmt: skip
     assert merge_outputs([first, second]).queue_seconds == 0.25  # the first queue time and class
     assert merge_outputs([first, second]).priority == PRIORITY_BATCH
+    assert merge_outputs([first, second]).prompt_usage == Usage(3, 1, 0)  # and the prompt's first counts
+    assert merge_outputs([second, third]).prompt_usage is None

@@ -263,14 +263,16 @@ class CandidateDelta(_message.Message):
     def __init__(self, index: _Optional[int] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., tool_calls: _Optional[_Iterable[_Union[ToolCallDelta, _Mapping]]] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
-    __slots__ = ("request_id", "candidates", "usage")
+    __slots__ = ("request_id", "candidates", "usage", "prompt_usage")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     CANDIDATES_FIELD_NUMBER: _ClassVar[int]
     USAGE_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_USAGE_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     candidates: _containers.RepeatedCompositeFieldContainer[CandidateDelta]
     usage: Usage
-    def __init__(self, request_id: _Optional[str] = ..., candidates: _Optional[_Iterable[_Union[CandidateDelta, _Mapping]]] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ...) -> None: ...
+    prompt_usage: Usage
+    def __init__(self, request_id: _Optional[str] = ..., candidates: _Optional[_Iterable[_Union[CandidateDelta, _Mapping]]] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., prompt_usage: _Optional[_Union[Usage, _Mapping]] = ...) -> None: ...
 
 class TokenizeRequest(_message.Message):
     __slots__ = ("text", "chat", "allow_special_tokens")

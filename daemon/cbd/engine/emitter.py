@@ -111,6 +111,7 @@ class Emitter:
         if not request.queue_reported and request.first_scheduled is not None:
             out.queue_seconds = request.first_scheduled - request.arrival_time
             out.priority = request.priority
+            out.prompt_usage = _usage(request, 0)
             request.queue_reported = True
         if ended and request.is_finished:
             if request.session is not None:

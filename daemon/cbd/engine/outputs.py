@@ -51,6 +51,9 @@ class RequestOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     # ended STOP or LENGTH). The engine's rule, carried so that the frontend's chat log never re-derives it;
     # None on other outputs, and on a turn that ended without the engine (its process gone): not ok.
     turn_ok: bool | None = None
+    # On the first output: the prompt's counts as the first step found them (its tokens, those whose KV was
+    # reused), completion_tokens 0; `usage` on the last output has the final ones.
+    prompt_usage: Usage | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -225,22 +228,24 @@ def start_merge(first: RequestOutput, candidates: list[CandidateDelta]) -> Reque
     """A new output with these candidates and first's request fields, for later outputs of its request to
     be merged into (merge_request_fields)."""
     return RequestOutput(first.request_id, candidates, first.finished, first.usage, first.queue_seconds,
-                         first.priority, first.error, first.turn_ok)  # fmt: skip
+                         first.priority, first.error, first.turn_ok, first.prompt_usage)  # fmt: skip
 
 
 def merge_request_fields(merged: RequestOutput, out: RequestOutput) -> None:
     """Merge the request fields of out, a later output of the same request, into merged: finished if either
-    is; the first queue time and class; the last usage, error and turn outcome."""
+    is; the first queue time, class and prompt counts; the last usage, error and turn outcome."""
     if not (
         out.finished or out.usage is not None or out.queue_seconds is not None or out.priority is not None
         or out.error is not None or out.turn_ok is not None
     ):  # fmt: skip
-        return  # most outputs carry none of them
+        return  # most outputs carry none of them (the prompt counts come with the first queue time)
     merged.finished = merged.finished or out.finished
     if merged.queue_seconds is None:
         merged.queue_seconds = out.queue_seconds
     if merged.priority is None:
         merged.priority = out.priority
+    if merged.prompt_usage is None:
+        merged.prompt_usage = out.prompt_usage
     if out.usage is not None:
         merged.usage = out.usage
     if out.error is not None:

@@ -101,4 +101,6 @@ def response(
             c.usage.CopyFrom(_usage(delta.usage))
     if output.usage is not None:
         message.usage.CopyFrom(_usage(output.usage))
+    if output.prompt_usage is not None:
+        message.prompt_usage.CopyFrom(_usage(output.prompt_usage))
     return message

@@ -125,8 +125,10 @@ class Turn:
     async def events(self) -> AsyncGenerator[bytes, None]:
         assert self.started is not None
         try:
+            # The prompt's counts as the daemon's first message gives them; the final ones in message_delta.
+            first = self.started.first.prompt_usage if self.started.first.HasField("prompt_usage") else None
             start = {**self._head(), "content": [], "stop_reason": None, "stop_sequence": None,
-                     "usage": {"input_tokens": 0, "output_tokens": 0}}  # fmt: skip
+                     "usage": self._usage(first)}  # fmt: skip
             yield _sse("message_start", {"type": "message_start", "message": start})
             yield _sse("ping", {"type": "ping"})
             try:
@@ -188,8 +190,9 @@ class Turn:
             return "stop_sequence", max(hits, key=lambda s: (generated.rfind(s) + len(s), len(s)))
         return "end_turn", None
 
-    def _usage(self) -> dict[str, Any]:
-        u = self.fold.usage or pb.Usage()
+    def _usage(self, counts: pb.Usage | None = None) -> dict[str, Any]:
+        """The API's usage of the reply's final counts, or of `counts` (the prompt's, at the start)."""
+        u = counts or self.fold.usage or pb.Usage()
         fresh = u.prompt_tokens - u.cached_prompt_tokens
         # The three input counts add up to the prompt: the computed tokens are cache writes when the call
         # carries a cache_control mark (its session keeps them), else plain input.
