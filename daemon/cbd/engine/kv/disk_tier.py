@@ -280,7 +280,10 @@ class DiskTier:
             ok = False
         else:
             if not ok:
-                log.warning("session file %s: its KV is damaged (checksum); it is recomputed", copy.path.name)
+                log.warning(
+                    "session file %s: its KV is damaged (cut short, or its checksum fails); it is recomputed",
+                    copy.path.name,
+                )
         self._count_load(copy.branch.length if ok else 0, start, failed=not ok)
         return ok
 
