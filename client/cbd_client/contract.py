@@ -77,6 +77,8 @@ MAX_LOGPROBS = 20
 # GenerateRequest.n: at most this many candidates; SamplingParams.stop: at most this many strings.
 MAX_CANDIDATES = 64
 MAX_STOP_STRINGS = 16
+# The path a refusal of a response format's schema begins with ("<path>.<where in the schema>: why").
+SCHEMA_PATH = "response_format.json_schema"
 
 # gRPC's own name for a server's "retry after this many milliseconds" hint (gRFC A6), sent with
 # RESOURCE_EXHAUSTED; the client reads it into CbdError.retry_after and grpc's retry policy honours it.

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ctypes
+import os
 import signal
 from collections.abc import Callable
 
@@ -23,14 +24,22 @@ def die_with_parent() -> None:
 
 
 def signalled_with_parent(sig: int) -> Callable[[], None]:
-    """A `preexec_fn` for `subprocess.Popen`: the child gets `sig` when the thread that starts it exits, so
-    a parent killed outright takes its children with it. libc's prctl is looked up here, before the fork:
-    the child only calls it."""
+    """A `preexec_fn` for `subprocess.Popen` in this process: the child gets `sig` when the thread that
+    starts it exits, so a parent killed outright takes its children with it (one that died before the
+    child set this up is noticed there: the child's parent is then another process). libc's prctl is looked
+    up here, before any fork: the child only calls it."""
     try:
         prctl = ctypes.CDLL(None, use_errno=True).prctl
     except (OSError, AttributeError):
         return lambda: None
-    return lambda: prctl(_PR_SET_PDEATHSIG, sig, 0, 0, 0)
+    parent = os.getpid()
+
+    def in_child() -> None:
+        prctl(_PR_SET_PDEATHSIG, sig, 0, 0, 0)
+        if os.getppid() != parent:
+            os.kill(os.getpid(), sig)
+
+    return in_child
 
 
 def name_os_thread(name: str) -> None:

@@ -342,9 +342,17 @@ def test_a_drained_replicas_sessions_go_on_elsewhere_from_the_shared_session_dir
 
 
 def _children(pid: int) -> list[int]:
-    """A process's child processes (/proc: each of its threads' children)."""
-    tasks = Path(f"/proc/{pid}/task")
-    return [int(c) for t in tasks.iterdir() for c in (t / "children").read_text().split()]
+    """A process's child processes (from each process's parent in /proc)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue  # gone meanwhile
+            if int(fields[1]) == pid:
+                found.append(int(entry.name))
+    return found
 
 
 def _running(pid: int) -> bool:
@@ -357,6 +365,9 @@ def _running(pid: int) -> bool:
 
 
 def test_a_cluster_killed_outright_leaves_no_replica_or_envoy_behind(tiny_checkpoint) -> None:  # type: ignore[no-untyped-def]
+    import re
+    import select
+    import shutil
     import subprocess
 
     script = Path(__file__).resolve().parents[2] / "deploy" / "cluster.py"
@@ -364,9 +375,12 @@ def test_a_cluster_killed_outright_leaves_no_replica_or_envoy_behind(tiny_checkp
                "--model", str(tiny_checkpoint("llama")), "--num-threads", "1"]  # fmt: skip
     proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
     children: list[int] = []
+    ready = ""
     try:
         assert proc.stdout is not None
-        ready = proc.stdout.readline()  # the line it prints once every replica is healthy ("" if it exited)
+        # The line it prints once every replica is healthy ("" if it exited first).
+        assert select.select([proc.stdout], [], [], 300)[0], "the cluster did not start within 300 s"
+        ready = proc.stdout.readline()
         assert "replicas behind Envoy" in ready, ready
         children = _children(proc.pid)
         assert len(children) == 3  # two replicas and Envoy
@@ -377,3 +391,6 @@ def test_a_cluster_killed_outright_leaves_no_replica_or_envoy_behind(tiny_checkp
         for pid in [proc.pid, *children]:
             if _running(pid):
                 os.kill(pid, signal.SIGKILL)
+        logs = re.search(r"logs in (\S+)\)", ready)
+        if logs is not None:  # its folder of sockets and logs (a killed cluster cannot remove it)
+            shutil.rmtree(logs.group(1), ignore_errors=True)

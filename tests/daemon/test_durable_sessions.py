@@ -110,3 +110,25 @@ def test_sessions_survive_sigterm_and_sigkill_answering_as_a_daemon_that_never_s
         assert gone.value.code == grpc.StatusCode.NOT_FOUND
     d.stop()
     assert not list((tmp_path / "sessions").rglob("*.session"))  # closed sessions leave no file
+
+
+def test_a_fork_of_a_chat_taken_over_from_a_stopped_daemon_continues_its_conversation(
+    default_daemon: DaemonFactory, tmp_path: Path
+) -> None:  # fmt: skip
+    """Daemon "a" saves a chat at SIGTERM; daemon "b" on the same directory is asked to fork it before any
+    turn (it takes the session over with its transcript): the fork's turn renders the whole conversation."""
+    shared = ("--disk-kv-dir", str(tmp_path / "sessions"), "--session-save-idle", "3600")
+    a = default_daemon(*shared, "--disk-kv-owner", "a", socket_name="a.sock")
+    with Client(a.address) as client:
+        session = client.session(SYSTEM, session_id="handed-over", ttl=3600)
+        reply = session.send(_user(0, 1), **GREEDY)
+    a.process.send_signal(signal.SIGTERM)
+    assert a.process.wait(120) == 0
+    b = default_daemon(*shared, "--disk-kv-owner", "b", socket_name="b.sock")
+    with Client(b.address) as client:
+        fork = client.fork_session("handed-over")
+        ask = _user(0, 2)
+        turn = client.generate(ask, session_id=fork.session_id, **GREEDY)
+        whole = client.generate(SYSTEM + _user(0, 1) + [{"role": "assistant", "content": reply.text}] + ask, **GREEDY)
+        assert (turn.text, turn.usage.prompt_tokens) == (whole.text, whole.usage.prompt_tokens)
+        assert turn.usage.cached_prompt_tokens > 0  # the history's KV came with the session

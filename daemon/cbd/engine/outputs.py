@@ -51,8 +51,8 @@ class RequestOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     # ended STOP or LENGTH). The engine's rule, carried so that the frontend's chat log never re-derives it;
     # None on other outputs, and on a turn that ended without the engine (its process gone): not ok.
     turn_ok: bool | None = None
-    # On the first output: the prompt's counts as the first step found them (its tokens, those whose KV was
-    # reused), completion_tokens 0; `usage` on the last output has the final ones.
+    # On the first output once the request has been scheduled: the prompt's counts (its tokens, those whose
+    # KV was reused; completion_tokens 0), the same prompt counts as the last output's `usage`.
     prompt_usage: Usage | None = None
 
 
@@ -236,9 +236,9 @@ def merge_request_fields(merged: RequestOutput, out: RequestOutput) -> None:
     is; the first queue time, class and prompt counts; the last usage, error and turn outcome."""
     if not (
         out.finished or out.usage is not None or out.queue_seconds is not None or out.priority is not None
-        or out.error is not None or out.turn_ok is not None
+        or out.error is not None or out.turn_ok is not None or out.prompt_usage is not None
     ):  # fmt: skip
-        return  # most outputs carry none of them (the prompt counts come with the first queue time)
+        return  # most outputs carry none of them
     merged.finished = merged.finished or out.finished
     if merged.queue_seconds is None:
         merged.queue_seconds = out.queue_seconds

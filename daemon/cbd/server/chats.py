@@ -53,24 +53,29 @@ class ChatLogs:
         self.tokenizer = tokenizer
         self.eos_token_ids = frozenset(eos_token_ids)
         self.logs: dict[str, ChatLog] = {}
+        self._forks: dict[str, list[dict]] = {}  # forks being made -> the conversation each continues
         self._noted: dict[str, bytes] = {}  # the note each log had when it was last handed over
 
     def open(self, session_id: str, messages: list[dict]) -> None:
         self.logs[session_id] = ChatLog(list(messages))
 
-    def open_fork(self, session_id: str, messages: list[dict]) -> ChatLog | None:
-        """The transcript of a fork about to be made, put in place before the engine makes it: a fork of the
-        new session that races with this one (it can only succeed once the engine has made it) then finds
-        it. None where the id has a transcript already (the engine refuses an open id): left as it is."""
-        if session_id in self.logs:
-            return None
-        log = self.logs[session_id] = ChatLog(list(messages))
-        return log
+    def fork_pending(self, session_id: str, messages: list[dict]) -> list[dict]:
+        """A fork about to be made continues `messages`: known before the engine makes it, so that a fork of
+        the new session that races with this one (it can only succeed once the engine has made it) finds
+        its conversation (`conversation`). Nothing else sees it (turns, notes) until `fork_made`. Returns
+        the token that fork_made / fork_refused take."""
+        pending = self._forks[session_id] = list(messages)
+        return pending
 
-    def discard(self, session_id: str, log: ChatLog) -> None:
-        """The engine did not make the fork `open_fork` made this transcript for: it goes."""
-        if self.logs.get(session_id) is log:
-            self.forget(session_id)
+    def fork_made(self, session_id: str, pending: list[dict]) -> None:
+        """The engine made the fork: its transcript is the conversation it continues."""
+        self.fork_refused(session_id, pending)
+        self.logs[session_id] = ChatLog(pending)
+        self._noted.pop(session_id, None)
+
+    def fork_refused(self, session_id: str, pending: list[dict]) -> None:
+        if self._forks.get(session_id) is pending:
+            del self._forks[session_id]
 
     def forget(self, session_id: str) -> None:
         """The session was closed or expired."""
@@ -97,10 +102,10 @@ class ChatLogs:
             self._noted[session_id] = note
 
     def conversation(self, session_id: str, candidate: int | None) -> list[dict] | None:
-        """The conversation a fork continues (None: not a chat session)."""
+        """The conversation a fork continues (None: not a chat session); of a fork being made too."""
         log = self.logs.get(session_id)
         if log is None:
-            return None
+            return self._forks.get(session_id)
         if log.branches and candidate is not None and 0 <= candidate < len(log.branches):
             return log.branches[candidate]
         return log.messages

@@ -13,6 +13,7 @@ from typing import TypeVar
 import grpc
 
 from cbd import allocator
+from cbd.engine import api
 from cbd.engine.outputs import RequestOutput, merge_outputs
 from cbd.engine.sampling_params import (
     PRIORITY_INTERACTIVE,
@@ -303,22 +304,25 @@ class CbdService(_Base):
         bounds.check_session_id(request.new_session_id, "new_session_id")  # empty: the daemon names it
         new_id = request.new_session_id or new_session_id()
         fork = caller.key(new_id)
+        if source not in self.chats.logs:  # a chat restored or taken over since: its transcript is its note
+            with in_client_terms((source, request.session_id)):
+                self.chats.restore(await asyncio.wrap_future(engine.ask(api.SessionNote(source))))
         # Taken before the engine hop: the engine refuses to fork a session with a turn in flight,
-        # so the conversation cannot change between this read and the fork. The fork's transcript is in
-        # place before the hop too, so that a fork of the fork sent meanwhile finds it.
+        # so the conversation cannot change between this read and the fork. A fork of the new session
+        # sent meanwhile finds it too (fork_pending).
         conversation = self.chats.conversation(source, candidate)
-        opened = self.chats.open_fork(fork, conversation) if conversation is not None else None
+        pending = self.chats.fork_pending(fork, conversation) if conversation is not None else None
         try:
             with in_client_terms((source, request.session_id), (fork, new_id)):
                 info = await asyncio.wrap_future(
                     engine.fork_session(source, candidate, session_messages.ttl(request.ttl_seconds), fork)
                 )
         except BaseException:
-            if opened is not None:
-                self.chats.discard(fork, opened)
+            if pending is not None:
+                self.chats.fork_refused(fork, pending)
             raise
-        if conversation is not None and opened is None:  # the id's earlier transcript was stale
-            self.chats.open(info.session_id, conversation)
+        if pending is not None:
+            self.chats.fork_made(info.session_id, pending)
         return session_messages.session_info(info)
 
     @status.unary

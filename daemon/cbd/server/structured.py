@@ -23,6 +23,7 @@ from cbd.server.tool_calls import (
     grammar_for,
     parse_tools,
 )
+from cbd_client.contract import SCHEMA_PATH
 from cbd_client.v1 import cbd_pb2 as pb
 
 _MODES = {
@@ -80,7 +81,7 @@ def _format_spec(fmt: pb.ResponseFormat, kind: str) -> GrammarSpec:
     if not source:
         raise InvalidRequest(f"response_format.{kind} is empty")
     if kind == "json_schema":  # refused here, before any compile, if the grammar would not enforce it
-        load_schema(source, "response_format.json_schema")
+        load_schema(source, SCHEMA_PATH)
     return GrammarSpec(GrammarKind(kind), source)
 
 

@@ -20,11 +20,12 @@ from typing import Any
 from cbd.gateway import checks
 from cbd.gateway.agentic import convert
 from cbd.gateway.errors import bad_request
+from cbd_client.contract import SCHEMA_PATH
 from cbd_client.v1 import cbd_pb2 as pb
 
 MAX_STOP_SEQUENCES = 16
 # The daemon's paths its refusals begin with, as this API names them (errors.reworded).
-DAEMON_PATHS = {"response_format.json_schema": "output_config.format.schema"}
+DAEMON_PATHS = {SCHEMA_PATH: "output_config.format.schema"}
 _TTL = {"5m": 300.0, "1h": 3600.0}
 
 

@@ -20,13 +20,14 @@ from cbd.gateway import checks
 from cbd.gateway.agentic import convert
 from cbd.gateway.errors import bad_request
 from cbd.gateway.responses import items
+from cbd_client.contract import SCHEMA_PATH
 from cbd_client.v1 import cbd_pb2 as pb
 
 # The daemon's names of fields its refusals name, as this API names them (errors.named).
 DAEMON_PARAMS = {"max_tokens": "max_output_tokens", "messages": "input", "response_format": "text.format",
                  "logprobs": "top_logprobs"}  # fmt: skip
 # ... and the paths its messages begin with (errors.reworded).
-DAEMON_PATHS = {"response_format.json_schema": "text.format.schema"}
+DAEMON_PATHS = {SCHEMA_PATH: "text.format.schema"}
 
 
 @dataclass(slots=True)
