@@ -309,7 +309,8 @@ class CbdService(_Base):
                 self.chats.restore(await asyncio.wrap_future(engine.ask(api.SessionNote(source))))
         # Taken before the engine hop: the engine refuses to fork a session with a turn in flight,
         # so the conversation cannot change between this read and the fork. A fork of the new session
-        # sent meanwhile finds it too (fork_pending).
+        # sent meanwhile finds it too (fork_pending; the note asked for above is answered after the forks
+        # sent before it, which also orders the two).
         conversation = self.chats.conversation(source, candidate)
         pending = self.chats.fork_pending(fork, conversation) if conversation is not None else None
         try:
