@@ -69,11 +69,12 @@ class ChatLogs:
 
     def fork_made(self, session_id: str, pending: list[dict]) -> None:
         """The engine made the fork: its transcript is the conversation it continues."""
-        self.fork_refused(session_id, pending)
+        self.fork_refused(session_id, pending)  # no longer pending
         self.logs[session_id] = ChatLog(pending)
         self._noted.pop(session_id, None)
 
     def fork_refused(self, session_id: str, pending: list[dict]) -> None:
+        """The fork was not made (or is made now): it is no longer pending (unless another took its id)."""
         if self._forks.get(session_id) is pending:
             del self._forks[session_id]
 

@@ -304,13 +304,9 @@ class CbdService(_Base):
         bounds.check_session_id(request.new_session_id, "new_session_id")  # empty: the daemon names it
         new_id = request.new_session_id or new_session_id()
         fork = caller.key(new_id)
-        if source not in self.chats.logs:  # a chat restored or taken over since: its transcript is its note
-            with in_client_terms((source, request.session_id)):
-                self.chats.restore(await asyncio.wrap_future(engine.ask(api.SessionNote(source))))
         # Taken before the engine hop: the engine refuses to fork a session with a turn in flight,
         # so the conversation cannot change between this read and the fork. A fork of the new session
-        # sent meanwhile finds it too (fork_pending; the note asked for above is answered after the forks
-        # sent before it, which also orders the two).
+        # sent meanwhile finds it too (fork_pending).
         conversation = self.chats.conversation(source, candidate)
         pending = self.chats.fork_pending(fork, conversation) if conversation is not None else None
         try:
@@ -318,6 +314,12 @@ class CbdService(_Base):
                 info = await asyncio.wrap_future(
                     engine.fork_session(source, candidate, session_messages.ttl(request.ttl_seconds), fork)
                 )
+                # A chat this frontend has no transcript of: taken over since (the fork claimed it), so its
+                # transcript is its note (asked only here: forks of sessions that are no chats cost no hop).
+                if pending is None and info.is_chat:
+                    self.chats.restore(await asyncio.wrap_future(engine.ask(api.SessionNote(source))))
+                    conversation = self.chats.conversation(source, candidate)
+                    pending = self.chats.fork_pending(fork, conversation) if conversation is not None else None
         except BaseException:
             if pending is not None:
                 self.chats.fork_refused(fork, pending)
