@@ -11,11 +11,18 @@ _PR_SET_PDEATHSIG = 1
 _PR_SET_NAME = 15
 
 
-def _prctl(option: int, value: int | bytes) -> None:
+def _libc_prctl() -> Callable[..., int] | None:
+    """libc's prctl (None where there is none)."""
     try:
-        ctypes.CDLL(None, use_errno=True).prctl(option, value, 0, 0, 0)
+        return ctypes.CDLL(None, use_errno=True).prctl
     except (OSError, AttributeError):
-        return
+        return None
+
+
+def _prctl(option: int, value: int | bytes) -> None:
+    prctl = _libc_prctl()
+    if prctl is not None:
+        prctl(option, value, 0, 0, 0)
 
 
 def die_with_parent() -> None:
@@ -28,9 +35,8 @@ def signalled_with_parent(sig: int) -> Callable[[], None]:
     starts it exits, so a parent killed outright takes its children with it (one that died before the
     child set this up is noticed there: the child's parent is then another process). libc's prctl is looked
     up here, before any fork: the child only calls it."""
-    try:
-        prctl = ctypes.CDLL(None, use_errno=True).prctl
-    except (OSError, AttributeError):
+    prctl = _libc_prctl()
+    if prctl is None:
         return lambda: None
     parent = os.getpid()
 
