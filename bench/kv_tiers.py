@@ -11,8 +11,8 @@ KV together is several times the GPU pool of the first two modes:
   disk       the same GPU pool, a host tier of the same size, and session files under it: the GPU and
              host pools together hold 2/RATIO of the sessions (at 3: the sessions are 1.5x them); what
              the full host tier lets go is spilled to disk and read back for the session's next turn
-             (here synchronously, in the engine's step loop: the daemon's engine thread defers the turn
-             instead); the files in a temporary directory on the machine's own disk
+             (on the disk tier's reader thread while the batch goes on, the turn waiting, as in the
+             daemon's engine thread); the files in a temporary directory on the machine's own disk
   ideal      a GPU pool that holds every session (the upper bound)
 
 The modes asked for (--modes) drive the same EngineCore in process, one after another in this run. Reported: TTFT
@@ -74,18 +74,37 @@ def run(core: EngineCore, system: list[int], agents: list[Agent], new_tokens: in
         agent.session_id = session.session_id
     start = time.perf_counter()
     pending = list(agents)  # agents waiting for their tool
+    loading: dict[str, Agent] = {}  # agents whose turn waits for its session's KV read back from its file
+    checkpoints = core.checkpoints
     prompt_tokens = cached_tokens = 0
-    while pending or core.has_work():
+
+    def submit(agent: Agent) -> None:
+        gap = agent.gaps[agent.turn]
+        request = core.add_session_turn(agent.session_id, agent.tools[agent.turn], params, expected_idle=gap)
+        agent.request_id, agent.got_first = request.request_id, False
+        agent.answers.append([])
+        by_request[request.request_id] = agent
+
+    while pending or loading or core.has_work():
         now = time.perf_counter() - start
         for agent in [a for a in pending if a.ready_at <= now]:
             pending.remove(agent)
-            gap = agent.gaps[agent.turn]
-            request = core.add_session_turn(agent.session_id, agent.tools[agent.turn], params, expected_idle=gap)
-            agent.request_id, agent.submitted, agent.got_first = request.request_id, time.perf_counter(), False
-            agent.answers.append([])
-            by_request[request.request_id] = agent
+            agent.submitted = time.perf_counter()
+            # As the daemon's engine thread does (engine_loop.py): a turn whose session's KV is in its file
+            # waits for it to be read back on the disk tier's reader thread while the batch goes on.
+            if checkpoints is not None and checkpoints.needs_load(agent.session_id):
+                checkpoints.start_load(agent.session_id)
+                loading[agent.session_id] = agent
+            else:
+                submit(agent)
+        if checkpoints is not None:
+            for key in checkpoints.completed():
+                submit(loading.pop(key))
         if not core.has_work():
-            time.sleep(max(0.0, min(a.ready_at for a in pending) - (time.perf_counter() - start)))
+            if loading:
+                time.sleep(0.001)
+            else:
+                time.sleep(max(0.0, min(a.ready_at for a in pending) - (time.perf_counter() - start)))
             continue
         outputs = core.step()
         stamp = time.perf_counter()

@@ -299,6 +299,46 @@ def test_a_turn_waits_for_its_kv_to_be_read_back_while_the_batch_goes_on(
     assert outputs[-1].usage.cached_prompt_tokens >= oracle[0][1] > 0
 
 
+def test_a_turn_read_back_into_a_full_host_tier_takes_the_room_of_idle_sessions_of_no_higher_retention(
+    tiny_loaded, tmp_path, oracle
+) -> None:  # fmt: skip
+    """A restored engine whose host tier (24 blocks) holds one session's KV at a time: agent-0 (LOW),
+    agent-1 (NORMAL) and agent-3 (LOW) take their third turns in turn, each session's KV moved to the host
+    after its turn, so each later turn finds the host tier full of the one before."""
+    _saved(tiny_loaded, tmp_path)
+    core = _restarted(tiny_loaded, tmp_path, num_host_kv_blocks=24)
+    host = core.host_tier
+    assert host is not None
+
+    def third(j: int, then_to_host: bool = True) -> int:
+        """Agent j's third turn (its answer checked against the never-stopped engine's); its cached tokens."""
+        key = f"t{j % 2}/agent-{j}"
+        answers, cached = _turn(core, key, _script(j)[2])
+        assert answers == oracle[j][0]
+        if then_to_host:
+            core.sessions.eviction.evict(core.block_manager.num_blocks)  # its KV goes to the host tier
+            assert core.sessions.sessions[key].host is not None
+        return cached
+
+    def no_room_for(j: int) -> bool:
+        copy = core.sessions.sessions[f"t{j % 2}/agent-{j}"].disk
+        return copy is not None and host.num_free_blocks < -(-copy.num_tokens // 4)
+
+    assert third(0) >= oracle[0][1] > 0  # read back into free room
+    assert no_room_for(1)
+    # NORMAL after LOW: agent-0's host copy makes way, agent-1's KV is read back.
+    assert third(1) >= oracle[1][1] > 0
+    assert core.sessions.sessions["t0/agent-0"].host is None
+    assert no_room_for(3)
+    # LOW after NORMAL: agent-1 keeps its host copy, agent-3 recomputes its history.
+    assert third(3, then_to_host=False) == 0
+    assert core.sessions.sessions["t1/agent-1"].host is not None
+    assert core.sessions.hits["disk"] == 2 and core.sessions.hits["recompute"] == 1
+    core.check_integrity()
+    assert core.checkpoints is not None
+    core.checkpoints.disk.close()
+
+
 def _agents(core: EngineCore, scripts: list[list[list[int]]]) -> tuple[list, int]:
     """Every agent's turn k, round robin; (answers, prompt tokens computed). Closes the sessions after."""
     keys = [core.sessions.open(session_id=f"spill-{i}").session_id for i in range(len(scripts))]
@@ -338,8 +378,10 @@ def test_the_host_tiers_evictions_spill_to_disk_instead_of_recomputing(tiny_load
     stats = spilling.stats().disk
     assert stats is not None and stats.num_spilled > 0 and stats.num_kv_loads > 0
     assert spilling.sessions.hits["disk"] > 0
-    # What the host tier had to let go came back from disk: fewer prompt tokens computed than without it.
-    assert ideal_computed <= spill_computed < host_computed, (ideal_computed, spill_computed, host_computed)
+    # What the host tier had to let go came back from disk: every turn computed only its new tokens, as
+    # with a GPU pool that holds everything (a turn whose KV is read back while the host tier is full of
+    # idle sessions takes their room: they are spilled in turn), where the host tier alone recomputes.
+    assert spill_computed == ideal_computed < host_computed, (ideal_computed, spill_computed, host_computed)
     assert spilling.checkpoints is not None and spilling.checkpoints.disk.flush(10)
     assert not list((tmp_path / "engine").glob(f"*{files.SUFFIX}"))  # closed: no file left
     spilling.checkpoints.disk.close()

@@ -16,7 +16,9 @@ and the frontend's note (a chat's transcript). A session is saved again only whe
   read back                  into the host tier, on the disk tier's reader thread (`start_load`, then
                              `completed` hands the host copies to the branches): the engine thread
                              defers a session's commands meanwhile (engine_loop.py), so the turn waits
-                             and the batch does not. While the host tier has room, restored sessions
+                             and the batch does not. A full host tier makes way for a turn's or fork's
+                             KV (idle sessions of no higher retention go, spilled if spilling is on:
+                             `SessionEviction.free_host`). While the host tier has room, restored sessions
                              are read back ahead of their turns, most recently used first (`prefetch`).
                              A caller without that loop (an EngineCore used directly) reads back
                              synchronously before the turn or fork (`read_back`)
@@ -272,10 +274,16 @@ class SessionCheckpoints:
         on_disk = False
         for b in session.branches_and_self():
             if b.disk is not None:
+                self._room_for(session, b.disk)
                 b.host = self.disk.load(b.disk)
                 b.disk = None
                 on_disk = True
         return on_disk
+
+    def _room_for(self, session: Session, copy: DiskCopy) -> None:
+        """Free host blocks for a branch's KV read back for a turn or fork now (idle sessions' host copies
+        make way: sessions/eviction.py `free_host`)."""
+        self.sessions.eviction.free_host(-(-copy.num_tokens // self.disk.block_size), session)
 
     # ---- reading back on the reader thread ------------------------------------------------------------
     def needs_load(self, key: str) -> bool:
@@ -288,14 +296,16 @@ class SessionCheckpoints:
         return key in self._loads or (session is not None and any(b.disk for b in session.branches_and_self()))
 
     def start_load(self, key: str) -> None:
-        """Start reading the session's KV back (unless under way); branches that cannot be (no host room)
-        are recomputed. `completed` names the session when it is done."""
+        """Start reading the session's KV back (unless under way), into host blocks freed for it if need be
+        (`_room_for`); branches that cannot be (no host room even then) are recomputed. `completed` names
+        the session when it is done. For a turn or fork: `prefetch` reads ahead into free room only."""
         session = self.sessions.sessions.get(key)
         if key in self._loads or session is None:
             return
         pending = []
         for b in session.branches_and_self():
             if b.disk is not None:
+                self._room_for(session, b.disk)
                 load = self.disk.start_load(b.disk, self.on_loaded)
                 if load is None:
                     b.disk = None  # recomputed

@@ -86,6 +86,32 @@ class SessionEviction:
                 self._offload(b, [])
             self.num_evictions += 1
 
+    def free_host(self, count: int, coming: Session) -> None:
+        """Make `count` host blocks free for the KV of `coming`, whose turn or fork is here (its KV read back
+        from its file): evict the host copies of idle sessions in eviction order, those of a retention no
+        higher than its own (it is wanted now: it comes last among its peers), spilled to disk first with
+        `--disk-kv-spill`."""
+        tier = self.host_tier
+        if tier is None or tier.num_free_blocks >= count:
+            return
+        idle = [s for s in self.sessions.values() if s.busy is None and s is not coming]
+        self._evict_host([s for s in self.order(idle) if s.retention <= coming.retention], count)
+
+    def _evict_host(self, sessions: list[Session], count: int) -> None:
+        """Evict the host copies of these idle sessions, in order, until `count` host blocks are free."""
+        tier = self.host_tier
+        assert tier is not None
+        for other in sessions:
+            if tier.num_free_blocks >= count:
+                break
+            copies = [b.host for b in other.branches_and_self() if b.host is not None]
+            if other.busy is None and copies:
+                if self.spill is not None:
+                    self.spill(other, [b for b in other.branches_and_self() if b.host is not None])
+                tier.evict(copies)
+                for b in other.branches_and_self():
+                    b.host = None
+
     def _offload(self, branch: Branch, before: list[Session]) -> bool:
         """Copy a branch's GPU blocks to the host tier and free them (fenced until the copy is done);
         False if there is no tier or no room in it, even after evicting the host copies of sessions in
@@ -94,19 +120,7 @@ class SessionEviction:
         if tier is None:
             return False
 
-        def make_room(count: int) -> None:
-            for other in before:
-                if tier.num_free_blocks >= count:
-                    break
-                copies = [b.host for b in other.branches_and_self() if b.host is not None]
-                if other.busy is None and copies:
-                    if self.spill is not None:
-                        self.spill(other, [b for b in other.branches_and_self() if b.host is not None])
-                    tier.evict(copies)
-                    for b in other.branches_and_self():
-                        b.host = None
-
-        copy = tier.offload(branch.block_table, branch.num_computed, make_room)
+        copy = tier.offload(branch.block_table, branch.num_computed, lambda count: self._evict_host(before, count))
         if copy is None:  # no room, or the copy failed: the caller releases the KV (the next turn recomputes)
             return False
         self.bm.release(branch.block_table)
