@@ -123,12 +123,85 @@ def test_restored_sessions_answer_as_if_never_stopped_with_their_kv_from_disk(ti
     assert core.host_tier.pool.num_used_blocks == 0
 
 
+def test_saving_again_appends_only_the_kv_a_file_lacks_and_a_second_restart_answers_the_same(
+    tiny_loaded, tmp_path
+) -> None:  # fmt: skip
+    """Saved after two turns, restarted, a third turn, saved again (appended), restarted again: the fourth
+    turns answer as an engine that never stopped, with their KV from the files."""
+    keys, want = _fourth_turns_never_stopped(tiny_loaded)
+    _saved(tiny_loaded, tmp_path)
+    core = _restarted(tiny_loaded, tmp_path)
+    before = {k: len(core.sessions.sessions[k].token_ids) for k in keys}
+    _third_turns(core, keys)
+    assert core.checkpoints is not None
+    written = core.stats().disk.bytes_written  # type: ignore[union-attr]  # a disk tier: asserted above
+    assert core.checkpoints.save_all(60.0).num_with_kv == 8
+    appended = core.stats().disk.bytes_written - written  # type: ignore[union-attr]
+    # Each branch's new tokens' blocks, its last partial block before them written again, its header slot.
+    per_block = core.checkpoints.disk.bytes_per_block
+    branches = sum(len(core.sessions.sessions[k].branches_and_self()) for k in keys)
+    grown = sum(len(core.sessions.sessions[k].token_ids) - before[k] for k in keys)
+    bound = (grown // 4 + 2 * branches) * per_block + 1024 * branches
+    whole = sum(-(-len(core.sessions.sessions[k].token_ids) // 4) for k in keys) * per_block
+    assert appended <= bound < whole, (appended, bound, whole)
+    core.checkpoints.disk.close()
+
+    again = _restarted(tiny_loaded, tmp_path)
+    got = [_turn(again, key, FOURTH[j]) for j, key in enumerate(keys)]
+    assert [answers for answers, _ in got] == [answers for answers, _ in want]
+    assert all(cached >= w > 0 for (_, cached), (_, w) in zip(got, want)), (got, want)
+    assert again.sessions.hits["disk"] == 8 and again.sessions.hits["recompute"] == 0
+    assert again.checkpoints is not None
+    again.checkpoints.disk.close()
+
+
+def test_past_the_saving_deadline_a_file_keeps_the_kv_it_held(tiny_loaded, tmp_path) -> None:
+    """A shutdown whose deadline has passed saves token ids without gathering KV, but a session's file keeps
+    the KV it held from an earlier save: the next turn recomputes only the turn saved without."""
+    keys, want = _fourth_turns_never_stopped(tiny_loaded)
+    _saved(tiny_loaded, tmp_path)
+    core = _restarted(tiny_loaded, tmp_path)
+    held = {
+        k: [b.disk.num_tokens if b.disk else 0 for b in core.sessions.sessions[k].branches_and_self()] for k in keys
+    }
+    _third_turns(core, keys)
+    assert core.checkpoints is not None
+    report = core.checkpoints.save_all(0.0)  # the deadline is already past
+    assert report.num_saved == 8 and report.num_with_kv == 8
+    core.checkpoints.disk.close()
+    again = _restarted(tiny_loaded, tmp_path)
+    for key in keys:  # the history's KV as its file held it before the third turn (from the candidate taken)
+        kept = again.sessions.sessions[key].disk
+        assert kept is not None and max(held[key]) // 4 * 4 <= kept.num_tokens <= max(held[key]), (key, held[key])
+    got = [_turn(again, key, FOURTH[j]) for j, key in enumerate(keys)]
+    assert [answers for answers, _ in got] == [answers for answers, _ in want]
+    # Less KV reused than by the engine that never stopped (the third turns' is recomputed), but some; a
+    # fork's turn may find its source's third turn in the prefix cache (its source's fourth recomputed it).
+    assert all(cached > 0 for _, cached in got) and all(c < w for (_, c), (_, w) in zip(got[:6], want)), (got, want)
+    assert again.checkpoints is not None
+    again.checkpoints.disk.close()
+
+
+FOURTH = [[(7 * j + t) % 250 + 2 for t in range(12)] for j in range(8)]
+
+
+def _fourth_turns_never_stopped(tiny_loaded) -> tuple[list[str], list[tuple[list, int]]]:  # noqa: ANN001
+    """The sessions' keys, and their fourth turns (FOURTH) on an engine that never stopped."""
+    never = make_core(tiny_loaded, **SIZES)
+    keys = _first_turns(never)
+    _third_turns(never, keys)
+    return keys, [_turn(never, key, FOURTH[j]) for j, key in enumerate(keys)]
+
+
 def _rewrite(path: Path, change) -> None:  # noqa: ANN001
-    """Rewrite a session file with its header changed by `change` (its KV segments kept)."""
-    saved, start = files.read_header(path)
-    segments = [files.read_segment(path, start, b) for b in saved.branches if b.kv_tokens]
+    """Rewrite a session file with its header changed by `change` (its KV kept)."""
+    saved, _ = files.read_header(path)
+    kv = [files.read_kv(path, b) if b.kv_tokens else None for b in saved.branches]
     change(saved)
-    files.write(path, saved, [s for s in segments if s is not None])
+    path.unlink()
+    files.save(
+        path, saved, [files.NewKv(None, 0, [(d, b.kv_tokens)]) if d else None for d, b in zip(kv, saved.branches)]
+    )
 
 
 def test_damaged_files_and_another_kv_layout_recompute_with_the_same_answers(
@@ -271,13 +344,13 @@ def test_a_turn_waits_for_its_kv_to_be_read_back_while_the_batch_goes_on(
 ) -> None:  # fmt: skip
     _saved(tiny_loaded, tmp_path)
     gate = threading.Event()
-    read = files.read_segment_into
+    read = files.read_kv_into
 
     def held(*args):  # noqa: ANN002
         assert gate.wait(60)
         return read(*args)
 
-    monkeypatch.setattr(files, "read_segment_into", held)  # the disk tier's reader thread waits at the gate
+    monkeypatch.setattr(files, "read_kv_into", held)  # the disk tier's reader thread waits at the gate
     engine = Engine(EngineConfig(disk_kv_dir=str(tmp_path), **SIZES), loaded=tiny_loaded)
     try:
         outputs: list = []

@@ -1,15 +1,15 @@
 """DiskTier: session files in a directory daemons share, each file owned by one daemon, written off the
 engine thread.
 
-The engine thread takes a snapshot of what a session holds (its token ids, settings, and its KV
-gathered from the GPU pool or the host pool into a host tensor) and hands it to the tier's writer
-thread, which writes the session file (kv/session_files.py) and keeps the directory under its cap
-(`--disk-kv-gib`: a file that would go over it is written with token ids only). Removals go through
+The engine thread takes a snapshot of what a session holds (its token ids, settings, and the KV its
+file lacks, gathered from the GPU pool or the host pool into host tensors) and hands it to the tier's
+writer thread, which saves it to the session file (kv/session_files.py: appended) and keeps the
+directory under its cap (`--disk-kv-gib`: a save that would go over it is written with token ids only). Removals go through
 the same thread, so a session closed after a save never comes back from a late write. Reading back
 goes through the tier's reader thread: the engine thread takes fresh host blocks (`start_load`), the
-reader thread reads the branch's KV segment straight into them and checks it, and the engine thread
+reader thread reads the branch's KV extents straight into them and checks it, and the engine thread
 hands them on (`finish_load`), from where the scheduler restores them like any host copy
-(kv/host_tier.py); a damaged segment, no host tier or no room in it: the branch is recomputed.
+(kv/host_tier.py); a damaged extent, no host tier or no room in it: the branch is recomputed.
 
 Ownership. A daemon keeps its files in a folder of its own, named by its owner name (`--disk-kv-owner`,
 by default from its listen addresses, so the same daemon restarted finds its folder again), and holds
@@ -61,16 +61,20 @@ class Load:
 
 @dataclass(slots=True)
 class Written:
-    """A session file written: whether it holds the KV, and where (its branches' segments from `start`)."""
+    """A session file written: whether it holds all the KV it was given (not: over the cap, or a branch's
+    kept extents were not in the file), and its header as written."""
 
     kept_kv: bool
     path: Path
     saved: files.SavedSession
-    start: int
+
+    @property
+    def has_kv(self) -> bool:
+        return any(b.kv_tokens for b in self.saved.branches)
 
     def copies(self) -> list[DiskCopy | None]:
         """Each branch's KV in the file (None: a branch without)."""
-        return [DiskCopy(self.path, self.start, b) if b.kv_tokens else None for b in self.saved.branches]
+        return [DiskCopy(self.path, b) if b.kv_tokens else None for b in self.saved.branches]
 
 
 LAST_SAVE_FILE = "last-save-seconds"  # in the owner's folder: how long the last shutdown's saving took
@@ -134,10 +138,11 @@ class DiskTier:
         assert self.host_tier is not None  # only a host tier makes host copies
         return self.host_tier.read_blocks(copy.block_ids)
 
-    def write(self, saved: files.SavedSession, segments: list[torch.Tensor]) -> Future[Written]:
-        """Write a session's file on the writer thread; the future says where, and whether its KV was kept
-        (not: token ids only, for the cap). A write that fails (disk full) leaves the old file and raises."""
-        return self._writer.submit(self._write, saved, segments)
+    def write(self, saved: files.SavedSession, kv: list[files.NewKv | None]) -> Future[Written]:
+        """Save a session to its file on the writer thread (kv/session_files.py `save`: what the file holds
+        already is kept, the rest appended); the future says whether all its KV was kept (not: token ids
+        only, for the cap). A write that fails (disk full) leaves the file as it was and raises."""
+        return self._writer.submit(self._write, saved, kv)
 
     def remove(self, key: str) -> Future[None]:
         """Delete a session's file (after any write queued before)."""
@@ -156,30 +161,30 @@ class DiskTier:
         self._writer.shutdown(wait=True)
         self._lock.close()
 
-    def _write(self, saved: files.SavedSession, segments: list[torch.Tensor]) -> Written:
+    def _write(self, saved: files.SavedSession, kv: list[files.NewKv | None]) -> Written:
         name = files.file_name(saved.key)
-        views = [t.view(torch.uint8).reshape(-1).numpy().data for t in segments]  # raw bytes, no copy
-        need = sum(v.nbytes for v in views)
-        others = sum(self._sizes.values()) - self._sizes.get(name, 0)
-        if views and others + need > self.cap_bytes:
-            views = []
+        asked = [b.kv_tokens for b in saved.branches]
+        need = sum(memoryview(data).nbytes for new in kv if new is not None for data, _ in new.extents)
+        if any(asked) and sum(self._sizes.values()) + need > self.cap_bytes:
+            kv = [None] * len(kv)
             for b in saved.branches:
                 b.kv_tokens = 0
         start = time.monotonic()
+        path = self.directory / name
         try:
-            size, offset = files.write(self.directory / name, saved, views)
+            saved, size = files.save(path, saved, kv)
         except OSError:
             with self._count:
                 self._stats.num_write_errors += 1
             raise
-        self._sizes[name] = size
+        self._sizes[name] = path.stat().st_size
         with self._count:
             s = self._stats
             s.num_files_written += 1
-            s.num_kv_files_written += bool(views)
+            s.num_kv_files_written += any(b.kv_tokens for b in saved.branches)
             s.bytes_written += size
             s.write_seconds_sum += time.monotonic() - start
-        return Written(bool(views), self.directory / name, saved, offset)
+        return Written([b.kv_tokens for b in saved.branches] == asked, path, saved)
 
     def _remove(self, name: str) -> None:
         self._sizes.pop(name, None)
@@ -187,17 +192,17 @@ class DiskTier:
             (self.directory / name).unlink()
 
     # ---- reading (the engine thread) ---------------------------------------------------------------
-    def saved_sessions(self) -> list[tuple[Path, files.SavedSession, int]]:
-        """Every session file of the same model: (path, header, segments' start). Files that cannot be
-        used at all are logged in one line each and removed."""
+    def saved_sessions(self) -> list[tuple[Path, files.SavedSession]]:
+        """Every session file of the same model: (path, header). Files that cannot be used at all are
+        logged in one line each and removed."""
         found = []
         for path in sorted(self.directory.glob(f"*{files.SUFFIX}")):
             usable = self._usable(path)
             if usable is not None:
-                found.append((path, *usable))
+                found.append((path, usable))
         return found
 
-    def claim(self, key: str) -> tuple[Path, files.SavedSession, int] | None:
+    def claim(self, key: str) -> tuple[Path, files.SavedSession] | None:
         """Take over the file of a session this daemon does not hold from an owner that has stopped (see
         above); None if no stopped owner has it (or it cannot be used)."""
         name = files.file_name(key)
@@ -219,13 +224,13 @@ class DiskTier:
             log.info("session %s taken over from owner %s", key, folder.name)
             self._writer.submit(self._sizes.__setitem__, name, path.stat().st_size).result()
             usable = self._usable(path)
-            return (path, *usable) if usable is not None and usable[0].key == key else None
+            return (path, usable) if usable is not None and usable.key == key else None
         return None
 
-    def _usable(self, path: Path) -> tuple[files.SavedSession, int] | None:
-        """A file's header and segments' start if this model can use it; else it is logged, removed, counted."""
+    def _usable(self, path: Path) -> files.SavedSession | None:
+        """A file's header if this model can use it; else it is logged, removed, counted."""
         try:
-            saved, start = files.read_header(path)
+            saved, _ = files.read_header(path)
         except (files.DamagedFile, OSError) as exc:
             log.warning("session file %s is not used: %s", path.name, exc)
             self._writer.submit(self._remove, path.name)
@@ -239,8 +244,8 @@ class DiskTier:
         if saved.fingerprint.kv != self.fingerprint.kv:
             log.warning("session %s: its saved KV has another layout; its tokens are recomputed", saved.key)
             for b in saved.branches:
-                b.kv_tokens = 0
-        return saved, start
+                b.kv_tokens, b.extents = 0, []
+        return saved
 
     def start_load(self, copy: DiskCopy, on_done: Callable[[], object] | None = None) -> Load | None:
         """Start reading a branch's KV into fresh host blocks on the reader thread (`on_done` is called
@@ -274,7 +279,7 @@ class DiskTier:
     def _read(self, copy: DiskCopy, buffers: list[memoryview]) -> bool:
         start = time.monotonic()
         try:  # straight into the host blocks, one read per run of consecutive blocks
-            ok = files.read_segment_into(copy.path, copy.start, copy.branch, buffers)
+            ok = files.read_kv_into(copy.path, copy.branch, buffers)
         except OSError as exc:
             log.warning("session file %s: its KV cannot be read (%s); it is recomputed", copy.path.name, exc)
             ok = False
@@ -284,7 +289,7 @@ class DiskTier:
                     "session file %s: its KV is damaged (cut short, or its checksum fails); it is recomputed",
                     copy.path.name,
                 )
-        self._count_load(copy.branch.length if ok else 0, start, failed=not ok)
+        self._count_load(sum(e.length for e in copy.branch.extents) if ok else 0, start, failed=not ok)
         return ok
 
     def stats(self) -> DiskTierStats:

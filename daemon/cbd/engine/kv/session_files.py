@@ -1,18 +1,32 @@
-"""Session files: one file per saved session, written atomically and read back only when whole.
+"""Session files: one file per saved session, grown by appending, read back only where whole.
 
-    magic (8 bytes) | header length (u32) | header CRC-32 (u32) | header (MessagePack) | KV segments
+    magic (8 bytes) | slot size (u32) | 0 (u32)
+    slot 0: generation (u64) | header length (u32) | CRC-32 of generation + header (u32) | header
+    slot 1: the same                                  (each slot `slot size` bytes)
+    KV extents, from 16 + 2 x slot size on, in the order they were written
 
-The header is a `SavedSession`: the session's key, settings, the frontend's note (its transcript),
-every branch's token ids, and where each branch's KV segment lies in the file with its length and
-CRC-32. A segment is the host-pool layout of the branch's blocks, `[blocks, layers, block_size,
-*slot]`, as raw bytes. The file's `Fingerprint` says which model the tokens belong to and which KV
-layout the segments have: a file whose header is damaged is not used at all; one whose model differs
-is not used at all (its token ids would mean other tokens); one whose KV layout differs, or whose
-segment is short or fails its checksum, gives its token ids only (the next turn recomputes them).
+The header is a `SavedSession`: the session's key, settings, the frontend's note (its transcript), and
+every branch's token ids with the extents that hold its KV, in order. An extent is a run of the
+branch's blocks in the host-pool layout `[blocks, layers, block_size, *slot]` as raw bytes, with its
+length, CRC-32 and the tokens it covers. The valid slot with the higher generation is the file's
+header; the other is the one before.
 
-Writes go to a temporary file in the same directory, are fsynced and renamed over the old file (then
-the directory is fsynced): a reader sees the old file or the new one, never a mix. A write that fails
-(disk full) removes its temporary file. No torch here: segments are bytes.
+Saving a session that changed since its file was written appends: the KV that the file does not hold
+yet is written after the last extent and fsynced, then the new header goes to the other slot and is
+fsynced. Until that slot is whole, the older one is the header, so a reader sees the session as it was
+saved last or as it is now, never a mix; a torn slot fails its CRC. A branch's new header names the
+extents it still shares with the file (its tokens there unchanged: whole blocks, or a whole branch
+that did not change) and the ones just written (whole blocks, then its last partial block apart, so
+the next save can keep the whole blocks). A file that has no room in its slots for the header, or
+holds more dead extents than live ones, or is of the older format, is written anew instead: a
+temporary file, fsynced and renamed over the old one (then the directory is fsynced), the extents it
+keeps copied in the kernel.
+
+The file's `Fingerprint` says which model the tokens belong to and which KV layout the extents have:
+a file whose header is damaged (both slots) is not used at all; one whose model differs is not used at
+all (its token ids would mean other tokens); one whose KV layout differs, or whose extent is short or
+fails its checksum, gives its token ids only (the next turn recomputes them). The first format
+(`CBDSESS1`: one header, then one segment per branch) is still read. No torch here: extents are bytes.
 """
 
 from __future__ import annotations
@@ -22,31 +36,40 @@ import hashlib
 import os
 import struct
 import zlib
-from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
 import msgspec
 
-MAGIC = b"CBDSESS1"
-_PREFIX = struct.Struct("<8sII")  # magic, header length, header CRC-32
+MAGIC = b"CBDSESS2"
+MAGIC_V1 = b"CBDSESS1"
+_PREFIX = struct.Struct("<8sII")  # magic, slot size, 0
+_SLOT = struct.Struct("<QII")  # generation, header length, CRC-32 of generation + header
+_PREFIX_V1 = struct.Struct("<8sII")  # magic, header length, header CRC-32
 SUFFIX = ".session"
+MIN_SLOT = 4096
+DEAD_FLOOR = 64 * 2**20  # a file is written anew only once its dead extents pass this many bytes (and its live ones)
 
 
 class Fingerprint(msgspec.Struct, frozen=True, array_like=True):
     """`model`: what the token ids mean and what computed the KV (name, weights' identity, architecture);
-    `kv`: the KV segments' layout (dtype, KV format, block size, tensor-parallel size, slot shape)."""
+    `kv`: the KV extents' layout (dtype, KV format, block size, tensor-parallel size, slot shape)."""
 
     model: str
     kv: str
 
 
+class Extent(msgspec.Struct, frozen=True, array_like=True):
+    offset: int  # from the start of the file
+    length: int
+    crc: int
+    num_tokens: int  # the tokens whose KV it holds
+
+
 class SavedBranch(msgspec.Struct, array_like=True):
     token_ids: list[int]
-    kv_tokens: int  # the segment holds the KV of token_ids[:kv_tokens] (0: no segment)
-    offset: int = 0  # from the end of the header
-    length: int = 0
-    crc: int = 0
+    kv_tokens: int  # its extents hold the KV of token_ids[:kv_tokens] (0: none)
+    extents: list[Extent] = []
 
 
 class SavedSession(msgspec.Struct, array_like=True):
@@ -63,21 +86,63 @@ class SavedSession(msgspec.Struct, array_like=True):
     branches: list[SavedBranch]  # [the history, *pending candidates]
 
 
+class _BranchV1(msgspec.Struct, array_like=True):
+    token_ids: list[int]
+    kv_tokens: int
+    offset: int = 0  # from the end of the header
+    length: int = 0
+    crc: int = 0
+
+
+class _SessionV1(msgspec.Struct, array_like=True):
+    fingerprint: Fingerprint
+    key: str
+    ttl: float | None
+    idle_seconds: float
+    saved_at: float
+    is_chat: bool
+    expected_idle: float | None
+    retention: int
+    priority: int
+    note: bytes
+    branches: list[_BranchV1]
+
+
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(SavedSession)
+_decoder_v1 = msgspec.msgpack.Decoder(_SessionV1)
 
 
 @dataclass(slots=True)
 class DiskCopy:
-    """A branch's KV in a session file (segment `branch` of the file at `path`, segments from `start`)."""
+    """A branch's KV in a session file (`branch.extents` of the file at `path`)."""
 
     path: Path
-    start: int
     branch: SavedBranch
 
     @property
     def num_tokens(self) -> int:
         return self.branch.kv_tokens
+
+
+@dataclass(slots=True)
+class Layout:
+    """Where a file's header is: its slot size, the slot holding it and its generation (version 1: none)."""
+
+    version: int
+    slot_size: int = 0
+    slot: int = 0
+    generation: int = 0
+
+
+@dataclass(slots=True)
+class NewKv:
+    """A branch's KV to save: the first `keep` tokens' extents of the file's branch `base` (its tokens there
+    the same), then `extents`, new bytes in order, each with the tokens it covers."""
+
+    base: int | None
+    keep: int
+    extents: list[tuple[bytes | memoryview, int]]
 
 
 class DamagedFile(Exception):
@@ -89,79 +154,248 @@ def file_name(key: str) -> str:
     return hashlib.sha256(key.encode()).hexdigest()[:40] + SUFFIX
 
 
-def write(path: Path, saved: SavedSession, segments: Iterable[bytes | memoryview]) -> tuple[int, int]:
-    """Write a session file atomically (see above); `saved.branches` give the segments' lengths in order,
-    offsets and CRCs are filled in here. Returns the bytes written and where the segments start. Raises
-    OSError (nothing left behind)."""
-    segments = list(segments)
-    offset = 0
-    with_kv = [b for b in saved.branches if b.kv_tokens]
-    assert len(with_kv) == len(segments), "one segment per branch with KV"
-    for branch, data in zip(with_kv, segments):
-        size = memoryview(data).nbytes
-        branch.offset, branch.length, branch.crc = offset, size, zlib.crc32(data)
-        offset += size
-    header = _encoder.encode(saved)
+def save(path: Path, saved: SavedSession, kv: list[NewKv | None]) -> tuple[SavedSession, int]:
+    """Save a session: `kv[i]` is branch i's KV (None: token ids only, its `kv_tokens` 0), appended to the
+    file at `path` if it can be (see above), else written anew. A branch whose kept extents the file does
+    not hold as asked is saved with token ids only. Returns the header as written and the bytes written.
+    Raises OSError (the file as it was, nothing left behind)."""
+    try:
+        current, layout = read_header(path)
+    except (OSError, DamagedFile):
+        current, layout = None, None
+    kept: list[list[Extent]] = []
+    for branch, new in zip(saved.branches, kv, strict=True):
+        extents = _kept(current, saved, branch, new)
+        if extents is None:  # the file lacks what it was to keep: token ids only
+            assert new is not None
+            branch.kv_tokens, new.keep, new.extents, extents = 0, 0, [], []
+        kept.append(extents)
+    fresh = sum(memoryview(data).nbytes for new in kv if new is not None for data, _ in new.extents)
+    if current is not None and layout is not None and layout.version == 2:
+        size = path.stat().st_size
+        _place(saved, kept, kv, size)
+        header = _encoder.encode(saved)
+        live = sum(e.length for extents in kept for e in extents)
+        dead = size - _PREFIX.size - 2 * layout.slot_size - live  # extents no header will name again
+        if len(header) + _SLOT.size <= layout.slot_size and (dead <= DEAD_FLOOR or dead <= live + fresh):
+            _append(path, header, kv, layout, size)
+            return saved, fresh + _SLOT.size + len(header)
+    return _rewrite(path, saved, kept, kv)
+
+
+def _kept(
+    current: SavedSession | None, saved: SavedSession, branch: SavedBranch, new: NewKv | None
+) -> list[Extent] | None:  # fmt: skip
+    """The extents of the file's branch `new.base` covering its first `new.keep` tokens, if the file holds
+    them with the same tokens; None if not."""
+    if new is None or not new.keep:
+        return []
+    if current is None or new.base is None or new.base >= len(current.branches):
+        return None
+    if current.fingerprint != saved.fingerprint:  # another model's or KV layout's: nothing to keep
+        return None
+    base = current.branches[new.base]
+    if new.keep > base.kv_tokens or base.token_ids[: new.keep] != branch.token_ids[: new.keep]:
+        return None
+    extents, covered = [], 0
+    for extent in base.extents:
+        if covered >= new.keep:
+            break
+        extents.append(extent)
+        covered += extent.num_tokens
+    return extents if covered == new.keep else None
+
+
+def _place(saved: SavedSession, kept: list[list[Extent]], kv: list[NewKv | None], at: int) -> int:
+    """Fill in every branch's extents: the kept ones, then the new ones laid out from offset `at` on.
+    Returns the offset after the last new one."""
+    for branch, extents, new in zip(saved.branches, kept, kv, strict=True):
+        branch.extents = list(extents)
+        for data, tokens in new.extents if new is not None else ():
+            view = memoryview(data)
+            branch.extents.append(Extent(at, view.nbytes, zlib.crc32(view), tokens))
+            at += view.nbytes
+    return at
+
+
+def _slot(generation: int, header: bytes) -> bytes:
+    crc = zlib.crc32(header, zlib.crc32(struct.pack("<Q", generation)))
+    return _SLOT.pack(generation, len(header), crc) + header
+
+
+def _append(path: Path, header: bytes, kv: list[NewKv | None], layout: Layout, size: int) -> None:
+    """The new extents after the file's end (fsynced), then the header in the other slot (fsynced)."""
+    with open(path, "r+b", buffering=0) as f:
+        try:
+            f.seek(size)
+            for new in kv:
+                for data, _ in new.extents if new is not None else ():
+                    _write_all(f, data)
+            os.fsync(f.fileno())
+        except BaseException:
+            with contextlib.suppress(OSError):
+                f.truncate(size)
+            raise
+        f.seek(_PREFIX.size + (1 - layout.slot) * layout.slot_size)
+        _write_all(f, _slot(layout.generation + 1, header))
+        os.fsync(f.fileno())
+
+
+def _write_all(f, data: bytes | memoryview) -> None:  # noqa: ANN001
+    """All of `data` to an unbuffered file (one write may take less)."""
+    view = memoryview(data).cast("B")
+    while view:
+        view = view[f.write(view) :]
+
+
+def _rewrite(
+    path: Path, saved: SavedSession, kept: list[list[Extent]], kv: list[NewKv | None]
+) -> tuple[SavedSession, int]:
+    """Write the file anew (see above): slots twice the header's size, the kept extents copied from the old
+    file, then the new ones. Returns the header and the file's size."""
+    slot_size = MIN_SLOT
+    while True:
+        at = _PREFIX.size + 2 * slot_size
+        moved: list[list[Extent]] = []  # the kept extents, one after another from the first byte after the slots
+        for extents in kept:
+            moved.append([])
+            for e in extents:
+                moved[-1].append(Extent(at, e.length, e.crc, e.num_tokens))
+                at += e.length
+        _place(saved, moved, kv, at)
+        header = _encoder.encode(saved)
+        want = max(MIN_SLOT, -(-(2 * len(header) + _SLOT.size) // 4096) * 4096)
+        if slot_size >= want or (slot_size > MIN_SLOT and slot_size >= len(header) + _SLOT.size):
+            break
+        slot_size = want
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     try:
         with open(tmp, "wb") as f:
-            f.write(_PREFIX.pack(MAGIC, len(header), zlib.crc32(header)))
-            f.write(header)
-            for data in segments:
-                f.write(data)
+            f.write(_PREFIX.pack(MAGIC, slot_size, 0))
+            f.write(_slot(1, header).ljust(2 * slot_size, b"\0"))
+            if any(kept):
+                with open(path, "rb") as old:
+                    for extents in kept:
+                        for e in extents:
+                            _copy(old.fileno(), e.offset, e.length, f)
+            for new in kv:
+                for data, _ in new.extents if new is not None else ():
+                    f.write(data)
             f.flush()
             os.fsync(f.fileno())
+            size = f.tell()
         os.replace(tmp, path)
     except BaseException:
         with contextlib.suppress(OSError):
             tmp.unlink()
         raise
     sync_directory(path.parent)
-    return _PREFIX.size + len(header) + offset, _PREFIX.size + len(header)
+    return saved, size
 
 
-def read_header(path: Path) -> tuple[SavedSession, int]:
-    """A file's header and where its segments start. Raises DamagedFile or OSError."""
+def _copy(source: int, offset: int, length: int, f) -> None:  # noqa: ANN001
+    """Append `length` bytes of the file `source` from `offset` to `f`, in the kernel where it can."""
+    f.flush()
+    done = 0
+    with contextlib.suppress(OSError):
+        while done < length:
+            n = os.copy_file_range(source, f.fileno(), length - done, offset + done)
+            if not n:
+                break
+            done += n
+    f.seek(0, os.SEEK_END)
+    while done < length:  # not supported here, or cut short: by hand
+        chunk = os.pread(source, min(length - done, 64 * 2**20), offset + done)
+        if not chunk:
+            raise OSError(f"{length - done} bytes of an extent to keep are missing")
+        f.write(chunk)
+        done += len(chunk)
+
+
+def read_header(path: Path) -> tuple[SavedSession, Layout]:
+    """A file's header (the newer whole slot) and where it is. Raises DamagedFile or OSError."""
     with open(path, "rb") as f:
         prefix = f.read(_PREFIX.size)
         if len(prefix) < _PREFIX.size:
             raise DamagedFile("shorter than its header")
-        magic, length, crc = _PREFIX.unpack(prefix)
+        magic, slot_size, _ = _PREFIX.unpack(prefix)
+        if magic == MAGIC_V1:
+            return _read_v1(f, prefix), Layout(1)
         if magic != MAGIC:
             raise DamagedFile("not a cbd session file")
-        header = f.read(length)
-    if len(header) < length or zlib.crc32(header) != crc:
+        best: tuple[int, int, bytes] | None = None
+        for slot in (0, 1):
+            f.seek(_PREFIX.size + slot * slot_size)
+            head = f.read(_SLOT.size)
+            if len(head) < _SLOT.size:
+                continue
+            generation, length, crc = _SLOT.unpack(head)
+            if not generation or length > slot_size - _SLOT.size:
+                continue
+            header = f.read(length)
+            if len(header) == length and zlib.crc32(header, zlib.crc32(head[:8])) == crc:
+                if best is None or generation > best[0]:
+                    best = (generation, slot, header)
+    if best is None:
         raise DamagedFile("its header is damaged (checksum)")
     try:
-        return _decoder.decode(header), _PREFIX.size + length
+        return _decoder.decode(best[2]), Layout(2, slot_size, best[1], best[0])
     except msgspec.DecodeError as exc:
         raise DamagedFile(f"its header does not decode ({exc})") from None
 
 
-def read_segment(path: Path, start: int, branch: SavedBranch) -> bytearray | None:
-    """A branch's KV segment, or None when it is short or fails its checksum (the caller recomputes)."""
-    data = bytearray(branch.length)
-    return data if read_segment_into(path, start, branch, [memoryview(data)]) else None
+def _read_v1(f, prefix: bytes) -> SavedSession:  # noqa: ANN001
+    _, length, crc = _PREFIX_V1.unpack(prefix)
+    header = f.read(length)
+    if len(header) < length or zlib.crc32(header) != crc:
+        raise DamagedFile("its header is damaged (checksum)")
+    try:
+        old = _decoder_v1.decode(header)
+    except msgspec.DecodeError as exc:
+        raise DamagedFile(f"its header does not decode ({exc})") from None
+    start = _PREFIX_V1.size + length
+    branches = [
+        SavedBranch(b.token_ids, b.kv_tokens, [Extent(start + b.offset, b.length, b.crc, b.kv_tokens)] if b.kv_tokens else [])
+        for b in old.branches
+    ]  # fmt: skip
+    fields = {f: getattr(old, f) for f in _SessionV1.__struct_fields__ if f != "branches"}
+    return SavedSession(**fields, branches=branches)
 
 
-def read_segment_into(path: Path, start: int, branch: SavedBranch, buffers: list[memoryview]) -> bool:
-    """Read a branch's KV segment straight into `buffers` (in order, their sizes adding up to its length);
-    False when it is short or fails its checksum (the buffers then hold garbage)."""
-    if sum(b.nbytes for b in buffers) != branch.length:
+def read_kv(path: Path, branch: SavedBranch) -> bytearray | None:
+    """A branch's KV, or None when an extent is short or fails its checksum (the caller recomputes)."""
+    data = bytearray(sum(e.length for e in branch.extents))
+    return data if read_kv_into(path, branch, [memoryview(data)]) else None
+
+
+def read_kv_into(path: Path, branch: SavedBranch, buffers: list[memoryview]) -> bool:
+    """Read a branch's KV straight into `buffers` (in order, their sizes adding up to its extents'); False
+    when an extent is short or fails its checksum (the buffers then hold garbage)."""
+    views = [b.cast("B") for b in buffers]
+    if sum(len(v) for v in views) != sum(e.length for e in branch.extents):
         return False
-    crc = 0
+    at = 0  # into views[i]
+    i = 0
     with open(path, "rb", buffering=0) as f:
-        f.seek(start + branch.offset)
-        for buffer in buffers:
-            view = buffer.cast("B")
-            done = 0
-            while done < len(view):
-                n = f.readinto(view[done:])
-                if not n:
-                    return False
-                done += n
-            crc = zlib.crc32(view, crc)
-    return crc == branch.crc
+        for extent in branch.extents:
+            f.seek(extent.offset)
+            left, crc = extent.length, 0
+            while left:
+                if at == len(views[i]):
+                    i, at = i + 1, 0
+                view = views[i][at : at + left]
+                done = 0
+                while done < len(view):
+                    n = f.readinto(view[done:])
+                    if not n:
+                        return False
+                    done += n
+                crc = zlib.crc32(view, crc)
+                at += len(view)
+                left -= len(view)
+            if crc != extent.crc:
+                return False
+    return True
 
 
 def sync_directory(directory: Path) -> None:

@@ -7,7 +7,9 @@ and the frontend's note (a chat's transcript). A session is saved again only whe
 (a turn ended, or its note changed).
 
   drain (`save_all`)         every changed session, with its KV while the deadline allows, with its
-                             token ids only after it (its KV is recomputed later, never lost)
+                             after it token ids and the KV its file held already (nothing gathered;
+                             the rest is recomputed later, never lost). A save gathers only what the
+                             file lacks (`_plan`): the file keeps the rest (kv/session_files.py)
   background (`save_idle`)   changed sessions idle for at least `idle_for`, no turn in flight; the
                              write is queued to the disk tier's thread (a crash loses the turns since)
   start (`restore`)          every file of this model becomes a session again at once, idle for as
@@ -24,9 +26,10 @@ and the frontend's note (a chat's transcript). A session is saved again only whe
                              synchronously before the turn or fork (`read_back`)
   spill (--disk-kv-spill)    when the host tier must release an idle session's KV (its pool is
                              full), the KV goes to the session's file instead of being lost: a file
-                             written since its last change is reused as it is, else the host copy
-                             is gathered and written (at most SPILL_BYTES in flight, or one spill;
-                             beyond, it is recomputed); the session's next turn waits for that write
+                             written since its last change is reused as it is, else what the file
+                             lacks of the host copy is gathered and appended (at most SPILL_BYTES in
+                             flight, or one spill; beyond, it is recomputed); the session's next
+                             turn waits for that write
   claim                      a session this daemon does not hold is taken over from the folder of a
                              daemon that stopped (kv/disk_tier.py), then treated as restored
   close, expiry              the file is removed
@@ -37,6 +40,7 @@ Engine-thread only (the writes themselves are the disk tier's thread's).
 from __future__ import annotations
 
 import functools
+import itertools
 import logging
 import math
 import time
@@ -44,6 +48,7 @@ from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future
 from concurrent.futures import wait as futures_wait
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -75,6 +80,9 @@ class SessionCheckpoints:
         # into `_files` (the last file each session has with its KV, and its turns then) by `_settle`.
         self._writes: deque[tuple[str, int, Future[Written]]] = deque()
         self._files: dict[str, tuple[int, Written]] = {}
+        # What each session's file holds (or will, once the writes queued are done): each branch's token ids
+        # and the tokens its extents end at; the next save keeps what it can of it (`_plan`).
+        self._files_kv: dict[str, list[tuple[list[int], list[int]]]] = {}
         self._spilling: dict[str, tuple[Future[Written], int]] = {}  # key -> its spill write, the bytes
         self._spill_on = spill
         if spill:
@@ -90,7 +98,7 @@ class SessionCheckpoints:
                 session.num_turns_saved = -1
 
     def save_all(self, seconds: float) -> SaveReport:
-        """Save every changed session, with its KV until `seconds` have passed, then token ids only."""
+        """Save every changed session, with its KV until `seconds` have passed, then without gathering."""
         start = time.monotonic()
         deadline = start + seconds
         report = SaveReport()
@@ -98,7 +106,7 @@ class SessionCheckpoints:
 
         def settle(key: str, future: Future[Written]) -> None:
             try:
-                kept = future.result().kept_kv
+                kept = future.result().has_kv
             except OSError as exc:
                 log.warning("session %s could not be saved: %s", key, exc)
                 report.num_failed += 1
@@ -131,29 +139,108 @@ class SessionCheckpoints:
     def _changed(self) -> list[Session]:
         return [s for s in self.sessions.sessions.values() if s.num_turns_saved != s.num_turns]
 
-    def _save(self, session: Session, with_kv: bool) -> Future[Written]:
+    def _save(self, session: Session, with_kv: bool, plan: list[_BranchKv] | None = None) -> Future[Written]:
+        """Queue the saving of a session: its KV (with_kv) as `plan` says (by default `_plan`'s)."""
+        self._settle()
+        key = session.session_id
+        if plan is None:  # without KV: what its file holds already is still kept (nothing gathered)
+            plan = [p if with_kv else replace(p, kv_tokens=p.keep) for p in self._plan(session)]
         branches: list[files.SavedBranch] = []
-        segments: list[torch.Tensor] = []
-        for b in session.branches_and_self():
-            kv_tokens, kv = self._kv(b) if with_kv else (0, None)
-            branches.append(files.SavedBranch(list(b.token_ids), kv_tokens))
-            if kv is not None:
-                segments.append(kv)
-        saved = files.SavedSession(
-            self.disk.fingerprint, session.session_id, session.ttl, session.idle_seconds(), time.time(),
-            session.is_chat, session.expected_idle, session.retention, session.priority, session.note, branches,
+        kv: list[files.NewKv | None] = []
+        view: list[tuple[list[int], list[int]]] = []  # what the file will hold (see `_files_kv`)
+        size = self.disk.block_size
+        for b, p in zip(session.branches_and_self(), plan, strict=True):
+            new = self._new_kv(b, p) if p.kv_tokens else None
+            tokens = p.kv_tokens if new is not None else 0
+            saved = files.SavedBranch(list(b.token_ids), tokens)
+            branches.append(saved)
+            kv.append(new)
+            bounds = list(p.bounds) if new is not None else []
+            for end in (tokens // size * size, tokens):  # the new extents' ends: whole blocks, a partial one
+                if end > max(bounds, default=0):
+                    bounds.append(end)
+            view.append((saved.token_ids, bounds))
+        saved_session = files.SavedSession(
+            self.disk.fingerprint, key, session.ttl, session.idle_seconds(), time.time(), session.is_chat,
+            session.expected_idle, session.retention, session.priority, session.note, branches,
         )  # fmt: skip
         session.num_turns_saved = session.num_turns
-        future = self.disk.write(saved, segments)
-        if self._spill_on:  # what a spill may reuse
-            self._writes.append((session.session_id, session.num_turns, future))
+        future = self.disk.write(saved_session, kv)
+        self._files_kv[key] = view
+        self._writes.append((key, session.num_turns if with_kv else -1, future))  # -1: not all its KV
         return future
 
+    def _plan(self, session: Session) -> list[_BranchKv]:
+        """What saving each branch's KV takes: the tokens it covers, and the extents of the session's file it
+        can keep (a run of whole blocks, or the whole branch unchanged, under the same tokens)."""
+        if not self.disk.keeps_kv:
+            return [_BranchKv(0) for _ in session.branches_and_self()]
+        size = self.disk.block_size
+        on_file = self._files_kv.get(session.session_id, [])
+        plan = []
+        for b in session.branches_and_self():
+            tokens = self._kv_tokens(b)
+            best = _BranchKv(tokens)
+            for base, (old, bounds) in enumerate(on_file):
+                for i in range(len(bounds) - 1, -1, -1):
+                    keep = bounds[i]
+                    if keep <= best.keep or not (keep % size == 0 or keep == tokens) or keep > tokens:
+                        continue
+                    if old[:keep] == b.token_ids[:keep]:
+                        best = _BranchKv(tokens, base, keep, bounds[: i + 1])
+                        break
+            plan.append(best)
+        return plan
+
+    def _kv_tokens(self, b: Branch) -> int:
+        """The tokens whose KV a branch holds (on the GPU, the host or in its file)."""
+        if b.block_table and b.num_computed:
+            return min(b.num_computed, len(b.token_ids))
+        if b.host is not None:
+            return b.host.num_tokens
+        return b.disk.num_tokens if b.disk is not None else 0
+
+    def _new_kv(self, b: Branch, p: _BranchKv) -> files.NewKv | None:
+        """The KV a branch's file lacks (blocks from `p.keep`'s on), gathered to host bytes: its whole blocks,
+        then its last partial block apart (so that the next save keeps the whole ones)."""
+        size, per_block = self.disk.block_size, self.disk.bytes_per_block
+        if p.keep >= p.kv_tokens:  # the branch's KV is in the file as it is
+            return files.NewKv(p.base, p.keep, [])
+        first, count = p.keep // size, -(-p.kv_tokens // size)
+        data = self._blocks(b, first, count)
+        if data is None:  # the file it was only in is damaged: saved without (recomputed later)
+            return None
+        whole = p.kv_tokens // size - first
+        extents: list[tuple[bytes | memoryview, int]] = []
+        if whole:
+            extents.append((data[: whole * per_block], whole * size - p.keep))
+        if p.kv_tokens % size:
+            extents.append((data[whole * per_block :], p.kv_tokens % size))
+        return files.NewKv(p.base, p.keep, extents)
+
+    def _blocks(self, b: Branch, first: int, count: int) -> memoryview | None:
+        """A branch's KV blocks [first, count) as host bytes (`[blocks, layers, block_size, *slot]`)."""
+        if b.block_table and b.num_computed:
+            tensor = self.disk.gather_gpu(b.block_table[first:count])
+        elif b.host is not None:
+            tensor = self.disk.gather_host(HostCopy(b.host.block_ids[first:count], 0))
+        else:  # only in a file it is not kept in (written anew or damaged since): read it back first
+            assert b.disk is not None
+            data = files.read_kv(b.disk.path, b.disk.branch)
+            if data is None:
+                return None
+            per_block = self.disk.bytes_per_block
+            return memoryview(data)[first * per_block : count * per_block]
+        return tensor.view(torch.uint8).reshape(-1).numpy().data  # raw bytes, no copy
+
     def _settle(self) -> None:
-        """Note the writes that have ended (in order): each session's last file with its KV."""
+        """Note the writes that have ended (in order): each session's last file with its KV. A write that
+        failed or did not keep all its KV makes the session's next save whole (`_files_kv` forgotten)."""
         while self._writes and self._writes[0][2].done():
             key, turns, future = self._writes.popleft()
-            written = future.result() if future.exception() is None else None
+            written = _result(future)
+            if written is None or not written.kept_kv:
+                self._files_kv.pop(key, None)
             if written is not None and written.kept_kv and key in self.sessions.sessions:
                 self._files[key] = (turns, written)
         for key, (future, _) in list(self._spilling.items()):
@@ -184,12 +271,13 @@ class SessionCheckpoints:
                     b.disk = by_branch[id(b)]
                 self.disk.count_spill()
                 return
-        blocks = sum(len(b.host.block_ids) if b.host is not None else len(b.block_table) for b in branches)
-        need = blocks * self.disk.bytes_per_block
+        plan = self._plan(session)
+        per_block, size = self.disk.bytes_per_block, self.disk.block_size
+        need = sum(-(-p.kv_tokens // size) - p.keep // size for p in plan) * per_block
         in_flight = sum(n for _, n in self._spilling.values())
         if key in self._spilling or (in_flight and in_flight + need > SPILL_BYTES):
             return  # recomputed
-        self._spilling[key] = (self._save(session, True), need)
+        self._spilling[key] = (self._save(session, True, plan), need)
         self.disk.count_spill()
 
     def _finish_spill(self, key: str) -> None:
@@ -199,25 +287,10 @@ class SessionCheckpoints:
             futures_wait([entry[0]])
         self._settle()
 
-    def _kv(self, b: Branch) -> tuple[int, torch.Tensor | None]:
-        """The KV a branch holds, as a host tensor of whole blocks, and how many tokens it covers."""
-        if not self.disk.keeps_kv:
-            return 0, None
-        if b.block_table and b.num_computed:
-            computed = min(b.num_computed, len(b.token_ids))
-            return computed, self.disk.gather_gpu(b.block_table[: -(-computed // self.disk.block_size)])
-        if b.host is not None:
-            return b.host.num_tokens, self.disk.gather_host(b.host)
-        if b.disk is not None:  # still only in the file being replaced: carried over
-            data = files.read_segment(b.disk.path, b.disk.start, b.disk.branch)
-            if data is not None:
-                return b.disk.num_tokens, torch.frombuffer(data, dtype=torch.uint8)
-        return 0, None
-
     # ---- restoring ------------------------------------------------------------------------------
     def restore(self) -> list[str]:
         """List every saved session of this model again (their KV stays on disk); returns their keys."""
-        restored = [saved.key for path, saved, start in self.disk.saved_sessions() if self._list(path, saved, start)]
+        restored = [saved.key for path, saved in self.disk.saved_sessions() if self._list(path, saved)]
         self.disk.count_restored(len(restored), 0)
         self._prefetch = sorted(restored, key=lambda k: self.sessions.sessions[k].last_used, reverse=True)
         if restored:
@@ -235,7 +308,7 @@ class SessionCheckpoints:
         self.disk.count_restored(1, 0)
         return True
 
-    def _list(self, path: Path, saved: files.SavedSession, start: int) -> bool:
+    def _list(self, path: Path, saved: files.SavedSession) -> bool:
         """Make a saved session open again (its KV on disk); False if its TTL ran out while it was saved, or
         max_sessions are open."""
         idle = saved.idle_seconds + max(0.0, time.time() - saved.saved_at)
@@ -247,7 +320,9 @@ class SessionCheckpoints:
             log.warning("session %s is not restored: max_sessions (%d) are open", saved.key, self.sessions.max_sessions)
             self.disk.count_restored(0, 1)
             return False
-        first, *rest = [self._branch(path, start, b) for b in saved.branches]
+        first, *rest = [self._branch(path, b) for b in saved.branches]
+        self._files_kv[saved.key] = [(b.token_ids, list(itertools.accumulate(e.num_tokens for e in b.extents)))
+                                     for b in saved.branches]  # fmt: skip
         self.sessions.sessions[saved.key] = Session(
             first.token_ids, disk=first.disk, session_id=saved.key, ttl=saved.ttl, is_chat=saved.is_chat,
             branches=rest, last_used=time.monotonic() - idle, expected_idle=saved.expected_idle,
@@ -256,8 +331,8 @@ class SessionCheckpoints:
         return True
 
     @staticmethod
-    def _branch(path: Path, start: int, saved: files.SavedBranch) -> Branch:
-        return Branch(saved.token_ids, disk=DiskCopy(path, start, saved) if saved.kv_tokens else None)
+    def _branch(path: Path, saved: files.SavedBranch) -> Branch:
+        return Branch(saved.token_ids, disk=DiskCopy(path, saved) if saved.kv_tokens else None)
 
     def notes(self, key: str | None = None) -> dict[str, bytes]:
         """The notes of the sessions that have one (the frontend's transcripts, at its start), or of the one
@@ -358,7 +433,19 @@ class SessionCheckpoints:
 
     def _closed(self, session: Session) -> None:
         self._files.pop(session.session_id, None)
+        self._files_kv.pop(session.session_id, None)
         self.disk.remove(session.session_id)
+
+
+@dataclass(slots=True)
+class _BranchKv:
+    """How a branch's KV is saved: the tokens it covers; the file's branch `base` whose extents up to `keep`
+    tokens are kept (their ends: `bounds`); the rest is gathered and appended."""
+
+    kv_tokens: int
+    base: int | None = None
+    keep: int = 0
+    bounds: list[int] = field(default_factory=list)
 
 
 def _log_failure(future: Future[bool], key: str) -> None:

@@ -1,0 +1,151 @@
+"""The session file format (kv/session_files.py): a save appends only the KV the file lacks, a reader sees
+the last whole save (a torn header slot or a failed append leave the one before), files full of dead
+extents are written anew, and files of the first format are still read and carried over. KV here is
+synthetic: 4 tokens per block, each block 8 bytes that depend on the tokens it holds (so a partial block
+differs from the same block filled later)."""
+
+from __future__ import annotations
+
+import os
+import struct
+import zlib
+from pathlib import Path
+
+import pytest
+
+from cbd.engine.kv import session_files as files
+
+SIZE = 4  # tokens per block
+
+
+def _block(tokens: list[int]) -> bytes:
+    return struct.pack("<4H", *(tokens + [0] * (SIZE - len(tokens))))
+
+
+def _kv(tokens: list[int], kv_tokens: int, first_block: int = 0) -> bytes:
+    """The KV of tokens[:kv_tokens] from block `first_block` on."""
+    count = -(-kv_tokens // SIZE)
+    return b"".join(_block(tokens[j * SIZE : min((j + 1) * SIZE, kv_tokens)]) for j in range(first_block, count))
+
+
+def _new(tokens: list[int], kv_tokens: int, base: int | None = None, keep: int = 0) -> files.NewKv:
+    """What the engine hands over: the blocks after `keep`, whole ones, then the last partial one apart."""
+    whole = kv_tokens // SIZE
+    extents: list[tuple[bytes | memoryview, int]] = []
+    if whole * SIZE > keep:
+        extents.append((_kv(tokens, whole * SIZE, keep // SIZE), whole * SIZE - keep))
+    if kv_tokens % SIZE and kv_tokens > keep:
+        extents.append((_block(tokens[whole * SIZE : kv_tokens]), kv_tokens % SIZE))
+    return files.NewKv(base, keep, extents)
+
+
+def _session(*branches: tuple[list[int], int]) -> files.SavedSession:
+    return files.SavedSession(
+        files.Fingerprint("m", "kv"), "tenant/s", 60.0, 0.0, 0.0, False, None, 0, 0, b"",
+        [files.SavedBranch(list(t), k) for t, k in branches],
+    )  # fmt: skip
+
+
+def _read(path: Path) -> tuple[files.SavedSession, list[bytes | None]]:
+    saved, _ = files.read_header(path)
+    return saved, [bytes(d) if (d := files.read_kv(path, b)) is not None else None for b in saved.branches]
+
+
+TOKENS = list(range(1, 200))
+
+
+def test_a_save_appends_only_what_the_file_lacks_and_reads_back_whole(tmp_path) -> None:
+    path = tmp_path / "s.session"
+    files.save(path, _session((TOKENS[:50], 49)), [_new(TOKENS, 49)])
+    first = path.stat().st_size
+    # The next turn: 30 more tokens. The file keeps its 12 whole blocks; the partial 13th is written again.
+    saved, written = files.save(path, _session((TOKENS[:80], 79)), [_new(TOKENS, 79, base=0, keep=48)])
+    assert saved.branches[0].kv_tokens == 79
+    assert path.stat().st_size == first + len(_kv(TOKENS, 79, 12))  # appended, header in the other slot
+    assert written < len(_kv(TOKENS, 79)) + 4096
+    back, data = _read(path)
+    assert back.branches[0].token_ids == TOKENS[:80] and data == [_kv(TOKENS, 79)]
+    # A fork's candidate keeps the history's extents of whole blocks too (up to the end of one: the first 48
+    # tokens' here); an unchanged branch keeps everything.
+    candidate = TOKENS[:60] + [500, 501, 502]
+    files.save(
+        path, _session((TOKENS[:80], 79), (candidate, 62)),
+        [files.NewKv(0, 79, []), _new(candidate, 62, base=0, keep=48)],
+    )  # fmt: skip
+    back, data = _read(path)
+    assert data == [_kv(TOKENS, 79), _kv(candidate, 62)]
+
+
+def test_a_torn_header_slot_or_a_failed_append_leaves_the_save_before(tmp_path, monkeypatch) -> None:
+    path = tmp_path / "s.session"
+    files.save(path, _session((TOKENS[:50], 49)), [_new(TOKENS, 49)])
+    files.save(path, _session((TOKENS[:80], 79)), [_new(TOKENS, 79, base=0, keep=48)])
+    _, layout = files.read_header(path)
+    assert layout.generation == 2 and layout.slot == 1
+    raw = bytearray(path.read_bytes())
+    raw[16 + layout.slot_size + 20] ^= 0xFF  # a byte of the newer header: as if the machine died writing it
+    path.write_bytes(bytes(raw))
+    back, data = _read(path)
+    assert back.branches[0].token_ids == TOKENS[:50] and data == [_kv(TOKENS, 49)]
+
+    size = path.stat().st_size
+    real = os.fsync
+
+    def full(fd: int) -> None:
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(os, "fsync", full)
+    with pytest.raises(OSError):
+        files.save(path, _session((TOKENS[:120], 119)), [_new(TOKENS, 119, base=0, keep=48)])
+    monkeypatch.setattr(os, "fsync", real)
+    assert path.stat().st_size == size  # the extents appended were cut off again
+    back, data = _read(path)
+    assert back.branches[0].token_ids == TOKENS[:50] and data == [_kv(TOKENS, 49)]
+    assert not [p for p in tmp_path.iterdir() if p != path]
+
+
+def test_kept_extents_the_file_lacks_save_token_ids_only(tmp_path) -> None:
+    path = tmp_path / "s.session"
+    files.save(path, _session((TOKENS[:50], 49)), [_new(TOKENS, 49)])
+    other = [7] + TOKENS[1:80]  # not the tokens the file holds
+    saved, _ = files.save(path, _session((other, 79)), [_new(other, 79, base=0, keep=48)])
+    assert saved.branches[0].kv_tokens == 0
+    back, data = _read(path)
+    assert back.branches[0].token_ids == other and back.branches[0].kv_tokens == 0 and data == [b""]
+
+
+def test_a_file_mostly_dead_is_written_anew(tmp_path, monkeypatch) -> None:
+    monkeypatch.setattr(files, "DEAD_FLOOR", 0)
+    path = tmp_path / "s.session"
+    files.save(path, _session((TOKENS[:8], 8)), [_new(TOKENS, 8)])
+    files.save(path, _session((TOKENS[:100], 99)), [_new(TOKENS, 99, base=0, keep=8)])
+    files.save(path, _session((TOKENS[:100], 99)), [files.NewKv(0, 99, [])])  # unchanged: header only
+    assert path.stat().st_size == 16 + 2 * files.read_header(path)[1].slot_size + len(_kv(TOKENS, 99))
+    assert files.read_header(path)[1].generation == 3
+    # A session that branched away early keeps 2 of the file's 25 blocks: the rest is dead, so a new file.
+    other = TOKENS[:8] + [900] * 40
+    files.save(path, _session((other, 47)), [_new(other, 47, base=0, keep=8)])
+    _, layout = files.read_header(path)
+    assert layout.generation == 1
+    assert path.stat().st_size == 16 + 2 * layout.slot_size + len(_kv(other, 47))
+    assert _read(path)[1] == [_kv(other, 47)]
+
+
+def test_files_of_the_first_format_are_read_and_carried_over(tmp_path) -> None:
+    path = tmp_path / "s.session"
+    old = files._SessionV1(
+        files.Fingerprint("m", "kv"), "tenant/s", 60.0, 1.0, 2.0, True, None, 1, 0, b"note",
+        [files._BranchV1(TOKENS[:50], 49, 0, len(_kv(TOKENS, 49)), zlib.crc32(_kv(TOKENS, 49)))],
+    )  # fmt: skip
+    header = files._encoder.encode(old)
+    path.write_bytes(struct.pack("<8sII", b"CBDSESS1", len(header), zlib.crc32(header)) + header + _kv(TOKENS, 49))
+    saved, data = _read(path)
+    assert (saved.key, saved.note, saved.retention, saved.is_chat) == ("tenant/s", b"note", 1, True)
+    assert saved.branches[0].token_ids == TOKENS[:50] and data == [_kv(TOKENS, 49)]
+    # Saved again unchanged (its note changed): written anew in the current format, its extent copied over.
+    changed = _session((TOKENS[:50], 49))
+    changed.note = b"new note"
+    files.save(path, changed, [files.NewKv(0, 49, [])])
+    assert path.read_bytes()[:8] == files.MAGIC
+    saved, data = _read(path)
+    assert saved.note == b"new note" and data == [_kv(TOKENS, 49)]
