@@ -13,6 +13,7 @@ KV together is several times the GPU pool of the first two modes:
              the full host tier lets go is spilled to disk and read back for the session's next turn
              (on the disk tier's reader thread while the batch goes on, the turn waiting, as in the
              daemon's engine thread); the files in a temporary directory on the machine's own disk
+  host-small the disk mode's GPU pool and host tier without the disk (what the disk adds)
   ideal      a GPU pool that holds every session (the upper bound)
 
 The modes asked for (--modes) drive the same EngineCore in process, one after another in this run. Reported: TTFT
@@ -149,6 +150,7 @@ def run(core: EngineCore, system: list[int], agents: list[Agent], new_tokens: in
         "restored_blocks": host.num_restored_blocks if host else 0,
         "spilled_sessions": core.stats().disk.num_spilled if core.stats().disk else 0,
         "kv_read_gib": core.stats().disk.bytes_read / 2**30 if core.stats().disk else 0.0,
+        "files_written_gib": core.stats().disk.bytes_written / 2**30 if core.stats().disk else 0.0,
         "session_evictions": core.sessions.eviction.num_evictions,
         "preemptions": core.scheduler.num_preemptions,
         "answers": [a.answers for a in agents],
@@ -250,6 +252,7 @@ def main() -> None:
         "host": dict(num_kv_blocks=small, num_host_kv_blocks=all_sessions + 64),
         "ideal": dict(num_kv_blocks=all_sessions + 256, num_host_kv_blocks=0),
         "disk": dict(num_kv_blocks=small, num_host_kv_blocks=small),
+        "host-small": dict(num_kv_blocks=small, num_host_kv_blocks=small),  # the disk mode's pools, no disk
     }
     bytes_per_block = None
     results: dict[str, dict] = {}
@@ -296,11 +299,16 @@ def main() -> None:
     print("TTFT p50 ms by turn: " + "  ".join(
         f"{mode} " + "/".join(f"{1000 * v['p50']:.0f}" for v in r["ttft_by_turn"].values()) for mode, r in results.items()
     ))  # fmt: skip
+    if "recompute" in results and "host-small" in results:
+        print(
+            f"host-small vs recompute: TTFT p50 {results['host-small']['ttft_p50'] / results['recompute']['ttft_p50']:.2f}x"
+        )
     if "recompute" in results and "disk" in results:
         rc, d = results["recompute"], results["disk"]
         print(f"disk vs recompute (sessions {all_sessions / (2 * small):.1f}x the GPU + host pools): TTFT p50 "
               f"{d['ttft_p50'] / rc['ttft_p50']:.2f}x, turns 2+ {d['warm_ttft_p50'] / rc['warm_ttft_p50']:.2f}x; "
-              f"{d['spilled_sessions']} spills, {d['kv_read_gib']:.2f} GiB read back")  # fmt: skip
+              f"{d['spilled_sessions']} spills, {d['files_written_gib']:.2f} GiB written, {d['kv_read_gib']:.2f} GiB "
+              "read back")  # fmt: skip
     if bandwidth:
         print(f"restore bandwidth: {bandwidth['copier_gb_s']:.1f} GB/s (engine copier, {bandwidth['blocks']} scattered "
               f"blocks; floor 20) vs plain pinned host->device copy {bandwidth['plain_gb_s']:.1f} GB/s")  # fmt: skip

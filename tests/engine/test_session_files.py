@@ -437,10 +437,13 @@ def _agents(core: EngineCore, scripts: list[list[list[int]]]) -> tuple[list, int
     return answers, computed
 
 
-def test_the_host_tiers_evictions_spill_to_disk_instead_of_recomputing(tiny_loaded, tmp_path) -> None:
+@pytest.mark.parametrize("host_blocks", [50, 26])
+def test_the_host_tiers_evictions_spill_to_disk_instead_of_recomputing(tiny_loaded, tmp_path, host_blocks) -> None:
+    """6 agents, 4 turns each, round robin, over a GPU pool of 40 blocks and a host tier of 50 or 26 (about one
+    session at its longest: then the GPU's evictions find no host room and go to disk themselves)."""
     rng = random.Random(11)
     scripts = [[[rng.randrange(2, 256) for _ in range(rng.randrange(10, 30))] for _ in range(4)] for _ in range(6)]
-    small = {"block_size": 4, "num_kv_blocks": 40, "num_host_kv_blocks": 50}
+    small = {"block_size": 4, "num_kv_blocks": 40, "num_host_kv_blocks": host_blocks}
     ideal, ideal_computed = _agents(
         make_core(tiny_loaded, block_size=4, num_kv_blocks=512, num_host_kv_blocks=0), scripts
     )
@@ -451,9 +454,10 @@ def test_the_host_tiers_evictions_spill_to_disk_instead_of_recomputing(tiny_load
     stats = spilling.stats().disk
     assert stats is not None and stats.num_spilled > 0 and stats.num_kv_loads > 0
     assert spilling.sessions.hits["disk"] > 0
-    # What the host tier had to let go came back from disk: every turn computed only its new tokens, as
+    # What the tiers above had to let go came back from disk: every turn computed only its new tokens, as
     # with a GPU pool that holds everything (a turn whose KV is read back while the host tier is full of
     # idle sessions takes their room: they are spilled in turn), where the host tier alone recomputes.
+    # Each spill after the first of a session appends what its file lacks (else extents would not line up).
     assert spill_computed == ideal_computed < host_computed, (ideal_computed, spill_computed, host_computed)
     assert spilling.checkpoints is not None and spilling.checkpoints.disk.flush(10)
     assert not list((tmp_path / "engine").glob(f"*{files.SUFFIX}"))  # closed: no file left

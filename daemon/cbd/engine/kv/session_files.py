@@ -170,6 +170,7 @@ def save(path: Path, saved: SavedSession, kv: list[NewKv | None]) -> tuple[Saved
             assert new is not None
             branch.kv_tokens, new.keep, new.extents, extents = 0, 0, [], []
         kept.append(extents)
+        assert new is None or new.keep + sum(t for _, t in new.extents) == branch.kv_tokens, "extents cover its KV"
     fresh = sum(memoryview(data).nbytes for new in kv if new is not None for data, _ in new.extents)
     if current is not None and layout is not None and layout.version == 2:
         size = path.stat().st_size

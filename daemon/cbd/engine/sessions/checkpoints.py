@@ -213,7 +213,7 @@ class SessionCheckpoints:
         whole = p.kv_tokens // size - first
         extents: list[tuple[bytes | memoryview, int]] = []
         if whole:
-            extents.append((data[: whole * per_block], whole * size - p.keep))
+            extents.append((data[: whole * per_block], whole * size))  # keep is a whole block's end here
         if p.kv_tokens % size:
             extents.append((data[whole * per_block :], p.kv_tokens % size))
         return files.NewKv(p.base, p.keep, extents)

@@ -5,8 +5,10 @@ in eviction order (`order`: retention LOW, NORMAL, HIGH; within one, the session
 goes first). With a host tier it is copied there (`HostTier.offload`); the next turn's sequence takes
 references on the copy and the scheduler restores it before its prefill. Without one, or when the
 host pool is full of sessions due back sooner, it is released: the tokens stay, and the next turn
-recomputes, reviving whatever the prefix cache still holds. Host copies are evicted in the same
-order, to recompute (`HostTier.evict`). The tier does the copies and counts them; this class only
+recomputes, reviving whatever the prefix cache still holds (with `--disk-kv-spill` it goes to the
+session's file first, `spill`). Host copies are evicted in the same order, to recompute
+(`HostTier.evict`), or to the session's file with spilling on; a turn whose KV is read back from its
+file makes room in the host tier the same way (`free_host`). The tier does the copies and counts them; this class only
 picks the sessions. Engine-thread only.
 """
 
@@ -59,6 +61,8 @@ class SessionEviction:
             for b in session.branches_and_self():
                 b.draft_index = None  # idle long enough to leave the GPU: its drafter index goes too
                 if b.block_table and not (session.busy is None and self._offload(b, order[:rank])):
+                    if session.busy is None and self.spill is not None:  # no host room: to disk, not recompute
+                        self.spill(session, [b])
                     self.bm.release(b.block_table)
                     b.block_table, b.num_computed = [], 0
             freed += self.bm.num_free_blocks - before
