@@ -123,12 +123,14 @@ def test_restored_sessions_answer_as_if_never_stopped_with_their_kv_from_disk(ti
     assert core.host_tier.pool.num_used_blocks == 0
 
 
-def test_saving_again_appends_only_the_kv_a_file_lacks_and_a_second_restart_answers_the_same(
+def test_saving_again_appends_only_the_kv_a_file_lacks_and_later_restarts_answer_the_same(
     tiny_loaded, tmp_path
-) -> None:  # fmt: skip
-    """Saved after two turns, restarted, a third turn, saved again (appended), restarted again: the fourth
-    turns answer as an engine that never stopped, with their KV from the files."""
-    keys, want = _fourth_turns_never_stopped(tiny_loaded)
+) -> None:
+    """Saved after two turns, restarted, a third turn, saved again (appended); restarted, a transcript that
+    outgrows the header's slot (the file written anew while the KV is only in it), a fourth turn, saved
+    (appended to a restarted engine's file); restarted: every turn answers as an engine that never
+    stopped, with its KV from the files."""
+    keys, want4, want5 = _later_turns_never_stopped(tiny_loaded)
     _saved(tiny_loaded, tmp_path)
     core = _restarted(tiny_loaded, tmp_path)
     before = {k: len(core.sessions.sessions[k].token_ids) for k in keys}
@@ -147,10 +149,48 @@ def test_saving_again_appends_only_the_kv_a_file_lacks_and_a_second_restart_answ
     core.checkpoints.disk.close()
 
     again = _restarted(tiny_loaded, tmp_path)
+    assert again.checkpoints is not None
+    slots = {k: files.read_header(tmp_path / "engine" / files.file_name(k))[1].slot_size for k in keys}
+    again.checkpoints.take_notes({k: bytes(3 * slots[k]) for k in keys})  # a transcript larger than the slot
+    assert again.checkpoints.save_all(60.0).num_saved == 8
+    assert all(files.read_header(tmp_path / "engine" / files.file_name(k))[1].slot_size > slots[k] for k in keys)
     got = [_turn(again, key, FOURTH[j]) for j, key in enumerate(keys)]
-    assert [answers for answers, _ in got] == [answers for answers, _ in want]
-    assert all(cached >= w > 0 for (_, cached), (_, w) in zip(got, want)), (got, want)
+    assert [answers for answers, _ in got] == [answers for answers, _ in want4]
+    assert all(cached >= w > 0 for (_, cached), (_, w) in zip(got, want4)), (got, want4)
     assert again.sessions.hits["disk"] == 8 and again.sessions.hits["recompute"] == 0
+    assert again.checkpoints.save_all(60.0).num_with_kv == 8
+    again.checkpoints.disk.close()
+
+    last = _restarted(tiny_loaded, tmp_path)
+    got = [_turn(last, key, FIFTH[j]) for j, key in enumerate(keys)]
+    assert [answers for answers, _ in got] == [answers for answers, _ in want5]
+    assert all(cached >= w > 0 for (_, cached), (_, w) in zip(got, want5)), (got, want5)
+    assert last.sessions.hits["disk"] == 8 and last.sessions.hits["recompute"] == 0
+    assert last.checkpoints is not None
+    last.checkpoints.disk.close()
+
+
+def test_a_damaged_extent_is_written_again_by_the_next_save(tiny_loaded, tmp_path, caplog) -> None:
+    keys, want4, _ = _later_turns_never_stopped(tiny_loaded)
+    _saved(tiny_loaded, tmp_path)
+    path = tmp_path / "engine" / files.file_name(keys[0])
+    data = bytearray(path.read_bytes())
+    first = files.read_header(path)[0].branches[0].extents[0]
+    assert first.num_tokens % 4 == 0  # whole blocks: an extent the next save would keep
+    data[first.offset + 5] ^= 0xFF  # a flipped bit in it
+    path.write_bytes(bytes(data))
+    core = _restarted(tiny_loaded, tmp_path)
+    with caplog.at_level(logging.WARNING):
+        _, cached = _turn(core, keys[0], _script(0)[2])
+    assert cached == 0 and "its KV is damaged" in caplog.text
+    assert core.checkpoints is not None and core.checkpoints.save_all(60.0).num_with_kv == 1  # the one changed
+    core.checkpoints.disk.close()
+    caplog.clear()
+    again = _restarted(tiny_loaded, tmp_path)
+    with caplog.at_level(logging.WARNING):
+        answers, cached = _turn(again, keys[0], FOURTH[0])
+    assert (answers, "damaged" in caplog.text) == (want4[0][0], False)
+    assert cached >= want4[0][1] > 0
     assert again.checkpoints is not None
     again.checkpoints.disk.close()
 
@@ -158,7 +198,7 @@ def test_saving_again_appends_only_the_kv_a_file_lacks_and_a_second_restart_answ
 def test_past_the_saving_deadline_a_file_keeps_the_kv_it_held(tiny_loaded, tmp_path) -> None:
     """A shutdown whose deadline has passed saves token ids without gathering KV, but a session's file keeps
     the KV it held from an earlier save: the next turn recomputes only the turn saved without."""
-    keys, want = _fourth_turns_never_stopped(tiny_loaded)
+    keys, want, _ = _later_turns_never_stopped(tiny_loaded)
     _saved(tiny_loaded, tmp_path)
     core = _restarted(tiny_loaded, tmp_path)
     held = {
@@ -183,14 +223,16 @@ def test_past_the_saving_deadline_a_file_keeps_the_kv_it_held(tiny_loaded, tmp_p
 
 
 FOURTH = [[(7 * j + t) % 250 + 2 for t in range(12)] for j in range(8)]
+FIFTH = [[(11 * j + 3 * t) % 250 + 2 for t in range(9)] for j in range(8)]
 
 
-def _fourth_turns_never_stopped(tiny_loaded) -> tuple[list[str], list[tuple[list, int]]]:  # noqa: ANN001
-    """The sessions' keys, and their fourth turns (FOURTH) on an engine that never stopped."""
+def _later_turns_never_stopped(tiny_loaded) -> tuple[list[str], list[tuple[list, int]], list[tuple[list, int]]]:  # noqa: ANN001
+    """The sessions' keys, and their fourth (FOURTH) and fifth (FIFTH) turns on an engine that never stopped."""
     never = make_core(tiny_loaded, **SIZES)
     keys = _first_turns(never)
     _third_turns(never, keys)
-    return keys, [_turn(never, key, FOURTH[j]) for j, key in enumerate(keys)]
+    fourth = [_turn(never, key, FOURTH[j]) for j, key in enumerate(keys)]
+    return keys, fourth, [_turn(never, key, FIFTH[j]) for j, key in enumerate(keys)]
 
 
 def _rewrite(path: Path, change) -> None:  # noqa: ANN001

@@ -149,3 +149,21 @@ def test_files_of_the_first_format_are_read_and_carried_over(tmp_path) -> None:
     assert path.read_bytes()[:8] == files.MAGIC
     saved, data = _read(path)
     assert saved.note == b"new note" and data == [_kv(TOKENS, 49)]
+
+
+def test_a_file_written_anew_holds_an_extent_its_branches_share_once(tmp_path) -> None:
+    path = tmp_path / "s.session"
+    files.save(path, _session((TOKENS[:48], 48)), [_new(TOKENS, 48)])
+    candidates = [TOKENS[:48] + [600 + i] * 5 for i in range(3)]
+    files.save(
+        path, _session((TOKENS[:48], 48), *((c, 53) for c in candidates)),
+        [files.NewKv(0, 48, []), *(_new(c, 53, base=0, keep=48) for c in candidates)],
+    )  # fmt: skip
+    longer = _session((TOKENS[:48], 48), *((c, 53) for c in candidates))
+    longer.note = bytes(3 * files.read_header(path)[1].slot_size)  # a header its slots cannot hold
+    files.save(path, longer, [files.NewKv(0, 48, []), *(files.NewKv(i + 1, 53, []) for i in range(3))])
+    _, layout = files.read_header(path)
+    assert layout.generation == 1  # written anew, with larger slots
+    unique = len(_kv(TOKENS, 48)) + sum(len(_kv(c, 53, 12)) for c in candidates)
+    assert path.stat().st_size == 16 + 2 * layout.slot_size + unique
+    assert _read(path)[1] == [_kv(TOKENS, 48), *(_kv(c, 53) for c in candidates)]

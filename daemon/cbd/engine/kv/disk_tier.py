@@ -4,7 +4,7 @@ engine thread.
 The engine thread takes a snapshot of what a session holds (its token ids, settings, and the KV its
 file lacks, gathered from the GPU pool or the host pool into host tensors) and hands it to the tier's
 writer thread, which saves it to the session file (kv/session_files.py: appended) and keeps the
-directory under its cap (`--disk-kv-gib`: a save that would go over it is written with token ids only). Removals go through
+directory under its cap (`--disk-kv-gib`: a save that would go over it adds no KV). Removals go through
 the same thread, so a session closed after a save never comes back from a late write. Reading back
 goes through the tier's reader thread: the engine thread takes fresh host blocks (`start_load`), the
 reader thread reads the branch's KV extents straight into them and checks it, and the engine thread
@@ -165,14 +165,15 @@ class DiskTier:
         name = files.file_name(saved.key)
         asked = [b.kv_tokens for b in saved.branches]
         need = sum(memoryview(data).nbytes for new in kv if new is not None for data, _ in new.extents)
-        if any(asked) and sum(self._sizes.values()) + need > self.cap_bytes:
-            kv = [None] * len(kv)
-            for b in saved.branches:
-                b.kv_tokens = 0
+        over = bool(need) and sum(self._sizes.values()) + need > self.cap_bytes
+        if over:  # nothing new: what the file holds already stays, its dead extents go
+            for b, new in zip(saved.branches, kv, strict=True):
+                if new is not None:
+                    b.kv_tokens, new.extents = new.keep, []
         start = time.monotonic()
         path = self.directory / name
         try:
-            saved, size = files.save(path, saved, kv)
+            saved, size = files.save(path, saved, kv, compact=over)
         except OSError:
             with self._count:
                 self._stats.num_write_errors += 1
@@ -228,7 +229,8 @@ class DiskTier:
         return None
 
     def _usable(self, path: Path) -> files.SavedSession | None:
-        """A file's header if this model can use it; else it is logged, removed, counted."""
+        """A file's header if this model can use it; else it is logged, removed, counted. A branch whose
+        extents do not hold its KV tokens' whole blocks is given token ids only."""
         try:
             saved, _ = files.read_header(path)
         except (files.DamagedFile, OSError) as exc:
@@ -244,6 +246,13 @@ class DiskTier:
         if saved.fingerprint.kv != self.fingerprint.kv:
             log.warning("session %s: its saved KV has another layout; its tokens are recomputed", saved.key)
             for b in saved.branches:
+                b.kv_tokens, b.extents = 0, []
+        for b in saved.branches:
+            blocks = -(-b.kv_tokens // self.block_size)
+            if (sum(e.num_tokens for e in b.extents), sum(e.length for e in b.extents)) != (
+                b.kv_tokens, blocks * self.bytes_per_block,
+            ):  # fmt: skip
+                log.warning("session %s: its saved KV does not line up with its tokens; they are recomputed", saved.key)
                 b.kv_tokens, b.extents = 0, []
         return saved
 
@@ -278,7 +287,7 @@ class DiskTier:
 
     def _read(self, copy: DiskCopy, buffers: list[memoryview]) -> bool:
         start = time.monotonic()
-        try:  # straight into the host blocks, one read per run of consecutive blocks
+        try:  # straight into the host blocks, extent by extent, each checked
             ok = files.read_kv_into(copy.path, copy.branch, buffers)
         except OSError as exc:
             log.warning("session file %s: its KV cannot be read (%s); it is recomputed", copy.path.name, exc)

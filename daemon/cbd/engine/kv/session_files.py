@@ -18,7 +18,8 @@ saved last or as it is now, never a mix; a torn slot fails its CRC. A branch's n
 extents it still shares with the file (its tokens there unchanged: whole blocks, or a whole branch
 that did not change) and the ones just written (whole blocks, then its last partial block apart, so
 the next save can keep the whole blocks). A file that has no room in its slots for the header, or
-holds more dead extents than live ones, or is of the older format, is written anew instead: a
+whose dead extents pass both DEAD_FLOOR and its live ones, or is of the older format, is written anew
+instead (each kept extent once, though branches share it): a
 temporary file, fsynced and renamed over the old one (then the directory is fsynced), the extents it
 keeps copied in the kernel.
 
@@ -154,11 +155,12 @@ def file_name(key: str) -> str:
     return hashlib.sha256(key.encode()).hexdigest()[:40] + SUFFIX
 
 
-def save(path: Path, saved: SavedSession, kv: list[NewKv | None]) -> tuple[SavedSession, int]:
+def save(path: Path, saved: SavedSession, kv: list[NewKv | None], compact: bool = False) -> tuple[SavedSession, int]:
     """Save a session: `kv[i]` is branch i's KV (None: token ids only, its `kv_tokens` 0), appended to the
-    file at `path` if it can be (see above), else written anew. A branch whose kept extents the file does
-    not hold as asked is saved with token ids only. Returns the header as written and the bytes written.
-    Raises OSError (the file as it was, nothing left behind)."""
+    file at `path` if it can be (see above), else written anew (`compact`: whenever the file has dead
+    extents). A branch whose kept extents the file does not hold as asked, or whose extents do not cover
+    its `kv_tokens`, is saved with token ids only. Returns the header as written and the bytes written.
+    Raises OSError (the file as it was, nothing left behind; but for a failed fsync of the new header)."""
     try:
         current, layout = read_header(path)
     except (OSError, DamagedFile):
@@ -166,22 +168,28 @@ def save(path: Path, saved: SavedSession, kv: list[NewKv | None]) -> tuple[Saved
     kept: list[list[Extent]] = []
     for branch, new in zip(saved.branches, kv, strict=True):
         extents = _kept(current, saved, branch, new)
-        if extents is None:  # the file lacks what it was to keep: token ids only
+        covered = new is None or new.keep + sum(t for _, t in new.extents) == branch.kv_tokens
+        if extents is None or not covered:  # the file lacks what it was to keep: token ids only
             assert new is not None
             branch.kv_tokens, new.keep, new.extents, extents = 0, 0, [], []
         kept.append(extents)
-        assert new is None or new.keep + sum(t for _, t in new.extents) == branch.kv_tokens, "extents cover its KV"
     fresh = sum(memoryview(data).nbytes for new in kv if new is not None for data, _ in new.extents)
     if current is not None and layout is not None and layout.version == 2:
         size = path.stat().st_size
         _place(saved, kept, kv, size)
         header = _encoder.encode(saved)
-        live = sum(e.length for extents in kept for e in extents)
+        live = sum(e.length for e in _unique(kept))
         dead = size - _PREFIX.size - 2 * layout.slot_size - live  # extents no header will name again
-        if len(header) + _SLOT.size <= layout.slot_size and (dead <= DEAD_FLOOR or dead <= live + fresh):
+        small = dead <= (0 if compact else DEAD_FLOOR) or (not compact and dead <= live + fresh)
+        if len(header) + _SLOT.size <= layout.slot_size and small:
             _append(path, header, kv, layout, size)
             return saved, fresh + _SLOT.size + len(header)
     return _rewrite(path, saved, kept, kv)
+
+
+def _unique(kept: list[list[Extent]]) -> list[Extent]:
+    """The extents kept, each once (branches share their common prefix's), in file order."""
+    return sorted({e.offset: e for extents in kept for e in extents}.values(), key=lambda e: e.offset)
 
 
 def _kept(
@@ -257,13 +265,11 @@ def _rewrite(
     slot_size = MIN_SLOT
     while True:
         at = _PREFIX.size + 2 * slot_size
-        moved: list[list[Extent]] = []  # the kept extents, one after another from the first byte after the slots
-        for extents in kept:
-            moved.append([])
-            for e in extents:
-                moved[-1].append(Extent(at, e.length, e.crc, e.num_tokens))
-                at += e.length
-        _place(saved, moved, kv, at)
+        new_place: dict[int, Extent] = {}  # old offset -> the kept extent, once, after the slots in file order
+        for e in _unique(kept):
+            new_place[e.offset] = Extent(at, e.length, e.crc, e.num_tokens)
+            at += e.length
+        _place(saved, [[new_place[e.offset] for e in extents] for extents in kept], kv, at)
         header = _encoder.encode(saved)
         want = max(MIN_SLOT, -(-(2 * len(header) + _SLOT.size) // 4096) * 4096)
         if slot_size >= want or (slot_size > MIN_SLOT and slot_size >= len(header) + _SLOT.size):
@@ -276,9 +282,8 @@ def _rewrite(
             f.write(_slot(1, header).ljust(2 * slot_size, b"\0"))
             if any(kept):
                 with open(path, "rb") as old:
-                    for extents in kept:
-                        for e in extents:
-                            _copy(old.fileno(), e.offset, e.length, f)
+                    for e in _unique(kept):
+                        _copy(old.fileno(), e.offset, e.length, f)
             for new in kv:
                 for data, _ in new.extents if new is not None else ():
                     f.write(data)
@@ -298,9 +303,10 @@ def _copy(source: int, offset: int, length: int, f) -> None:  # noqa: ANN001
     """Append `length` bytes of the file `source` from `offset` to `f`, in the kernel where it can."""
     f.flush()
     done = 0
+    in_kernel = getattr(os, "copy_file_range", None)  # Linux
     with contextlib.suppress(OSError):
-        while done < length:
-            n = os.copy_file_range(source, f.fileno(), length - done, offset + done)
+        while in_kernel is not None and done < length:
+            n = in_kernel(source, f.fileno(), length - done, offset + done)
             if not n:
                 break
             done += n

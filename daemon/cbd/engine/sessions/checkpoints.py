@@ -6,8 +6,8 @@ the settings (TTL and idle time, retention, priority, chat or not; the tenant is
 and the frontend's note (a chat's transcript). A session is saved again only when it changed since
 (a turn ended, or its note changed).
 
-  drain (`save_all`)         every changed session, with its KV while the deadline allows, with its
-                             after it token ids and the KV its file held already (nothing gathered;
+  drain (`save_all`)         every changed session, with its KV while the deadline allows; after it,
+                             with its token ids and the KV its file held already (nothing gathered;
                              the rest is recomputed later, never lost). A save gathers only what the
                              file lacks (`_plan`): the file keeps the rest (kv/session_files.py)
   background (`save_idle`)   changed sessions idle for at least `idle_for`, no turn in flight; the
@@ -39,6 +39,7 @@ Engine-thread only (the writes themselves are the disk tier's thread's).
 
 from __future__ import annotations
 
+import bisect
 import functools
 import itertools
 import logging
@@ -182,13 +183,14 @@ class SessionCheckpoints:
             tokens = self._kv_tokens(b)
             best = _BranchKv(tokens)
             for base, (old, bounds) in enumerate(on_file):
-                for i in range(len(bounds) - 1, -1, -1):
-                    keep = bounds[i]
-                    if keep <= best.keep or not (keep % size == 0 or keep == tokens) or keep > tokens:
-                        continue
-                    if old[:keep] == b.token_ids[:keep]:
-                        best = _BranchKv(tokens, base, keep, bounds[: i + 1])
-                        break
+                # The extents' ends it may keep (a whole block's, or all of an unchanged branch's)...
+                usable = [i for i, end in enumerate(bounds) if end <= tokens and (end % size == 0 or end == tokens)]
+                # ... and of those the last under the same tokens (a prefix that matches, matches shorter).
+                i = bisect.bisect_right(
+                    usable, 0, key=lambda j: 0 if old[: bounds[j]] == b.token_ids[: bounds[j]] else 1
+                )
+                if i and bounds[usable[i - 1]] > best.keep:
+                    best = _BranchKv(tokens, base, bounds[usable[i - 1]], bounds[: usable[i - 1] + 1])
             plan.append(best)
         return plan
 
@@ -227,9 +229,9 @@ class SessionCheckpoints:
         else:  # only in a file it is not kept in (written anew or damaged since): read it back first
             assert b.disk is not None
             data = files.read_kv(b.disk.path, b.disk.branch)
-            if data is None:
-                return None
             per_block = self.disk.bytes_per_block
+            if data is None or len(data) != -(-b.disk.num_tokens // self.disk.block_size) * per_block:
+                return None
             return memoryview(data)[first * per_block : count * per_block]
         return tensor.view(torch.uint8).reshape(-1).numpy().data  # raw bytes, no copy
 
@@ -241,8 +243,11 @@ class SessionCheckpoints:
             written = _result(future)
             if written is None or not written.kept_kv:
                 self._files_kv.pop(key, None)
-            if written is not None and written.kept_kv and key in self.sessions.sessions:
-                self._files[key] = (turns, written)
+            session = self.sessions.sessions.get(key)
+            if written is not None and session is not None:
+                if written.kept_kv:
+                    self._files[key] = (turns, written)
+                self._point_at(session, written)
         for key, (future, _) in list(self._spilling.items()):
             if not future.done():
                 continue
@@ -255,11 +260,25 @@ class SessionCheckpoints:
                 if copy is not None and not b.block_table and b.host is None and b.disk is None:
                     b.disk = copy
 
+    def _point_at(self, session: Session, written: Written) -> None:
+        """Branches whose KV is only in the session's file point at it as written now (a file written anew
+        has its extents elsewhere); one being read back keeps the copy it reads."""
+        if session.session_id in self._loads:
+            return
+        for b in session.branches_and_self():
+            if b.disk is None:
+                continue
+            n = b.disk.num_tokens
+            same = [c for c in written.copies() if c is not None and c.num_tokens == n and c.branch.token_ids[:n] == b.token_ids[:n]]  # fmt: skip
+            b.disk = same[0] if same else None  # none: recomputed
+
     # ---- spilling: the host tier's evictions go to disk -----------------------------------------------
     def spill(self, session: Session, going: list[Branch]) -> None:
         """The host copies of these branches of an idle session are about to be released to recompute (the
         caller clears `host` after): keep the KV in the session's file instead (see the module docstring)."""
         self._settle()
+        if not self.disk.keeps_kv:  # files hold token ids only: nothing to keep
+            return
         key = session.session_id
         branches = session.branches_and_self()
         entry = self._files.get(key)
@@ -353,6 +372,8 @@ class SessionCheckpoints:
                 b.host = self.disk.load(b.disk)
                 b.disk = None
                 on_disk = True
+                if b.host is None:  # damaged or no room: the next save writes the session's KV whole
+                    self._files_kv.pop(session.session_id, None)
         return on_disk
 
     def _room_for(self, session: Session, copy: DiskCopy) -> None:
@@ -373,7 +394,8 @@ class SessionCheckpoints:
     def start_load(self, key: str) -> None:
         """Start reading the session's KV back (unless under way), into host blocks freed for it if need be
         (`_room_for`); branches that cannot be (no host room even then) are recomputed. `completed` names
-        the session when it is done. For a turn or fork: `prefetch` reads ahead into free room only."""
+        the session when it is done. Called for a turn or fork, and by `prefetch`, which calls it only
+        when the host tier has room to spare."""
         session = self.sessions.sessions.get(key)
         if key in self._loads or session is None:
             return
@@ -398,6 +420,8 @@ class SessionCheckpoints:
             session = self.sessions.sessions.get(key)
             for branch, load in pending:
                 host = self.disk.finish_load(load)
+                if host is None:  # damaged: the next save writes the session's KV whole
+                    self._files_kv.pop(key, None)
                 if session is None or branch.disk is not load.copy:  # closed or expired meanwhile
                     if host is not None:
                         assert self.disk.host_tier is not None

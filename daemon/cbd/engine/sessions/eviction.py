@@ -15,6 +15,7 @@ picks the sessions. Engine-thread only.
 from __future__ import annotations
 
 import time
+from collections import Counter
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
@@ -94,12 +95,17 @@ class SessionEviction:
         """Make `count` host blocks free for the KV of `coming`, whose turn or fork is here (its KV read back
         from its file): evict the host copies of idle sessions in eviction order, those of a retention no
         higher than its own (it is wanted now: it comes last among its peers), spilled to disk first with
-        `--disk-kv-spill`."""
+        `--disk-kv-spill`; none if all of them would not free enough."""
         tier = self.host_tier
         if tier is None or tier.num_free_blocks >= count:
             return
         idle = [s for s in self.sessions.values() if s.busy is None and s is not coming]
-        self._evict_host([s for s in self.order(idle) if s.retention <= coming.retention], count)
+        going = [s for s in self.order(idle) if s.retention <= coming.retention]
+        # Only if evicting them all would free enough (blocks may be shared with what stays): else none goes.
+        held = Counter(i for s in going for b in s.branches_and_self() if b.host is not None for i in b.host.block_ids)
+        if tier.num_free_blocks + sum(1 for i, n in held.items() if tier.pool.ref_counts[i] == n) < count:
+            return
+        self._evict_host(going, count)
 
     def _evict_host(self, sessions: list[Session], count: int) -> None:
         """Evict the host copies of these idle sessions, in order, until `count` host blocks are free."""
