@@ -135,13 +135,13 @@ def main() -> None:
         a.sessions.close(fork)
     assert a.checkpoints is not None
     report = a.checkpoints.save_all(3600.0)
-    saved_bytes = sum(p.stat().st_size for p in directory.glob("*.session"))
+    saved_bytes = sum(p.stat().st_size for p in directory.rglob("*.session"))
     a.checkpoints.disk.close()
     del a
     gc.collect()
     if args.gpu:
         torch.cuda.empty_cache()
-    for path in directory.glob("*.session"):
+    for path in directory.rglob("*.session"):
         drop_cache(path)
 
     b = EngineCore(loaded, EngineConfig(**base, **pools, block_size=block, max_model_len=max_len,
@@ -179,7 +179,7 @@ def main() -> None:
     stats = b.stats().disk
     b.checkpoints.disk.close()
     write_rate, read_rate = disk_rates(directory, min(4.0, saved_bytes / 2**30))
-    for path in directory.glob("*.session"):
+    for path in directory.rglob("*.session"):
         path.unlink()
     p50_cold, p50_ahead = (statistics.median(restored_ttft[k]) for k in ("cold", "read ahead"))
     p50_recompute = statistics.median(recompute_ttft)
