@@ -81,9 +81,10 @@ class SessionCheckpoints:
         # into `_files` (the last file each session has with its KV, and its turns then) by `_settle`.
         self._writes: deque[tuple[str, int, Future[Written]]] = deque()
         self._files: dict[str, tuple[int, Written]] = {}
-        # What each session's file holds (or will, once the writes queued are done): each branch's token ids
-        # and the tokens its extents end at; the next save keeps what it can of it (`_plan`).
-        self._files_kv: dict[str, list[tuple[list[int], list[int]]]] = {}
+        # What each session's file holds (or will, once the writes queued are done): for each branch, the
+        # tokens its extents end at, each with a hash of the token ids up to there (the writer compares the
+        # ids themselves); the next save keeps what it can of it (`_plan`).
+        self._files_kv: dict[str, list[list[tuple[int, int]]]] = {}
         self._spilling: dict[str, tuple[Future[Written], int]] = {}  # key -> its spill write, the bytes
         self._spill_on = spill
         if spill:
@@ -148,7 +149,7 @@ class SessionCheckpoints:
             plan = [p if with_kv else replace(p, kv_tokens=p.keep) for p in self._plan(session)]
         branches: list[files.SavedBranch] = []
         kv: list[files.NewKv | None] = []
-        view: list[tuple[list[int], list[int]]] = []  # what the file will hold (see `_files_kv`)
+        view: list[list[tuple[int, int]]] = []  # what the file will hold (see `_files_kv`)
         size = self.disk.block_size
         for b, p in zip(session.branches_and_self(), plan, strict=True):
             new = self._new_kv(b, p) if p.kv_tokens else None
@@ -158,9 +159,9 @@ class SessionCheckpoints:
             kv.append(new)
             bounds = list(p.bounds) if new is not None else []
             for end in (tokens // size * size, tokens):  # the new extents' ends: whole blocks, a partial one
-                if end > max(bounds, default=0):
-                    bounds.append(end)
-            view.append((saved.token_ids, bounds))
+                if end > (bounds[-1][0] if bounds else 0):
+                    bounds.append((end, _prefix_hash(saved.token_ids, end)))
+            view.append(bounds)
         saved_session = files.SavedSession(
             self.disk.fingerprint, key, session.ttl, session.idle_seconds(), time.time(), session.is_chat,
             session.expected_idle, session.retention, session.priority, session.note, branches,
@@ -182,15 +183,17 @@ class SessionCheckpoints:
         for b in session.branches_and_self():
             tokens = self._kv_tokens(b)
             best = _BranchKv(tokens)
-            for base, (old, bounds) in enumerate(on_file):
+            for base, bounds in enumerate(on_file):
                 # The extents' ends it may keep (a whole block's, or all of an unchanged branch's)...
-                usable = [i for i, end in enumerate(bounds) if end <= tokens and (end % size == 0 or end == tokens)]
+                usable = [
+                    i for i, (end, _) in enumerate(bounds) if end <= tokens and (end % size == 0 or end == tokens)
+                ]
                 # ... and of those the last under the same tokens (a prefix that matches, matches shorter).
                 i = bisect.bisect_right(
-                    usable, 0, key=lambda j: 0 if old[: bounds[j]] == b.token_ids[: bounds[j]] else 1
+                    usable, 0, key=lambda j: 0 if _prefix_hash(b.token_ids, bounds[j][0]) == bounds[j][1] else 1
                 )
-                if i and bounds[usable[i - 1]] > best.keep:
-                    best = _BranchKv(tokens, base, bounds[usable[i - 1]], bounds[: usable[i - 1] + 1])
+                if i and bounds[usable[i - 1]][0] > best.keep:
+                    best = _BranchKv(tokens, base, bounds[usable[i - 1]][0], bounds[: usable[i - 1] + 1])
             plan.append(best)
         return plan
 
@@ -340,8 +343,10 @@ class SessionCheckpoints:
             self.disk.count_restored(0, 1)
             return False
         first, *rest = [self._branch(path, b) for b in saved.branches]
-        self._files_kv[saved.key] = [(b.token_ids, list(itertools.accumulate(e.num_tokens for e in b.extents)))
-                                     for b in saved.branches]  # fmt: skip
+        self._files_kv[saved.key] = [
+            [(end, _prefix_hash(b.token_ids, end)) for end in itertools.accumulate(e.num_tokens for e in b.extents)]
+            for b in saved.branches
+        ]
         self.sessions.sessions[saved.key] = Session(
             first.token_ids, disk=first.disk, session_id=saved.key, ttl=saved.ttl, is_chat=saved.is_chat,
             branches=rest, last_used=time.monotonic() - idle, expected_idle=saved.expected_idle,
@@ -469,7 +474,11 @@ class _BranchKv:
     kv_tokens: int
     base: int | None = None
     keep: int = 0
-    bounds: list[int] = field(default_factory=list)
+    bounds: list[tuple[int, int]] = field(default_factory=list)
+
+
+def _prefix_hash(token_ids: list[int], end: int) -> int:
+    return hash(tuple(token_ids[:end]))
 
 
 def _log_failure(future: Future[bool], key: str) -> None:
