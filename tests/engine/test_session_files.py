@@ -307,6 +307,24 @@ def test_a_disk_cap_saves_token_ids_only_and_the_answers_stay(tiny_loaded, tmp_p
     assert core.sessions.hits["recompute"] == 8
 
 
+def test_saves_over_the_cap_add_no_kv_but_keep_what_the_file_holds(tiny_loaded, tmp_path) -> None:
+    core = make_core(tiny_loaded, disk_kv_dir=str(tmp_path), **SIZES)
+    assert core.checkpoints is not None
+    key = core.sessions.open(session_id="capped").session_id
+    _turn(core, key, _script(0)[0])
+    assert core.checkpoints.save_all(60.0).num_with_kv == 1
+    path = tmp_path / "engine" / files.file_name(key)
+    held = files.read_header(path)[0].branches[0].kv_tokens
+    core.checkpoints.disk.cap_bytes = path.stat().st_size  # the directory is full from now on
+    for tokens in _script(0)[1:]:  # two more turns, each saved over the cap
+        _turn(core, key, tokens)
+        assert core.checkpoints.save_all(60.0).num_saved == 1
+        saved = files.read_header(path)[0]
+        assert saved.branches[0].token_ids == core.sessions.sessions[key].token_ids
+        assert 0 < held // 4 * 4 == saved.branches[0].kv_tokens  # its whole blocks, not the new turns'
+    core.checkpoints.disk.close()
+
+
 def test_a_failed_write_leaves_no_file_and_the_session_keeps_serving(tiny_loaded, tmp_path, monkeypatch) -> None:
     core = make_core(tiny_loaded, disk_kv_dir=str(tmp_path), **SIZES)
     key = core.sessions.open(session_id="full").session_id

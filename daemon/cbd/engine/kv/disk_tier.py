@@ -248,13 +248,23 @@ class DiskTier:
             for b in saved.branches:
                 b.kv_tokens, b.extents = 0, []
         for b in saved.branches:
-            blocks = -(-b.kv_tokens // self.block_size)
-            if (sum(e.num_tokens for e in b.extents), sum(e.length for e in b.extents)) != (
-                b.kv_tokens, blocks * self.bytes_per_block,
-            ):  # fmt: skip
+            if not self._lines_up(b):
                 log.warning("session %s: its saved KV does not line up with its tokens; they are recomputed", saved.key)
                 b.kv_tokens, b.extents = 0, []
         return saved
+
+    def _lines_up(self, b: files.SavedBranch) -> bool:
+        """A branch's extents hold its first kv_tokens tokens' blocks: whole ones but for the last, each the
+        bytes of the blocks it covers."""
+        size, covered = self.block_size, 0
+        for i, e in enumerate(b.extents):
+            last = i == len(b.extents) - 1
+            if e.num_tokens <= 0 or (not last and (covered + e.num_tokens) % size) or covered % size:
+                return False
+            if e.length != (-(-(covered + e.num_tokens) // size) - covered // size) * self.bytes_per_block:
+                return False
+            covered += e.num_tokens
+        return covered == b.kv_tokens <= len(b.token_ids)
 
     def start_load(self, copy: DiskCopy, on_done: Callable[[], object] | None = None) -> Load | None:
         """Start reading a branch's KV into fresh host blocks on the reader thread (`on_done` is called
@@ -276,14 +286,6 @@ class DiskTier:
             return load.host
         self.host_tier.release(load.host)
         return None
-
-    def load(self, copy: DiskCopy) -> HostCopy | None:
-        """Read a branch's KV into the host pool now (None: damaged, or no host tier or room: recomputed)."""
-        load = self.start_load(copy)
-        if load is None:
-            return None
-        load.future.result()
-        return self.finish_load(load)
 
     def _read(self, copy: DiskCopy, buffers: list[memoryview]) -> bool:
         start = time.monotonic()

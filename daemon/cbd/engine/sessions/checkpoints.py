@@ -39,14 +39,16 @@ Engine-thread only (the writes themselves are the disk tier's thread's).
 
 from __future__ import annotations
 
+import array
 import bisect
 import functools
+import hashlib
 import itertools
 import logging
 import math
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from concurrent.futures import Future
 from concurrent.futures import wait as futures_wait
 from dataclasses import dataclass, field, replace
@@ -84,7 +86,7 @@ class SessionCheckpoints:
         # What each session's file holds (or will, once the writes queued are done): for each branch, the
         # tokens its extents end at, each with a hash of the token ids up to there (the writer compares the
         # ids themselves); the next save keeps what it can of it (`_plan`).
-        self._files_kv: dict[str, list[list[tuple[int, int]]]] = {}
+        self._files_kv: dict[str, list[list[tuple[int, bytes]]]] = {}
         self._spilling: dict[str, tuple[Future[Written], int]] = {}  # key -> its spill write, the bytes
         self._spill_on = spill
         if spill:
@@ -149,7 +151,7 @@ class SessionCheckpoints:
             plan = [p if with_kv else replace(p, kv_tokens=p.keep) for p in self._plan(session)]
         branches: list[files.SavedBranch] = []
         kv: list[files.NewKv | None] = []
-        view: list[list[tuple[int, int]]] = []  # what the file will hold (see `_files_kv`)
+        view: list[list[tuple[int, bytes]]] = []  # what the file will hold (see `_files_kv`)
         size = self.disk.block_size
         for b, p in zip(session.branches_and_self(), plan, strict=True):
             new = self._new_kv(b, p) if p.kv_tokens else None
@@ -160,7 +162,7 @@ class SessionCheckpoints:
             bounds = list(p.bounds) if new is not None else []
             for end in (tokens // size * size, tokens):  # the new extents' ends: whole blocks, a partial one
                 if end > (bounds[-1][0] if bounds else 0):
-                    bounds.append((end, _prefix_hash(saved.token_ids, end)))
+                    bounds.append((end, _prefix_hashes(saved.token_ids, [end])[0]))
             view.append(bounds)
         saved_session = files.SavedSession(
             self.disk.fingerprint, key, session.ttl, session.idle_seconds(), time.time(), session.is_chat,
@@ -190,7 +192,7 @@ class SessionCheckpoints:
                 ]
                 # ... and of those the last under the same tokens (a prefix that matches, matches shorter).
                 i = bisect.bisect_right(
-                    usable, 0, key=lambda j: 0 if _prefix_hash(b.token_ids, bounds[j][0]) == bounds[j][1] else 1
+                    usable, 0, key=lambda j: 0 if _prefix_hashes(b.token_ids, [bounds[j][0]])[0] == bounds[j][1] else 1
                 )
                 if i and bounds[usable[i - 1]][0] > best.keep:
                     best = _BranchKv(tokens, base, bounds[usable[i - 1]][0], bounds[: usable[i - 1] + 1])
@@ -239,16 +241,22 @@ class SessionCheckpoints:
         return tensor.view(torch.uint8).reshape(-1).numpy().data  # raw bytes, no copy
 
     def _settle(self) -> None:
-        """Note the writes that have ended (in order): each session's last file with its KV. A write that
-        failed or did not keep all its KV makes the session's next save whole (`_files_kv` forgotten)."""
+        """Note the writes that have ended (in order): each session's last file with all its KV (for spills);
+        a write that did not keep all it was given leaves `_files_kv` as the file holds it (a failed one:
+        forgotten, the next save whole)."""
         while self._writes and self._writes[0][2].done():
             key, turns, future = self._writes.popleft()
             written = _result(future)
-            if written is None or not written.kept_kv:
-                self._files_kv.pop(key, None)
             session = self.sessions.sessions.get(key)
+            if written is None or not written.kept_kv:
+                self._files.pop(key, None)
+                if not any(k == key for k, _, _ in self._writes):  # else the later write's view stands
+                    if written is None or session is None:
+                        self._files_kv.pop(key, None)  # failed: the file as it was, not known here
+                    else:
+                        self._files_kv[key] = _held(written.saved)  # what the file holds as written
             if written is not None and session is not None:
-                if written.kept_kv:
+                if written.kept_kv and self._spill_on:  # what a spill may reuse
                     self._files[key] = (turns, written)
                 self._point_at(session, written)
         for key, (future, _) in list(self._spilling.items()):
@@ -273,7 +281,10 @@ class SessionCheckpoints:
                 continue
             n = b.disk.num_tokens
             same = [c for c in written.copies() if c is not None and c.num_tokens == n and c.branch.token_ids[:n] == b.token_ids[:n]]  # fmt: skip
-            b.disk = same[0] if same else None  # none: recomputed
+            if not same:
+                b.disk = None  # recomputed
+            elif same[0].branch.extents != b.disk.branch.extents:
+                b.disk = same[0]
 
     # ---- spilling: the host tier's evictions go to disk -----------------------------------------------
     def spill(self, session: Session, going: list[Branch]) -> None:
@@ -343,10 +354,7 @@ class SessionCheckpoints:
             self.disk.count_restored(0, 1)
             return False
         first, *rest = [self._branch(path, b) for b in saved.branches]
-        self._files_kv[saved.key] = [
-            [(end, _prefix_hash(b.token_ids, end)) for end in itertools.accumulate(e.num_tokens for e in b.extents)]
-            for b in saved.branches
-        ]
+        self._files_kv[saved.key] = _held(saved)
         self.sessions.sessions[saved.key] = Session(
             first.token_ids, disk=first.disk, session_id=saved.key, ttl=saved.ttl, is_chat=saved.is_chat,
             branches=rest, last_used=time.monotonic() - idle, expected_idle=saved.expected_idle,
@@ -374,11 +382,14 @@ class SessionCheckpoints:
         for b in session.branches_and_self():
             if b.disk is not None:
                 self._room_for(session, b.disk)
-                b.host = self.disk.load(b.disk)
+                load = self.disk.start_load(b.disk)
+                if load is not None:  # else no host room: recomputed
+                    load.future.result()
+                    b.host = self.disk.finish_load(load)
+                    if b.host is None:  # damaged: the next save writes the session's KV whole
+                        self._files_kv.pop(session.session_id, None)
                 b.disk = None
                 on_disk = True
-                if b.host is None:  # damaged or no room: the next save writes the session's KV whole
-                    self._files_kv.pop(session.session_id, None)
         return on_disk
 
     def _room_for(self, session: Session, copy: DiskCopy) -> None:
@@ -401,10 +412,12 @@ class SessionCheckpoints:
         (`_room_for`); branches that cannot be (no host room even then) are recomputed. `completed` names
         the session when it is done. Called for a turn or fork, and by `prefetch`, which calls it only
         when the host tier has room to spare."""
+        self._settle()  # a file written anew since: the branches point at it
         session = self.sessions.sessions.get(key)
         if key in self._loads or session is None:
             return
-        pending = []
+        pending: list[tuple[Branch, Load]] = []
+        self._loads[key] = pending  # before making room: spills meanwhile leave its branches alone
         for b in session.branches_and_self():
             if b.disk is not None:
                 self._room_for(session, b.disk)
@@ -413,7 +426,6 @@ class SessionCheckpoints:
                     b.disk = None  # recomputed
                 else:
                     pending.append((b, load))
-        self._loads[key] = pending
 
     def completed(self) -> list[str]:
         """Sessions whose reading back has ended: their branches hold the host copies now (or recompute)."""
@@ -474,11 +486,26 @@ class _BranchKv:
     kv_tokens: int
     base: int | None = None
     keep: int = 0
-    bounds: list[tuple[int, int]] = field(default_factory=list)
+    bounds: list[tuple[int, bytes]] = field(default_factory=list)
 
 
-def _prefix_hash(token_ids: list[int], end: int) -> int:
-    return hash(tuple(token_ids[:end]))
+def _prefix_hashes(token_ids: list[int], ends: Iterable[int]) -> list[bytes]:
+    """A digest of the token ids up to each end (ascending), in one pass."""
+    digest, at, out = hashlib.blake2b(digest_size=16), 0, []
+    for end in ends:
+        digest.update(array.array("q", token_ids[at:end]).tobytes())
+        at = end
+        out.append(digest.copy().digest())
+    return out
+
+
+def _held(saved: files.SavedSession) -> list[list[tuple[int, bytes]]]:
+    """What a file holds, as `_files_kv` keeps it: each branch's extents' ends with their digests."""
+    held = []
+    for b in saved.branches:
+        ends = list(itertools.accumulate(e.num_tokens for e in b.extents))
+        held.append(list(zip(ends, _prefix_hashes(b.token_ids, ends), strict=True)))
+    return held
 
 
 def _log_failure(future: Future[bool], key: str) -> None:
