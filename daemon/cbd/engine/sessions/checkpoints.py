@@ -78,6 +78,7 @@ class SessionCheckpoints:
         sessions.on_missing = self.claim
         self.on_loaded: Callable[[], object] | None = None  # called on the reader thread (wakes the loop)
         self._loads: dict[str, list[tuple[Branch, Load]]] = {}  # session key -> its branches being read back
+        self._after_spill: dict[str, Future[Written]] = {}  # session key -> its spill, to be read back after
         self._prefetch: list[str] = []  # restored sessions not yet read back, most recently used first
         # Writes queued, in order (one writer thread): (key, the session's turns then, the write); settled
         # into `_files` (the last file each session has with its KV, and its turns then) by `_settle`.
@@ -399,9 +400,12 @@ class SessionCheckpoints:
 
     # ---- reading back on the reader thread ------------------------------------------------------------
     def needs_load(self, key: str) -> bool:
-        """The session's KV (some branch's) is only in its file, or being read back. A session not held is
-        claimed first (see `claim`); a spill under way is waited for."""
-        self._finish_spill(key)
+        """The session's KV (some branch's) is only in its file, or being read back, or its spill is still
+        being written (its KV is read back after: `start_load`). A session not held is claimed first (see
+        `claim`)."""
+        self._settle()
+        if key in self._spilling or key in self._after_spill:
+            return True
         if key not in self._loads:
             self.claim(key)
         session = self.sessions.sessions.get(key)
@@ -414,7 +418,13 @@ class SessionCheckpoints:
         when the host tier has room to spare."""
         self._settle()  # a file written anew since: the branches point at it
         session = self.sessions.sessions.get(key)
-        if key in self._loads or session is None:
+        if key in self._loads or key in self._after_spill or session is None:
+            return
+        spilling = self._spilling.get(key)
+        if spilling is not None:  # its spill first, off the engine thread: `completed` starts the load after
+            self._after_spill[key] = spilling[0]
+            if self.on_loaded is not None:
+                spilling[0].add_done_callback(lambda _: self.on_loaded() if self.on_loaded else None)
             return
         pending: list[tuple[Branch, Load]] = []
         self._loads[key] = pending  # before making room: spills meanwhile leave its branches alone
@@ -430,6 +440,13 @@ class SessionCheckpoints:
     def completed(self) -> list[str]:
         """Sessions whose reading back has ended: their branches hold the host copies now (or recompute)."""
         done = []
+        for key, spilled in list(self._after_spill.items()):
+            if spilled.done():
+                del self._after_spill[key]
+                self._settle()  # the spilled branches point at the file now
+                self.start_load(key)
+                if key not in self._loads:  # closed meanwhile: its commands go on (and fail as they do)
+                    done.append(key)
         for key, pending in list(self._loads.items()):
             if not all(load.future.done() for _, load in pending):
                 continue
