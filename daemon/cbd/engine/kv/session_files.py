@@ -215,16 +215,14 @@ def _kept(
     return extents if covered == new.keep else None
 
 
-def _place(saved: SavedSession, kept: list[list[Extent]], kv: list[NewKv | None], at: int) -> int:
-    """Fill in every branch's extents: the kept ones, then the new ones laid out from offset `at` on.
-    Returns the offset after the last new one."""
+def _place(saved: SavedSession, kept: list[list[Extent]], kv: list[NewKv | None], at: int) -> None:
+    """Fill in every branch's extents: the kept ones, then the new ones laid out from offset `at` on."""
     for branch, extents, new in zip(saved.branches, kept, kv, strict=True):
         branch.extents = list(extents)
         for data, tokens in new.extents if new is not None else ():
             view = memoryview(data)
             branch.extents.append(Extent(at, view.nbytes, zlib.crc32(view), tokens))
             at += view.nbytes
-    return at
 
 
 def _slot(generation: int, header: bytes) -> bytes:

@@ -161,9 +161,11 @@ class SessionCheckpoints:
             branches.append(saved)
             kv.append(new)
             bounds = list(p.bounds) if new is not None else []
-            for end in (tokens // size * size, tokens):  # the new extents' ends: whole blocks, a partial one
-                if end > (bounds[-1][0] if bounds else 0):
-                    bounds.append((end, _prefix_hashes(saved.token_ids, [end])[0]))
+            last = bounds[-1][0] if bounds else 0
+            ends = sorted(
+                {e for e in (tokens // size * size, tokens) if e > last}
+            )  # new extents: whole blocks, a partial one
+            bounds += zip(ends, _prefix_hashes(saved.token_ids, ends), strict=True)
             view.append(bounds)
         saved_session = files.SavedSession(
             self.disk.fingerprint, key, session.ttl, session.idle_seconds(), time.time(), session.is_chat,
