@@ -162,9 +162,8 @@ class SessionCheckpoints:
             kv.append(new)
             bounds = list(p.bounds) if new is not None else []
             last = bounds[-1][0] if bounds else 0
-            ends = sorted(
-                {e for e in (tokens // size * size, tokens) if e > last}
-            )  # new extents: whole blocks, a partial one
+            # The new extents' ends: their whole blocks', then a partial block's.
+            ends = sorted({e for e in (tokens // size * size, tokens) if e > last})
             bounds += zip(ends, _prefix_hashes(saved.token_ids, ends), strict=True)
             view.append(bounds)
         saved_session = files.SavedSession(
