@@ -136,9 +136,9 @@ def test_saving_again_appends_only_the_kv_a_file_lacks_and_later_restarts_answer
     before = {k: len(core.sessions.sessions[k].token_ids) for k in keys}
     _third_turns(core, keys)
     assert core.checkpoints is not None
-    written = core.stats().disk.bytes_written  # type: ignore[union-attr]  # a disk tier: asserted above
+    written = _bytes_written(core)
     assert core.checkpoints.save_all(60.0).num_with_kv == 8
-    appended = core.stats().disk.bytes_written - written  # type: ignore[union-attr]
+    appended = _bytes_written(core) - written
     # Each branch's new tokens' blocks, its last partial block before them written again, its header slot.
     per_block = core.checkpoints.disk.bytes_per_block
     branches = sum(len(core.sessions.sessions[k].branches_and_self()) for k in keys)
@@ -220,6 +220,12 @@ def test_past_the_saving_deadline_a_file_keeps_the_kv_it_held(tiny_loaded, tmp_p
     assert all(cached > 0 for _, cached in got) and all(c < w for (_, c), (_, w) in zip(got[:6], want)), (got, want)
     assert again.checkpoints is not None
     again.checkpoints.disk.close()
+
+
+def _bytes_written(core: EngineCore) -> int:
+    stats = core.stats().disk
+    assert stats is not None
+    return stats.bytes_written
 
 
 FOURTH = [[(7 * j + t) % 250 + 2 for t in range(12)] for j in range(8)]
