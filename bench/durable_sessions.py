@@ -159,10 +159,10 @@ def main() -> None:
         if i == half:  # the rest are read back ahead of their turns, as an idle daemon does
             start = time.perf_counter()
             while True:
-                b.checkpoints.prefetch(lambda key: False)
-                b.checkpoints.completed()
-                if not b.checkpoints.load_copies() and not any(
-                    b.checkpoints.needs_load(f"agent-{k}") for k in range(half, args.sessions)
+                b.checkpoints.loads.prefetch(lambda key: False)
+                b.checkpoints.loads.completed()
+                if not b.checkpoints.loads.load_copies() and not any(
+                    b.checkpoints.loads.needs_load(f"agent-{k}") for k in range(half, args.sessions)
                 ):
                     break
                 time.sleep(0.001)

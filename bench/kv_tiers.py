@@ -93,13 +93,13 @@ def run(core: EngineCore, system: list[int], agents: list[Agent], new_tokens: in
             agent.submitted = time.perf_counter()
             # As the daemon's engine thread does (engine_loop.py): a turn whose session's KV is in its file
             # waits for it to be read back on the disk tier's reader thread while the batch goes on.
-            if checkpoints is not None and checkpoints.needs_load(agent.session_id):
-                checkpoints.start_load(agent.session_id)
+            if checkpoints is not None and checkpoints.loads.needs_load(agent.session_id):
+                checkpoints.loads.start_load(agent.session_id)
                 loading[agent.session_id] = agent
             else:
                 submit(agent)
         if checkpoints is not None:
-            for key in checkpoints.completed():
+            for key in checkpoints.loads.completed():
                 submit(loading.pop(key))
         if not core.has_work():
             if loading:

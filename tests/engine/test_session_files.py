@@ -16,7 +16,7 @@ import pytest
 from cbd.config import EngineConfig
 from cbd.engine.core import EngineCore
 from cbd.engine.engine import Engine
-from cbd.engine.kv import disk_tier
+from cbd.engine.kv import disk_tier, session_file_save
 from cbd.engine.kv import session_files as files
 from cbd.engine.sampling_params import SamplingParams
 from cbd.engine.sessions.records import TurnInput
@@ -247,7 +247,7 @@ def _rewrite(path: Path, change) -> None:  # noqa: ANN001
     kv = [files.read_kv(path, b) if b.kv_tokens else None for b in saved.branches]
     change(saved)
     path.unlink()
-    files.save(
+    session_file_save.save(
         path, saved, [files.NewKv(None, 0, [(d, b.kv_tokens)]) if d else None for d, b in zip(kv, saved.branches)]
     )
 

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from cbd.engine.kv import session_file_save
 from cbd.engine.kv import session_files as files
 
 SIZE = 4  # tokens per block
@@ -56,10 +57,10 @@ TOKENS = list(range(1, 200))
 
 def test_a_save_appends_only_what_the_file_lacks_and_reads_back_whole(tmp_path) -> None:
     path = tmp_path / "s.session"
-    files.save(path, _session((TOKENS[:50], 49)), [_new(TOKENS, 49)])
+    session_file_save.save(path, _session((TOKENS[:50], 49)), [_new(TOKENS, 49)])
     first = path.stat().st_size
     # The next turn: 30 more tokens. The file keeps its 12 whole blocks; the partial 13th is written again.
-    saved, written = files.save(path, _session((TOKENS[:80], 79)), [_new(TOKENS, 79, base=0, keep=48)])
+    saved, written = session_file_save.save(path, _session((TOKENS[:80], 79)), [_new(TOKENS, 79, base=0, keep=48)])
     assert saved.branches[0].kv_tokens == 79
     assert path.stat().st_size == first + len(_kv(TOKENS, 79, 12))  # appended, header in the other slot
     assert written < len(_kv(TOKENS, 79)) + 4096
@@ -68,7 +69,7 @@ def test_a_save_appends_only_what_the_file_lacks_and_reads_back_whole(tmp_path) 
     # A fork's candidate keeps the history's extents of whole blocks too (up to the end of one: the first 48
     # tokens' here); an unchanged branch keeps everything.
     candidate = TOKENS[:60] + [500, 501, 502]
-    files.save(
+    session_file_save.save(
         path, _session((TOKENS[:80], 79), (candidate, 62)),
         [files.NewKv(0, 79, []), _new(candidate, 62, base=0, keep=48)],
     )  # fmt: skip
@@ -78,8 +79,8 @@ def test_a_save_appends_only_what_the_file_lacks_and_reads_back_whole(tmp_path) 
 
 def test_a_torn_header_slot_or_a_failed_append_leaves_the_save_before(tmp_path, monkeypatch) -> None:
     path = tmp_path / "s.session"
-    files.save(path, _session((TOKENS[:50], 49)), [_new(TOKENS, 49)])
-    files.save(path, _session((TOKENS[:80], 79)), [_new(TOKENS, 79, base=0, keep=48)])
+    session_file_save.save(path, _session((TOKENS[:50], 49)), [_new(TOKENS, 49)])
+    session_file_save.save(path, _session((TOKENS[:80], 79)), [_new(TOKENS, 79, base=0, keep=48)])
     _, layout = files.read_header(path)
     assert layout.generation == 2 and layout.slot == 1
     raw = bytearray(path.read_bytes())
@@ -96,7 +97,7 @@ def test_a_torn_header_slot_or_a_failed_append_leaves_the_save_before(tmp_path, 
 
     monkeypatch.setattr(os, "fsync", full)
     with pytest.raises(OSError):
-        files.save(path, _session((TOKENS[:120], 119)), [_new(TOKENS, 119, base=0, keep=48)])
+        session_file_save.save(path, _session((TOKENS[:120], 119)), [_new(TOKENS, 119, base=0, keep=48)])
     monkeypatch.setattr(os, "fsync", real)
     assert path.stat().st_size == size  # the extents appended were cut off again
     back, data = _read(path)
@@ -106,25 +107,25 @@ def test_a_torn_header_slot_or_a_failed_append_leaves_the_save_before(tmp_path, 
 
 def test_kept_extents_the_file_lacks_save_token_ids_only(tmp_path) -> None:
     path = tmp_path / "s.session"
-    files.save(path, _session((TOKENS[:50], 49)), [_new(TOKENS, 49)])
+    session_file_save.save(path, _session((TOKENS[:50], 49)), [_new(TOKENS, 49)])
     other = [7] + TOKENS[1:80]  # not the tokens the file holds
-    saved, _ = files.save(path, _session((other, 79)), [_new(other, 79, base=0, keep=48)])
+    saved, _ = session_file_save.save(path, _session((other, 79)), [_new(other, 79, base=0, keep=48)])
     assert saved.branches[0].kv_tokens == 0
     back, data = _read(path)
     assert back.branches[0].token_ids == other and back.branches[0].kv_tokens == 0 and data == [b""]
 
 
 def test_a_file_mostly_dead_is_written_anew(tmp_path, monkeypatch) -> None:
-    monkeypatch.setattr(files, "DEAD_FLOOR", 0)
+    monkeypatch.setattr(session_file_save, "DEAD_FLOOR", 0)
     path = tmp_path / "s.session"
-    files.save(path, _session((TOKENS[:8], 8)), [_new(TOKENS, 8)])
-    files.save(path, _session((TOKENS[:100], 99)), [_new(TOKENS, 99, base=0, keep=8)])
-    files.save(path, _session((TOKENS[:100], 99)), [files.NewKv(0, 99, [])])  # unchanged: header only
+    session_file_save.save(path, _session((TOKENS[:8], 8)), [_new(TOKENS, 8)])
+    session_file_save.save(path, _session((TOKENS[:100], 99)), [_new(TOKENS, 99, base=0, keep=8)])
+    session_file_save.save(path, _session((TOKENS[:100], 99)), [files.NewKv(0, 99, [])])  # unchanged: header only
     assert path.stat().st_size == 16 + 2 * files.read_header(path)[1].slot_size + len(_kv(TOKENS, 99))
     assert files.read_header(path)[1].generation == 3
     # A session that branched away early keeps 2 of the file's 25 blocks: the rest is dead, so a new file.
     other = TOKENS[:8] + [900] * 40
-    files.save(path, _session((other, 47)), [_new(other, 47, base=0, keep=8)])
+    session_file_save.save(path, _session((other, 47)), [_new(other, 47, base=0, keep=8)])
     _, layout = files.read_header(path)
     assert layout.generation == 1
     assert path.stat().st_size == 16 + 2 * layout.slot_size + len(_kv(other, 47))
@@ -137,7 +138,7 @@ def test_files_of_the_first_format_are_read_and_carried_over(tmp_path) -> None:
         files.Fingerprint("m", "kv"), "tenant/s", 60.0, 1.0, 2.0, True, None, 1, 0, b"note",
         [files._BranchV1(TOKENS[:50], 49, 0, len(_kv(TOKENS, 49)), zlib.crc32(_kv(TOKENS, 49)))],
     )  # fmt: skip
-    header = files._encoder.encode(old)
+    header = files.encoder.encode(old)
     path.write_bytes(struct.pack("<8sII", b"CBDSESS1", len(header), zlib.crc32(header)) + header + _kv(TOKENS, 49))
     saved, data = _read(path)
     assert (saved.key, saved.note, saved.retention, saved.is_chat) == ("tenant/s", b"note", 1, True)
@@ -145,7 +146,7 @@ def test_files_of_the_first_format_are_read_and_carried_over(tmp_path) -> None:
     # Saved again unchanged (its note changed): written anew in the current format, its extent copied over.
     changed = _session((TOKENS[:50], 49))
     changed.note = b"new note"
-    files.save(path, changed, [files.NewKv(0, 49, [])])
+    session_file_save.save(path, changed, [files.NewKv(0, 49, [])])
     assert path.read_bytes()[:8] == files.MAGIC
     saved, data = _read(path)
     assert saved.note == b"new note" and data == [_kv(TOKENS, 49)]
@@ -153,15 +154,15 @@ def test_files_of_the_first_format_are_read_and_carried_over(tmp_path) -> None:
 
 def test_a_file_written_anew_holds_an_extent_its_branches_share_once(tmp_path) -> None:
     path = tmp_path / "s.session"
-    files.save(path, _session((TOKENS[:48], 48)), [_new(TOKENS, 48)])
+    session_file_save.save(path, _session((TOKENS[:48], 48)), [_new(TOKENS, 48)])
     candidates = [TOKENS[:48] + [600 + i] * 5 for i in range(3)]
-    files.save(
+    session_file_save.save(
         path, _session((TOKENS[:48], 48), *((c, 53) for c in candidates)),
         [files.NewKv(0, 48, []), *(_new(c, 53, base=0, keep=48) for c in candidates)],
     )  # fmt: skip
     longer = _session((TOKENS[:48], 48), *((c, 53) for c in candidates))
     longer.note = bytes(3 * files.read_header(path)[1].slot_size)  # a header its slots cannot hold
-    files.save(path, longer, [files.NewKv(0, 48, []), *(files.NewKv(i + 1, 53, []) for i in range(3))])
+    session_file_save.save(path, longer, [files.NewKv(0, 48, []), *(files.NewKv(i + 1, 53, []) for i in range(3))])
     _, layout = files.read_header(path)
     assert layout.generation == 1  # written anew, with larger slots
     unique = len(_kv(TOKENS, 48)) + sum(len(_kv(c, 53, 12)) for c in candidates)

@@ -333,5 +333,5 @@ class EngineCore:
             copies += [c for live in self.live.live.values() if live.request is not None
                        for seq in live.request.sequences for c in (seq.host_prefix, seq.host_backup) if c is not None]  # fmt: skip
             if self.checkpoints is not None:
-                copies += self.checkpoints.load_copies()
+                copies += self.checkpoints.loads.load_copies()
             self.host_tier.check_integrity(copies)

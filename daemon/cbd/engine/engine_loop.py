@@ -108,7 +108,7 @@ class EngineLoop:
             self.core.warm_up()  # CUDA graphs are captured before the engine reports started
             if self.core.checkpoints is not None:  # saved sessions are listed before the engine reports started
                 self.core.checkpoints.restore()
-                self.core.checkpoints.on_loaded = self._wake.set
+                self.core.checkpoints.loads.on_loaded = self._wake.set
             self.stats = self.core.stats()
             if c.num_threads == 0 and c.tensor_parallel_size == 1 and self.core.runner.device.type == "cpu":
                 self._cores = CoreShare(os.sched_getaffinity(0), (os.getpid(), os.getppid()))
@@ -244,17 +244,17 @@ class EngineLoop:
         uses_kv = isinstance(command, cmd.AddTurn) or (
             isinstance(command, cmd.Asked) and isinstance(command.question, api.ForkSession)
         )
-        if uses_kv and checkpoints.needs_load(key):
-            checkpoints.start_load(key)
+        if uses_kv and checkpoints.loads.needs_load(key):
+            checkpoints.loads.start_load(key)
             return key
         return None
 
     def _read_back(self, checkpoints: SessionCheckpoints) -> None:
         """Apply the commands of sessions whose KV has been read back; start reading the next one ahead."""
-        for key in checkpoints.completed():
+        for key in checkpoints.loads.completed():
             for command in self._deferred.pop(key, []):
                 self._handlers[type(command)](command)
-        checkpoints.prefetch(lambda key: key in self._deferred)
+        checkpoints.loads.prefetch(lambda key: key in self._deferred)
 
     def _add_request(self, c: cmd.AddRequest) -> None:
         try:

@@ -38,6 +38,7 @@ from typing import Any
 import torch
 
 from cbd.config import EngineConfig
+from cbd.engine.kv import session_file_save
 from cbd.engine.kv import session_files as files
 from cbd.engine.kv.host_pool import HostCopy
 from cbd.engine.kv.host_tier import HostTier
@@ -173,7 +174,7 @@ class DiskTier:
         start = time.monotonic()
         path = self.directory / name
         try:
-            saved, size = files.save(path, saved, kv, compact=over)
+            saved, size = session_file_save.save(path, saved, kv, compact=over)
         except OSError:
             with self._count:
                 self._stats.num_write_errors += 1
