@@ -26,6 +26,16 @@ _WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
 torch.set_num_threads(max(1, min(2, len(os.sched_getaffinity(0)) // _WORKERS, torch.get_num_threads())))
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    """The daemons the tests start get a worker's share of the cores too: their `num_threads` 0 would take
+    every core, and their OpenMP workers spin, so a daemon beside a busy worker ran several times slower
+    until it adapted. Set in each worker (or the one process of a run without workers), not in the
+    controller, whose environment the workers inherit; a test's own `--num-threads` still wins (flags over
+    the environment), and so does a CBD_NUM_THREADS given to pytest."""
+    if hasattr(config, "workerinput") or not config.getoption("numprocesses", None):
+        os.environ.setdefault("CBD_NUM_THREADS", str(torch.get_num_threads()))
+
+
 def gpu_available() -> bool:
     return torch.cuda.is_available()
 
