@@ -528,3 +528,58 @@ def test_the_host_tiers_evictions_spill_to_disk_instead_of_recomputing(tiny_load
     assert spilling.checkpoints is not None and spilling.checkpoints.disk.flush(10)
     assert not list((tmp_path / "engine").glob(f"*{files.SUFFIX}"))  # closed: no file left
     spilling.checkpoints.disk.close()
+
+
+def test_a_nearly_full_host_tier_writes_an_idle_sessions_kv_ahead_so_that_its_spill_writes_none(
+    tiny_loaded, tmp_path, monkeypatch
+) -> None:  # fmt: skip
+    """Spilling on, a host tier of 14 blocks that one idle session's KV (12 blocks) fills past AHEAD_FILL:
+    while another session's turn runs, that KV goes to its file ahead of need, at most 3 blocks a save
+    (AHEAD_BYTES set so); when the host tier then lets the session go, its spill writes nothing, and its next
+    turn reads the KV back and answers as an engine that had room for everything."""
+    from cbd.engine.sessions import checkpoints as checkpoints_module
+
+    rng = random.Random(5)
+    first, second, other = ([rng.randrange(2, 256) for _ in range(n)] for n in (42, 9, 12))
+    ideal = make_core(tiny_loaded, block_size=4, num_kv_blocks=512, num_host_kv_blocks=0)
+    key = ideal.sessions.open(session_id="a").session_id
+    want = [_turn(ideal, key, first)[0], _turn(ideal, key, second)[0]]
+
+    core = make_core(tiny_loaded, disk_kv_dir=str(tmp_path), disk_kv_spill=True, block_size=4, num_kv_blocks=512,
+                     num_host_kv_blocks=14)  # fmt: skip
+    assert core.checkpoints is not None and core.host_tier is not None
+    disk = core.checkpoints.disk
+    monkeypatch.setattr(checkpoints_module, "AHEAD_BYTES", 3 * disk.bytes_per_block)
+    gathered: list[int] = []  # the KV bytes each save hands the writer
+    write = disk.write
+
+    def recorded(saved, kv):  # type: ignore[no-untyped-def]
+        gathered.append(sum(memoryview(d).nbytes for new in kv if new is not None for d, _ in new.extents))
+        return write(saved, kv)
+
+    monkeypatch.setattr(disk, "write", recorded)
+    a = core.sessions.open(session_id="a").session_id
+    assert _turn(core, a, first)[0] == want[0]
+    core.sessions.eviction.evict(core.block_manager.num_blocks)  # a's KV goes to the host tier
+    held = core.sessions.sessions[a].host
+    assert held is not None and len(held.block_ids) == 12
+    b = core.sessions.open(session_id="b").session_id
+    _turn(core, b, other)  # its steps write a's KV ahead (one save at a time)
+    path = tmp_path / "engine" / files.file_name(a)
+    for _ in range(20):  # the saves still to come, driven as the steps drive them
+        assert disk.flush(10)
+        if path.exists() and files.read_header(path)[0].branches[0].kv_tokens == held.num_tokens:
+            break
+        core.checkpoints.spill_ahead()
+    assert files.read_header(path)[0].branches[0].kv_tokens == held.num_tokens  # all of it, ahead of need
+    assert len(gathered) >= 4 and max(gathered) <= 3 * disk.bytes_per_block, gathered  # 12 blocks, 3 a save
+    assert sum(gathered) == 12 * disk.bytes_per_block, gathered  # each block once
+    stats = disk.stats()
+    core.sessions.eviction.free_host(14, core.sessions.sessions[b])  # the host tier lets a go: spilled
+    assert core.sessions.sessions[a].host is None and core.sessions.sessions[a].disk is not None
+    assert disk.flush(10) and disk.stats().bytes_written == stats.bytes_written  # its spill wrote nothing
+    answer, cached = _turn(core, a, second)
+    assert answer == want[1] and cached >= held.num_tokens // 4 * 4
+    assert core.sessions.hits["disk"] == 1
+    core.check_integrity()
+    disk.close()

@@ -12,7 +12,7 @@ A turn or fork of a session whose KV is still only in its file (restored at star
 back on the disk tier's reader thread and waits, with every later command about that session, in
 `_deferred` until the read has ended; meanwhile the loop goes on stepping the batch. Idle, the loop
 reads restored sessions back ahead of their turns while the host tier has room
-(sessions/checkpoints.py).
+(sessions/read_back.py).
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@ engine thread.
 
 The engine thread takes a snapshot of what a session holds (its token ids, settings, and the KV its
 file lacks, gathered from the GPU pool or the host pool into host tensors) and hands it to the tier's
-writer thread, which saves it to the session file (kv/session_files.py: appended) and keeps the
+writer thread, which saves it to the session file (kv/session_file_save.py: appended) and keeps the
 directory under its cap (`--disk-kv-gib`: a save that would go over it adds no KV). Removals go through
 the same thread, so a session closed after a save never comes back from a late write. Reading back
 goes through the tier's reader thread: the engine thread takes fresh host blocks (`start_load`), the
@@ -140,7 +140,7 @@ class DiskTier:
         return self.host_tier.read_blocks(copy.block_ids)
 
     def write(self, saved: files.SavedSession, kv: list[files.NewKv | None]) -> Future[Written]:
-        """Save a session to its file on the writer thread (kv/session_files.py `save`: what the file holds
+        """Save a session to its file on the writer thread (kv/session_file_save.py `save`: what the file holds
         already is kept, the rest appended); the future says whether all its KV was kept (not: token ids
         only, for the cap). A write that fails (disk full) leaves the file as it was and raises."""
         return self._writer.submit(self._write, saved, kv)

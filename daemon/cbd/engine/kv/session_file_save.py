@@ -8,8 +8,8 @@ extents it still shares with the file (its tokens there unchanged: whole blocks,
 that did not change) and the ones just written (whole blocks, then its last partial block apart, so
 the next save can keep the whole blocks). A file that has no room in its slots for the header, or
 whose dead extents pass both DEAD_FLOOR and its live ones, or is of the older format, is written anew
-instead (each kept extent once, though branches share it): a temporary file, fsynced and renamed over the old one (then the directory is fsynced), the extents it
-keeps copied in the kernel.
+instead (each kept extent once, though branches share it): a temporary file, fsynced and renamed over the
+old one (then the directory is fsynced), the extents it keeps copied in the kernel.
 """
 
 from __future__ import annotations

@@ -57,7 +57,7 @@ class SessionManager:
         # Called with each session closed or expired: SessionCheckpoints' (sessions/checkpoints.py, when
         # sessions are saved: its file goes), the speculator's (its drafts donor goes: spec/agent_index.py).
         self.on_closed: list[Callable[[Session], object]] = []
-        # Set by SessionCheckpoints: a session's saved KV is read back before a turn or fork uses it.
+        # Set by ReadBack (sessions/read_back.py): a session's saved KV is read back before a turn or fork uses it.
         self.read_back: Callable[[Session], bool] | None = None
         self.on_missing: Callable[[str], bool] | None = None  # a session not held: taken over if saved elsewhere
 
