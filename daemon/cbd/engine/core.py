@@ -259,8 +259,6 @@ class EngineCore:
             raise
         self.num_steps += 1
         if self.host_tier is not None:  # keep some GPU blocks free ahead of need (see offload_ahead)
-            if self.checkpoints is not None:  # and the host tier's idle sessions' KV in their files (spilling)
-                self.checkpoints.spill_ahead()
             self.sessions.eviction.offload_ahead(self._free_target)
         return _Launched(plan, step, (batch.meta.batch, batch.meta.graph_tokens) if batch.meta.graph else None)
 

@@ -110,10 +110,6 @@ class KvCopier:
             self._restore_seconds.append(time.monotonic() - start)
         return True
 
-    def idle(self) -> bool:
-        """Every copy issued so far has completed (a non-blocking `wait_all`)."""
-        return self.stream is None or self.stream.query()
-
     def wait_all(self) -> None:
         """Wait for every copy issued so far (before the host reads or writes host blocks itself)."""
         if self.stream is not None:

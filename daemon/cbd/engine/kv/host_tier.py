@@ -121,10 +121,6 @@ class HostTier:
             self.pool.release(copy.block_ids)
         self.num_host_evictions += 1
 
-    def copies_done(self) -> bool:
-        """No copy to or from the host is in flight (reading host blocks now waits for nothing)."""
-        return self.copier.idle()
-
     def read_blocks(self, host_ids: list[int]) -> torch.Tensor:
         """A copy of host blocks' KV `[blocks, layers, block_size, *slot]` (a session file's segment)."""
         self.copier.wait_all()  # an offload to these blocks may still be in flight

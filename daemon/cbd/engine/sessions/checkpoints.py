@@ -22,11 +22,6 @@ and the frontend's note (a chat's transcript). A session is saved again only whe
                              lacks of the host copy is gathered and appended (at most SPILL_BYTES in
                              flight, or one spill; beyond, it is recomputed); the session's next
                              turn waits for that write
-  spill ahead                while the host tier is more than AHEAD_FILL full, the idle session it
-                             would let go first has its host KV appended to its file a little at a
-                             time (`spill_ahead`, after each step's launch), so that its spill finds
-                             the file written (partial saves leave the session changed: a drain
-                             still saves it whole)
   claim                      a session this daemon does not hold is taken over from the folder of a
                              daemon that stopped (kv/disk_tier.py), then treated as restored
   close, expiry              the file is removed
@@ -56,8 +51,6 @@ from cbd.engine.sessions.records import Branch, Session
 
 log = logging.getLogger(__name__)
 SPILL_BYTES = 4 * 2**30  # KV gathered for spills and not yet written, at most (one spill always may)
-AHEAD_FILL = 0.75  # spilling ahead (`spill_ahead`) starts once the host tier is this full
-AHEAD_BYTES = 32 * 2**20  # KV one save ahead gathers, at most (host memory copied on the engine thread)
 
 
 class SessionCheckpoints:
@@ -76,8 +69,6 @@ class SessionCheckpoints:
         # ids themselves); the next save keeps what it can of it (`_plan`).
         self._files_kv: dict[str, save_plan.FileView] = {}
         self._spilling: dict[str, tuple[Future[Written], int]] = {}  # key -> its spill write, the bytes
-        self._ahead: Future[Written] | None = None  # the save ahead being written (one at a time)
-        self._ahead_after = 0.0  # no save ahead before then (the last one could not keep its KV: the cap)
         self._spill_on = spill
         if spill:
             sessions.eviction.spill = self.spill
@@ -134,11 +125,8 @@ class SessionCheckpoints:
     def _changed(self) -> list[Session]:
         return [s for s in self.sessions.sessions.values() if s.num_turns_saved != s.num_turns]
 
-    def _save(
-        self, session: Session, with_kv: bool, plan: list[save_plan.BranchKv] | None = None, complete: bool = True
-    ) -> Future[Written]:  # fmt: skip
-        """Queue the saving of a session: its KV (with_kv) as `plan` says (by default `_plan`'s). A save that is
-        not `complete` (part of its KV, ahead of a spill) leaves the session as changed since its last save."""
+    def _save(self, session: Session, with_kv: bool, plan: list[save_plan.BranchKv] | None = None) -> Future[Written]:
+        """Queue the saving of a session: its KV (with_kv) as `plan` says (by default `_plan`'s)."""
         self._settle()
         key = session.session_id
         if plan is None:  # without KV: what its file holds already is still kept (nothing gathered)
@@ -156,11 +144,10 @@ class SessionCheckpoints:
             self.disk.fingerprint, key, session.ttl, session.idle_seconds(), time.time(), session.is_chat,
             session.expected_idle, session.retention, session.priority, session.note, branches,
         )  # fmt: skip
-        if complete:
-            session.num_turns_saved = session.num_turns
+        session.num_turns_saved = session.num_turns
         future = self.disk.write(saved_session, kv)
         self._files_kv[key] = view
-        self._writes.append((key, session.num_turns if with_kv and complete else -1, future))  # -1: not all its KV
+        self._writes.append((key, session.num_turns if with_kv else -1, future))  # -1: not all its KV
         return future
 
     def _plan(self, session: Session) -> list[save_plan.BranchKv]:
@@ -238,37 +225,6 @@ class SessionCheckpoints:
             return  # recomputed
         self._spilling[key] = (self._save(session, True, plan), need)
         self.disk.count_spill()
-
-    def spill_ahead(self) -> None:
-        """With spilling on, while the host tier is more than AHEAD_FILL full: write ahead, to its file, up to
-        AHEAD_BYTES of the KV that the first idle session in eviction order holds in the host tier and its file
-        lacks, so that when the tier lets the session go its spill gathers and writes only what is left (or
-        nothing). One such save at a time, none while a spill is being written; only when the host tier's
-        copies are done (the gather reads host blocks: it never waits). Called after a step is launched."""
-        tier = self.disk.host_tier
-        if not self._spill_on or tier is None or not self.disk.keeps_kv or time.monotonic() < self._ahead_after:
-            return
-        self._settle()
-        if self._spilling or (self._ahead is not None and not self._ahead.done()):
-            return
-        if self._ahead is not None:
-            written, self._ahead = _result(self._ahead), None
-            if written is None or not written.kept_kv:  # over the cap, or the disk failed: not for a while
-                self._ahead_after = time.monotonic() + 1.0
-                return
-        if tier.num_free_blocks > (1 - AHEAD_FILL) * tier.pool.num_blocks or not tier.copies_done():
-            return
-        budget = max(1, AHEAD_BYTES // self.disk.bytes_per_block)
-        idle = [s for s in self.sessions.sessions.values() if s.busy is None and not self.loads.reading(s.session_id)]
-        for session in self.sessions.eviction.order(idle):
-            branches = session.branches_and_self()
-            entry = self._files.get(session.session_id)
-            if (entry is not None and entry[0] == session.num_turns) or not any(b.host for b in branches):
-                continue  # its file holds all its KV, or it has none in the host tier
-            plan, complete = save_plan.capped(branches, self._plan(session), self.disk.block_size, budget)
-            if any(p.kv_tokens > p.keep for p in plan):
-                self._ahead = self._save(session, True, plan, complete)
-                return
 
     def _spill_of(self, key: str) -> Future[Written] | None:
         entry = self._spilling.get(key)

@@ -15,7 +15,7 @@ import bisect
 import hashlib
 import itertools
 from collections.abc import Iterable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 import torch
 
@@ -59,23 +59,6 @@ def plan(disk: DiskTier, session: Session, on_file: FileView) -> list[BranchKv]:
                 best = BranchKv(tokens, base, bounds[usable[i - 1]][0], bounds[: usable[i - 1] + 1])
         out.append(best)
     return out
-
-
-def capped(branches: list[Branch], plan: list[BranchKv], block_size: int, budget: int) -> tuple[list[BranchKv], bool]:
-    """A plan that gathers at most `budget` blocks, from host copies only (a branch on the GPU or only in a
-    file keeps what its file holds): each branch in turn appends whole blocks after what its file keeps
-    until the budget runs out. Also whether the capped plan still saves all of the KV the branches hold."""
-    out, complete = [], True
-    for b, p in zip(branches, plan, strict=True):
-        if p.keep >= p.kv_tokens:  # its KV is in the file as it is
-            out.append(p)
-            continue
-        first, need = p.keep // block_size, -(-p.kv_tokens // block_size) - p.keep // block_size
-        take = min(need, budget) if b.host is not None and not b.block_table else 0
-        budget -= take
-        complete = complete and take == need
-        out.append(replace(p, kv_tokens=p.kv_tokens if take == need else (first + take) * block_size))
-    return out, complete
 
 
 def kv_tokens(b: Branch) -> int:
