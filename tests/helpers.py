@@ -30,7 +30,7 @@ def fuzz_examples(variable: str, thorough: int, quick: int) -> int:
     return int(value) if value else thorough if THOROUGH else quick
 
 
-def make_core(loaded: LoadedModel, **overrides) -> EngineCore:  # type: ignore[no-untyped-def]
+def make_core(loaded: LoadedModel, **overrides) -> EngineCore:
     return EngineCore(loaded, EngineConfig(**{"num_kv_blocks": 256, **overrides}))
 
 
@@ -66,7 +66,7 @@ def collect(result: dict, out: RequestOutput) -> None:
         result["usage"] = out.usage
 
 
-def hf_greedy(hf_model, prompt: list[int], max_new_tokens: int) -> list[int]:  # type: ignore[no-untyped-def]
+def hf_greedy(hf_model, prompt: list[int], max_new_tokens: int) -> list[int]:
     with torch.inference_mode():
         out = hf_model.generate(
             torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
@@ -76,7 +76,7 @@ def hf_greedy(hf_model, prompt: list[int], max_new_tokens: int) -> list[int]:  #
     return out[0, len(prompt) :].tolist()
 
 
-def hf_top2_gap(hf_model, ids: list[int]) -> float:  # type: ignore[no-untyped-def]
+def hf_top2_gap(hf_model, ids: list[int]) -> float:
     with torch.inference_mode():
         logits = hf_model(torch.tensor([ids])).logits[0, -1].float()
     top = logits.topk(2).values
@@ -89,7 +89,7 @@ def our_top2_gap(core: EngineCore, ids: list[int]) -> float:
     return top[0][1] - top[1][1]  # log-softmax gaps equal logit gaps
 
 
-def assert_greedy_matches(core: EngineCore, hf_model, prompt: list[int], ours: list[int], theirs: list[int]) -> None:  # type: ignore[no-untyped-def]
+def assert_greedy_matches(core: EngineCore, hf_model, prompt: list[int], ours: list[int], theirs: list[int]) -> None:
     """Token-exact, or the first divergence is a near-tie in both implementations (then nothing later is compared)."""
     assert len(ours) == len(theirs), (len(ours), len(theirs))
     for i, (a, b) in enumerate(zip(ours, theirs)):

@@ -21,7 +21,7 @@ def client(shared_tiny_daemon: DaemonProcess) -> Iterator[Client]:
         yield c
 
 
-def test_a_proposed_session_id_is_used_and_must_be_unique_and_well_formed(client) -> None:  # type: ignore[no-untyped-def]
+def test_a_proposed_session_id_is_used_and_must_be_unique_and_well_formed(client) -> None:
     with client.session(PROMPT, session_id="agent-7") as session:
         assert session.session_id == "agent-7" and client.get_session("agent-7").num_tokens == len(PROMPT)
         with pytest.raises(CbdError) as taken:
@@ -35,7 +35,7 @@ def test_a_proposed_session_id_is_used_and_must_be_unique_and_well_formed(client
         assert malformed.value.code == grpc.StatusCode.INVALID_ARGUMENT, bad
 
 
-def test_clients_propose_ids_and_forks_keep_the_affinity_key(client) -> None:  # type: ignore[no-untyped-def]
+def test_clients_propose_ids_and_forks_keep_the_affinity_key(client) -> None:
     with client.session(PROMPT) as session:
         assert len(session.session_id) == 32 and "." not in session.session_id  # proposed by the client
         session.send([5, 6], max_tokens=2, ignore_eos=True, temperature=0)
@@ -54,7 +54,7 @@ def test_every_call_about_a_session_carries_its_affinity_key() -> None:
     seen: list[tuple[str, str | None]] = []
 
     class Recorder(grpc.GenericRpcHandler):
-        def service(self, details):  # type: ignore[no-untyped-def]
+        def service(self, details):
             seen.append((details.method.rsplit("/", 1)[1], dict(details.invocation_metadata).get("x-cbd-affinity")))
             return None  # UNIMPLEMENTED
 

@@ -29,7 +29,7 @@ SESSIONS, TURNS = 30, 4
 
 
 @pytest.fixture(scope="module")
-def cluster(tiny_checkpoint, tmp_path_factory):  # type: ignore[no-untyped-def]
+def cluster(tiny_checkpoint, tmp_path_factory):
     flags = ["--model", str(tiny_checkpoint("llama")), "--num-threads", "1"]
     c = Cluster(3, f"127.0.0.1:{free_port()}", flags, tmp_path_factory.mktemp("cluster"), health_interval=0.5)
     try:
@@ -55,7 +55,7 @@ def _routes_to_every_replica(cluster: Cluster, tries: int = 100) -> list[int]:
     return got
 
 
-def test_sessions_keep_their_replica_and_spread_over_all(cluster) -> None:  # type: ignore[no-untyped-def]
+def test_sessions_keep_their_replica_and_spread_over_all(cluster) -> None:
     probe = _routes_to_every_replica(cluster)
     assert all(probe), (probe, cluster.healthy())
 
@@ -102,13 +102,13 @@ def _envoy_hosts(cluster: Cluster) -> list[str]:
     return [line for line in lines if line.startswith("cbd_sessions::") and any(w in line for w in wanted)]
 
 
-def test_plain_calls_go_to_any_replica(cluster) -> None:  # type: ignore[no-untyped-def]
+def test_plain_calls_go_to_any_replica(cluster) -> None:
     with Client(cluster.listen, timeout=60) as client:
         for _ in range(6):
             assert len(client.generate(PROMPT, max_tokens=3, ignore_eos=True).candidates[0].token_ids) == 3
 
 
-def test_the_proxy_names_the_replica_and_a_call_naming_one_goes_there(cluster) -> None:  # type: ignore[no-untyped-def]
+def test_the_proxy_names_the_replica_and_a_call_naming_one_goes_there(cluster) -> None:
     """Envoy answers a session call with x-cbd-replica (the replica it chose); a later call that sends it
     back reaches that replica whatever its affinity key hashes to (so a ring that moves keys between the
     remaining replicas when one leaves cannot strand a live session); the client does this itself."""
@@ -150,7 +150,7 @@ def test_the_proxy_names_the_replica_and_a_call_naming_one_goes_there(cluster) -
 
 
 @pytest.fixture()
-def fresh_cluster(tiny_checkpoint, tmp_path):  # type: ignore[no-untyped-def]
+def fresh_cluster(tiny_checkpoint, tmp_path):
     flags = ["--model", str(tiny_checkpoint("llama")), "--num-threads", "1"]
     c = Cluster(3, f"127.0.0.1:{free_port()}", flags, tmp_path, health_interval=0.5)
     try:
@@ -175,7 +175,7 @@ def _holder(cluster: Cluster, session_id: str) -> int:
 TURNS_IN = [[5, 6, 7], [8, 9], [10, 11, 12], [13]]
 
 
-def test_a_lost_replica_fails_its_sessions_and_recover_reopens_them_elsewhere(fresh_cluster) -> None:  # type: ignore[no-untyped-def]
+def test_a_lost_replica_fails_its_sessions_and_recover_reopens_them_elsewhere(fresh_cluster) -> None:
     import os
     import signal
 
@@ -233,7 +233,7 @@ def test_a_lost_replica_fails_its_sessions_and_recover_reopens_them_elsewhere(fr
             assert reply.usage.cached_prompt_tokens >= prompt_tokens, reply.usage
 
 
-def test_a_draining_replica_finishes_its_streams_and_gets_no_new_sessions(fresh_cluster) -> None:  # type: ignore[no-untyped-def]
+def test_a_draining_replica_finishes_its_streams_and_gets_no_new_sessions(fresh_cluster) -> None:
     import threading
 
     cluster = fresh_cluster
@@ -264,7 +264,7 @@ def test_a_draining_replica_finishes_its_streams_and_gets_no_new_sessions(fresh_
         assert all(_holder(cluster, s.session_id) != draining for s in fresh)
 
 
-def test_the_replica_and_envoy_units_verify(tmp_path) -> None:  # type: ignore[no-untyped-def]
+def test_the_replica_and_envoy_units_verify(tmp_path) -> None:
     import shutil
     import subprocess
 
@@ -286,7 +286,7 @@ def test_the_replica_and_envoy_units_verify(tmp_path) -> None:  # type: ignore[n
 
 def test_a_drained_replicas_sessions_go_on_elsewhere_from_the_shared_session_directory(
     tiny_checkpoint, tmp_path, shared_tiny_daemon
-) -> None:  # type: ignore[no-untyped-def]
+) -> None:
     import collections
 
     shared = tmp_path / "sessions"
@@ -342,7 +342,7 @@ def test_a_drained_replicas_sessions_go_on_elsewhere_from_the_shared_session_dir
     assert not list(shared.rglob("*.session"))  # closed sessions leave no file, wherever they were held
 
 
-def test_a_cluster_killed_outright_leaves_no_replica_or_envoy_behind(tiny_checkpoint) -> None:  # type: ignore[no-untyped-def]
+def test_a_cluster_killed_outright_leaves_no_replica_or_envoy_behind(tiny_checkpoint) -> None:
     import re
     import select
     import shutil

@@ -145,7 +145,7 @@ def message_bodies(draw: Any) -> Any:
 
 
 @pytest.fixture(scope="module")
-def gw(tmp_path_factory, tenant_daemon):  # type: ignore[no-untyped-def]
+def gw(tmp_path_factory, tenant_daemon):
     yield from stack(tmp_path_factory.mktemp("agentfuzz"), tenant_daemon)
 
 

@@ -25,7 +25,7 @@ def run_client(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[s
     return subprocess.run([*CLIENT, *args], capture_output=True, text=True, timeout=timeout)
 
 
-def test_no_socket_fails_at_once_naming_the_address(tmp_path) -> None:  # type: ignore[no-untyped-def]
+def test_no_socket_fails_at_once_naming_the_address(tmp_path) -> None:
     address = f"unix:{tmp_path / 'none.sock'}"
     # At once: the command's bound (60 s) is below the 120 s it would wait for a loading daemon, and it never
     # says it waits.
@@ -38,7 +38,7 @@ def test_no_socket_fails_at_once_naming_the_address(tmp_path) -> None:  # type: 
     assert info.value.code == grpc.StatusCode.UNAVAILABLE and said == []  # failed, never waited
 
 
-def test_refused_connection_fails_at_once(tmp_path) -> None:  # type: ignore[no-untyped-def]
+def test_refused_connection_fails_at_once(tmp_path) -> None:
     path = tmp_path / "stale.sock"
     with socket.socket(socket.AF_UNIX) as s:
         s.bind(str(path))  # the file exists, nothing listens
@@ -72,7 +72,7 @@ class CountingHealth(health.HealthServicer):
         super().__init__()
         self.checks = 0
 
-    def Check(self, request, context):  # type: ignore[no-untyped-def]  # noqa: N802 - the gRPC method's name
+    def Check(self, request, context):  # noqa: N802 - the gRPC method's name
         self.checks += 1
         return super().Check(request, context)
 
@@ -115,7 +115,7 @@ def test_a_loading_daemon_is_waited_for_and_the_wait_is_announced(
         (3.5, {}, "prompt must be"),
     ],
 )
-def test_bad_input_is_cbd_error_invalid_argument_before_any_call(tmp_path, prompt, kwargs, match) -> None:  # type: ignore[no-untyped-def]
+def test_bad_input_is_cbd_error_invalid_argument_before_any_call(tmp_path, prompt, kwargs, match) -> None:
     with Client(f"unix:{tmp_path / 'unused.sock'}") as client:  # refused before anything is sent
         with pytest.raises(CbdError, match=match) as info:
             client.generate(prompt, **kwargs)
@@ -124,7 +124,7 @@ def test_bad_input_is_cbd_error_invalid_argument_before_any_call(tmp_path, promp
             list(client.stream(prompt, **kwargs))
 
 
-def test_a_single_stop_string_is_one_string_not_its_characters(tmp_path) -> None:  # type: ignore[no-untyped-def]
+def test_a_single_stop_string_is_one_string_not_its_characters(tmp_path) -> None:
     from cbd_client import calls
 
     assert list(calls.generate_request("hi", 1, {"stop": "\n\n"}).sampling.stop) == ["\n\n"]

@@ -63,7 +63,7 @@ def test_a_second_daemon_on_the_same_tcp_port_is_refused(
     assert first.process.poll() is None
 
 
-def test_a_stale_socket_is_replaced_and_a_foreign_file_is_refused(tiny_checkpoint, tmp_path) -> None:  # type: ignore[no-untyped-def]
+def test_a_stale_socket_is_replaced_and_a_foreign_file_is_refused(tiny_checkpoint, tmp_path) -> None:
     stale = tmp_path / "stale.sock"
     with socket.socket(socket.AF_UNIX) as s:
         s.bind(str(stale))  # a socket file nothing listens on, as a killed daemon leaves it
@@ -95,7 +95,7 @@ def test_a_stale_socket_is_replaced_and_a_foreign_file_is_refused(tiny_checkpoin
         (["--disk-kv-dir", "/dev/null"], {}, None, ["disk_kv_dir", "/dev/null", "not a directory"]),
     ],
 )
-def test_start_up_failures_exit_78_with_one_line_and_leave_nothing_behind(tmp_path, args, env, toml, needles) -> None:  # type: ignore[no-untyped-def]
+def test_start_up_failures_exit_78_with_one_line_and_leave_nothing_behind(tmp_path, args, env, toml, needles) -> None:
     if toml is not None:
         (tmp_path / "cbd.toml").write_text(toml)
         args = [*args, "--config", str(tmp_path / "cbd.toml")]
@@ -105,7 +105,7 @@ def test_start_up_failures_exit_78_with_one_line_and_leave_nothing_behind(tmp_pa
     assert sorted(p.name for p in tmp_path.iterdir()) == (["cbd.toml"] if toml else [])
 
 
-def test_a_model_file_that_is_not_a_checkpoint_is_refused_before_anything_is_bound(tmp_path) -> None:  # type: ignore[no-untyped-def]
+def test_a_model_file_that_is_not_a_checkpoint_is_refused_before_anything_is_bound(tmp_path) -> None:
     (tmp_path / "bad.gguf").write_text("garbage")
     (tmp_path / "ckpt").mkdir()
     (tmp_path / "ckpt" / "config.json").write_text("{not json")
@@ -129,7 +129,7 @@ def test_a_session_directory_owner_held_by_a_live_daemon_is_refused_before_anyth
     assert first.health() == "SERVING"
 
 
-def test_a_host_kv_tier_that_cannot_be_allocated_is_a_configuration_error(tiny_checkpoint, tmp_path) -> None:  # type: ignore[no-untyped-def]
+def test_a_host_kv_tier_that_cannot_be_allocated_is_a_configuration_error(tiny_checkpoint, tmp_path) -> None:
     proc = run_cbd("serve", "--listen", f"unix:{tmp_path / 'cbd.sock'}", "--model", str(tiny_checkpoint("llama")),
                    "--num-host-kv-blocks", str(10**14))  # fmt: skip
     # Found once the model is loaded (its block size is known), so the start-up log lines come first.
@@ -139,7 +139,7 @@ def test_a_host_kv_tier_that_cannot_be_allocated_is_a_configuration_error(tiny_c
     assert list(tmp_path.iterdir()) == []
 
 
-def test_flash_attention_where_it_cannot_run_exits_78_with_one_line(tiny_checkpoint, tmp_path) -> None:  # type: ignore[no-untyped-def]
+def test_flash_attention_where_it_cannot_run_exits_78_with_one_line(tiny_checkpoint, tmp_path) -> None:
     proc = run_cbd("serve", "--listen", f"unix:{tmp_path / 'cbd.sock'}", "--model", str(tiny_checkpoint("llama")),
                    "--attention-backend", "flash")  # fmt: skip
     # Found once the model is loaded (its head dim is known), so the start-up log lines come first.
@@ -149,7 +149,7 @@ def test_flash_attention_where_it_cannot_run_exits_78_with_one_line(tiny_checkpo
     assert list(tmp_path.iterdir()) == []
 
 
-def test_cuda_without_cuda_is_a_configuration_error(tmp_path) -> None:  # type: ignore[no-untyped-def]
+def test_cuda_without_cuda_is_a_configuration_error(tmp_path) -> None:
     import torch
 
     if torch.cuda.is_available():
@@ -159,7 +159,7 @@ def test_cuda_without_cuda_is_a_configuration_error(tmp_path) -> None:  # type: 
     assert list(tmp_path.iterdir()) == []
 
 
-def test_detach_prints_the_pid_and_cbd_stop_stops_exactly_that_daemon(tiny_checkpoint, tmp_path) -> None:  # type: ignore[no-untyped-def]
+def test_detach_prints_the_pid_and_cbd_stop_stops_exactly_that_daemon(tiny_checkpoint, tmp_path) -> None:
     address, pid_file, log_file = f"unix:{tmp_path / 'cbd.sock'}", tmp_path / "cbd.pid", tmp_path / "cbd.log"
     started = run_cbd("serve", "--detach", "--listen", address, "--model", str(tiny_checkpoint("llama")),
                       "--pid-file", str(pid_file), "--log-file", str(log_file))  # fmt: skip
@@ -182,7 +182,7 @@ def test_detach_prints_the_pid_and_cbd_stop_stops_exactly_that_daemon(tiny_check
     assert again.returncode == 1 and "no daemon is listening" in again.stderr
 
 
-def test_stop_by_pid_file_refuses_a_process_that_is_not_cbd(tmp_path) -> None:  # type: ignore[no-untyped-def]
+def test_stop_by_pid_file_refuses_a_process_that_is_not_cbd(tmp_path) -> None:
     sleeper = subprocess.Popen(["sleep", "30"])
     try:
         pid_file = tmp_path / "x.pid"
@@ -216,7 +216,7 @@ def test_sighup_drains_and_a_second_signal_exits_at_once_leaving_no_socket(
     assert not (tmp_path / "twice.sock").exists() and not (tmp_path / "twice.sock.lock").exists()
 
 
-def test_help_says_what_each_flag_means_with_its_real_default(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+def test_help_says_what_each_flag_means_with_its_real_default(monkeypatch) -> None:
     from cbd.server.settings import build_parser, default_listen
 
     monkeypatch.delenv("CBD_LISTEN", raising=False)
@@ -242,7 +242,7 @@ def test_help_says_what_each_flag_means_with_its_real_default(monkeypatch) -> No
 
 
 @pytest.mark.slow
-def test_readme_serve_and_ask_with_the_embedded_model(tmp_path) -> None:  # type: ignore[no-untyped-def]
+def test_readme_serve_and_ask_with_the_embedded_model(tmp_path) -> None:
     """README's first command after the install: `cbd serve --detach && cbd-client "..."`, then `cbd stop`."""
     env = {**os.environ, "CBD_ADDRESS": f"unix:{tmp_path / 'cbd.sock'}"}
     shell = 'cbd serve --detach --log-file "$LOG" && cbd-client --max-tokens 24 "What is the capital of France?"'

@@ -26,7 +26,7 @@ def wait_gone(pid: int, timeout: float = 30.0) -> bool:
     return not alive(pid)
 
 
-def test_killing_the_engine_process_fails_every_live_call_with_internal_and_the_daemon_exits(tiny_daemon) -> None:  # type: ignore[no-untyped-def]
+def test_killing_the_engine_process_fails_every_live_call_with_internal_and_the_daemon_exits(tiny_daemon) -> None:
     d = tiny_daemon()
     engine = d.engine_pid()
     codes: list[grpc.StatusCode | None] = []
@@ -57,7 +57,7 @@ def test_killing_the_engine_process_fails_every_live_call_with_internal_and_the_
     assert not Path(d.address.removeprefix("unix:")).exists()  # the daemon cleaned up its socket
 
 
-def test_the_engine_process_dies_with_the_daemon(tiny_daemon) -> None:  # type: ignore[no-untyped-def]
+def test_the_engine_process_dies_with_the_daemon(tiny_daemon) -> None:
     d = tiny_daemon()
     engine = d.engine_pid()
     with Client(d.address, timeout=60) as client:
@@ -70,7 +70,7 @@ def test_the_engine_process_dies_with_the_daemon(tiny_daemon) -> None:  # type: 
                 pass
 
 
-def test_a_sigkilled_daemon_leaves_neither_its_engine_process_nor_its_socket_directory(tiny_daemon) -> None:  # type: ignore[no-untyped-def]
+def test_a_sigkilled_daemon_leaves_neither_its_engine_process_nor_its_socket_directory(tiny_daemon) -> None:
     d = tiny_daemon()
     engine = d.engine_pid()
     argv = Path(f"/proc/{engine}/cmdline").read_bytes().split(b"\0")
@@ -85,7 +85,7 @@ def test_a_sigkilled_daemon_leaves_neither_its_engine_process_nor_its_socket_dir
     assert not sockets.exists(), f"{sockets} was left behind"
 
 
-def test_sigterm_stops_both_processes_cleanly(tiny_daemon) -> None:  # type: ignore[no-untyped-def]
+def test_sigterm_stops_both_processes_cleanly(tiny_daemon) -> None:
     d = tiny_daemon()
     engine = d.engine_pid()
     with Client(d.address, timeout=60) as client:

@@ -50,7 +50,7 @@ _token_ids = st.lists(st.one_of(st.integers(0, 300), st.integers(0, 2**32 - 1)),
 
 
 @st.composite
-def valid_requests(draw):  # type: ignore[no-untyped-def]
+def valid_requests(draw):
     """Requests within every limit (their variety exercises the engine: fan-outs, sampling, logprobs)."""
     request = pb.GenerateRequest()
     request.tokens.ids.extend(draw(st.lists(st.integers(2, 255), min_size=1, max_size=40)))
@@ -71,7 +71,7 @@ def valid_requests(draw):  # type: ignore[no-untyped-def]
 
 
 @st.composite
-def wild_requests(draw):  # type: ignore[no-untyped-def]
+def wild_requests(draw):
     """Any field anywhere in (and past) its range."""
     request = pb.GenerateRequest()
     kind = draw(st.sampled_from(["tokens", "tokens", "tokens", "text", "chat", "none"]))
@@ -143,7 +143,7 @@ def _deep_schema(depth: int) -> str:
 
 
 @st.composite
-def hostile_requests(draw):  # type: ignore[no-untyped-def]
+def hostile_requests(draw):
     """Chat requests carrying grammar bombs, control tokens and huge ids, each on its own or combined."""
     request = pb.GenerateRequest()
     for _ in range(draw(st.integers(1, 3))):
@@ -220,14 +220,14 @@ def assert_still_serving(d: DaemonProcess, prompt: list[int]) -> None:
         assert (stats.running, stats.waiting, stats.kv_blocks_used, stats.live_requests) == (0, 0, 0, 0)
 
 
-def test_fuzzed_requests_end_cleanly_and_the_daemon_keeps_serving(fuzz_daemon) -> None:  # type: ignore[no-untyped-def]
+def test_fuzzed_requests_end_cleanly_and_the_daemon_keeps_serving(fuzz_daemon) -> None:
     seen = fuzz(fuzz_daemon.address, st.one_of(valid_requests(), wild_requests()), EXAMPLES, at_once=16)
     assert seen.get("OK", 0) > EXAMPLES // 20 and seen.get("INVALID_ARGUMENT", 0) > 0, seen
     assert_still_serving(fuzz_daemon, list(range(2, 30)))
 
 
 @pytest.mark.slow
-def test_fuzzed_hostile_requests_end_cleanly_and_the_daemon_keeps_serving(tmp_path) -> None:  # type: ignore[no-untyped-def]
+def test_fuzzed_hostile_requests_end_cleanly_and_the_daemon_keeps_serving(tmp_path) -> None:
     d = DaemonProcess(
         tmp_path / "cbd.sock", "--grammar-compile-timeout", "2", "--grammar-mask-budget-ms", "5",
         "--max-message-bytes", str(64 << 20),

@@ -114,7 +114,7 @@ def completion_bodies(draw: Any) -> Any:
 
 
 @pytest.fixture(scope="module")
-def gateway(tmp_path_factory):  # type: ignore[no-untyped-def]
+def gateway(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("gwfuzz")
     daemon = DaemonProcess(tmp / "cbd.sock", "--max-model-len", "512")
     gw = GatewayProcess(daemon.address, tmp / "gateway.log")
@@ -136,7 +136,7 @@ def _check(response: httpx.Response) -> str:
     return str(response.status_code)
 
 
-def test_fuzzed_api_bodies_are_answered_below_500_and_leave_nothing_running(gateway) -> None:  # type: ignore[no-untyped-def]
+def test_fuzzed_api_bodies_are_answered_below_500_and_leave_nothing_running(gateway) -> None:
     daemon, gw = gateway
     seen: dict[str, int] = {}
     with httpx.Client(base_url=gw.base, timeout=120) as http:

@@ -38,12 +38,12 @@ class Stack:
         with Client(self.daemon.address, timeout=30, token=token) as c:
             return {s.session_id: s.num_tokens for s in c.list_sessions()}
 
-    def stats(self):  # type: ignore[no-untyped-def]
+    def stats(self):
         with Client(self.daemon.address, timeout=30, token=self.token) as c:
             return c.stats()
 
 
-def _start(tmp, *daemon_flags: str, token: str | None = None) -> Stack:  # type: ignore[no-untyped-def]
+def _start(tmp, *daemon_flags: str, token: str | None = None) -> Stack:
     daemon = DaemonProcess(tmp / "cbd.sock", *daemon_flags)
     gateway = GatewayProcess(daemon.address, tmp / "gateway.log", *LIMITS)
     daemon.wait_serving()
@@ -52,7 +52,7 @@ def _start(tmp, *daemon_flags: str, token: str | None = None) -> Stack:  # type:
 
 
 @pytest.fixture(scope="module")
-def stack(tmp_path_factory):  # type: ignore[no-untyped-def]
+def stack(tmp_path_factory):
     # No auth: the daemon ignores tokens, so only the gateway can keep two callers' session names apart.
     s = _start(tmp_path_factory.mktemp("gwlimits"), "--max-message-bytes", "32768")
     try:
@@ -80,11 +80,11 @@ def _two_callers_share_a_name(stack: Stack, alice: str, bob: str) -> None:
     assert bob_session in stack.sessions(bob)
 
 
-def test_two_tokens_using_one_session_name_get_separate_sessions(stack) -> None:  # type: ignore[no-untyped-def]
+def test_two_tokens_using_one_session_name_get_separate_sessions(stack) -> None:
     _two_callers_share_a_name(stack, "tok-alice", "tok-bob")
 
 
-def test_two_tenants_using_one_session_name_get_separate_sessions(tmp_path) -> None:  # type: ignore[no-untyped-def]
+def test_two_tenants_using_one_session_name_get_separate_sessions(tmp_path) -> None:
     (tmp_path / "tokens").write_text("alice tok-alice\nbob tok-bob\n")
     s = _start(tmp_path, "--auth-token-file", str(tmp_path / "tokens"), token="tok-alice")
     try:
@@ -112,7 +112,7 @@ def _read_all(sock: socket.socket) -> bytes:
         data += chunk
 
 
-def test_a_body_over_the_limit_is_413_and_the_gateway_memory_stays_bounded(stack) -> None:  # type: ignore[no-untyped-def]
+def test_a_body_over_the_limit_is_413_and_the_gateway_memory_stays_bounded(stack) -> None:
     declared = httpx.post(f"{stack.gateway.base}/v1/chat/completions", content=b"{" + b" " * (BODY_LIMIT + 10) + b"}")
     assert declared.status_code == 413 and declared.json()["error"]["code"] == "request_too_large"
     rss_before = stack.gateway.rss_bytes()
@@ -133,7 +133,7 @@ def test_a_body_over_the_limit_is_413_and_the_gateway_memory_stays_bounded(stack
     assert httpx.get(f"{stack.gateway.base}/health", timeout=10).status_code == 200
 
 
-def test_a_body_sent_slowly_is_cut_after_the_body_timeout(stack) -> None:  # type: ignore[no-untyped-def]
+def test_a_body_sent_slowly_is_cut_after_the_body_timeout(stack) -> None:
     sock = _raw(stack)
     sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 1000\r\n\r\n{")
     stop = threading.Event()
@@ -158,7 +158,7 @@ def test_a_body_sent_slowly_is_cut_after_the_body_timeout(stack) -> None:  # typ
         assert json.loads(answer.split(b"\r\n\r\n", 1)[1])["error"]["code"] == "request_timeout"
 
 
-def test_headers_sent_slowly_are_cut_after_the_header_timeout(stack) -> None:  # type: ignore[no-untyped-def]
+def test_headers_sent_slowly_are_cut_after_the_header_timeout(stack) -> None:
     sock = _raw(stack)
     sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\n")
     stop = threading.Event()
@@ -183,14 +183,14 @@ def test_headers_sent_slowly_are_cut_after_the_header_timeout(stack) -> None:  #
         assert _read_all(idle) == b""
 
 
-def test_the_daemons_message_size_refusal_is_413_and_not_retried(stack) -> None:  # type: ignore[no-untyped-def]
+def test_the_daemons_message_size_refusal_is_413_and_not_retried(stack) -> None:
     body = {"model": "m", "messages": [{"role": "user", "content": "x" * 40_000}], "max_tokens": 2}
     response = httpx.post(f"{stack.gateway.base}/v1/chat/completions", json=body, timeout=60)
     assert response.status_code == 413 and "retry-after" not in response.headers, response.text
     assert "larger than max" in response.json()["error"]["message"]
 
 
-def test_too_many_prompts_are_refused_up_front(stack) -> None:  # type: ignore[no-untyped-def]
+def test_too_many_prompts_are_refused_up_front(stack) -> None:
     body = {"model": "m", "prompt": ["Hello"] * 5000, "max_tokens": 2}
     response = httpx.post(f"{stack.gateway.base}/v1/completions", json=body, timeout=60)
     assert response.status_code == 400 and response.json()["error"]["param"] == "prompt", response.text
@@ -198,7 +198,7 @@ def test_too_many_prompts_are_refused_up_front(stack) -> None:  # type: ignore[n
     assert stack.stats().live_requests == 0
 
 
-def test_a_client_that_goes_away_is_one_info_line(stack) -> None:  # type: ignore[no-untyped-def]
+def test_a_client_that_goes_away_is_one_info_line(stack) -> None:
     before = stack.gateway.log()
     with _raw(stack) as sock:  # gone while its body is arriving
         sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n{")

@@ -60,7 +60,7 @@ def test_a_compile_past_its_budget_is_refused_while_a_plain_request_is_answered(
     assert "grammar_compile_timeout" in failure[0].details, failure[0].details
 
 
-def test_a_grammar_over_its_mask_budget_ends_with_its_error_while_a_greedy_stream_advances(client) -> None:  # type: ignore[no-untyped-def]
+def test_a_grammar_over_its_mask_budget_ends_with_its_error_while_a_greedy_stream_advances(client) -> None:
     counts: list[int] = []
     stream = client.stream("Tell me a long story.", max_tokens=160, temperature=0.0, ignore_eos=True)
     counts.append(len(next(stream).token_ids))  # the greedy stream runs before the bomb arrives
@@ -84,13 +84,13 @@ def test_a_grammar_over_its_mask_budget_ends_with_its_error_while_a_greedy_strea
         ({"if": {"type": "integer"}, "then": {"minimum": 1}}, r"json_schema\.if"),
     ],
 )
-def test_schema_keywords_the_grammar_would_not_enforce_are_invalid_argument(client, schema, match) -> None:  # type: ignore[no-untyped-def]
+def test_schema_keywords_the_grammar_would_not_enforce_are_invalid_argument(client, schema, match) -> None:
     with pytest.raises(CbdError, match=match) as info:
         client.generate(ASK, max_tokens=4, response_format={"type": "json_schema", "json_schema": json.dumps(schema)})
     assert info.value.code == grpc.StatusCode.INVALID_ARGUMENT
 
 
-def test_tool_parameters_nested_5000_deep_and_an_empty_regex_are_invalid_argument(client) -> None:  # type: ignore[no-untyped-def]
+def test_tool_parameters_nested_5000_deep_and_an_empty_regex_are_invalid_argument(client) -> None:
     deep = '{"type": "object", "properties": {"a": ' * 5000 + "{}" + "}}" * 5000
     with pytest.raises(CbdError, match="nested too deeply") as info:
         client.generate(ASK, max_tokens=4, tools=[{"name": "f", "parameters": deep}])

@@ -34,7 +34,7 @@ def metrics_port() -> int:
 
 
 @pytest.fixture(scope="module")
-def daemon(tmp_path_factory, metrics_port):  # type: ignore[no-untyped-def]
+def daemon(tmp_path_factory, metrics_port):
     d = DaemonProcess(
         tmp_path_factory.mktemp("cbd") / "cbd.sock", "--grammar-compile-workers", str(WORKERS),
         "--grammar-compile-timeout", "6", "--grammar-mask-budget-ms", "20", "--metrics-port", str(metrics_port),
@@ -49,7 +49,7 @@ def daemon(tmp_path_factory, metrics_port):  # type: ignore[no-untyped-def]
 
 
 @pytest.fixture(scope="module")
-def baseline(daemon) -> dict[int, int]:  # type: ignore[no-untyped-def]
+def baseline(daemon) -> dict[int, int]:
     """Resident memory of the frontend and the engine process before any bomb."""
     return {pid: rss_bytes(pid) for pid in (daemon.process.pid, daemon.engine_pid())}
 
@@ -80,7 +80,7 @@ def assert_documented_errors(ended: list[CbdError | str], count: int) -> None:
         assert "grammar_compile_timeout" in exc.details or "grammar_compile_memory_mib" in exc.details, exc.details
 
 
-def test_both_grammar_caches_show_in_the_metrics(daemon, metrics_port) -> None:  # type: ignore[no-untyped-def]
+def test_both_grammar_caches_show_in_the_metrics(daemon, metrics_port) -> None:
     # The fixture compiled one regex: the frontend keeps its outcome, the engine its loaded grammar.
     body = urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=30).read().decode()
     found = dict(re.findall(r'^cbd_grammar_cache_bytes\{process="(\w+)"\} (\S+)$', body, re.M))
@@ -88,7 +88,7 @@ def test_both_grammar_caches_show_in_the_metrics(daemon, metrics_port) -> None: 
     assert re.search(r"^cbd_chat_transcripts 0\.0$", body, re.M)
 
 
-def test_six_compile_bombs_at_once_leave_other_requests_and_health_alone(daemon, baseline) -> None:  # type: ignore[no-untyped-def]
+def test_six_compile_bombs_at_once_leave_other_requests_and_health_alone(daemon, baseline) -> None:
     with Client(daemon.address, timeout=300) as client:
         stream = BackgroundStream(daemon.address)
         threads, ended = send_bombs(client, [f"six-{i}" for i in range(6)])
@@ -123,7 +123,7 @@ def test_six_compile_bombs_at_once_leave_other_requests_and_health_alone(daemon,
     assert fresh.candidates[0].text.isdigit()
 
 
-def test_memory_returns_within_its_bound_after_compile_and_mask_bombs(daemon, baseline) -> None:  # type: ignore[no-untyped-def]
+def test_memory_returns_within_its_bound_after_compile_and_mask_bombs(daemon, baseline) -> None:
     with Client(daemon.address, timeout=300) as client:
         threads, ended = send_bombs(client, ["memory-0", "memory-1"])
         with pytest.raises(CbdError, match="grammar too expensive") as info:
@@ -139,7 +139,7 @@ def test_memory_returns_within_its_bound_after_compile_and_mask_bombs(daemon, ba
     assert all(g < MEMORY_BOUND for g in grown.values()), {pid: g // 2**20 for pid, g in grown.items()}
 
 
-def test_a_cancelled_compile_is_stopped_and_frees_its_slot(tmp_path) -> None:  # type: ignore[no-untyped-def]
+def test_a_cancelled_compile_is_stopped_and_frees_its_slot(tmp_path) -> None:
     # One worker, and a budget far longer than the test: only the cancel can end the compile.
     d = DaemonProcess(tmp_path / "cbd.sock", "--grammar-compile-workers", "1", "--grammar-compile-timeout", "600")
     try:

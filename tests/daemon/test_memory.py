@@ -88,7 +88,7 @@ def _trimmed_since(port: int, before: dict[str, float]) -> bool:
     return all(now[name] > before[name] for name in ("frontend", "engine"))
 
 
-def test_repeated_bursts_plateau_and_the_metrics_show_both_processes(tiny_daemon) -> None:  # type: ignore[no-untyped-def]
+def test_repeated_bursts_plateau_and_the_metrics_show_both_processes(tiny_daemon) -> None:
     port = free_port()
     daemon = tiny_daemon("--metrics-port", str(port), "--idle-trim-seconds", "0.5")
     rss = _scrape(port, "cbd_process_resident_memory_bytes")

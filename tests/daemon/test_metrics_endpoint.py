@@ -92,7 +92,7 @@ def _read_until_closed(s: socket.socket) -> bytes:
     return received
 
 
-def test_half_open_connections_are_closed_and_do_not_stop_scrapes(tiny_daemon) -> None:  # type: ignore[no-untyped-def]
+def test_half_open_connections_are_closed_and_do_not_stop_scrapes(tiny_daemon) -> None:
     port = free_port()
     tiny_daemon("--metrics-port", str(port), "--metrics-read-timeout", "2")
     stalled = [socket.create_connection(("127.0.0.1", port), timeout=30) for _ in range(40)]
@@ -118,7 +118,7 @@ def test_half_open_connections_are_closed_and_do_not_stop_scrapes(tiny_daemon) -
             s.close()
 
 
-def test_metrics_token_is_required_when_set(tiny_daemon, tmp_path) -> None:  # type: ignore[no-untyped-def]
+def test_metrics_token_is_required_when_set(tiny_daemon, tmp_path) -> None:
     token_file = tmp_path / "metrics-token"
     token_file.write_text("scrape-secret\n")
     port = free_port()

@@ -31,16 +31,16 @@ class Stack:
     def __init__(self, daemon: DaemonProcess, gateway: GatewayProcess, url: str) -> None:
         self.daemon, self.gateway, self.url = daemon, gateway, url
 
-    def client(self, **kwargs) -> openai.OpenAI:  # type: ignore[no-untyped-def]
+    def client(self, **kwargs) -> openai.OpenAI:
         return openai.OpenAI(base_url=self.url, api_key=kwargs.pop("api_key", TOKEN), **{"max_retries": 0, **kwargs})
 
-    def stats(self):  # type: ignore[no-untyped-def]
+    def stats(self):
         with Client(self.daemon.address, timeout=30, token=TOKEN) as c:
             return c.stats()
 
 
 @pytest.fixture(scope="module")
-def stack(tmp_path_factory):  # type: ignore[no-untyped-def]
+def stack(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("gw")
     (tmp / "token").write_text(TOKEN)
     daemon = DaemonProcess(tmp / "cbd.sock", "--auth-token-file", str(tmp / "token"), "--max-queued-requests", "2")
@@ -54,7 +54,7 @@ def stack(tmp_path_factory):  # type: ignore[no-untyped-def]
         assert daemon.stop() == 0, daemon.log()
 
 
-def test_models_and_a_chat_completion(stack) -> None:  # type: ignore[no-untyped-def]
+def test_models_and_a_chat_completion(stack) -> None:
     client = stack.client()
     (model,) = client.models.list().data
     assert model.id.startswith("SmolLM2") and client.models.retrieve(model.id).id == model.id
@@ -66,7 +66,7 @@ def test_models_and_a_chat_completion(stack) -> None:  # type: ignore[no-untyped
     assert u.prompt_tokens_details.cached_tokens is not None
 
 
-def test_streamed_deltas_join_to_the_whole_reply(stack) -> None:  # type: ignore[no-untyped-def]
+def test_streamed_deltas_join_to_the_whole_reply(stack) -> None:
     client = stack.client()
     whole = client.chat.completions.create(model="any", messages=ASK, max_tokens=40, temperature=0)
     chunks = list(client.chat.completions.create(model="any", messages=ASK, max_tokens=40, temperature=0, stream=True,
@@ -87,7 +87,7 @@ def test_streamed_deltas_join_to_the_whole_reply(stack) -> None:  # type: ignore
     assert all("usage" in c and c["usage"] is None for c in raw[:-1]) and all(c["choices"] for c in raw[:-1])
 
 
-def test_n_candidates_with_a_seed_are_reproducible(stack) -> None:  # type: ignore[no-untyped-def]
+def test_n_candidates_with_a_seed_are_reproducible(stack) -> None:
     client = stack.client()
 
     def sample() -> list[str]:
@@ -99,7 +99,7 @@ def test_n_candidates_with_a_seed_are_reproducible(stack) -> None:  # type: igno
     assert first == sample() and len(set(first)) > 1  # the same four, and not four copies of one
 
 
-def test_tool_calls_are_parsed_and_their_arguments_validate(stack) -> None:  # type: ignore[no-untyped-def]
+def test_tool_calls_are_parsed_and_their_arguments_validate(stack) -> None:
     client = stack.client()
     ask = [{"role": "user", "content": "What is the weather in Paris right now?"}]
     reply = client.chat.completions.create(model="m", messages=ask, tools=TOOLS, tool_choice="required",
@@ -130,7 +130,7 @@ def test_tool_calls_are_parsed_and_their_arguments_validate(stack) -> None:  # t
     assert answer.choices[0].message.content and not answer.choices[0].message.tool_calls
 
 
-def test_response_format_json_schema_validates(stack) -> None:  # type: ignore[no-untyped-def]
+def test_response_format_json_schema_validates(stack) -> None:
     client = stack.client()
     person = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 20},
                                                "age": {"type": "integer"}}, "required": ["name", "age"],
@@ -146,7 +146,7 @@ def test_response_format_json_schema_validates(stack) -> None:  # type: ignore[n
     assert obj.choices[0].finish_reason == "stop" and isinstance(json.loads(obj.choices[0].message.content), dict)
 
 
-def test_a_session_header_keeps_the_conversation_resident(stack) -> None:  # type: ignore[no-untyped-def]
+def test_a_session_header_keeps_the_conversation_resident(stack) -> None:
     client = stack.client(default_headers={"X-Cbd-Session": "agent-7"})
     sessions_before = stack.stats().open_sessions
     messages: list[dict] = [{"role": "user", "content": "Name a fruit."}]
@@ -164,7 +164,7 @@ def test_a_session_header_keeps_the_conversation_resident(stack) -> None:  # typ
     assert client.chat.completions.create(model="m", messages=edited, max_tokens=8, temperature=0).choices[0].message
 
 
-def test_completions_with_one_and_several_prompts(stack) -> None:  # type: ignore[no-untyped-def]
+def test_completions_with_one_and_several_prompts(stack) -> None:
     client = stack.client()
     one = client.completions.create(model="m", prompt="The capital of France is", max_tokens=5, temperature=0,
                                     logprobs=2)  # fmt: skip
@@ -175,7 +175,7 @@ def test_completions_with_one_and_several_prompts(stack) -> None:  # type: ignor
     assert [c.index for c in several.choices] == [0, 1] and several.usage.completion_tokens == 6
 
 
-def test_errors_have_the_apis_statuses(stack) -> None:  # type: ignore[no-untyped-def]
+def test_errors_have_the_apis_statuses(stack) -> None:
     client = stack.client()
     with pytest.raises(openai.BadRequestError) as bad:
         client.chat.completions.create(model="m", messages=ASK, presence_penalty=0.5)
@@ -212,7 +212,7 @@ def test_errors_have_the_apis_statuses(stack) -> None:  # type: ignore[no-untype
     assert most.choices[0].logprobs is not None and len(most.choices[0].logprobs.content[0].top_logprobs) == 20
 
 
-def _blocker(stack, release: threading.Event) -> threading.Thread:  # type: ignore[no-untyped-def]
+def _blocker(stack, release: threading.Event) -> threading.Thread:
     """Holds one of the daemon's two seats (a long stream through the gateway) until `release` is set."""
     started = threading.Event()
 
@@ -231,7 +231,7 @@ def _blocker(stack, release: threading.Event) -> threading.Thread:  # type: igno
     return thread
 
 
-def test_a_full_daemon_is_429_with_retry_after_and_the_clients_retry_succeeds(stack) -> None:  # type: ignore[no-untyped-def]
+def test_a_full_daemon_is_429_with_retry_after_and_the_clients_retry_succeeds(stack) -> None:
     release = threading.Event()
     blockers = [_blocker(stack, release), _blocker(stack, release)]
     try:
@@ -248,7 +248,7 @@ def test_a_full_daemon_is_429_with_retry_after_and_the_clients_retry_succeeds(st
             blocker.join(60)
 
 
-def test_a_client_that_disconnects_mid_stream_frees_the_request(stack) -> None:  # type: ignore[no-untyped-def]
+def test_a_client_that_disconnects_mid_stream_frees_the_request(stack) -> None:
     body = {"model": "m", "messages": ASK, "max_tokens": 2000, "stream": True, "ignore_eos": True}
     headers = {"Authorization": f"Bearer {TOKEN}"}
     with httpx.stream("POST", f"{stack.url}/chat/completions", json=body, headers=headers, timeout=60) as response:
@@ -270,7 +270,7 @@ def test_the_gateway_imports_no_engine_or_server_code() -> None:
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
 
 
-def test_a_client_that_gives_up_on_a_whole_reply_frees_the_request(stack) -> None:  # type: ignore[no-untyped-def]
+def test_a_client_that_gives_up_on_a_whole_reply_frees_the_request(stack) -> None:
     body = {"model": "m", "messages": ASK, "max_tokens": 2000, "ignore_eos": True}
     headers = {"Authorization": f"Bearer {TOKEN}", "X-Cbd-Session": "gives-up"}
     sessions_before = stack.stats().open_sessions
@@ -282,7 +282,7 @@ def test_a_client_that_gives_up_on_a_whole_reply_frees_the_request(stack) -> Non
         time.sleep(0.1)
 
 
-def test_calls_the_daemon_cancels_as_it_shuts_down_are_503s_not_a_finish(tmp_path) -> None:  # type: ignore[no-untyped-def]
+def test_calls_the_daemon_cancels_as_it_shuts_down_are_503s_not_a_finish(tmp_path) -> None:
     """A reply the daemon ends unfinished (it is shutting down, no grace) is the 503 of a call it cancelled:
     whole, the call's status; streamed, an error event after what had arrived; never finish_reason abort."""
     daemon = DaemonProcess(tmp_path / "cbd.sock", "--shutdown-grace", "0")

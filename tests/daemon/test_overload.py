@@ -47,7 +47,7 @@ async def run_workload(address: str) -> tuple[dict, int]:
     """Run every call at once; returns {call index: output} and how many submissions were refused."""
     refused = 0
 
-    async def retrying(make_stream):  # type: ignore[no-untyped-def]
+    async def retrying(make_stream):
         nonlocal refused
         while True:
             tokens: dict[int, list[int]] = {}
@@ -110,7 +110,7 @@ def check_complete(calls: list[dict], results: dict) -> None:
 
 def test_a_pool_far_too_small_completes_everything_exactly_once_with_unconstrained_greedy_outputs(
     tiny_checkpoint, tmp_path
-) -> None:  # type: ignore[no-untyped-def]
+) -> None:
     model = str(tiny_checkpoint("llama"))
     exact = ("--cpu-packed-gemm", "false")  # BLAS GEMMs: a row's logits do not depend on the batch
     small = DaemonProcess(tmp_path / "small.sock", "--model", model, *exact, "--num-kv-blocks", "24",

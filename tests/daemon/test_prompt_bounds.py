@@ -38,12 +38,12 @@ def daemon(shared_daemon: DaemonProcess) -> DaemonProcess:
 
 
 @pytest.fixture()
-def client(daemon):  # type: ignore[no-untyped-def]
+def client(daemon):
     with Client(daemon.address, timeout=120) as c:
         yield c
 
 
-def refusal(call) -> str:  # type: ignore[no-untyped-def]
+def refusal(call) -> str:
     with pytest.raises(CbdError) as info:
         call()
     assert info.value.code == grpc.StatusCode.INVALID_ARGUMENT, info.value
@@ -52,7 +52,7 @@ def refusal(call) -> str:  # type: ignore[no-untyped-def]
     return details
 
 
-def raw_refusal(daemon, method: str, request) -> str:  # type: ignore[no-untyped-def]
+def raw_refusal(daemon, method: str, request) -> str:
     """The call through the bare stub: the client would also send a session's id as a (bounded) header."""
     with grpc.insecure_channel(daemon.address) as channel:
         call = getattr(CbdStub(channel), method)
@@ -66,7 +66,7 @@ def raw_refusal(daemon, method: str, request) -> str:  # type: ignore[no-untyped
 
 
 @pytest.mark.slow
-def test_huge_ids_and_names_are_refused_with_one_short_line(client, daemon) -> None:  # type: ignore[no-untyped-def]
+def test_huge_ids_and_names_are_refused_with_one_short_line(client, daemon) -> None:
     huge = "x" * MiB
     assert "request_id" in refusal(lambda: client.generate(FRANCE, request_id=huge, max_tokens=2))
     assert "128" in refusal(lambda: client.generate(FRANCE, request_id="a/b", max_tokens=2))
@@ -80,7 +80,7 @@ def test_huge_ids_and_names_are_refused_with_one_short_line(client, daemon) -> N
 
 
 @pytest.mark.slow
-def test_an_over_size_prompt_is_refused_before_it_is_tokenized(client) -> None:  # type: ignore[no-untyped-def]
+def test_an_over_size_prompt_is_refused_before_it_is_tokenized(client) -> None:
     limit = client.model_info().context_length * PROMPT_CHARS_PER_TOKEN
     bound = f"at most {limit} are tokenized"
     big = "word " * (4 * MiB)  # 20 MiB: tokenizing it would hold a tokenizer thread for many seconds
@@ -92,7 +92,7 @@ def test_an_over_size_prompt_is_refused_before_it_is_tokenized(client) -> None: 
 
 
 @pytest.mark.slow
-def test_tokenize_rpc_keeps_message_content_as_text(client) -> None:  # type: ignore[no-untyped-def]
+def test_tokenize_rpc_keeps_message_content_as_text(client) -> None:
     start, end = 1, 2  # <|im_start|>, <|im_end|> in SmolLM2's vocabulary
 
     def specials(ids: list[int]) -> Counter:
@@ -130,7 +130,7 @@ class _HeldTokenizer:
         return [len(text) % 7, 1, 2]
 
 
-def test_health_answers_while_a_big_prompt_is_tokenized(tmp_path) -> None:  # type: ignore[no-untyped-def]
+def test_health_answers_while_a_big_prompt_is_tokenized(tmp_path) -> None:
     log: list[str] = []
     tokenizer = _HeldTokenizer(log)
     service = CbdService()
@@ -167,7 +167,7 @@ def test_health_answers_while_a_big_prompt_is_tokenized(tmp_path) -> None:  # ty
 
 
 @pytest.mark.slow
-def test_health_and_a_stream_go_on_while_four_clients_flood_big_prompts(daemon, client) -> None:  # type: ignore[no-untyped-def]
+def test_health_and_a_stream_go_on_while_four_clients_flood_big_prompts(daemon, client) -> None:
     limit = client.model_info().context_length * PROMPT_CHARS_PER_TOKEN
     near, over = "word " * (limit // 5), "word " * (2 * limit // 5)  # tokenized, then too long; never tokenized
     stream = BackgroundStream(daemon.address)
@@ -203,7 +203,7 @@ def test_health_and_a_stream_go_on_while_four_clients_flood_big_prompts(daemon, 
 
 
 @pytest.mark.slow
-def test_a_tiny_temperature_is_greedy_with_finite_logprobs(client) -> None:  # type: ignore[no-untyped-def]
+def test_a_tiny_temperature_is_greedy_with_finite_logprobs(client) -> None:
     greedy = client.generate(FRANCE, temperature=0, max_tokens=8, ignore_eos=True, logprobs=2).candidates[0]
     for tiny in (1e-45, 1e-30):  # 1e-45 is the smallest float32 above 0 (the proto's type)
         got = client.generate(FRANCE, temperature=tiny, seed=5, max_tokens=8, ignore_eos=True, logprobs=2)

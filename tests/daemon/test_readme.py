@@ -50,7 +50,7 @@ def stack(
 
 
 @pytest.mark.parametrize("line,code", python_blocks(), ids=[f"line{n}" for n, _ in python_blocks()])
-def test_readme_block_runs(stack, tmp_path, line: int, code: str) -> None:  # type: ignore[no-untyped-def]
+def test_readme_block_runs(stack, tmp_path, line: int, code: str) -> None:
     daemon, gateway = stack
     env = {**os.environ, "CBD_ADDRESS": daemon.address}
     program = code.replace(GATEWAY, gateway.base.removeprefix("http://"))

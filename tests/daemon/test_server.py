@@ -21,12 +21,12 @@ def daemon(shared_daemon: DaemonProcess) -> DaemonProcess:
 
 
 @pytest.fixture()
-def client(daemon):  # type: ignore[no-untyped-def]
+def client(daemon):
     with Client(daemon.address, timeout=120) as c:
         yield c
 
 
-def wait_until_idle(client: Client, timeout: float = 10.0):  # type: ignore[no-untyped-def]
+def wait_until_idle(client: Client, timeout: float = 10.0):
     deadline = time.monotonic() + timeout
     while True:
         stats = client.stats()
@@ -36,11 +36,11 @@ def wait_until_idle(client: Client, timeout: float = 10.0):  # type: ignore[no-u
         time.sleep(0.05)
 
 
-def test_health_is_not_serving_until_warm_then_serving(daemon) -> None:  # type: ignore[no-untyped-def]
+def test_health_is_not_serving_until_warm_then_serving(daemon) -> None:
     assert daemon.health_seen == ["NOT_SERVING", "SERVING"]
 
 
-def test_greedy_chat_knows_paris(client) -> None:  # type: ignore[no-untyped-def]
+def test_greedy_chat_knows_paris(client) -> None:
     result = client.generate(FRANCE, max_tokens=32, temperature=0)
     candidate = result.candidates[0]
     assert "Paris" in candidate.text
@@ -49,7 +49,7 @@ def test_greedy_chat_knows_paris(client) -> None:  # type: ignore[no-untyped-def
     assert result.usage.completion_tokens == len(candidate.token_ids) == candidate.usage.completion_tokens
 
 
-def test_streamed_deltas_concatenate_to_the_final_text(client) -> None:  # type: ignore[no-untyped-def]
+def test_streamed_deltas_concatenate_to_the_final_text(client) -> None:
     prompt = [{"role": "user", "content": "Write a short poem about the ocean, with an emoji."}]
     deltas = list(client.stream(prompt, max_tokens=48, temperature=0, stop=["\n\n"]))
     final = client.generate(prompt, max_tokens=48, temperature=0, stop=["\n\n"])
@@ -59,7 +59,7 @@ def test_streamed_deltas_concatenate_to_the_final_text(client) -> None:  # type:
     assert deltas[-1].finish_reason == final.candidates[0].finish_reason
 
 
-def test_fan_out_with_seed_is_reproducible(client) -> None:  # type: ignore[no-untyped-def]
+def test_fan_out_with_seed_is_reproducible(client) -> None:
     kw = dict(n=4, max_tokens=16, temperature=0.9, seed=1234)
     first = client.generate(FRANCE, **kw)
     second = client.generate(FRANCE, **kw)
@@ -69,7 +69,7 @@ def test_fan_out_with_seed_is_reproducible(client) -> None:  # type: ignore[no-u
     assert first.usage.completion_tokens == sum(len(c.token_ids) for c in first.candidates)
 
 
-def test_logprobs_are_returned_per_token(client) -> None:  # type: ignore[no-untyped-def]
+def test_logprobs_are_returned_per_token(client) -> None:
     c = client.generate(FRANCE, max_tokens=4, temperature=0, logprobs=3).candidates[0]
     assert len(c.logprobs) == len(c.token_ids)
     for lp, token in zip(c.logprobs, c.token_ids):
@@ -77,7 +77,7 @@ def test_logprobs_are_returned_per_token(client) -> None:  # type: ignore[no-unt
         assert lp.logprob <= 0
 
 
-def test_cancelled_stream_frees_its_blocks(client) -> None:  # type: ignore[no-untyped-def]
+def test_cancelled_stream_frees_its_blocks(client) -> None:
     stream = client.stream(FRANCE, max_tokens=2000, temperature=0, ignore_eos=True)
     received = [next(stream) for _ in range(3)]
     assert all(d.finish_reason is None for d in received)
@@ -86,7 +86,7 @@ def test_cancelled_stream_frees_its_blocks(client) -> None:  # type: ignore[no-u
     wait_until_idle(client)
 
 
-def test_deadline_aborts_the_request(client) -> None:  # type: ignore[no-untyped-def]
+def test_deadline_aborts_the_request(client) -> None:
     with pytest.raises(CbdError) as info:
         client.generate(FRANCE, max_tokens=4000, temperature=0, ignore_eos=True, timeout=1.0)
     assert info.value.code == grpc.StatusCode.DEADLINE_EXCEEDED
@@ -106,14 +106,14 @@ def test_deadline_aborts_the_request(client) -> None:  # type: ignore[no-untyped
         ([{"role": "", "content": "hi"}], {}, "has no role"),
     ],
 )
-def test_bad_input_is_invalid_argument_with_a_readable_message(client, prompt, kw, match) -> None:  # type: ignore[no-untyped-def]
+def test_bad_input_is_invalid_argument_with_a_readable_message(client, prompt, kw, match) -> None:
     with pytest.raises(CbdError) as info:
         client.generate(prompt, **kw)
     assert info.value.code == grpc.StatusCode.INVALID_ARGUMENT
     assert match in info.value.details
 
 
-def test_missing_prompt_and_sessions(daemon) -> None:  # type: ignore[no-untyped-def]
+def test_missing_prompt_and_sessions(daemon) -> None:
     from cbd_client.v1 import cbd_pb2 as pb
     from cbd_client.v1.cbd_pb2_grpc import CbdStub
 
@@ -127,7 +127,7 @@ def test_missing_prompt_and_sessions(daemon) -> None:  # type: ignore[no-untyped
         assert info.value.code() == grpc.StatusCode.NOT_FOUND and "no open session" in info.value.details()
 
 
-def test_chat_session_turns_equal_stateless_and_reuse_kv(client) -> None:  # type: ignore[no-untyped-def]
+def test_chat_session_turns_equal_stateless_and_reuse_kv(client) -> None:
     system = [{"role": "system", "content": "You are a helpful assistant. Answer in one short sentence."}]
     questions = ["What is the capital of France?", "And of Italy?", "Which of the two is larger?",
                  "Name a river in the first one.", "Thanks! Say goodbye."]  # fmt: skip
@@ -154,7 +154,7 @@ def test_chat_session_turns_equal_stateless_and_reuse_kv(client) -> None:  # typ
     wait_until_idle(client)
 
 
-def test_a_fork_of_a_fork_being_made_continues_the_whole_conversation(client, daemon) -> None:  # type: ignore[no-untyped-def]
+def test_a_fork_of_a_fork_being_made_continues_the_whole_conversation(client, daemon) -> None:
     """A fork sent while its source is itself being forked (a client branching from a snapshot it has just
     asked for; the gateway's concurrent continuations of one response) continues the whole conversation:
     the same prompt as the conversation sent whole, never the new message alone. (Either of the frontend's
@@ -192,7 +192,7 @@ def test_a_fork_of_a_fork_being_made_continues_the_whole_conversation(client, da
     )  # some second forks were made
 
 
-def test_the_first_message_carries_the_prompts_counts_and_the_last_the_totals(client, daemon) -> None:  # type: ignore[no-untyped-def]
+def test_the_first_message_carries_the_prompts_counts_and_the_last_the_totals(client, daemon) -> None:
     from cbd_client.v1 import cbd_pb2 as pb
     from cbd_client.v1.cbd_pb2_grpc import CbdStub
 
@@ -218,7 +218,7 @@ def test_the_first_message_carries_the_prompts_counts_and_the_last_the_totals(cl
     assert continued[0].prompt_usage.cached_prompt_tokens >= history - 1, (continued[0].prompt_usage, history)
 
 
-def test_session_fan_out_choose_fork_and_busy(client) -> None:  # type: ignore[no-untyped-def]
+def test_session_fan_out_choose_fork_and_busy(client) -> None:
     with client.session([{"role": "system", "content": "Be brief."}]) as session:
         options = session.send(
             [{"role": "user", "content": "Name a fruit."}], n=3, temperature=1.0, seed=5, max_tokens=8
@@ -245,7 +245,7 @@ def test_session_fan_out_choose_fork_and_busy(client) -> None:  # type: ignore[n
     wait_until_idle(client)
 
 
-def test_model_info_tokenize_and_reflection(client, daemon) -> None:  # type: ignore[no-untyped-def]
+def test_model_info_tokenize_and_reflection(client, daemon) -> None:
     info = client.model_info()
     assert (info.architecture, info.vocab_size, info.dtype, info.device) == ("llama", 49152, "float32", "cpu")
     assert info.kv_cache_dtype == "float32"  # --kv-cache-dtype auto: the model's dtype
@@ -261,7 +261,7 @@ def test_model_info_tokenize_and_reflection(client, daemon) -> None:  # type: ig
     assert {"cbd.v1.Cbd", "grpc.health.v1.Health"} <= names
 
 
-def test_async_client_runs_concurrent_requests(daemon) -> None:  # type: ignore[no-untyped-def]
+def test_async_client_runs_concurrent_requests(daemon) -> None:
     async def run() -> list[str]:
         async with AsyncClient(daemon.address, timeout=120) as c:
             prompts = [[{"role": "user", "content": f"Count to {i}."}] for i in range(3, 9)]
@@ -272,7 +272,7 @@ def test_async_client_runs_concurrent_requests(daemon) -> None:  # type: ignore[
     assert len(texts) == 6 and all(texts)
 
 
-def test_duplicate_live_request_id_is_refused_and_the_first_keeps_streaming(client) -> None:  # type: ignore[no-untyped-def]
+def test_duplicate_live_request_id_is_refused_and_the_first_keeps_streaming(client) -> None:
     first = client.stream(FRANCE, request_id="dup-1", max_tokens=80, temperature=0, ignore_eos=True)
     next(first)
     with pytest.raises(CbdError) as info:
@@ -282,7 +282,7 @@ def test_duplicate_live_request_id_is_refused_and_the_first_keeps_streaming(clie
     assert rest[-1].finish_reason == "length" and rest[-1].request_id == "dup-1"
 
 
-def test_session_ttl_nan_is_refused_and_inf_never_expires(daemon) -> None:  # type: ignore[no-untyped-def]
+def test_session_ttl_nan_is_refused_and_inf_never_expires(daemon) -> None:
     from cbd_client.v1 import cbd_pb2 as pb
     from cbd_client.v1.cbd_pb2_grpc import CbdStub
 
@@ -303,7 +303,7 @@ def test_session_ttl_nan_is_refused_and_inf_never_expires(daemon) -> None:  # ty
             stub.CloseSession(pb.CloseSessionRequest(session_id=sid))
 
 
-def test_parent_candidate_without_session_is_refused(daemon) -> None:  # type: ignore[no-untyped-def]
+def test_parent_candidate_without_session_is_refused(daemon) -> None:
     from cbd_client.v1 import cbd_pb2 as pb
     from cbd_client.v1.cbd_pb2_grpc import CbdStub
 
@@ -313,11 +313,11 @@ def test_parent_candidate_without_session_is_refused(daemon) -> None:  # type: i
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "session_id" in info.value.details()
 
 
-def test_malformed_session_ids_name_the_field_never_the_value(daemon) -> None:  # type: ignore[no-untyped-def]
+def test_malformed_session_ids_name_the_field_never_the_value(daemon) -> None:
     from cbd_client.v1 import cbd_pb2 as pb
     from cbd_client.v1.cbd_pb2_grpc import CbdStub
 
-    def refused(call, request, field: str, value: str) -> None:  # type: ignore[no-untyped-def]
+    def refused(call, request, field: str, value: str) -> None:
         with pytest.raises(grpc.RpcError) as info:
             call(request)
         details = info.value.details()
@@ -350,7 +350,7 @@ def test_malformed_session_ids_name_the_field_never_the_value(daemon) -> None:  
             assert "21" not in details and "65" not in details, details
 
 
-def test_fork_without_candidate_while_candidates_are_pending_is_failed_precondition_like_a_turn(client, daemon) -> None:  # type: ignore[no-untyped-def]
+def test_fork_without_candidate_while_candidates_are_pending_is_failed_precondition_like_a_turn(client, daemon) -> None:
     from cbd_client.v1 import cbd_pb2 as pb
     from cbd_client.v1.cbd_pb2_grpc import CbdStub
 
@@ -378,7 +378,7 @@ def test_fork_without_candidate_while_candidates_are_pending_is_failed_precondit
     wait_until_idle(client)
 
 
-def stream_messages(daemon: DaemonProcess, **fields) -> list[tuple[list[list[int]], bool]]:  # type: ignore[no-untyped-def]
+def stream_messages(daemon: DaemonProcess, **fields) -> list[tuple[list[list[int]], bool]]:
     """Each stream message's token ids per candidate, and whether a candidate ended in it, of a seeded call."""
     from cbd_client.v1 import cbd_pb2 as pb
     from cbd_client.v1.cbd_pb2_grpc import CbdStub
@@ -408,7 +408,7 @@ def candidate_tokens(messages: list[tuple[list[list[int]], bool]]) -> list[list[
         ({"priority": 2, "stream_interval": 3, "n": 2}, 3),
     ],
 )
-def test_a_stream_gathers_its_tokens_by_its_interval_and_loses_none(daemon, fields, interval) -> None:  # type: ignore[no-untyped-def]
+def test_a_stream_gathers_its_tokens_by_its_interval_and_loses_none(daemon, fields, interval) -> None:
     gathered = stream_messages(daemon, **fields)
     each_step = stream_messages(daemon, **{**fields, "stream_interval": 1})  # the oracle: a message per step
     assert candidate_tokens(gathered) == candidate_tokens(each_step)
@@ -419,7 +419,7 @@ def test_a_stream_gathers_its_tokens_by_its_interval_and_loses_none(daemon, fiel
 
 
 @pytest.mark.parametrize("value", [0, 1025])
-def test_a_stream_interval_out_of_range_is_invalid_argument(daemon, value) -> None:  # type: ignore[no-untyped-def]
+def test_a_stream_interval_out_of_range_is_invalid_argument(daemon, value) -> None:
     with pytest.raises(grpc.RpcError) as info:
         stream_messages(daemon, stream_interval=value)
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT

@@ -61,7 +61,7 @@ def test_a_refused_session_turn_keeps_the_chosen_candidate(one_seat: DaemonProce
         assert len(reply.candidates[0].token_ids) == 3 and session.info().pending_candidates == 0
 
 
-def test_shutdown_ends_every_stream_with_a_finish_reason(tiny_daemon) -> None:  # type: ignore[no-untyped-def]
+def test_shutdown_ends_every_stream_with_a_finish_reason(tiny_daemon) -> None:
     d = tiny_daemon("--max-num-seqs", "2", "--shutdown-grace", "0.2")
     with Client(d.address, timeout=30) as client:  # a request's candidates run at once: n is bounded by the seats
         assert client.model_info().max_n == 2
@@ -96,7 +96,7 @@ def test_shutdown_ends_every_stream_with_a_finish_reason(tiny_daemon) -> None:  
     assert "abort" in finishes
 
 
-def test_systemd_notify_status_ready_watchdog_and_stopping(tiny_daemon, tmp_path) -> None:  # type: ignore[no-untyped-def]
+def test_systemd_notify_status_ready_watchdog_and_stopping(tiny_daemon, tmp_path) -> None:
     import socket
 
     path = tmp_path / "notify.sock"
@@ -122,7 +122,7 @@ def test_unix_socket_is_group_only(shared_tiny_daemon: DaemonProcess) -> None:
     assert mode == 0o660
 
 
-def test_bearer_token_is_required_except_for_health(tiny_daemon, tmp_path) -> None:  # type: ignore[no-untyped-def]
+def test_bearer_token_is_required_except_for_health(tiny_daemon, tmp_path) -> None:
     token_file = tmp_path / "token"
     token_file.write_text("s3cret-token\n")
     d = tiny_daemon("--auth-token-file", str(token_file))  # wait_serving polls health without a token
@@ -138,7 +138,7 @@ def test_bearer_token_is_required_except_for_health(tiny_daemon, tmp_path) -> No
     assert "s3cret" not in d.log()
 
 
-def test_config_error_exits_78_naming_the_key(tmp_path) -> None:  # type: ignore[no-untyped-def]
+def test_config_error_exits_78_naming_the_key(tmp_path) -> None:
     import subprocess
     import sys
 
@@ -149,7 +149,7 @@ def test_config_error_exits_78_naming_the_key(tmp_path) -> None:  # type: ignore
     assert proc.returncode == 78 and "block_sise" in proc.stderr
 
 
-def test_print_defaults_is_a_documented_config_equal_to_the_defaults(tmp_path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+def test_print_defaults_is_a_documented_config_equal_to_the_defaults(tmp_path, monkeypatch) -> None:
     import os
     import subprocess
     import sys
@@ -168,7 +168,7 @@ def test_print_defaults_is_a_documented_config_equal_to_the_defaults(tmp_path, m
     assert engine == EngineConfig() and server == ServerConfig()
 
 
-def test_prometheus_metrics_count_requests_tokens_and_kv(tiny_daemon) -> None:  # type: ignore[no-untyped-def]
+def test_prometheus_metrics_count_requests_tokens_and_kv(tiny_daemon) -> None:
     import socket
     import urllib.request
 
@@ -202,7 +202,7 @@ def test_prometheus_metrics_count_requests_tokens_and_kv(tiny_daemon) -> None:  
     )
 
 
-def test_systemd_unit_verifies(tmp_path) -> None:  # type: ignore[no-untyped-def]
+def test_systemd_unit_verifies(tmp_path) -> None:
     import shutil
     import subprocess
     import sys
@@ -246,7 +246,7 @@ def test_one_json_log_line_per_request_without_prompt_text(shared_tiny_daemon: D
     assert cancelled[0]["prompt_tokens"] == len(PROMPT)
 
 
-def _certificates(directory):  # type: ignore[no-untyped-def]
+def _certificates(directory):
     """A CA, a server certificate for 127.0.0.1 / localhost and a client certificate, as PEM files."""
     import datetime
     import ipaddress
@@ -258,7 +258,7 @@ def _certificates(directory):  # type: ignore[no-untyped-def]
 
     now = datetime.datetime.now(datetime.UTC)
 
-    def make(name, issuer=None, issuer_key=None, ca=False, san=None):  # type: ignore[no-untyped-def]
+    def make(name, issuer=None, issuer_key=None, ca=False, san=None):
         key = ec.generate_private_key(ec.SECP256R1())
         subject = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, name)])
         builder = (
@@ -285,7 +285,7 @@ def _certificates(directory):  # type: ignore[no-untyped-def]
     return paths
 
 
-def test_mutual_tls_on_tcp(tiny_daemon, tmp_path) -> None:  # type: ignore[no-untyped-def]
+def test_mutual_tls_on_tcp(tiny_daemon, tmp_path) -> None:
     import socket
 
     pem = _certificates(tmp_path)
@@ -305,7 +305,7 @@ def test_mutual_tls_on_tcp(tiny_daemon, tmp_path) -> None:  # type: ignore[no-un
     assert d.process.poll() is None
 
 
-def test_sigterm_lets_eight_running_streams_finish_and_refuses_new_calls(tiny_daemon) -> None:  # type: ignore[no-untyped-def]
+def test_sigterm_lets_eight_running_streams_finish_and_refuses_new_calls(tiny_daemon) -> None:
     d = tiny_daemon("--shutdown-grace", "60")
     results: list[object] = []
 
@@ -343,7 +343,7 @@ def test_sigterm_lets_eight_running_streams_finish_and_refuses_new_calls(tiny_da
     assert all(len(r.token_ids) == 200 for r in results)  # type: ignore[union-attr]
 
 
-def test_injected_step_error_fails_its_request_with_internal_and_the_daemon_goes_on(tiny_daemon) -> None:  # type: ignore[no-untyped-def]
+def test_injected_step_error_fails_its_request_with_internal_and_the_daemon_goes_on(tiny_daemon) -> None:
     d = tiny_daemon(env={"CBD_INJECT_FAULT": "error:8"})  # warm-up uses the first steps
     with Client(d.address, timeout=60) as client:
         with pytest.raises(CbdError) as info:
@@ -354,7 +354,7 @@ def test_injected_step_error_fails_its_request_with_internal_and_the_daemon_goes
     assert d.process.poll() is None
 
 
-def test_injected_device_error_fails_requests_and_exits_non_zero(tiny_daemon) -> None:  # type: ignore[no-untyped-def]
+def test_injected_device_error_fails_requests_and_exits_non_zero(tiny_daemon) -> None:
     d = tiny_daemon(env={"CBD_INJECT_FAULT": "device-error:8"})
     with Client(d.address, timeout=60) as client, pytest.raises(CbdError) as info:
         client.generate(PROMPT, max_tokens=50, ignore_eos=True)
@@ -368,7 +368,7 @@ def _serving_after_stall(messages: list[str]) -> bool:
     )
 
 
-def test_wedged_engine_stops_the_watchdog_and_turns_health_not_serving(tiny_daemon, tmp_path) -> None:  # type: ignore[no-untyped-def]
+def test_wedged_engine_stops_the_watchdog_and_turns_health_not_serving(tiny_daemon, tmp_path) -> None:
     import socket
 
     path = tmp_path / "notify.sock"
@@ -410,7 +410,7 @@ def test_wedged_engine_stops_the_watchdog_and_turns_health_not_serving(tiny_daem
     assert "NOT_SERVING" in health_seen and done and len(done[0].candidates[0].token_ids) == 20  # type: ignore[attr-defined]
 
 
-def test_limits_on_queued_tokens_stop_lists_and_message_size(tiny_daemon) -> None:  # type: ignore[no-untyped-def]
+def test_limits_on_queued_tokens_stop_lists_and_message_size(tiny_daemon) -> None:
     d = tiny_daemon("--max-queued-tokens", "60", "--max-message-bytes", "4096")
     with Client(d.address, timeout=60) as client:
         stream = client.stream(PROMPT, max_tokens=400, ignore_eos=True)  # 38 prompt tokens queued
@@ -443,7 +443,7 @@ def test_stop_strings_are_bounded() -> None:
         SamplingParams(stop=("",))
 
 
-def test_a_thousand_streams_cancelled_at_random_points_leave_nothing_behind(tiny_daemon) -> None:  # type: ignore[no-untyped-def]
+def test_a_thousand_streams_cancelled_at_random_points_leave_nothing_behind(tiny_daemon) -> None:
     """Cancelled before their first token, mid-stream, mid-fan-out and mid-session-turn: all KV comes back."""
     import asyncio
     import random
@@ -453,7 +453,7 @@ def test_a_thousand_streams_cancelled_at_random_points_leave_nothing_behind(tiny
     d = tiny_daemon("--max-queued-requests", "2000", "--num-kv-blocks", "512")
     rng = random.Random(11)
 
-    async def one(client: AsyncClient, i: int, session) -> str:  # type: ignore[no-untyped-def]
+    async def one(client: AsyncClient, i: int, session) -> str:
         kw = dict(max_tokens=rng.randrange(5, 200), ignore_eos=True, temperature=0.7, seed=i)
         if i % 5 == 1:
             kw["n"] = rng.randrange(2, 5)  # a fan-out

@@ -55,7 +55,7 @@ def installed() -> Path:
     return INSTALLED_UNIT
 
 
-def test_the_unit_is_installed_unmodified_and_verifies(installed) -> None:  # type: ignore[no-untyped-def]
+def test_the_unit_is_installed_unmodified_and_verifies(installed) -> None:
     assert installed.read_bytes() == UNIT.read_bytes()
     analyze = shutil.which("systemd-analyze")
     if analyze is None:
@@ -69,7 +69,7 @@ def test_the_unit_is_installed_unmodified_and_verifies(installed) -> None:  # ty
     assert "--listen" not in values["ExecStart"][0] and "--socket-group" not in values["ExecStart"][0]
 
 
-def test_the_service_starts_as_its_user_and_serves_on_the_documented_socket(installed) -> None:  # type: ignore[no-untyped-def]
+def test_the_service_starts_as_its_user_and_serves_on_the_documented_socket(installed) -> None:
     values = unit_values(installed.read_text())
     user, group = values["User"][0], values["Group"][0]
     account = pwd.getpwnam(user)
@@ -175,7 +175,7 @@ def _check_gateway_unit(user: str, group: str) -> None:
         gateway.communicate(timeout=60)
 
 
-def test_the_replica_and_envoy_units_and_envoy_are_installed(installed, tmp_path) -> None:  # type: ignore[no-untyped-def]
+def test_the_replica_and_envoy_units_and_envoy_are_installed(installed, tmp_path) -> None:
     """README's "Several replicas behind Envoy" as services: the units as shipped, Envoy in the venv, and the
     bootstrap written by the installed envoy.py accepted by that Envoy."""
     for name in ("cbd@.service", "cbd-envoy.service"):

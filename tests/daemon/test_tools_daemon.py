@@ -32,7 +32,7 @@ def client(shared_daemon: DaemonProcess) -> Iterator[Client]:
         yield c
 
 
-def check_calls(candidate, names: set[str]) -> None:  # type: ignore[no-untyped-def]
+def check_calls(candidate, names: set[str]) -> None:
     assert candidate.tool_calls, candidate
     for call in candidate.tool_calls:
         assert call.name in names and call.id.startswith("call_")
@@ -40,13 +40,13 @@ def check_calls(candidate, names: set[str]) -> None:  # type: ignore[no-untyped-
         assert "<tool_call>" not in candidate.text  # calls never leak into the text
 
 
-def test_model_info_reports_the_generic_format_and_limits(client) -> None:  # type: ignore[no-untyped-def]
+def test_model_info_reports_the_generic_format_and_limits(client) -> None:
     info = client.model_info()
     assert info.tool_call_format == "generic" and info.max_tools == 128 and info.max_grammar_bytes == 65536
 
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
-def test_a_named_choice_always_calls_that_tool_with_valid_arguments(client, temperature) -> None:  # type: ignore[no-untyped-def]
+def test_a_named_choice_always_calls_that_tool_with_valid_arguments(client, temperature) -> None:
     result = client.generate(
         ASK, tools=TOOLS, tool_choice="search", n=4, seed=3, temperature=temperature, max_tokens=80
     )
@@ -55,7 +55,7 @@ def test_a_named_choice_always_calls_that_tool_with_valid_arguments(client, temp
         check_calls(c, {"search"})
 
 
-def test_required_calls_a_given_tool_and_none_never_calls(client) -> None:  # type: ignore[no-untyped-def]
+def test_required_calls_a_given_tool_and_none_never_calls(client) -> None:
     required = client.generate(ASK, tools=TOOLS, tool_choice="required", n=2, seed=1, temperature=0.8, max_tokens=120)
     for c in required.candidates:
         assert c.finish_reason == "tool_calls"
@@ -64,7 +64,7 @@ def test_required_calls_a_given_tool_and_none_never_calls(client) -> None:  # ty
     assert none.candidates[0].tool_calls == [] and none.candidates[0].finish_reason in ("stop", "length")
 
 
-def test_a_reply_of_calls_only_has_no_text_wherever_max_tokens_cuts_it(client) -> None:  # type: ignore[no-untyped-def]
+def test_a_reply_of_calls_only_has_no_text_wherever_max_tokens_cuts_it(client) -> None:
     """tool_choice required: the separators between calls and a call cut before its name is complete are
     not text either."""
     kwargs = dict(tools=TOOLS, tool_choice="required", temperature=0.0, max_tokens=160)
@@ -91,7 +91,7 @@ def test_a_reply_of_calls_only_has_no_text_wherever_max_tokens_cuts_it(client) -
         assert cut.text == "" and cut.finish_reason == "length", (max_tokens, cut.text)
 
 
-def test_streamed_call_deltas_add_up_to_the_final_calls(client) -> None:  # type: ignore[no-untyped-def]
+def test_streamed_call_deltas_add_up_to_the_final_calls(client) -> None:
     kwargs = dict(tools=TOOLS, tool_choice="get_weather", temperature=0.0, max_tokens=80)
     final = client.generate(ASK, **kwargs).candidates[0].tool_calls
     names, arguments, text = {}, {}, ""
@@ -103,7 +103,7 @@ def test_streamed_call_deltas_add_up_to_the_final_calls(client) -> None:  # type
     assert text == "" and [names[0]] == [c.name for c in final] and [arguments[0]] == [c.arguments for c in final]
 
 
-def test_json_schema_and_regex_response_formats(client) -> None:  # type: ignore[no-untyped-def]
+def test_json_schema_and_regex_response_formats(client) -> None:
     for temperature in (0.0, 1.0):
         result = client.generate(ASK, response_format={"type": "json_schema", "json_schema": WEATHER}, n=4, seed=2,
                                  temperature=temperature, max_tokens=60)  # fmt: skip
@@ -118,7 +118,7 @@ def test_json_schema_and_regex_response_formats(client) -> None:  # type: ignore
     assert min(len(lp.top) for lp in answer.logprobs) < 5
 
 
-def test_a_three_turn_tool_loop_in_a_session_reuses_its_kv(client) -> None:  # type: ignore[no-untyped-def]
+def test_a_three_turn_tool_loop_in_a_session_reuses_its_kv(client) -> None:
     def get_weather(city: str, unit: str) -> str:
         return json.dumps({"city": city, "temperature": 18 if unit == "C" else 64, "unit": unit})
 
@@ -147,14 +147,14 @@ def test_a_three_turn_tool_loop_in_a_session_reuses_its_kv(client) -> None:  # t
         (dict(response_format={"type": "regex", "regex": "a" * 70000}), "at most 65536"),
     ],
 )
-def test_bad_structured_input_is_invalid_argument(client, kwargs, match) -> None:  # type: ignore[no-untyped-def]
+def test_bad_structured_input_is_invalid_argument(client, kwargs, match) -> None:
     with pytest.raises(CbdError, match=match) as info:
         client.generate(ASK, max_tokens=4, **kwargs)
     assert info.value.code == grpc.StatusCode.INVALID_ARGUMENT
     assert client.stats().kv_blocks_used == 0
 
 
-def test_tools_need_chat_input(client) -> None:  # type: ignore[no-untyped-def]
+def test_tools_need_chat_input(client) -> None:
     with pytest.raises(CbdError, match="tools need chat input"):
         client.generate("plain text", tools=TOOLS, max_tokens=4)
 
@@ -162,7 +162,7 @@ def test_tools_need_chat_input(client) -> None:  # type: ignore[no-untyped-def]
 ANSWER = {"type": "object", "properties": {"answer": {"type": "string", "maxLength": 40}}, "required": ["answer"]}
 
 
-def test_tools_with_a_response_format_reply_with_calls_or_valid_json(client) -> None:  # type: ignore[no-untyped-def]
+def test_tools_with_a_response_format_reply_with_calls_or_valid_json(client) -> None:
     seen = set()
     for ask in ("What is the weather in Paris?", "What is two plus two?"):
         result = client.generate([{"role": "user", "content": ask}], tools=TOOLS, response_format=ANSWER, n=4,
@@ -187,7 +187,7 @@ def test_tools_with_a_response_format_reply_with_calls_or_valid_json(client) -> 
     check_calls(calls_only, set(SCHEMAS))
 
 
-def test_at_most_one_call_stops_a_reply_that_would_call_again(client) -> None:  # type: ignore[no-untyped-def]
+def test_at_most_one_call_stops_a_reply_that_would_call_again(client) -> None:
     ask = [{"role": "user", "content": "What is the weather in Paris and London?"}]
     several = client.generate(ask, tools=TOOLS, tool_choice="required", temperature=0.0, max_tokens=100).candidates[0]
     assert len(several.tool_calls) >= 2, several  # this prompt calls again when it may
@@ -198,7 +198,7 @@ def test_at_most_one_call_stops_a_reply_that_would_call_again(client) -> None:  
     assert one.tool_calls[0].arguments == several.tool_calls[0].arguments  # greedy: the same first call, then the end
 
 
-def test_the_answer_after_a_tool_result_has_no_tool_markup(client) -> None:  # type: ignore[no-untyped-def]
+def test_the_answer_after_a_tool_result_has_no_tool_markup(client) -> None:
     cases = [("What is the weather in Paris?", "Paris"), ("How warm is it in Rome today?", "Rome"),
              ("Is it cold in Oslo?", "Oslo"), ("What is the weather in Berlin?", "Berlin")]  # fmt: skip
     for ask, city in cases:

@@ -29,32 +29,32 @@ QUESTIONS = [
 NEW_TOKENS = 32
 
 
-def chat(tokenizer, question: str) -> list[int]:  # type: ignore[no-untyped-def]
+def chat(tokenizer, question: str) -> list[int]:
     messages = [{"role": "user", "content": question}]
     return tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_dict=True)["input_ids"]
 
 
 @pytest.fixture(scope="module")
-def chat_prompts(default_model) -> list[list[int]]:  # type: ignore[no-untyped-def]
+def chat_prompts(default_model) -> list[list[int]]:
     return [chat(default_model.tokenizer, q) for q in QUESTIONS]
 
 
 @pytest.fixture(scope="module")
-def hf_outputs(default_hf, chat_prompts) -> list[list[int]]:  # type: ignore[no-untyped-def]
+def hf_outputs(default_hf, chat_prompts) -> list[list[int]]:
     return [hf_greedy(default_hf, p, NEW_TOKENS) for p in chat_prompts]
 
 
 GREEDY = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
 
 
-def test_greedy_one_at_a_time_equals_transformers(default_model, default_hf, chat_prompts, hf_outputs) -> None:  # type: ignore[no-untyped-def]
+def test_greedy_one_at_a_time_equals_transformers(default_model, default_hf, chat_prompts, hf_outputs) -> None:
     core = make_core(default_model)
     for prompt, expected in zip(chat_prompts, hf_outputs):
         ours = run_all(core, [prompt], GREEDY)[0]["tokens"][0]
         assert_greedy_matches(core, default_hf, prompt, ours, expected)
 
 
-def test_greedy_all_in_one_batch_equals_transformers(default_model, default_hf, chat_prompts, hf_outputs) -> None:  # type: ignore[no-untyped-def]
+def test_greedy_all_in_one_batch_equals_transformers(default_model, default_hf, chat_prompts, hf_outputs) -> None:
     core = make_core(default_model)
     results = run_all(core, chat_prompts, GREEDY)
     for prompt, result, expected in zip(chat_prompts, results, hf_outputs):
@@ -62,7 +62,7 @@ def test_greedy_all_in_one_batch_equals_transformers(default_model, default_hf, 
     assert core.block_manager.num_used_blocks == 0
 
 
-def test_packed_gemm_default_engine_agrees_up_to_near_ties(chat_prompts, hf_outputs) -> None:  # type: ignore[no-untyped-def]
+def test_packed_gemm_default_engine_agrees_up_to_near_ties(chat_prompts, hf_outputs) -> None:
     """The serving default (oneDNN-packed GEMMs) differs from BLAS in the last bits of the logits."""
     packed = load_model(None, pack_cpu_gemm=True)
     core = make_core(packed)
@@ -71,14 +71,14 @@ def test_packed_gemm_default_engine_agrees_up_to_near_ties(chat_prompts, hf_outp
     assert agree >= len(chat_prompts) - 1, f"only {agree}/{len(chat_prompts)} identical"
 
 
-def test_greedy_answer_mentions_paris_and_stops_at_eos(default_model, chat_prompts) -> None:  # type: ignore[no-untyped-def]
+def test_greedy_answer_mentions_paris_and_stops_at_eos(default_model, chat_prompts) -> None:
     result = run_all(make_core(default_model), [chat_prompts[0]], SamplingParams(max_tokens=64, temperature=0.0))[0]
     assert "Paris" in result["text"][0]
     assert result["finish"][0] is FinishReason.STOP
     assert result["tokens"][0][-1] in default_model.eos_token_ids
 
 
-def test_stop_string_across_tokens_is_cut_and_never_streamed(default_model, chat_prompts) -> None:  # type: ignore[no-untyped-def]
+def test_stop_string_across_tokens_is_cut_and_never_streamed(default_model, chat_prompts) -> None:
     free = run_all(make_core(default_model), [chat_prompts[1]], GREEDY)[0]["text"][0]
     stop = free[10:16]  # a piece that almost surely spans token boundaries
     assert stop and stop in free
@@ -90,7 +90,7 @@ def test_stop_string_across_tokens_is_cut_and_never_streamed(default_model, chat
     assert all(stop not in "".join(streamed[: i + 1]) for i in range(len(streamed)))
 
 
-def test_incremental_detokenizer_handles_multibyte_characters(default_model) -> None:  # type: ignore[no-untyped-def]
+def test_incremental_detokenizer_handles_multibyte_characters(default_model) -> None:
     tok = default_model.tokenizer
     text = "Café ☕ — naïve 日本語 🎉 done"
     ids = tok.encode(text, add_special_tokens=False)
@@ -100,7 +100,7 @@ def test_incremental_detokenizer_handles_multibyte_characters(default_model) -> 
     assert all("\ufffd" not in p for p in pieces)
 
 
-def test_threaded_engine_streams_aborts_and_reports_stats(default_model, chat_prompts) -> None:  # type: ignore[no-untyped-def]
+def test_threaded_engine_streams_aborts_and_reports_stats(default_model, chat_prompts) -> None:
     engine = Engine(EngineConfig(num_kv_blocks=256), loaded=default_model)
     try:
         done = engine.generate(chat_prompts[:3], GREEDY)
@@ -120,7 +120,7 @@ def test_threaded_engine_streams_aborts_and_reports_stats(default_model, chat_pr
         engine.shutdown()
 
 
-def test_converted_checkpoint_is_cached_and_reused(default_model, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+def test_converted_checkpoint_is_cached_and_reused(default_model, monkeypatch) -> None:
     from cbd.model import loader
     from cbd.model.loader import resolve_checkpoint
 
@@ -139,7 +139,7 @@ def test_converted_checkpoint_is_cached_and_reused(default_model, monkeypatch) -
     assert (directory / "model.safetensors").stat().st_mtime_ns == weights
 
 
-def test_a_conversion_that_loses_the_race_uses_the_winners_entry(tmp_path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+def test_a_conversion_that_loses_the_race_uses_the_winners_entry(tmp_path, monkeypatch) -> None:
     """Two daemons starting at once on an empty cache both convert; the second to finish finds the first's
     entry in place (os.replace cannot replace a full directory) and uses it instead of failing to start."""
     import os

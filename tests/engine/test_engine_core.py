@@ -151,12 +151,12 @@ def test_stop_token_ids_finish_with_stop(tiny_loaded) -> None:
         ([1, 2], SamplingParams(stop=("x",)), InvalidRequest, "need a tokenizer"),
     ],
 )
-def test_bad_requests_are_refused_with_a_clear_error(tiny_loaded, prompt, params, error, match) -> None:  # type: ignore[no-untyped-def]
+def test_bad_requests_are_refused_with_a_clear_error(tiny_loaded, prompt, params, error, match) -> None:
     with pytest.raises(error, match=match):
         make_core(tiny_loaded).add_request(prompt, params)
 
 
-def test_more_candidates_than_the_engine_runs_at_once_are_refused_not_queued_forever(tiny_loaded) -> None:  # type: ignore[no-untyped-def]
+def test_more_candidates_than_the_engine_runs_at_once_are_refused_not_queued_forever(tiny_loaded) -> None:
     """A request's candidates run together: n above max_num_seqs could never be admitted, and would hold
     every request behind it at the head of the queue."""
     core = make_core(tiny_loaded, max_num_seqs=2)
@@ -180,7 +180,7 @@ def test_more_candidates_than_the_engine_runs_at_once_are_refused_not_queued_for
         (dict(seed=-1), "seed"),
     ],
 )
-def test_sampling_params_validate(kw, match) -> None:  # type: ignore[no-untyped-def]
+def test_sampling_params_validate(kw, match) -> None:
     with pytest.raises(InvalidRequest, match=match):
         SamplingParams(**kw)
 
@@ -202,7 +202,7 @@ def test_requests_sharing_a_prefix_in_one_step_compute_it_once(tiny_loaded) -> N
     assert b.num_cached_prompt_tokens == 12
 
 
-def test_an_engine_that_can_schedule_nothing_reports_a_stall_without_spinning(tiny_loaded) -> None:  # type: ignore[no-untyped-def]
+def test_an_engine_that_can_schedule_nothing_reports_a_stall_without_spinning(tiny_loaded) -> None:
     """A loop that turns but computes nothing is no heartbeat: health and the watchdog see the stall."""
     import time
 
@@ -236,7 +236,7 @@ def test_an_engine_that_can_schedule_nothing_reports_a_stall_without_spinning(ti
         engine.shutdown()
 
 
-def test_a_finished_request_is_out_of_the_stats_its_callback_reads(tiny_loaded) -> None:  # type: ignore[no-untyped-def]
+def test_a_finished_request_is_out_of_the_stats_its_callback_reads(tiny_loaded) -> None:
     """Outputs are delivered after the stats snapshot is refreshed: whoever has seen a request finish
     (a client that then asks GetStats) never reads stats that still count it."""
     import threading
@@ -248,7 +248,7 @@ def test_a_finished_request_is_out_of_the_stats_its_callback_reads(tiny_loaded) 
     seen: list[tuple[int, int, int]] = []
     done = threading.Event()
 
-    def on_output(out) -> None:  # type: ignore[no-untyped-def]  # in the engine thread
+    def on_output(out) -> None:  # in the engine thread
         if out.finished:
             s = engine.stats()
             seen.append((s.num_running, s.num_blocks_used, engine.num_live_requests))
@@ -262,7 +262,7 @@ def test_a_finished_request_is_out_of_the_stats_its_callback_reads(tiny_loaded) 
     assert seen == [(0, 0, 0)]
 
 
-def test_stats_count_candidates_running_and_waiting(tiny_loaded) -> None:  # type: ignore[no-untyped-def]
+def test_stats_count_candidates_running_and_waiting(tiny_loaded) -> None:
     """A fan-out of n counts n (proto: Stats.running / waiting are sequences, i.e. candidates) before and
     after its prompt is computed and it forks."""
     core = make_core(tiny_loaded, max_num_seqs=8)
@@ -282,7 +282,7 @@ def test_stats_count_candidates_running_and_waiting(tiny_loaded) -> None:  # typ
     assert seen_full and (stats.num_running, stats.num_waiting) == (0, 0)
 
 
-def test_each_step_files_its_host_time_by_phase_and_the_metrics_export_it(tiny_loaded) -> None:  # type: ignore[no-untyped-def]
+def test_each_step_files_its_host_time_by_phase_and_the_metrics_export_it(tiny_loaded) -> None:
     """Every step the engine loop runs is filed once per phase (an idle turn of the loop is not); the
     histograms reach Prometheus as cbd_engine_step_phase_seconds{phase}."""
     from prometheus_client import generate_latest

@@ -21,7 +21,7 @@ from helpers import checked_step, make_core, run_all
 
 def test_a_grammar_over_its_mask_budget_ends_with_an_error_while_a_greedy_stream_advances(
     default_model, compiler
-) -> None:  # type: ignore[no-untyped-def]
+) -> None:
     overlap = "on"  # the deferred-sampling loop (the daemon test runs the sync one)
     plain, bomb_prompt = [0, 30, 31, 32], [0, 40, 41, 42]
     greedy = SamplingParams(max_tokens=160, temperature=0.0, ignore_eos=True)
@@ -59,7 +59,7 @@ def test_a_grammar_over_its_mask_budget_ends_with_an_error_while_a_greedy_stream
     assert not core.live.live  # nothing left behind
 
 
-def test_an_ordinary_grammar_stays_within_the_default_budget(default_model, compiler) -> None:  # type: ignore[no-untyped-def]
+def test_an_ordinary_grammar_stays_within_the_default_budget(default_model, compiler) -> None:
     grammar = compiler.compile(GrammarSpec(GrammarKind.REGEX, "[a-z ]{1,200}\\."))
     params = SamplingParams(max_tokens=60, temperature=0.0, grammar=grammar)
     result = run_all(make_core(default_model), [[0, 30, 31, 32]], params)[0]
@@ -67,13 +67,13 @@ def test_an_ordinary_grammar_stays_within_the_default_budget(default_model, comp
 
 
 @pytest.fixture(scope="module")
-def grammars(default_model) -> LazyGrammarCompiler:  # type: ignore[no-untyped-def]
+def grammars(default_model) -> LazyGrammarCompiler:
     return LazyGrammarCompiler(
         default_model.tokenizer, default_model.spec.vocab_size, tuple(default_model.eos_token_ids)
     )
 
 
-def test_the_pool_refuses_past_the_time_budget_kills_on_cancel_and_caches_outcomes(grammars) -> None:  # type: ignore[no-untyped-def]
+def test_the_pool_refuses_past_the_time_budget_kills_on_cancel_and_caches_outcomes(grammars) -> None:
     async def scenario() -> None:
         pool = GrammarPool(grammars, CompileBudget(workers=1, timeout=1.0, memory_mib=1024))
         try:
@@ -108,7 +108,7 @@ def test_the_pool_refuses_past_the_time_budget_kills_on_cancel_and_caches_outcom
     asyncio.run(scenario())
 
 
-def test_six_bombs_compile_at_most_k_at_once_and_each_is_refused_naming_its_limit(grammars) -> None:  # type: ignore[no-untyped-def]
+def test_six_bombs_compile_at_most_k_at_once_and_each_is_refused_naming_its_limit(grammars) -> None:
     async def scenario() -> None:
         pool = GrammarPool(grammars, CompileBudget(workers=2, timeout=1.0, memory_mib=1024))
         try:
@@ -130,7 +130,7 @@ def test_six_bombs_compile_at_most_k_at_once_and_each_is_refused_naming_its_limi
     asyncio.run(scenario())
 
 
-def test_the_engines_grammar_cache_is_bounded_in_bytes(compiler, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+def test_the_engines_grammar_cache_is_bounded_in_bytes(compiler, monkeypatch) -> None:
     from cbd.engine.grammar import matcher as grammar_module
     from cbd.engine.grammar.matcher import GrammarCompiler
 

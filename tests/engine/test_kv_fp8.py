@@ -39,13 +39,13 @@ def test_each_value_is_within_one_rounding_of_e4m3_and_scales_are_row_maxima() -
     torch.testing.assert_close(back[8], kv[8], rtol=1 / 16, atol=0)
 
 
-def _text_tokens(loaded, count: int) -> list[int]:  # type: ignore[no-untyped-def]
+def _text_tokens(loaded, count: int) -> list[int]:
     ids = loaded.tokenizer(inspect.getsource(json.decoder))["input_ids"]
     assert len(ids) >= count
     return ids[:count]
 
 
-def test_default_model_quality_bound(default_model) -> None:  # type: ignore[no-untyped-def]
+def test_default_model_quality_bound(default_model) -> None:
     """Teacher-forced over 2048 tokens of Python source: next-token argmax and distribution against fp32."""
     quality = kv_quality.measure(default_model.model, _text_tokens(default_model, 2048))
     assert quality.positions == 2048
@@ -53,7 +53,7 @@ def test_default_model_quality_bound(default_model) -> None:  # type: ignore[no-
 
 
 @pytest.mark.parametrize("kind", sorted(TINY_CONFIGS))
-def test_tiny_models_quality_bound(tiny_checkpoint, kind: str) -> None:  # type: ignore[no-untyped-def]
+def test_tiny_models_quality_bound(tiny_checkpoint, kind: str) -> None:
     """Random weights give near-flat distributions whose argmax flips easily: a looser bound."""
     model = load_model(str(tiny_checkpoint(kind))).model
     rng = random.Random(0)
@@ -61,7 +61,7 @@ def test_tiny_models_quality_bound(tiny_checkpoint, kind: str) -> None:  # type:
     assert quality.top1_agreement >= 0.70 and quality.mean_kl <= 0.15, quality
 
 
-def test_the_same_memory_holds_more_blocks(default_model) -> None:  # type: ignore[no-untyped-def]
+def test_the_same_memory_holds_more_blocks(default_model) -> None:
     auto = make_core(default_model, num_kv_blocks=None, kv_cache_gib=0.05, cuda_graphs=False)
     fp8 = make_core(default_model, num_kv_blocks=None, kv_cache_gib=0.05, kv_cache_dtype="fp8", cuda_graphs=False)
     # fp32 and head_dim 64 here: 2 * 64 + 8 bytes per head and token against 2 * 64 * 4 (bf16 at 128: 1.94x)
@@ -70,7 +70,7 @@ def test_the_same_memory_holds_more_blocks(default_model) -> None:  # type: igno
     assert fp8.runner.kv_caches.numel() <= auto.runner.kv_caches.numel() * 4 * (1 + 1e-3)
 
 
-def test_prefix_cache_and_fan_out_on_fp8_give_the_uncached_answers(tiny_loaded) -> None:  # type: ignore[no-untyped-def]
+def test_prefix_cache_and_fan_out_on_fp8_give_the_uncached_answers(tiny_loaded) -> None:
     rng = random.Random(3)
     shared = [rng.randrange(2, 256) for _ in range(23)]
     prompts = [shared + [rng.randrange(2, 256) for _ in range(rng.randrange(1, 9))] for _ in range(5)]
@@ -86,7 +86,7 @@ def test_prefix_cache_and_fan_out_on_fp8_give_the_uncached_answers(tiny_loaded) 
     assert list(fan[0]["tokens"].values()) == [plain[0]["tokens"][0]] * 4
 
 
-def test_sessions_and_the_host_tier_on_fp8_keep_every_answer(tiny_loaded) -> None:  # type: ignore[no-untyped-def]
+def test_sessions_and_the_host_tier_on_fp8_keep_every_answer(tiny_loaded) -> None:
     """Offloaded FP8 blocks come back byte for byte: the same answers as a pool that holds every session."""
     scripts = _scripts(13)
     want, ideal = _play(make_core(tiny_loaded, block_size=4, num_kv_blocks=512, num_host_kv_blocks=0,
@@ -97,7 +97,7 @@ def test_sessions_and_the_host_tier_on_fp8_keep_every_answer(tiny_loaded) -> Non
     assert tiered.host_tier is not None and tiered.host_tier.num_restored_blocks > 0
 
 
-def test_a_session_and_its_fork_on_fp8_equal_stateless_fp8_runs(tiny_loaded) -> None:  # type: ignore[no-untyped-def]
+def test_a_session_and_its_fork_on_fp8_equal_stateless_fp8_runs(tiny_loaded) -> None:
     """Each token's FP8 bytes depend on that token alone: KV kept across turns and shared by a fork gives what a
     fresh prefill of the whole history gives."""
     from test_sessions import _turn
@@ -120,7 +120,7 @@ def test_a_session_and_its_fork_on_fp8_equal_stateless_fp8_runs(tiny_loaded) -> 
     assert core.block_manager.num_used_blocks == 0
 
 
-def test_through_the_daemon_the_flag_is_reported_and_serves(tiny_daemon, tiny_loaded) -> None:  # type: ignore[no-untyped-def]
+def test_through_the_daemon_the_flag_is_reported_and_serves(tiny_daemon, tiny_loaded) -> None:
     from cbd_client import Client
 
     d = tiny_daemon("--kv-cache-dtype", "fp8", "--kv-cache-gib", "0.01")

@@ -220,7 +220,7 @@ def test_the_overlap_loop_restores_with_the_same_answers(tiny_loaded, overlap: s
     assert got == want and core.host_tier is not None and core.host_tier.num_restored_blocks > 0
 
 
-def test_through_the_daemon_tiers_hints_stats_and_metrics(tiny_daemon) -> None:  # type: ignore[no-untyped-def]
+def test_through_the_daemon_tiers_hints_stats_and_metrics(tiny_daemon) -> None:
     import urllib.request
 
     import grpc

@@ -37,7 +37,7 @@ def _drive(core: EngineCore, arrivals: dict[int, list[tuple[list[int], SamplingP
     return [results[rid] for rid in ids]
 
 
-def _workload(tokenizer) -> dict[int, list[tuple[list[int], SamplingParams]]]:  # type: ignore[no-untyped-def]
+def _workload(tokenizer) -> dict[int, list[tuple[list[int], SamplingParams]]]:
     questions = [
         "What is the capital of France?", "Write a haiku about the sea.", "List three prime numbers.",
         "Explain gravity to a child.", "Say hello.", "What is 2 + 2?", "Name a color.", "Tell me a joke.",

@@ -128,7 +128,7 @@ def test_a_batch_request_ages_into_interactive_under_constant_interactive_load(t
     _drain(core, {})
 
 
-def test_through_the_daemon_priorities_tenants_from_tokens_and_metrics(tiny_daemon, tmp_path) -> None:  # type: ignore[no-untyped-def]
+def test_through_the_daemon_priorities_tenants_from_tokens_and_metrics(tiny_daemon, tmp_path) -> None:
     import json
     import urllib.request
 

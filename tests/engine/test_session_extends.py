@@ -11,7 +11,7 @@ from cbd.errors import HistoryMismatch
 from helpers import checked_step, make_core
 
 
-def test_a_whole_prompt_continues_only_a_token_prefix_of_it(tiny_loaded) -> None:  # type: ignore[no-untyped-def]
+def test_a_whole_prompt_continues_only_a_token_prefix_of_it(tiny_loaded) -> None:
     core = make_core(tiny_loaded, block_size=4)
     session = core.sessions.open(ttl=60.0)
     first = [5, 6, 7, 8, 9, 10, 11]

@@ -37,7 +37,7 @@ def _turn(core: EngineCore, session_id: str, tokens: list[int], params: Sampling
     return result
 
 
-def _stateless(loaded, history: list[int], params: SamplingParams = GREEDY) -> dict:  # type: ignore[no-untyped-def]
+def _stateless(loaded, history: list[int], params: SamplingParams = GREEDY) -> dict:
     core = make_core(loaded, enable_prefix_caching=False, block_size=4)
     return run_all(core, [history], params)[0]
 
@@ -100,7 +100,7 @@ def test_fork_isolation(tiny_loaded) -> None:
     assert core.block_manager.num_used_blocks == 0
 
 
-def test_after_a_one_candidate_turn_candidate_zero_names_the_history(tiny_loaded) -> None:  # type: ignore[no-untyped-def]
+def test_after_a_one_candidate_turn_candidate_zero_names_the_history(tiny_loaded) -> None:
     """Fork and turn alike: 0 is the last turn's one candidate (the history); any other is INVALID_ARGUMENT."""
     core = make_core(tiny_loaded, block_size=4)
     trunk = core.sessions.open()
@@ -205,7 +205,7 @@ def test_session_cap(tiny_loaded) -> None:
 
 
 @pytest.mark.parametrize("num_blocks", [24, 32, 40])
-def test_concurrent_turns_of_sessions_that_pin_most_of_the_pool_all_finish(tiny_loaded, num_blocks) -> None:  # type: ignore[no-untyped-def]
+def test_concurrent_turns_of_sessions_that_pin_most_of_the_pool_all_finish(tiny_loaded, num_blocks) -> None:
     """Busy sessions' resident history is released too when the pool runs dry, else turns waiting to be
     recomputed can never be admitted (each session pins the blocks its own turn needs to grow)."""
     rng = random.Random(num_blocks)
@@ -249,7 +249,7 @@ class AheadClock:
         return time.monotonic() + self.offset
 
 
-def test_a_session_whose_turns_are_refused_for_now_does_not_expire(tiny_loaded, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+def test_a_session_whose_turns_are_refused_for_now_does_not_expire(tiny_loaded, monkeypatch) -> None:
     """Admission refusing a turn (RESOURCE_EXHAUSTED) counts as use: the client is retrying, not gone."""
     from cbd.config import EngineConfig
     from cbd.engine.engine import Engine
@@ -281,7 +281,7 @@ def test_a_session_whose_turns_are_refused_for_now_does_not_expire(tiny_loaded, 
         engine.shutdown()
 
 
-def test_a_session_prefix_must_leave_room_for_a_turn(tiny_loaded) -> None:  # type: ignore[no-untyped-def]
+def test_a_session_prefix_must_leave_room_for_a_turn(tiny_loaded) -> None:
     """The prefix, a turn's input and one new token must fit: a prefix of at most max_model_len - 2 tokens,
     and the refusal names the prefix's own length."""
     from cbd.config import EngineConfig

@@ -30,14 +30,14 @@ def total(rows):
 """
 
 
-def _chat(loaded, text: str) -> list[int]:  # type: ignore[no-untyped-def]
+def _chat(loaded, text: str) -> list[int]:
     tok = loaded.tokenizer
     return tok.encode(tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
                                               tokenize=False))  # fmt: skip
 
 
 @pytest.fixture(scope="module")
-def prompts(default_model):  # type: ignore[no-untyped-def]
+def prompts(default_model):
     return {
         "copy": _chat(default_model, "Repeat this code exactly, renaming `rows` to `records`:\n\n" + CODE),
         "quote": _chat(default_model, "The tool returned: {\"status\": \"ok\", \"path\": \"/srv/data/2024/q3.csv\", "
@@ -67,7 +67,7 @@ def test_the_drafter_proposes_what_followed_the_latest_earlier_occurrence() -> N
 
 
 @pytest.mark.parametrize("kind", ["copy", "quote", "plain"])
-def test_greedy_outputs_equal_without_speculation(default_model, prompts, kind) -> None:  # type: ignore[no-untyped-def]
+def test_greedy_outputs_equal_without_speculation(default_model, prompts, kind) -> None:
     params = SamplingParams(max_tokens=48, temperature=0.0, logprobs=2)
     results = {}
     for mode in ("off", "ngram"):
@@ -91,7 +91,7 @@ def test_greedy_outputs_equal_without_speculation(default_model, prompts, kind) 
         assert max(len(d.token_ids) for o in on["outputs"] for d in o.candidates) > 1
 
 
-def test_fan_out_and_seeded_sampling_equal_without_speculation(default_model, prompts) -> None:  # type: ignore[no-untyped-def]
+def test_fan_out_and_seeded_sampling_equal_without_speculation(default_model, prompts) -> None:
     cases = [
         SamplingParams(max_tokens=40, temperature=0.0, n=4),
         SamplingParams(max_tokens=40, temperature=0.7, n=4, seed=11),
@@ -109,7 +109,7 @@ def test_fan_out_and_seeded_sampling_equal_without_speculation(default_model, pr
 
 
 @pytest.fixture(scope="module")
-def copy_stops(default_model, prompts) -> tuple[str, int]:  # type: ignore[no-untyped-def]
+def copy_stops(default_model, prompts) -> tuple[str, int]:
     """A stop string and a stop token id from inside the greedy copy reply (60 tokens, speculation off),
     where drafts are kept in runs: a stop there ends a kept run part-way."""
     core = make_core(default_model, speculative="off", num_kv_blocks=512)
@@ -118,7 +118,7 @@ def copy_stops(default_model, prompts) -> tuple[str, int]:  # type: ignore[no-un
     return text[len(text) // 2 : len(text) // 2 + 6], tokens[len(tokens) * 2 // 3]
 
 
-def test_stops_inside_a_kept_run_end_the_output_there(default_model, prompts, copy_stops) -> None:  # type: ignore[no-untyped-def]
+def test_stops_inside_a_kept_run_end_the_output_there(default_model, prompts, copy_stops) -> None:
     stop_string, stop_id = copy_stops
     cases = [
         SamplingParams(max_tokens=60, temperature=0.0, stop=[stop_string]),
@@ -136,7 +136,7 @@ def test_stops_inside_a_kept_run_end_the_output_there(default_model, prompts, co
     assert stop_string not in out["off"][1][0]
 
 
-def test_session_turns_equal_without_speculation(default_model) -> None:  # type: ignore[no-untyped-def]
+def test_session_turns_equal_without_speculation(default_model) -> None:
     turns = [
         "Here is a file:\n" + CODE + "\nRepeat it exactly.",
         " Now repeat only the function total, exactly.",
@@ -178,7 +178,7 @@ def _abort_during_verification(core: EngineCore, prompt: list[int], booked_after
     wait = core.runner.wait
     aborted = []
 
-    def wait_then_abort(step):  # type: ignore[no-untyped-def]
+    def wait_then_abort(step):
         result = wait(step)
         seq = request.sequences[0]
         if seq.num_draft and (seq.next_rows is not None or not booked_after) and not aborted:
@@ -192,7 +192,7 @@ def _abort_during_verification(core: EngineCore, prompt: list[int], booked_after
     assert core.block_manager.num_used_blocks == 0
 
 
-def test_abort_during_a_verifying_step_and_preemption_leave_no_blocks(default_model, prompts) -> None:  # type: ignore[no-untyped-def]
+def test_abort_during_a_verifying_step_and_preemption_leave_no_blocks(default_model, prompts) -> None:
     _abort_during_verification(make_core(default_model, speculative="ngram", num_kv_blocks=512), prompts["copy"])
     # A pool too small for all four copies at once: sequences are preempted and recomputed; outputs as unconstrained.
     params = SamplingParams(max_tokens=40, temperature=0.0)
@@ -207,7 +207,7 @@ def test_abort_during_a_verifying_step_and_preemption_leave_no_blocks(default_mo
     assert got == [r["tokens"] for r in run_all(big, batch, params)]
 
 
-def test_auto_speculates_only_at_small_batches(default_model, prompts) -> None:  # type: ignore[no-untyped-def]
+def test_auto_speculates_only_at_small_batches(default_model, prompts) -> None:
     params = SamplingParams(max_tokens=24, temperature=0.0)
     core = make_core(default_model, speculative="auto", speculative_max_batch=2, num_kv_blocks=1024)
     run_all(core, [prompts["copy"]] * 3, params)  # three at once: above the limit until one finishes
@@ -227,7 +227,7 @@ class _FixedDrafter:
         return [self.token] * min(k, 2)
 
 
-def test_sampled_tokens_at_verified_positions_follow_the_model(tiny_checkpoint, tiny_loaded) -> None:  # type: ignore[no-untyped-def]
+def test_sampled_tokens_at_verified_positions_follow_the_model(tiny_checkpoint, tiny_loaded) -> None:
     """Many seeds on a tiny model, with a drafter that always proposes the second token's most likely
     value: the second tokens (all sampled at verified positions) have the frequencies of the model's
     own distribution (transformers' softmax, marginalised over the first token), not inflated towards
@@ -262,7 +262,7 @@ def test_sampled_tokens_at_verified_positions_follow_the_model(tiny_checkpoint, 
         assert abs(seconds[token] / seeds - p) <= bound, (token, seconds[token] / seeds, p)
 
 
-def test_drafts_use_only_what_the_step_leaves_over(tiny_loaded) -> None:  # type: ignore[no-untyped-def]
+def test_drafts_use_only_what_the_step_leaves_over(tiny_loaded) -> None:
     """A pool that just fits two sequences' own tokens: drafts that would need more blocks are not made,
     so nothing is preempted for them, and the outputs are those without speculation."""
     prompts = [[5, 6, 7, 8, 9, 10], [11, 12, 13, 14, 15, 16]]
@@ -280,7 +280,7 @@ def test_drafts_use_only_what_the_step_leaves_over(tiny_loaded) -> None:  # type
     assert runs["ngram"] == runs["off"]
 
 
-def test_the_overlap_loop_speculates_synchronously_with_the_same_outputs(default_model, prompts) -> None:  # type: ignore[no-untyped-def]
+def test_the_overlap_loop_speculates_synchronously_with_the_same_outputs(default_model, prompts) -> None:
     """With overlap on (the GPU's loop, forced here), a speculating step first completes the step in flight;
     outputs equal those without speculation, also beside a grammar-constrained request (its masks are made
     synchronously in a speculating step) and a fan-out; and speculation does happen."""
@@ -309,7 +309,7 @@ def test_the_overlap_loop_speculates_synchronously_with_the_same_outputs(default
 
 
 @pytest.mark.parametrize("overlap", ["off", "on"])
-def test_grammar_constrained_drafts_are_checked_and_equal_without_speculation(default_model, overlap: str) -> None:  # type: ignore[no-untyped-def]
+def test_grammar_constrained_drafts_are_checked_and_equal_without_speculation(default_model, overlap: str) -> None:
     """A tool-call-like JSON object that copies the context: drafts pass the grammar's matcher first, each
     verifying row gets the mask of the grammar after the drafts before it; outputs equal speculation off,
     parse, and drafts were kept."""
@@ -345,7 +345,7 @@ def test_grammar_constrained_drafts_are_checked_and_equal_without_speculation(de
     assert json.loads(text) == {"capital": "Paris"}, text
 
 
-def test_verifying_graph_layout_gives_the_same_outputs(default_model, prompts) -> None:  # type: ignore[no-untyped-def]
+def test_verifying_graph_layout_gives_the_same_outputs(default_model, prompts) -> None:
     """The packing and forward of the verifying CUDA graphs (each sequence's 1 + k tokens after the one
     before, the batch padded to a bucket with sequences of no tokens and the rows to the graph's token
     count, padding's K/V sent to the scratch block), run eagerly on the CPU: the same greedy tokens,
@@ -381,7 +381,7 @@ def _record_launches(core: EngineCore) -> list[set[str]]:
     seen: list[set[str]] = []
     launch = core.runner.launch
 
-    def recording(batch):  # type: ignore[no-untyped-def]
+    def recording(batch):
         seen.append(set(batch.packed.int_fields))
         return launch(batch)
 
@@ -390,7 +390,7 @@ def _record_launches(core: EngineCore) -> list[set[str]]:
 
 
 @pytest.mark.parametrize("graphs", [False, True])
-def test_the_overlap_loop_verifies_drafts_with_a_step_in_flight(  # type: ignore[no-untyped-def]
+def test_the_overlap_loop_verifies_drafts_with_a_step_in_flight(
     default_model, prompts, copy_stops, graphs: bool
 ) -> None:
     """Overlap on (forced on the CPU): drafts follow a guess of the token in flight, and the step after a
@@ -442,7 +442,7 @@ def test_the_overlap_loop_verifies_drafts_with_a_step_in_flight(  # type: ignore
     assert results["ngram"][4][0][0][-1] == stop_id
 
 
-def test_the_overlap_loop_with_drafts_in_flight_under_preemption_and_abort(default_model, prompts) -> None:  # type: ignore[no-untyped-def]
+def test_the_overlap_loop_with_drafts_in_flight_under_preemption_and_abort(default_model, prompts) -> None:
     """A pool too small for four copies at once, overlap on: sequences with drafts in flight are never
     preempted (they wait a step), others are, and outputs equal speculation off; an abort while drafts are
     in flight leaves no blocks behind."""
@@ -460,7 +460,7 @@ def test_the_overlap_loop_with_drafts_in_flight_under_preemption_and_abort(defau
     _abort_during_verification(core, prompts["copy"], booked_after=True)
 
 
-def test_a_sequence_with_drafts_in_flight_waits_for_blocks_and_is_never_preempted(tiny_loaded) -> None:  # type: ignore[no-untyped-def]
+def test_a_sequence_with_drafts_in_flight_waits_for_blocks_and_is_never_preempted(tiny_loaded) -> None:
     """Overlap on, every sequence drafting each step: the pool is filled while drafts are in flight, so the
     next step cannot grow them. A sequence whose drafts are in flight is left out of that step (its length
     is not known yet), never preempted; once the pool has room again, the outputs are those without
@@ -477,11 +477,11 @@ def test_a_sequence_with_drafts_in_flight_waits_for_blocks_and_is_never_preempte
     waited: list[Sequence] = []
     preempt, schedule = scheduler._preempt, scheduler.schedule
 
-    def recording_preempt(seq, plan):  # type: ignore[no-untyped-def]
+    def recording_preempt(seq, plan):
         victims.append(seq.num_draft)
         preempt(seq, plan)
 
-    def recording_schedule(speculate=False):  # type: ignore[no-untyped-def]
+    def recording_schedule(speculate=False):
         in_flight = [s for s in scheduler.running if s.num_draft]
         plan = schedule(speculate)
         waited.extend(s for s in in_flight if all(c.seq is not s for c in plan.chunks))
@@ -518,7 +518,7 @@ def _turn(core: EngineCore, session_id: str, prompt: list[int], tenant: str) -> 
 @pytest.mark.parametrize("overlap", ["off", "on"])
 def test_a_tenant_s_finished_turn_drafts_for_its_other_sessions_and_never_another_tenant_s(
     tiny_loaded, overlap: str
-) -> None:  # type: ignore[no-untyped-def]
+) -> None:
     """Session a's turn ends; sessions b (same tenant) and c (another tenant) ask the same: b's drafts come
     from a's turn as well as its own context (more kept than with the index off), c's only from its own
     context; outputs equal speculation off; a's tokens leave the index when a closes."""
@@ -547,7 +547,7 @@ def test_a_tenant_s_finished_turn_drafts_for_its_other_sessions_and_never_anothe
     assert b_idx > b_own, (b_idx, b_own)  # a's turn drafted for b, and the drafts were kept
 
 
-def test_a_session_closed_during_its_turn_leaves_no_donor(tiny_loaded) -> None:  # type: ignore[no-untyped-def]
+def test_a_session_closed_during_its_turn_leaves_no_donor(tiny_loaded) -> None:
     core = make_core(tiny_loaded, speculative="ngram", overlap="on")
     agents = core.scheduler.speculator.agents
     assert agents is not None

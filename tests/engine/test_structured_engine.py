@@ -26,18 +26,18 @@ SCHEMAS_HERE = {
 
 
 @pytest.fixture(scope="module")
-def compiler(default_model) -> GrammarCompiler:  # type: ignore[no-untyped-def]
+def compiler(default_model) -> GrammarCompiler:
     return GrammarCompiler(default_model.tokenizer, default_model.spec.vocab_size, default_model.eos_token_ids)
 
 
-def chat(default_model, text: str) -> list[int]:  # type: ignore[no-untyped-def]
+def chat(default_model, text: str) -> list[int]:
     rendered = default_model.tokenizer.apply_chat_template(
         [{"role": "user", "content": text}], add_generation_prompt=True, return_dict=True
     )
     return list(rendered["input_ids"])
 
 
-def workload(default_model, compiler) -> tuple[list[list[int]], list[SamplingParams], list[str]]:  # type: ignore[no-untyped-def]
+def workload(default_model, compiler) -> tuple[list[list[int]], list[SamplingParams], list[str]]:
     prompts, params, names = [], [], []
     for name, schema in sorted(SCHEMAS_HERE.items()):
         grammar = compiler.compile(GrammarSpec(GrammarKind.JSON_SCHEMA, json.dumps(schema)))
@@ -48,7 +48,7 @@ def workload(default_model, compiler) -> tuple[list[list[int]], list[SamplingPar
     return prompts, params, names
 
 
-def test_replies_validate_in_sync_and_overlap_mode_under_preemption(default_model, compiler) -> None:  # type: ignore[no-untyped-def]
+def test_replies_validate_in_sync_and_overlap_mode_under_preemption(default_model, compiler) -> None:
     prompts, params, names = workload(default_model, compiler)
     texts = {}
     for overlap in ("off", "on"):
@@ -64,7 +64,7 @@ def test_replies_validate_in_sync_and_overlap_mode_under_preemption(default_mode
     assert texts["on"] == texts["off"]  # the deferred, masked sampling of the overlap loop changes nothing
 
 
-def test_unconstrained_rows_beside_constrained_ones_sample_what_they_sample_alone(default_model, compiler) -> None:  # type: ignore[no-untyped-def]
+def test_unconstrained_rows_beside_constrained_ones_sample_what_they_sample_alone(default_model, compiler) -> None:
     plain = [chat(default_model, "Tell me about the sea."), chat(default_model, "Name three fruits.")]
     plain_params = [
         SamplingParams(max_tokens=24, temperature=0.0),
@@ -76,21 +76,21 @@ def test_unconstrained_rows_beside_constrained_ones_sample_what_they_sample_alon
     assert [r["tokens"] for r in mixed[:2]] == [r["tokens"] for r in alone]
 
 
-def test_a_grammar_cut_by_max_tokens_ends_with_length(default_model, compiler) -> None:  # type: ignore[no-untyped-def]
+def test_a_grammar_cut_by_max_tokens_ends_with_length(default_model, compiler) -> None:
     grammar = compiler.compile(GrammarSpec(GrammarKind.JSON_SCHEMA, json.dumps(SCHEMAS_HERE["nested"])))
     result = run_all(make_core(default_model), [chat(default_model, "JSON please.")],
                      SamplingParams(max_tokens=3, temperature=0.0, grammar=grammar))[0]  # fmt: skip
     assert result["finish"][0].value == "length" and len(result["tokens"][0]) == 3
 
 
-def test_ignore_eos_still_ends_at_the_end_of_the_grammar(default_model, compiler) -> None:  # type: ignore[no-untyped-def]
+def test_ignore_eos_still_ends_at_the_end_of_the_grammar(default_model, compiler) -> None:
     grammar = compiler.compile(GrammarSpec(GrammarKind.REGEX, "(yes|no)"))
     result = run_all(make_core(default_model), [chat(default_model, "Is water wet?")],
                      SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True, grammar=grammar))[0]  # fmt: skip
     assert result["finish"][0].value == "stop" and result["text"][0] in ("yes", "no")
 
 
-def test_logprobs_are_of_the_constrained_distribution_and_stop_strings_still_apply(default_model, compiler) -> None:  # type: ignore[no-untyped-def]
+def test_logprobs_are_of_the_constrained_distribution_and_stop_strings_still_apply(default_model, compiler) -> None:
     import math
 
     grammar = compiler.compile(GrammarSpec(GrammarKind.REGEX, "(yes|no)"))

@@ -39,7 +39,7 @@ def request(choice: dict[str, Any] | None = None, schema: dict[str, Any] | None 
     return r
 
 
-def accepts(compiler, spec, text: str) -> bool:  # type: ignore[no-untyped-def]
+def accepts(compiler, spec, text: str) -> bool:
     """Whether the grammar's language holds exactly this text (the whole of it, then the end)."""
     matcher = xgr.GrammarMatcher(compiler.compile(spec).compiled)
     return bool(matcher.accept_string(text)) and bool(matcher.accept_token(compiler.info.stop_token_ids[0]))
@@ -50,7 +50,7 @@ def call(fmt: CallFormat, city: str = "Paris") -> str:
 
 
 @pytest.mark.parametrize("fmt", FORMATS, ids=lambda f: f.name)
-def test_auto_with_a_format_is_calls_only_or_text_in_the_format(compiler, fmt) -> None:  # type: ignore[no-untyped-def]
+def test_auto_with_a_format_is_calls_only_or_text_in_the_format(compiler, fmt) -> None:
     s = structure(request(), fmt)
     assert s.spec is not None and s.spec.kind is GrammarKind.STRUCTURAL_TAG
     assert s.parse_calls and s.formatted and not s.calls_only
@@ -64,7 +64,7 @@ def test_auto_with_a_format_is_calls_only_or_text_in_the_format(compiler, fmt) -
     assert not accepts(compiler, s.spec, "It is sunny.")
 
 
-def test_none_is_the_format_alone_and_required_or_named_ignore_it(compiler) -> None:  # type: ignore[no-untyped-def]
+def test_none_is_the_format_alone_and_required_or_named_ignore_it(compiler) -> None:
     s = structure(request({"mode": pb.TOOL_CHOICE_MODE_NONE}), GENERIC)
     assert s.spec is not None and s.spec.kind is GrammarKind.JSON_SCHEMA and not s.parse_calls
     for choice in ({"mode": pb.TOOL_CHOICE_MODE_REQUIRED}, {"name": "get_weather"}):
@@ -83,7 +83,7 @@ def test_none_is_the_format_alone_and_required_or_named_ignore_it(compiler) -> N
     ("regex", "[0-9]{3}", "123", "12a"),
     ("grammar", 'root ::= "yes" | "no"', "no", "maybe"),
 ])  # fmt: skip
-def test_every_format_kind_combines_with_tools(compiler, kind, value, good, bad) -> None:  # type: ignore[no-untyped-def]
+def test_every_format_kind_combines_with_tools(compiler, kind, value, good, bad) -> None:
     r = request(schema=None)
     setattr(r.response_format, kind, value)
     spec = structure(r, HERMES).spec
@@ -92,7 +92,7 @@ def test_every_format_kind_combines_with_tools(compiler, kind, value, good, bad)
 
 
 @pytest.mark.parametrize("fmt", [GENERIC, LLAMA3_JSON], ids=lambda f: f.name)
-def test_masked_walks_end_as_calls_only_or_as_valid_formatted_text(compiler, fmt) -> None:  # type: ignore[no-untyped-def]
+def test_masked_walks_end_as_calls_only_or_as_valid_formatted_text(compiler, fmt) -> None:
     s = structure(request(), fmt)
     grammar = compiler.compile(s.spec)
     vocab = compiler.info.decoded_vocab
@@ -112,7 +112,7 @@ def test_masked_walks_end_as_calls_only_or_as_valid_formatted_text(compiler, fmt
 
 
 @pytest.mark.parametrize("fmt", FORMATS, ids=lambda f: f.name)
-def test_at_most_one_call_ends_the_reply_after_the_first(compiler, fmt) -> None:  # type: ignore[no-untyped-def]
+def test_at_most_one_call_ends_the_reply_after_the_first(compiler, fmt) -> None:
     auto = structure(request({"at_most_one_call": True}, schema=None), fmt).spec
     assert accepts(compiler, auto, "Sure. " + call(fmt)) and accepts(compiler, auto, "No call needed.")
     assert not accepts(compiler, auto, "Sure. " + call(fmt) + "\n" + call(fmt, "Rome"))

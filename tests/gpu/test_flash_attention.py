@@ -15,7 +15,7 @@ from cbd.model.attention import layout_from_lists, reference_metadata, write_kv
 from cbd.model.attention_backends import TorchBackend, TritonBackend, select_backend
 
 
-def test_auto_on_cpu_is_the_torch_reference_and_says_why_not_flash(caplog) -> None:  # type: ignore[no-untyped-def]
+def test_auto_on_cpu_is_the_torch_reference_and_says_why_not_flash(caplog) -> None:
     with caplog.at_level(logging.INFO, logger="cbd.model.attention_backends"):
         backend = select_backend("auto", torch.device("cpu"), torch.float32, 8, None, 2, head_dim=16)
     assert isinstance(backend, TorchBackend)
@@ -93,7 +93,7 @@ def _random_step(
 ], ids=["mixed", "long"])  # fmt: skip
 @pytest.mark.gpu
 @needs_flash
-def test_flash_equals_triton_and_the_reference(block_size, heads, head_dim, window, runs) -> None:  # type: ignore[no-untyped-def]
+def test_flash_equals_triton_and_the_reference(block_size, heads, head_dim, window, runs) -> None:
     if window is not None and runs[0][0] == 2048:
         pytest.skip("one windowed case is enough")
     rng = random.Random(block_size * 31 + head_dim + heads[0])
@@ -125,7 +125,7 @@ def test_decode_steps_stay_on_triton() -> None:
 @pytest.mark.gpu
 @needs_flash
 @pytest.mark.parametrize("kind", ["llama", "mistral-window"])
-def test_engine_greedy_flash_equals_triton_in_bf16(tiny_checkpoint, kind: str) -> None:  # type: ignore[no-untyped-def]
+def test_engine_greedy_flash_equals_triton_in_bf16(tiny_checkpoint, kind: str) -> None:
     """bf16 (FA4 has no fp32): token-exact, or the first divergence is a near-tie under both backends."""
     from cbd.engine.sampling_params import SamplingParams
     from cbd.model.loader import load_model

@@ -35,7 +35,7 @@ def test_fp32_on_cuda_matches_transformers_on_cuda(tiny_checkpoint, kind: str) -
         assert_greedy_matches(core, _CpuView(hf), prompt, ours, theirs)
 
 
-def _hf_cuda(hf, prompt: list[int], n: int) -> list[int]:  # type: ignore[no-untyped-def]
+def _hf_cuda(hf, prompt: list[int], n: int) -> list[int]:
     with torch.inference_mode():
         out = hf.generate(torch.tensor([prompt], device="cuda"), max_new_tokens=n, min_new_tokens=n,
                           do_sample=False, pad_token_id=0, eos_token_id=None)  # fmt: skip
@@ -45,10 +45,10 @@ def _hf_cuda(hf, prompt: list[int], n: int) -> list[int]:  # type: ignore[no-unt
 class _CpuView:
     """Lets helpers.hf_top2_gap feed CPU tensors to a CUDA model."""
 
-    def __init__(self, model) -> None:  # type: ignore[no-untyped-def]
+    def __init__(self, model) -> None:
         self.model = model
 
-    def __call__(self, ids: torch.Tensor):  # type: ignore[no-untyped-def]
+    def __call__(self, ids: torch.Tensor):
         return self.model(ids.cuda())
 
 
@@ -125,7 +125,7 @@ class _OracleDrafter:
         self.reference = reference
         self.calls = 0
 
-    def propose(self, seq, k: int, end: int | None = None) -> list[int]:  # type: ignore[no-untyped-def]
+    def propose(self, seq, k: int, end: int | None = None) -> list[int]:
         end = seq.num_tokens if end is None else end  # the overlap loop: tokens from end on are in flight
         future = self.reference[tuple(seq.token_ids[: seq.num_prompt_tokens])][end - seq.num_prompt_tokens :][:k]
         self.calls += 1

@@ -21,7 +21,7 @@ elif os.environ.get("TRITON_INTERPRET") == "1":
 
     _patch_tensor = _interpreter._patch_lang_tensor
 
-    def _patch_with_scalar_index(tensor, scope):  # type: ignore[no-untyped-def]
+    def _patch_with_scalar_index(tensor, scope):
         # The interpreter keeps scalars as 1-element arrays, which numpy 2 refuses to int(): use .item().
         _patch_tensor(tensor, scope)
         scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))

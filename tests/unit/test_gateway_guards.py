@@ -29,7 +29,7 @@ NOWHERE = "unix:/nonexistent/cbd.sock"  # every request here is refused before t
 
 
 @pytest.fixture()
-def client():  # type: ignore[no-untyped-def]
+def client():
     with TestClient(create_app(NOWHERE, limits=Limits(max_body_bytes=4096, max_prompts=8))) as c:
         yield c
 
@@ -104,7 +104,7 @@ MALFORMED = [  # (route, body, the param named)
 
 
 @pytest.mark.parametrize(("route", "body", "param"), MALFORMED)
-def test_a_malformed_field_is_a_400_naming_it(client, route: str, body: dict[str, Any], param: str) -> None:  # type: ignore[no-untyped-def]
+def test_a_malformed_field_is_a_400_naming_it(client, route: str, body: dict[str, Any], param: str) -> None:
     path = {"chat": "/v1/chat/completions", "completions": "/v1/completions", "responses": "/v1/responses"}[route]
     # json.dumps writes lone surrogates and huge integers as JSON allows (\ud800, digits)
     response = client.post(path, content=json.dumps(body), headers={"Content-Type": "application/json"})
@@ -133,7 +133,7 @@ def test_the_daemons_refusals_name_the_field_as_each_api_names_it() -> None:
     assert named(ApiError(503, "tool 1 gone"), DAEMON_PARAMS).param is None  # only refusals of the request
 
 
-def test_json_nested_too_deep_is_a_400_and_never_a_recursion_error(client) -> None:  # type: ignore[no-untyped-def]
+def test_json_nested_too_deep_is_a_400_and_never_a_recursion_error(client) -> None:
     for depth in (65, 2000):  # 2000: past the interpreter's recursion limit, still under 4096 bytes
         body = '{"messages": ' + "[" * depth + "]" * depth + "}"
         assert "nests deeper than 64" in _error(client.post("/v1/chat/completions", content=body), 400)["message"]
@@ -148,7 +148,7 @@ def test_json_nested_too_deep_is_a_400_and_never_a_recursion_error(client) -> No
         parse_json(json.dumps(value).encode(), 3)
 
 
-def test_bodies_over_the_limit_are_413_declared_or_streamed(client) -> None:  # type: ignore[no-untyped-def]
+def test_bodies_over_the_limit_are_413_declared_or_streamed(client) -> None:
     big = json.dumps({"messages": [{"role": "user", "content": "x" * 5000}]}).encode()
     declared = client.post("/v1/chat/completions", content=big)
     assert _error(declared, 413)["code"] == "request_too_large"
@@ -167,7 +167,7 @@ def _anthropic_error(response: Any, status: int) -> dict[str, Any]:
     return body["error"]
 
 
-def test_the_messages_routes_refuse_in_anthropics_shape_before_the_route_too(client, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+def test_the_messages_routes_refuse_in_anthropics_shape_before_the_route_too(client, monkeypatch) -> None:
     big = json.dumps({"model": "m", "max_tokens": 8, "messages": [{"role": "user", "content": "x" * 5000}]}).encode()
     for path in ("/v1/messages", "/v1/messages/count_tokens"):
         declared = client.post(path, content=big)  # refused by its Content-Length, before any route runs
@@ -189,14 +189,14 @@ def test_the_messages_routes_refuse_in_anthropics_shape_before_the_route_too(cli
     assert _error(client.post("/v1/chat/completions", content=big), 413)["code"] == "request_too_large"
 
 
-def test_not_json_and_unknown_routes_answer_in_the_api_shape(client) -> None:  # type: ignore[no-untyped-def]
+def test_not_json_and_unknown_routes_answer_in_the_api_shape(client) -> None:
     assert _error(client.post("/v1/chat/completions", content=b"\xff\xfe{"), 400)["message"].endswith("not JSON")
     assert _error(client.post("/v1/chat/completions", content=b"[1]"), 400)["message"].endswith("a JSON object")
     assert _error(client.get("/v1/nothing"), 404)["type"] == "not_found_error"
     assert _error(client.get("/v1/chat/completions"), 405)
 
 
-def test_an_unexpected_failure_is_a_500_in_the_api_shape_logged_in_one_line(client, monkeypatch, caplog) -> None:  # type: ignore[no-untyped-def]
+def test_an_unexpected_failure_is_a_500_in_the_api_shape_logged_in_one_line(client, monkeypatch, caplog) -> None:
     def broken(*args: Any) -> None:
         raise KeyError("boom")
 

@@ -15,7 +15,7 @@ from grammar_cases import SCHEMAS, walk
 
 
 @pytest.mark.parametrize("name", sorted(SCHEMAS))
-def test_masked_random_walks_validate_against_the_schema(compiler, name) -> None:  # type: ignore[no-untyped-def]
+def test_masked_random_walks_validate_against_the_schema(compiler, name) -> None:
     grammar = compiler.compile(GrammarSpec(GrammarKind.JSON_SCHEMA, json.dumps(SCHEMAS[name])))
     decode = compiler.info.decoded_vocab
     for seed in range(8):
@@ -26,7 +26,7 @@ def test_masked_random_walks_validate_against_the_schema(compiler, name) -> None
         jsonschema.validate(json.loads(text), SCHEMAS[name])
 
 
-def test_json_object_regex_and_ebnf(compiler) -> None:  # type: ignore[no-untyped-def]
+def test_json_object_regex_and_ebnf(compiler) -> None:
     decode = compiler.info.decoded_vocab
     cases = [
         (GrammarSpec(GrammarKind.JSON_OBJECT), lambda text: isinstance(json.loads(text), dict)),
@@ -43,7 +43,7 @@ def test_json_object_regex_and_ebnf(compiler) -> None:  # type: ignore[no-untype
             assert check(text), (spec, text)
 
 
-def test_states_of_one_grammar_continue_independently(compiler) -> None:  # type: ignore[no-untyped-def]
+def test_states_of_one_grammar_continue_independently(compiler) -> None:
     """As the candidates of a fan-out do: each has its own state of the request's one compiled grammar."""
     grammar = compiler.compile(GrammarSpec(GrammarKind.JSON_SCHEMA, json.dumps(SCHEMAS["flat"])))
     state, twin = grammar.new_state(), grammar.new_state()
@@ -55,14 +55,14 @@ def test_states_of_one_grammar_continue_independently(compiler) -> None:  # type
     assert twin.num_accepted == len(b) + 1 and state.num_accepted == len(a) + 1
 
 
-def test_a_rejected_token_leaves_the_state_unchanged(compiler) -> None:  # type: ignore[no-untyped-def]
+def test_a_rejected_token_leaves_the_state_unchanged(compiler) -> None:
     state = compiler.compile(GrammarSpec(GrammarKind.REGEX, "abc")).new_state()
     letter = {v: i for i, v in enumerate(compiler.info.decoded_vocab)}
     assert not state.accept(letter[b"z"]) and state.num_accepted == 0
     assert state.accept(letter[b"a"]) and state.num_accepted == 1
 
 
-def test_a_repeated_spec_is_compiled_once(compiler) -> None:  # type: ignore[no-untyped-def]
+def test_a_repeated_spec_is_compiled_once(compiler) -> None:
     spec = GrammarSpec(GrammarKind.JSON_SCHEMA, json.dumps(SCHEMAS["nested"]))
     assert compiler.compile(spec).compiled is compiler.compile(GrammarSpec(spec.kind, spec.source)).compiled
 
@@ -77,7 +77,7 @@ def test_a_repeated_spec_is_compiled_once(compiler) -> None:  # type: ignore[no-
         (GrammarKind.STRUCTURAL_TAG, "{}", "invalid structural_tag"),
     ],
 )
-def test_bad_specs_are_invalid_requests_with_a_readable_message(compiler, kind, source, match) -> None:  # type: ignore[no-untyped-def]
+def test_bad_specs_are_invalid_requests_with_a_readable_message(compiler, kind, source, match) -> None:
     with pytest.raises(InvalidRequest, match=match) as info:
         compiler.compile(GrammarSpec(kind, source))
     assert "/project/" not in str(info.value) and "\n" not in str(info.value)

@@ -21,7 +21,7 @@ def _call(channel: grpc.Channel, method: str, server_streaming: bool, data: byte
     return [channel.unary_unary(path)(data, timeout=30, metadata=metadata)]
 
 
-def test_corrupt_bytes_are_invalid_argument_on_every_method_and_auth_still_applies(tiny_daemon, tmp_path) -> None:  # type: ignore[no-untyped-def]
+def test_corrupt_bytes_are_invalid_argument_on_every_method_and_auth_still_applies(tiny_daemon, tmp_path) -> None:
     tokens = tmp_path / "tokens"
     tokens.write_text("alice tok-a\n")
     d = tiny_daemon("--auth-token-file", str(tokens))

@@ -31,7 +31,7 @@ QWEN_STYLE = (
 
 
 @pytest.fixture(scope="module")
-def smol():  # type: ignore[no-untyped-def]
+def smol():
     from transformers import AutoTokenizer
 
     from cbd.model.loader import resolve_checkpoint
@@ -40,7 +40,7 @@ def smol():  # type: ignore[no-untyped-def]
 
 
 @pytest.fixture(scope="module")
-def llama3_style(smol):  # type: ignore[no-untyped-def]
+def llama3_style(smol):
     tokenizer = copy.deepcopy(smol)
     tokenizer.add_special_tokens(
         {
@@ -53,13 +53,13 @@ def llama3_style(smol):  # type: ignore[no-untyped-def]
 
 
 @pytest.fixture(scope="module")
-def qwen_style(smol):  # type: ignore[no-untyped-def]
+def qwen_style(smol):
     tokenizer = copy.deepcopy(smol)
     tokenizer.chat_template = QWEN_STYLE
     return tokenizer
 
 
-def special_counts(tokenizer, ids: list[int]) -> Counter:  # type: ignore[no-untyped-def]
+def special_counts(tokenizer, ids: list[int]) -> Counter:
     special = {i for i, t in tokenizer.added_tokens_decoder.items() if t.special}
     return Counter(i for i in ids if i in special)
 
@@ -75,7 +75,7 @@ def conversation(text: str) -> list[dict]:
 
 
 @pytest.mark.parametrize("family", ["smol", "llama3_style", "qwen_style"])
-def test_special_token_strings_in_messages_and_tools_stay_text(family, request) -> None:  # type: ignore[no-untyped-def]
+def test_special_token_strings_in_messages_and_tools_stay_text(family, request) -> None:
     tokenizer = request.getfixturevalue(family)
     encoder = PromptEncoder(tokenizer)
     attack = LLAMA3_INJECTION if family == "llama3_style" else INJECTION
@@ -89,7 +89,7 @@ def test_special_token_strings_in_messages_and_tools_stay_text(family, request) 
 
 
 @pytest.mark.parametrize("family", ["smol", "llama3_style", "qwen_style"])
-def test_conversations_without_special_strings_tokenize_as_the_template_does(family, request) -> None:  # type: ignore[no-untyped-def]
+def test_conversations_without_special_strings_tokenize_as_the_template_does(family, request) -> None:
     tokenizer = request.getfixturevalue(family)
     encoder = PromptEncoder(tokenizer)
     messages = [{"role": "user", "content": "Hello  there,\n\n  world <b>! <|im_start"}]
@@ -101,7 +101,7 @@ def test_conversations_without_special_strings_tokenize_as_the_template_does(fam
     assert encoder.special._encode_rendered(text, [], "0") == list(expected["input_ids"])
 
 
-def test_raw_text_prompts_split_special_strings_unless_raw_mode_asks(smol) -> None:  # type: ignore[no-untyped-def]
+def test_raw_text_prompts_split_special_strings_unless_raw_mode_asks(smol) -> None:
     encoder = PromptEncoder(smol)
     end = smol.convert_tokens_to_ids("<|im_end|>")
     text = pb.TokenizeRequest(text=INJECTION)

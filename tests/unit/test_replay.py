@@ -17,7 +17,7 @@ from cbd_client.types import Delta, SessionInfo, ToolCallDelta, Usage
 USAGE = Usage(4, 0, 4)
 
 
-def _d(index: int, tokens: tuple[int, ...], text: str, finish: str | None = None, **kw) -> Delta:  # type: ignore[no-untyped-def]
+def _d(index: int, tokens: tuple[int, ...], text: str, finish: str | None = None, **kw) -> Delta:
     return Delta("r", index, text, tokens, finish_reason=finish, usage=USAGE if finish else None, **kw)
 
 
@@ -78,15 +78,15 @@ class _FlakyClient:
                 raise CbdError(grpc.StatusCode.UNAVAILABLE, "connection reset")
             yield _d(0, (token,), f"<{token}>", "length" if i == len(reply) - 1 else None)
 
-    def stream(self, prompt, *, n, session_id, parent_candidate, **sampling) -> Iterator[Delta]:  # type: ignore[no-untyped-def]
+    def stream(self, prompt, *, n, session_id, parent_candidate, **sampling) -> Iterator[Delta]:
         yield from self._deltas(session_id, prompt)
 
-    def session(self, prefix, ttl) -> SessionInfo:  # type: ignore[no-untyped-def]
+    def session(self, prefix, ttl) -> SessionInfo:
         self.opened.append(prefix)
         return SessionInfo(f"s{len(self.opened)}", 0, 0, 0, 0.0, False, 600.0, False)
 
 
-def test_a_stream_cut_midway_is_finished_on_the_reopened_session(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+def test_a_stream_cut_midway_is_finished_on_the_reopened_session(monkeypatch) -> None:
     monkeypatch.setattr("cbd_client.session.RECOVERY_PAUSE", 0)
     client = _FlakyClient([11, 12, 13, 14], cut=2)
     session = Session(client, SessionInfo("s0", 0, 0, 0, 0.0, False, 600.0, False), prefix=[1, 2], recover=True)  # type: ignore[arg-type]
@@ -98,7 +98,7 @@ def test_a_stream_cut_midway_is_finished_on_the_reopened_session(monkeypatch) ->
     assert session.transcript.as_prefix() == [1, 2, 3, 11, 12, 13, 14]  # the whole reply joins the history
 
 
-def test_a_rerun_that_departs_ends_the_turn_and_leaves_the_history_without_it(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+def test_a_rerun_that_departs_ends_the_turn_and_leaves_the_history_without_it(monkeypatch) -> None:
     monkeypatch.setattr("cbd_client.session.RECOVERY_PAUSE", 0)
     client = _FlakyClient([11, 12, 13], cut=2, rerun=[11, 99, 13])
     session = Session(client, SessionInfo("s0", 0, 0, 0, 0.0, False, 600.0, False), prefix=[1], recover=True)  # type: ignore[arg-type]
@@ -129,7 +129,7 @@ class _AsyncFlakyClient(_FlakyClient):
         return _FlakyClient.session(self, prefix, ttl)
 
 
-def test_the_async_session_streams_through_a_loss_too(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+def test_the_async_session_streams_through_a_loss_too(monkeypatch) -> None:
     monkeypatch.setattr("cbd_client.session.RECOVERY_PAUSE", 0)
     client = _AsyncFlakyClient([11, 12, 13], cut=1)
     session = AsyncSession(client, SessionInfo("s0", 0, 0, 0, 0.0, False, 600.0, False), prefix=[1], recover=True)  # type: ignore[arg-type]
@@ -143,14 +143,14 @@ def test_the_async_session_streams_through_a_loss_too(monkeypatch) -> None:  # t
 class _LostAtTheEnd(_FlakyClient):
     """Streams the whole reply, then the connection drops (before the call's trailers)."""
 
-    def stream(self, prompt, *, n, session_id, parent_candidate, **sampling) -> Iterator[Delta]:  # type: ignore[no-untyped-def]
+    def stream(self, prompt, *, n, session_id, parent_candidate, **sampling) -> Iterator[Delta]:
         self.runs.append((session_id, prompt))
         for i, token in enumerate(self.reply):
             yield _d(0, (token,), f"<{token}>", "stop" if i == len(self.reply) - 1 else None)
         raise CbdError(grpc.StatusCode.UNAVAILABLE, "connection reset")
 
 
-def test_a_loss_after_the_last_delta_keeps_the_whole_answer(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+def test_a_loss_after_the_last_delta_keeps_the_whole_answer(monkeypatch) -> None:
     monkeypatch.setattr("cbd_client.session.RECOVERY_PAUSE", 0)
     client = _LostAtTheEnd([11, 12], cut=-1)
     session = Session(client, SessionInfo("s0", 0, 0, 0, 0.0, False, 600.0, False), prefix=[1], recover=True)  # type: ignore[arg-type]

@@ -8,8 +8,8 @@ import torch
 from cbd.engine.device.sampler import SamplingBatch, sample, uniform_noise
 
 
-def batch(n: int, **values) -> SamplingBatch:  # type: ignore[no-untyped-def]
-    def col(name: str, default, dtype):  # type: ignore[no-untyped-def]
+def batch(n: int, **values) -> SamplingBatch:
+    def col(name: str, default, dtype):
         v = values.get(name, default)
         return torch.tensor(v if isinstance(v, list) else [v] * n, dtype=dtype)
 
@@ -78,7 +78,7 @@ def test_temperature_sharpens() -> None:
         (dict(min_p=0.7), {0}),
     ],
 )
-def test_filters_restrict_the_support(kw, allowed) -> None:  # type: ignore[no-untyped-def]
+def test_filters_restrict_the_support(kw, allowed) -> None:
     probs = torch.tensor([0.5, 0.3, 0.15, 0.05])
     n = 3000
     tokens = sample(probs.log().repeat(n, 1), batch(n, seed=list(range(n)), **kw)).token_ids
@@ -130,7 +130,7 @@ def test_noise_never_reaches_one_so_a_token_without_probability_is_never_drawn()
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("tiny", [1e-45, 1e-300])
-def test_a_temperature_below_the_floor_is_greedy_with_finite_logprobs(dtype, tiny) -> None:  # type: ignore[no-untyped-def]
+def test_a_temperature_below_the_floor_is_greedy_with_finite_logprobs(dtype, tiny) -> None:
     from cbd.engine.sampling_params import MIN_TEMPERATURE, SamplingParams
 
     assert SamplingParams(temperature=tiny).greedy and not SamplingParams(temperature=MIN_TEMPERATURE).greedy

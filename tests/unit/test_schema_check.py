@@ -32,7 +32,7 @@ REFUSED = [
 
 
 @pytest.mark.parametrize(("schema", "path", "named"), REFUSED)
-def test_a_keyword_the_grammar_would_not_enforce_is_refused_naming_it_and_its_path(schema, path, named) -> None:  # type: ignore[no-untyped-def]
+def test_a_keyword_the_grammar_would_not_enforce_is_refused_naming_it_and_its_path(schema, path, named) -> None:
     with pytest.raises(InvalidRequest) as info:
         load_schema(json.dumps(schema), "$")
     assert str(info.value).startswith(path + ":") and named in str(info.value), str(info.value)
@@ -112,7 +112,7 @@ ENFORCED = [
 
 
 @pytest.mark.parametrize(("schema", "instance"), ENFORCED)
-def test_every_allowed_keyword_is_enforced_by_the_compiled_grammar(compiler, schema, instance) -> None:  # type: ignore[no-untyped-def]
+def test_every_allowed_keyword_is_enforced_by_the_compiled_grammar(compiler, schema, instance) -> None:
     import xgrammar as xgr
 
     grammar = compiler.compile(GrammarSpec(GrammarKind.JSON_SCHEMA, json.dumps(schema)))
@@ -129,7 +129,7 @@ def test_the_allow_list_is_what_the_enforcement_test_covers() -> None:
 @pytest.mark.parametrize(
     ("kind", "source"), [(GrammarKind.REGEX, "[^\\s\\S]"), (GrammarKind.GRAMMAR, 'root ::= a\na ::= a "x"')]
 )
-def test_a_grammar_whose_language_is_empty_is_refused(compiler, kind, source) -> None:  # type: ignore[no-untyped-def]
+def test_a_grammar_whose_language_is_empty_is_refused(compiler, kind, source) -> None:
     with pytest.raises(InvalidRequest, match="matches nothing"):
         compiler.compile(GrammarSpec(kind, source))
     compiler.compile(GrammarSpec(GrammarKind.REGEX, "a{0}"))  # only the empty reply: allowed (the stop token)

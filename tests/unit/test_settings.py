@@ -8,7 +8,7 @@ import torch
 from cbd.server.settings import load_settings
 
 
-def test_precedence_defaults_toml_env_flags(tmp_path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+def test_precedence_defaults_toml_env_flags(tmp_path, monkeypatch) -> None:
     config = tmp_path / "cbd.toml"
     config.write_text('[engine]\nblock_size = 32\nmax_num_seqs = 8\n[server]\nlisten = "unix:/tmp/a.sock"\n')
     monkeypatch.setenv("CBD_MAX_NUM_SEQS", "16")
@@ -22,7 +22,7 @@ def test_precedence_defaults_toml_env_flags(tmp_path, monkeypatch) -> None:  # t
     assert server.addresses() == ["unix:/tmp/a.sock"]
 
 
-def test_default_listen_address_follows_the_client_default(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+def test_default_listen_address_follows_the_client_default(monkeypatch) -> None:
     monkeypatch.delenv("CBD_LISTEN", raising=False)
     monkeypatch.setenv("CBD_ADDRESS", "unix:/tmp/x.sock")
     assert load_settings(["serve"])[1].addresses() == ["unix:/tmp/x.sock"]
@@ -43,7 +43,7 @@ def test_default_listen_address_follows_the_client_default(monkeypatch) -> None:
         ("[server]\nlisten = 'unix:'\n", "listen: a unix address needs a path"),
     ],
 )
-def test_bad_settings_are_errors(tmp_path, toml, match) -> None:  # type: ignore[no-untyped-def]
+def test_bad_settings_are_errors(tmp_path, toml, match) -> None:
     config = tmp_path / "cbd.toml"
     config.write_text(toml)
     with pytest.raises(ValueError, match=match):
@@ -55,7 +55,7 @@ def test_bad_flag_value_is_an_error() -> None:
         load_settings(["serve", "--warmup", "maybe"])
 
 
-def test_blas_library_flag(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+def test_blas_library_flag(monkeypatch) -> None:
     """--blas-library picks torch's BLAS front end on CUDA; "auto" is cuBLASLt; on the CPU nothing is set."""
     from cbd.model import blas
 
@@ -74,7 +74,7 @@ def test_blas_library_flag(monkeypatch) -> None:  # type: ignore[no-untyped-def]
     assert chosen == ["cublaslt", "cublas"]
 
 
-def test_setting_sources_name_the_file_variable_or_flag_of_each_setting(tmp_path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+def test_setting_sources_name_the_file_variable_or_flag_of_each_setting(tmp_path, monkeypatch) -> None:
     import os
 
     from cbd.server.settings import setting_sources

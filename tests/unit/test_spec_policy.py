@@ -84,7 +84,7 @@ class _Drafter:
 
 
 @pytest.mark.parametrize("overlap", ["off", "on"])
-def test_the_policy_decides_whether_drafts_are_made_and_outputs_are_the_same(tiny_loaded, overlap: str) -> None:  # type: ignore[no-untyped-def]
+def test_the_policy_decides_whether_drafts_are_made_and_outputs_are_the_same(tiny_loaded, overlap: str) -> None:
     prompts = [[5, 6, 7, 8, 9, 10], [11, 12, 13, 14, 15, 16], [17, 18, 19, 20]]
     params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
     off = [r["tokens"] for r in run_all(make_core(tiny_loaded, speculative="off"), prompts, params)]

@@ -18,7 +18,7 @@ def step(*tokens: list[int], priority: int | None = None, finish: bool = False) 
     return RequestOutput("r", deltas, finished=finish, priority=priority)
 
 
-def deliveries(stream: list[RequestOutput], own: int | None, batch: int = 4, asked: int | None = None):  # type: ignore[no-untyped-def]
+def deliveries(stream: list[RequestOutput], own: int | None, batch: int = 4, asked: int | None = None):
     """The groups of the stream's outputs delivered together; each delivery must be its group merged."""
     got: list[list[RequestOutput]] = []
     gathering = StreamInterval(own, batch, asked)

@@ -20,23 +20,23 @@ TURN = [7, 19, 28, 4]
 
 
 @pytest.fixture()
-def daemon(tiny_daemon, tmp_path):  # type: ignore[no-untyped-def]
+def daemon(tiny_daemon, tmp_path):
     tokens = tmp_path / "tokens"
     tokens.write_text(TOKENS)
     return tiny_daemon("--auth-token-file", str(tokens), "--admin-token-name", "ops")
 
 
-def _refusal(call) -> CbdError:  # type: ignore[no-untyped-def]
+def _refusal(call) -> CbdError:
     with pytest.raises(CbdError) as info:
         call()
     return info.value
 
 
-def _greedy(session, tokens: list[int]) -> list[int]:  # type: ignore[no-untyped-def]
+def _greedy(session, tokens: list[int]) -> list[int]:
     return list(session.send(tokens, max_tokens=6, temperature=0, ignore_eos=True).candidates[0].token_ids)
 
 
-def test_another_tenants_session_is_not_found_and_untouched(daemon) -> None:  # type: ignore[no-untyped-def]
+def test_another_tenants_session_is_not_found_and_untouched(daemon) -> None:
     with (
         Client(daemon.address, timeout=60, token="alice-token") as alice,
         Client(daemon.address, timeout=60, token="bob-token") as bob,
@@ -45,7 +45,7 @@ def test_another_tenants_session_is_not_found_and_untouched(daemon) -> None:  # 
         twin = alice.session(PREFIX, session_id="alice-twin")
         assert _greedy(mine, TURN) == _greedy(twin, TURN)
 
-        def as_never_opened(call, session_id: str) -> None:  # type: ignore[no-untyped-def]
+        def as_never_opened(call, session_id: str) -> None:
             theirs = _refusal(lambda: call(session_id))
             nobodys = _refusal(lambda: call("no-such-session"))
             assert theirs.code == nobodys.code == grpc.StatusCode.NOT_FOUND
@@ -71,7 +71,7 @@ def test_another_tenants_session_is_not_found_and_untouched(daemon) -> None:  # 
         assert sorted(s.session_id for s in alice.list_sessions()) == ["alice-agent-1", "alice-twin"]
 
 
-def test_same_ids_in_two_tenants_and_a_fork_stays_with_its_owner(daemon) -> None:  # type: ignore[no-untyped-def]
+def test_same_ids_in_two_tenants_and_a_fork_stays_with_its_owner(daemon) -> None:
     with (
         Client(daemon.address, timeout=60, token="alice-token") as alice,
         Client(daemon.address, timeout=60, token="bob-token") as bob,
@@ -89,7 +89,7 @@ def test_same_ids_in_two_tenants_and_a_fork_stays_with_its_owner(daemon) -> None
         assert all(delta.request_id == "job-1" for delta in theirs)
 
 
-def test_the_admin_token_lists_and_closes_any_session(daemon) -> None:  # type: ignore[no-untyped-def]
+def test_the_admin_token_lists_and_closes_any_session(daemon) -> None:
     with (
         Client(daemon.address, timeout=60, token="alice-token") as alice,
         Client(daemon.address, timeout=60, token="ops-token") as ops,
@@ -103,7 +103,7 @@ def test_the_admin_token_lists_and_closes_any_session(daemon) -> None:  # type: 
         assert _refusal(lambda: alice.get_session("alice-agent-1")).code == grpc.StatusCode.NOT_FOUND
 
 
-def test_the_prefix_cache_is_per_tenant(daemon) -> None:  # type: ignore[no-untyped-def]
+def test_the_prefix_cache_is_per_tenant(daemon) -> None:
     prompt = list(range(3, 3 + 64))  # four full blocks of 16
     with (
         Client(daemon.address, timeout=60, token="alice-token") as alice,
@@ -115,13 +115,13 @@ def test_the_prefix_cache_is_per_tenant(daemon) -> None:  # type: ignore[no-unty
         assert bob.generate(prompt, max_tokens=1).usage.cached_prompt_tokens > 0
 
 
-def test_a_tenant_name_over_its_bound_is_invalid_argument(shared_tiny_daemon) -> None:  # type: ignore[no-untyped-def]
+def test_a_tenant_name_over_its_bound_is_invalid_argument(shared_tiny_daemon) -> None:
     with Client(shared_tiny_daemon.address) as anyone:
         too_long = _refusal(lambda: anyone.get_session("s", tenant="t" * 129))
         assert too_long.code == grpc.StatusCode.INVALID_ARGUMENT and "at most 128" in too_long.details
 
 
-def test_the_command_line_client_presents_a_token(daemon) -> None:  # type: ignore[no-untyped-def]
+def test_the_command_line_client_presents_a_token(daemon) -> None:
     import json
     import os
     import subprocess

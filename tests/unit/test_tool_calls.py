@@ -50,7 +50,7 @@ def fold(parser: ToolCallParser, pieces: list[str]) -> tuple[str, dict[int, dict
 
 
 @pytest.mark.parametrize("fmt", [HERMES, MISTRAL, LLAMA3_JSON, GENERIC], ids=lambda f: f.name)
-def test_the_parser_splits_text_and_calls_wherever_the_stream_is_cut(fmt) -> None:  # type: ignore[no-untyped-def]
+def test_the_parser_splits_text_and_calls_wherever_the_stream_is_cut(fmt) -> None:
     args = [json.dumps({"city": "Paris {x}", "unit": "C"}), json.dumps({"q": {"terms": ['a"}', "b"]}})]
     reply = "Let me check. " + fmt.call_text("get_weather", args[0]) + "\n" + fmt.call_text("search", args[1])
     for cut in range(1, len(reply)):
@@ -79,7 +79,7 @@ def test_a_call_cut_before_its_name_is_not_text() -> None:
 
 
 @pytest.mark.parametrize("fmt", [HERMES, MISTRAL, LLAMA3_JSON], ids=lambda f: f.name)
-def test_calls_only_replies_have_no_text_wherever_they_are_cut(fmt) -> None:  # type: ignore[no-untyped-def]
+def test_calls_only_replies_have_no_text_wherever_they_are_cut(fmt) -> None:
     """tool_choice required or named: separators between calls and a call's cut start are not text."""
     reply = fmt.call_text("get_weather", '{"city": "Paris"}') + "\n" + fmt.call_text("search", '{"q": "x"}')
     for cut in range(1, len(reply) + 1):
@@ -113,7 +113,7 @@ def test_formats_are_read_off_the_chat_template() -> None:
         ([(f"t{i}", "", "") for i in range(129)], "at most 128 tools"),
     ],
 )
-def test_bad_tools_are_invalid_requests(entries, match) -> None:  # type: ignore[no-untyped-def]
+def test_bad_tools_are_invalid_requests(entries, match) -> None:
     with pytest.raises(InvalidRequest, match=match):
         parse_tools(entries)
 
@@ -129,7 +129,7 @@ def test_tool_choice_rules() -> None:
 
 @pytest.mark.parametrize("fmt", [HERMES, MISTRAL, LLAMA3_JSON], ids=lambda f: f.name)
 @pytest.mark.parametrize("mode", [ToolChoiceMode.REQUIRED, ToolChoiceMode.NAMED])
-def test_constrained_replies_parse_into_calls_whose_arguments_validate(compiler, fmt, mode) -> None:  # type: ignore[no-untyped-def]
+def test_constrained_replies_parse_into_calls_whose_arguments_validate(compiler, fmt, mode) -> None:
     spec = grammar_for(fmt, TOOLS, ToolChoice(mode, "search" if mode is ToolChoiceMode.NAMED else ""))
     assert spec is not None
     grammar = compiler.compile(spec)
