@@ -1,4 +1,4 @@
-"""What saving a session to its file takes (kv/session_files.py): for each branch, the extents its file holds
+"""What saving a session to its file takes (kv/session_file_save.py): for each branch, the extents its file holds
 already under the same tokens (kept), and the blocks gathered to host bytes to append after them.
 
 A file's contents are known to the engine thread as a view (`FileView`): per branch of the file, the token
