@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import struct
 import zlib
 from pathlib import Path
 
@@ -32,6 +31,7 @@ from cbd.engine.kv.session_files import (
     SavedSession,
     encoder,
     read_header,
+    slot_crc,
     sync_directory,
 )  # fmt: skip
 
@@ -110,8 +110,7 @@ def _place(saved: SavedSession, kept: list[list[Extent]], kv: list[NewKv | None]
 
 
 def _slot(generation: int, header: bytes) -> bytes:
-    crc = zlib.crc32(header, zlib.crc32(struct.pack("<Q", generation)))
-    return SLOT.pack(generation, len(header), crc) + header
+    return SLOT.pack(generation, len(header), slot_crc(generation, header)) + header
 
 
 def _append(path: Path, header: bytes, kv: list[NewKv | None], layout: Layout, size: int) -> None:

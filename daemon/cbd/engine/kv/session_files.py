@@ -143,6 +143,11 @@ def file_name(key: str) -> str:
     return hashlib.sha256(key.encode()).hexdigest()[:40] + SUFFIX
 
 
+def slot_crc(generation: int, header: bytes) -> int:
+    """A header slot's checksum: CRC-32 over its generation (u64, little-endian), then the header."""
+    return zlib.crc32(header, zlib.crc32(struct.pack("<Q", generation)))
+
+
 def read_header(path: Path) -> tuple[SavedSession, Layout]:
     """A file's header (the newer whole slot) and where it is. Raises DamagedFile or OSError."""
     with open(path, "rb") as f:
@@ -164,7 +169,7 @@ def read_header(path: Path) -> tuple[SavedSession, Layout]:
             if not generation or length > slot_size - SLOT.size:
                 continue
             header = f.read(length)
-            if len(header) == length and zlib.crc32(header, zlib.crc32(head[:8])) == crc:
+            if len(header) == length and slot_crc(generation, header) == crc:
                 if best is None or generation > best[0]:
                     best = (generation, slot, header)
     if best is None:
