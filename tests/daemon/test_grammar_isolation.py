@@ -37,7 +37,7 @@ def metrics_port() -> int:
 def daemon(tmp_path_factory, metrics_port):
     d = DaemonProcess(
         tmp_path_factory.mktemp("cbd") / "cbd.sock", "--grammar-compile-workers", str(WORKERS),
-        "--grammar-compile-timeout", "6", "--grammar-mask-budget-ms", "20", "--metrics-port", str(metrics_port),
+        "--grammar-compile-timeout", "4", "--grammar-mask-budget-ms", "20", "--metrics-port", str(metrics_port),
     )  # fmt: skip
     try:
         d.wait_serving()

@@ -20,11 +20,13 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch import nn
 
 from cbd.model.files import default_cache_dir, default_gguf_path, load_tokenizer
 from cbd.model.llama import CausalLM
+from cbd.model.model_config import ModelConfig, from_hf_config, read_model_config
 from cbd.model.packed_linear import pack_linears, packing_available
-from cbd.model.spec import ModelSpec, rope_inv_freq, spec_from_hf_config
+from cbd.model.spec import ModelSpec
 from cbd.model.tensor_parallel import TensorParallel, local_spec, shard_of, shard_tensor
 from cbd.model.weights import copy_weights, load_weights
 
@@ -37,7 +39,6 @@ PROGRESS_SECONDS = 10.0  # a first start's conversion logs that it is still work
 class LoadedModel:
     model: CausalLM
     spec: ModelSpec
-    hf_config: Any
     tokenizer: Any | None  # a transformers tokenizer, or None for a weights-only checkpoint
     eos_token_ids: tuple[int, ...]
     checkpoint_dir: Path
@@ -141,16 +142,14 @@ def load_model(
 ) -> LoadedModel:
     """tensor_parallel=(rank, world): build and fill only this rank's shard (see tensor_parallel.py);
     the returned spec stays the full model's, the network's is the local one."""
-    from transformers import AutoConfig
-
     directory = resolve_checkpoint(model, cache_dir)
-    hf_config = AutoConfig.from_pretrained(directory)
-    spec = spec_from_hf_config(hf_config)
+    config = read_model_config(directory, Path(cache_dir) if cache_dir else default_cache_dir())
+    spec = config.spec
     shard = shard_of(spec, *tensor_parallel) if tensor_parallel and tensor_parallel[1] > 1 else None
     net = _empty_network(local_spec(spec, shard) if shard else spec, device, dtype)
     transform = None if shard is None else (lambda name, t: shard_tensor(name, t, spec, shard))
     load_weights(net, directory, transform)
-    _finish_network(net, hf_config, spec, max_positions)
+    _finish_network(net, config, max_positions)
     if pack_cpu_gemm and torch.device(device).type == "cpu" and dtype == torch.float32 and packing_available():
         pack_linears(net)
     if shard is not None:
@@ -159,9 +158,8 @@ def load_model(
     return LoadedModel(
         model=net,
         spec=spec,
-        hf_config=hf_config,
         tokenizer=tokenizer,
-        eos_token_ids=_eos_ids(directory, hf_config, tokenizer),
+        eos_token_ids=_eos_ids(directory, config.eos_token_id, tokenizer),
         checkpoint_dir=directory,
         name=display_name(model),
     )
@@ -171,33 +169,40 @@ def model_from_hf(
     hf_model: Any, device: torch.device | str, dtype: torch.dtype, max_positions: int | None = None
 ) -> LoadedModel:
     """Build the engine's model from a live transformers model (benchmarks and tests; no tokenizer)."""
-    hf_config = hf_model.config
-    spec = spec_from_hf_config(hf_config)
+    config = from_hf_config(hf_model.config)
+    spec = config.spec
     net = _empty_network(spec, device, dtype)
     copy_weights(net, hf_model.state_dict().items())
-    _finish_network(net, hf_config, spec, max_positions)
-    eos = hf_config.eos_token_id
+    _finish_network(net, config, max_positions)
+    eos = config.eos_token_id
     eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
-    return LoadedModel(net, spec, hf_config, None, eos_ids, Path("."), type(hf_model).__name__)
+    return LoadedModel(net, spec, None, eos_ids, Path("."), type(hf_model).__name__)
 
 
 def _empty_network(spec: ModelSpec, device: torch.device | str, dtype: torch.dtype) -> CausalLM:
-    """The network with uninitialised weights on `device` (built on the meta device: no init cost)."""
+    """The network with uninitialised weights on `device`: built on the meta device (no init cost), then
+    each tensor given storage by `torch.empty` (Module.to_empty runs meta kernels that import sympy: half
+    a second of a start); floating-point tensors in `dtype`."""
     with torch.device("meta"):
         net = CausalLM(spec)
-    net = net.to_empty(device=device).to(dtype)
+    for module in net.modules():
+        for name, tensor in [*module.named_parameters(recurse=False), *module.named_buffers(recurse=False)]:
+            kind = dtype if tensor.is_floating_point() else tensor.dtype
+            empty = torch.empty(tensor.shape, device=device, dtype=kind)
+            setattr(
+                module, name, nn.Parameter(empty, tensor.requires_grad) if isinstance(tensor, nn.Parameter) else empty
+            )
     if spec.tie_word_embeddings:
         net.lm_head.weight = net.embed_tokens.weight
     return net
 
 
-def _finish_network(net: CausalLM, hf_config: Any, spec: ModelSpec, max_positions: int | None) -> None:
-    inv_freq, scale = rope_inv_freq(hf_config, spec)
-    net.set_rope(inv_freq, scale, max_positions or spec.max_position_embeddings)
+def _finish_network(net: CausalLM, config: ModelConfig, max_positions: int | None) -> None:
+    net.set_rope(config.inv_freq, config.rope_scale, max_positions or config.spec.max_position_embeddings)
     net.eval()
 
 
-def _eos_ids(directory: Path, hf_config: Any, tokenizer: Any | None) -> tuple[int, ...]:
+def _eos_ids(directory: Path, config_eos: Any, tokenizer: Any | None) -> tuple[int, ...]:
     ids: list[int] = []
 
     def add(value: Any) -> None:
@@ -209,7 +214,7 @@ def _eos_ids(directory: Path, hf_config: Any, tokenizer: Any | None) -> tuple[in
     gen = directory / "generation_config.json"
     if gen.exists():
         add(json.loads(gen.read_text()).get("eos_token_id"))
-    add(getattr(hf_config, "eos_token_id", None))
+    add(config_eos)
     if tokenizer is not None:
         add(tokenizer.eos_token_id)
     return tuple(dict.fromkeys(ids))
