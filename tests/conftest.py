@@ -45,6 +45,9 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if "gpu" in item.keywords and not gpu_available():
             item.add_marker(skip)
+    # The workers take whole files in this order (pyproject.toml's addopts): the files marked `first`, which
+    # take minutes, go before the rest, so that none is taken last while the other workers have run dry.
+    items.sort(key=lambda item: item.get_closest_marker("first") is None)
 
 
 TINY_CONFIGS: dict[str, dict] = {

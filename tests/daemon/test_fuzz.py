@@ -33,6 +33,8 @@ from daemon_process import DaemonProcess, serving  # noqa: E402
 from grammar_cases import MASK_BOMB, schema_bomb  # noqa: E402
 from helpers import fuzz_examples  # noqa: E402
 
+pytestmark = pytest.mark.first  # minutes on the CI machine: run before the other files
+
 EXAMPLES = fuzz_examples("CBD_FUZZ_EXAMPLES", thorough=10_000, quick=1_000)
 HOSTILE_EXAMPLES = fuzz_examples("CBD_FUZZ_HOSTILE_EXAMPLES", thorough=40, quick=40)
 ALLOWED = {

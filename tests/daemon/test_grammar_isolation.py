@@ -21,7 +21,7 @@ from cbd_client.v1.cbd_pb2_grpc import CbdStub
 from daemon_process import BackgroundStream, DaemonProcess, alive, rss_bytes
 from grammar_cases import MASK_BOMB, schema_bomb
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.first]
 ASK = [{"role": "user", "content": "Write something."}]
 WORKERS = 2  # --grammar-compile-workers
 MEMORY_BOUND = 150 * 2**20  # README's limits: RSS after grammar bombs, over its value before

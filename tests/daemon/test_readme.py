@@ -19,7 +19,7 @@ import pytest
 from daemon_process import DaemonProcess
 from gateway_process import GatewayProcess
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.first]
 README = Path(__file__).resolve().parents[2] / "README.md"
 GATEWAY = "127.0.0.1:8000"
 

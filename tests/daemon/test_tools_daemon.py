@@ -19,7 +19,7 @@ from cbd_client import CbdError, Client
 from daemon_process import DaemonProcess
 from grammar_cases import SEARCH, WEATHER
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.first]
 TOOLS = [{"name": "get_weather", "description": "Current weather in a city", "parameters": WEATHER},
          {"name": "search", "description": "Search the web", "parameters": SEARCH}]  # fmt: skip
 SCHEMAS = {"get_weather": WEATHER, "search": SEARCH}

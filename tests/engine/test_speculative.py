@@ -19,6 +19,8 @@ from cbd.engine.sequence import FinishReason, Request, Sequence
 from cbd.engine.spec.drafter import NgramDrafter, NgramIndex
 from helpers import checked_step, make_core, run_all
 
+pytestmark = pytest.mark.first  # minutes on the CI machine: run before the other files
+
 CODE = """def load(path):
     with open(path) as f:
         rows = [line.split(",") for line in f]

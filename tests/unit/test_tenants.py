@@ -1,29 +1,45 @@
 """Tenants: one token never reaches another tenant's sessions, forks, request ids or cached prefixes.
 
-A real daemon with `--auth-token-file` naming alice, bob and an operator (`--admin-token-name`). Every
-call bob makes about alice's session answers as an id that never existed does (NOT_FOUND, the same
-message), and alice's session is unchanged: her next greedy turn equals the same turn on a twin session
-that bob never touched.
+A real daemon (one for the module) with `--auth-token-file` naming alice, bob and an operator
+(`--admin-token-name`). Every call bob makes about alice's session answers as an id that never existed
+does (NOT_FOUND, the same message), and alice's session is unchanged: her next greedy turn equals the same
+turn on a twin session that bob never touched.
 """
 
 from __future__ import annotations
+
+from collections.abc import Iterator
 
 import grpc
 import pytest
 
 from cbd_client import Client
 from cbd_client.errors import CbdError
+from daemon_process import DaemonProcess, serving
 
 TOKENS = "alice alice-token\nbob bob-token\nops ops-token\n"
 PREFIX = [5, 17, 99, 23, 8, 41, 77, 3, 12, 64, 30, 2, 9, 11, 13, 15, 21, 33, 45, 6]
 TURN = [7, 19, 28, 4]
 
 
-@pytest.fixture()
-def daemon(tiny_daemon, tmp_path):
-    tokens = tmp_path / "tokens"
+@pytest.fixture(scope="module")
+def shared(tiny_checkpoint, tmp_path_factory) -> Iterator[DaemonProcess]:
+    tmp = tmp_path_factory.mktemp("tenants")
+    tokens = tmp / "tokens"
     tokens.write_text(TOKENS)
-    return tiny_daemon("--auth-token-file", str(tokens), "--admin-token-name", "ops")
+    flags = ("--auth-token-file", str(tokens), "--admin-token-name", "ops")
+    with serving(tmp, *flags, model=str(tiny_checkpoint("llama"))) as d:
+        yield d
+
+
+@pytest.fixture()
+def daemon(shared: DaemonProcess) -> Iterator[DaemonProcess]:
+    """The module's daemon, every tenant's sessions closed after each test (by the admin token), so that each
+    test starts with none."""
+    yield shared
+    with Client(shared.address, timeout=60, token="ops-token") as ops:
+        for info in ops.list_sessions(all_tenants=True):
+            ops.close_session(info.session_id, tenant=info.tenant)
 
 
 def _refusal(call) -> CbdError:
