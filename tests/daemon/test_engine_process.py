@@ -14,7 +14,7 @@ import pytest
 from cbd_client import CbdError, Client
 from cbd_client.v1 import cbd_pb2 as pb
 from cbd_client.v1 import cbd_pb2_grpc
-from daemon_process import DaemonProcess, alive, children
+from daemon_process import DaemonProcess, alive, children, serving
 
 PROMPT = list(range(2, 40))
 
@@ -146,8 +146,10 @@ def test_a_client_that_reads_slowly_neither_stalls_the_engine_nor_loses_tokens(
 
 
 @pytest.mark.slow
-def test_serving_the_embedded_model_the_frontend_has_no_torch_loaded(shared_daemon: DaemonProcess) -> None:
-    """Its tokenizer (the generic fast class) is loaded without AutoTokenizer's torch import."""
-    with Client(shared_daemon.address, timeout=60) as client:
+def test_serving_the_embedded_model_the_frontend_has_no_torch_loaded(tmp_path: Path) -> None:
+    """Its tokenizer (the generic fast class) is loaded without AutoTokenizer's torch import. A daemon of its
+    own: once a grammar has been compiled, the frontend holds the grammar library, which imports torch, so a
+    shared daemon's state would depend on the tests before."""
+    with serving(tmp_path) as d, Client(d.address, timeout=60) as client:
         assert client.generate([{"role": "user", "content": "Hi"}], max_tokens=2).candidates[0].token_ids
-    assert "libtorch" not in Path(f"/proc/{shared_daemon.process.pid}/maps").read_text()
+        assert "libtorch" not in Path(f"/proc/{d.process.pid}/maps").read_text()
