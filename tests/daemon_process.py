@@ -113,8 +113,10 @@ class DaemonProcess:
         return pid
 
     def grammar_worker_pids(self) -> list[int]:
-        """The frontend's live grammar compile workers (ipc/grammar_pool.py)."""
-        return _children_running(self.process.pid, "cbd.ipc.grammar_worker")
+        """The frontend's live grammar compile workers: the children of its workers' fork server
+        (ipc/grammar_pool.py)."""
+        servers = _children_running(self.process.pid, "cbd.ipc.grammar_worker")
+        return [pid for server in servers for pid in _children_running(server, "cbd.ipc.grammar_worker")]
 
     def log(self) -> str:
         self._log.flush()

@@ -5,6 +5,8 @@ JSON), which loads it off its command thread (ipc/endpoint.py); nothing compiles
 Why processes: a compile is one call into xgrammar's C++ that cannot be interrupted; some specs of a
 few kilobytes take minutes or gigabytes (deep schemas, wide counted repetitions). A worker process can
 be killed when its request's budget runs out or its client cancels, and its memory capped (RLIMIT_AS).
+Workers are forked from one fork server per pool that has imported the grammar library once, so a worker
+killed over a budget is replaced in milliseconds, not by a two-second start (ipc/grammar_worker.py).
 
 Invariants: at most `workers` compiles run at once (others wait in order, on the event loop, while
 requests without a grammar are served as usual); a worker is either idle, running exactly one compile,
@@ -20,6 +22,7 @@ import logging
 import socket
 import subprocess
 import sys
+import threading
 from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -28,6 +31,7 @@ from typing import Any
 
 from cbd.engine.grammar.matcher import CompiledGrammar, GrammarSpec, LazyGrammarCompiler
 from cbd.errors import EngineFailure, InvalidRequest
+from cbd.ipc.grammar_worker import PID, REQUEST
 
 log = logging.getLogger(__name__)
 MAX_CACHED_BYTES = 256 * 2**20  # compiled forms kept at most (besides the count bound)
@@ -40,15 +44,65 @@ class CompileBudget:
     memory_mib: int = 1024  # MiB of address space one compile may add to its worker
 
 
+class _ForkServer:
+    """The process that forks the compile workers (ipc/grammar_worker.py), and the frontend's end of its
+    control socket (one request at a time)."""
+
+    def __init__(self) -> None:
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "cbd.ipc.grammar_worker", "--fork-server", str(theirs.fileno())],
+            pass_fds=[theirs.fileno()],
+        )  # fmt: skip
+        theirs.close()
+        self._control = ours
+        self._lock = threading.Lock()
+
+    def wait_ready(self) -> None:
+        if self._control.recv(16) != b"ready":
+            raise EngineFailure("the grammar compile workers' fork server did not start")
+
+    def fork(self, worker_socket: socket.socket) -> int:
+        """A new worker on `worker_socket` (its end); its pid."""
+        with self._lock:
+            try:
+                socket.send_fds(self._control, [REQUEST.pack(b"F", 0)], [worker_socket.fileno()])
+                answer = self._control.recv(PID.size)
+            except OSError:
+                answer = b""
+        if len(answer) != PID.size:
+            raise EngineFailure("the grammar compile workers' fork server exited")
+        return int(PID.unpack(answer)[0])
+
+    def kill(self, pid: int) -> None:
+        """The server kills its worker `pid` if it has not reaped it yet (it never kills a reused pid)."""
+        with self._lock:
+            try:
+                self._control.send(REQUEST.pack(b"K", pid))
+            except OSError:  # the server is gone, and its workers with it
+                pass
+
+    def close(self) -> None:
+        """Its workers die with it."""
+        self.process.kill()
+        self.process.wait()
+        self._control.close()
+
+
 class _Worker:
     """One worker process and the frontend's end of its socket pair (used by one thread at a time)."""
 
-    def __init__(self, setup: tuple[Any, ...]) -> None:
+    def __init__(self, server: _ForkServer, setup: tuple[Any, ...]) -> None:
         ours, theirs = socket.socketpair()
-        self.process = subprocess.Popen(
-            [sys.executable, "-m", "cbd.ipc.grammar_worker", str(theirs.fileno())], pass_fds=[theirs.fileno()]
-        )  # fmt: skip
-        theirs.close()
+        try:
+            self.pid = server.fork(theirs)
+        except BaseException:
+            ours.close()
+            raise
+        finally:
+            theirs.close()
+        self._server = server
+        self._killed = False
         self.conn = Connection(ours.detach())
         self.conn.send(setup)
 
@@ -64,11 +118,12 @@ class _Worker:
     def kill(self) -> None:
         """A thread blocked in call() then reads EOF (the socket is closed by the worker's death, never
         here: closing a descriptor another thread reads is a race)."""
-        if self.process.poll() is None:
-            self.process.kill()
+        if not self._killed:
+            self._killed = True
+            self._server.kill(self.pid)
 
     def reap(self) -> None:
-        self.process.wait()
+        """Close the frontend's end (the fork server reaps the process)."""
         self.conn.close()
 
 
@@ -79,6 +134,7 @@ class GrammarPool:
         self._grammars = grammars
         self._setup: tuple[Any, ...] | None = None
         self._setup_lock = asyncio.Lock()
+        self._server: _ForkServer | None = None
         self._slots = asyncio.Semaphore(budget.workers)
         self._idle: list[_Worker] = []
         self._workers: set[_Worker] = set()  # every live worker, idle or busy
@@ -137,16 +193,25 @@ class GrammarPool:
         return CompiledGrammar(spec, None, value)
 
     async def _spawn(self) -> _Worker:
+        loop = asyncio.get_running_loop()
         async with self._setup_lock:
             if self._setup is None:
                 compiler = await asyncio.to_thread(self._grammars.get)  # InvalidRequest without a tokenizer
                 info = await asyncio.to_thread(compiler.info.serialize_json)
                 memory = self.budget.memory_mib * 2**20
                 self._setup = (info, compiler.vocab_size, list(compiler.info.stop_token_ids), memory)
-        worker = _Worker(self._setup)  # started from the event loop's thread: it dies with this process
+            if self._server is None or self._server.process.poll() is not None:
+                server = _ForkServer()  # started from the event loop's thread: it dies with this process
+                try:
+                    await loop.run_in_executor(self._threads, server.wait_ready)
+                except BaseException:
+                    server.close()
+                    raise
+                self._server = server
+        worker = _Worker(self._server, self._setup)  # a fork: milliseconds, on the event loop's thread
         self._workers.add(worker)
         try:
-            await asyncio.get_running_loop().run_in_executor(self._threads, worker.wait_ready)
+            await loop.run_in_executor(self._threads, worker.wait_ready)
         except BaseException:
             self._discard(worker)
             raise
@@ -178,9 +243,9 @@ class GrammarPool:
             self.cached_bytes -= _size(old)
 
     def close(self) -> None:
-        """Kill every worker (a thread waiting on a busy one then reads EOF and ends)."""
-        for worker in self._workers:
-            worker.kill()
+        """Kill every worker with their fork server (a thread waiting on a busy one then reads EOF and ends)."""
+        if self._server is not None:
+            self._server.close()
         for worker in self._idle:
             worker.reap()
         self._workers.clear()
