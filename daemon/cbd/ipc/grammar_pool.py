@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import socket
 import subprocess
 import sys
@@ -35,6 +36,7 @@ from cbd.ipc.grammar_worker import PID, REQUEST
 
 log = logging.getLogger(__name__)
 MAX_CACHED_BYTES = 256 * 2**20  # compiled forms kept at most (besides the count bound)
+FORK_TIMEOUT = 30.0  # seconds the fork server may take to answer (a fork takes milliseconds)
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,6 +57,7 @@ class _ForkServer:
             pass_fds=[theirs.fileno()],
         )  # fmt: skip
         theirs.close()
+        ours.settimeout(FORK_TIMEOUT)
         self._control = ours
         self._lock = threading.Lock()
 
@@ -72,7 +75,10 @@ class _ForkServer:
                 answer = b""
         if len(answer) != PID.size:
             raise EngineFailure("the grammar compile workers' fork server exited")
-        return int(PID.unpack(answer)[0])
+        (pid,) = PID.unpack(answer)
+        if pid <= 0:
+            raise EngineFailure(f"the grammar compile workers' fork server could not fork: {os.strerror(-pid)}")
+        return int(pid)
 
     def kill(self, pid: int) -> None:
         """The server kills its worker `pid` if it has not reaped it yet (it never kills a reused pid)."""
@@ -180,6 +186,13 @@ class GrammarPool:
         try:
             status, value = job.result()
         except (EOFError, OSError):
+            if self._server is not None and self._server.process.poll() is not None:
+                # The fork server died (and its workers with it): no verdict on the spec, none cached.
+                self._discard(worker)
+                for idle in self._idle:
+                    self._discard(idle)
+                self._idle.clear()
+                raise EngineFailure("the grammar compile workers' fork server exited") from None
             status, value = "memory", ""
         if status == "memory":
             self._discard(worker)
@@ -201,6 +214,8 @@ class GrammarPool:
                 memory = self.budget.memory_mib * 2**20
                 self._setup = (info, compiler.vocab_size, list(compiler.info.stop_token_ids), memory)
             if self._server is None or self._server.process.poll() is not None:
+                if self._server is not None:
+                    self._server.close()
                 server = _ForkServer()  # started from the event loop's thread: it dies with this process
                 try:
                     await loop.run_in_executor(self._threads, server.wait_ready)

@@ -19,6 +19,7 @@ its time budget or its request was cancelled. Every process here dies with its p
 
 from __future__ import annotations
 
+import errno
 import os
 import resource
 import select
@@ -26,6 +27,7 @@ import signal
 import socket
 import struct
 import sys
+import traceback
 from multiprocessing.connection import Connection
 
 from cbd.lifetime import die_with_parent
@@ -97,7 +99,12 @@ def fork_server(fd: int) -> int:
         op, pid = REQUEST.unpack(message)
         if op == b"F":
             (worker_fd,) = fds
-            child = os.fork()
+            try:
+                child = os.fork()
+            except OSError as exc:  # out of processes or memory: this request fails, the server goes on
+                os.close(worker_fd)
+                control.send(PID.pack(-(exc.errno or errno.EAGAIN)))
+                continue
             if child == 0:
                 code = 1
                 try:
@@ -105,6 +112,8 @@ def fork_server(fd: int) -> int:
                     die_with_parent()
                     if os.getppid() == me:  # else this server died before the line above: so does its worker
                         code = main(worker_fd)
+                except BaseException:
+                    traceback.print_exc()
                 finally:
                     os._exit(code)
             os.close(worker_fd)

@@ -4,9 +4,9 @@ transformers' model classes (over a second of CPU, most of an engine process's s
 
 transformers reads the file on a miss (its config classes own the defaults and the RoPE variants); what it
 gave is written beside the cache's other entries (`model-configs/<key>.json`, atomically) and read back as
-it was. The key covers the file's bytes, the transformers release, and the source of the code that derives
-these values from it (this module and spec.py), so a change to any of them reads the file again. A cache
-directory that cannot be written only costs the next start that import.
+it was. The key covers the file's bytes, the transformers and torch releases, and the source of the code
+that derives these values from it (this module and spec.py), so a change to any of them reads the file
+again. A cache directory that cannot be written only costs the next start that import.
 """
 
 from __future__ import annotations
@@ -62,7 +62,7 @@ def read_model_config(directory: Path, cache_root: Path) -> ModelConfig:
 
 def _key(config_bytes: bytes) -> str:
     digest = hashlib.sha256(config_bytes)
-    digest.update(importlib.metadata.version("transformers").encode())
+    digest.update(f"{importlib.metadata.version('transformers')}|{torch.__version__}".encode())
     for source in (Path(__file__), Path(spec_module.__file__ or "")):
         digest.update(source.read_bytes())
     return digest.hexdigest()[:32]
@@ -102,5 +102,5 @@ def _write(entry: Path, config: ModelConfig) -> None:
         except BaseException:
             os.unlink(tmp)
             raise
-    except OSError as exc:
+    except (OSError, TypeError, ValueError) as exc:
         log.info("model config not cached (%s): the next start reads config.json again", exc)
