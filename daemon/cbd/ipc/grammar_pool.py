@@ -81,7 +81,7 @@ class _ForkServer:
         return int(pid)
 
     def kill(self, pid: int) -> None:
-        """The server kills its worker `pid` if it has not reaped it yet (it never kills a reused pid)."""
+        """The server kills its worker `pid` if it has not reaped it yet (never another process)."""
         with self._lock:
             try:
                 self._control.send(REQUEST.pack(b"K", pid))

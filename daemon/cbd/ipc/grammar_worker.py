@@ -4,9 +4,11 @@ grammar library.
 `python -m cbd.ipc.grammar_worker --fork-server FD` (started by ipc/grammar_pool.py, one per pool) imports
 xgrammar (and with it torch and transformers: two seconds of CPU) once, then on each request on its
 control socket (a SOCK_SEQPACKET pair: `F` with the worker's socket attached, answered with the new
-worker's pid; `K` with a pid) forks a worker or kills one of its own workers. It reaps its workers itself,
-so a pid it kills is always one of its workers still unreaped (alive, or exited and not yet reaped), never
-a reused one. Killing a worker whose compile overran therefore costs a fork to replace, not a start.
+worker's pid; `K` with a pid) forks a worker or kills one of its own workers. It reaps its workers itself
+and kills only a pid among its workers not yet reaped, so never another process (a `K` for a worker that
+exited and was reaped could only reach a newer worker given the same pid, which sequential pids make a
+matter of wrapping around pid_max first). Killing a worker whose compile overran therefore costs a fork to
+replace, not a start.
 
 A worker (`main`) talks to the pool over its own socket: messages are pickled by multiprocessing's
 Connection: first the setup (the tokenizer's xgrammar info as JSON, the vocabulary size, the stop tokens,
