@@ -6,8 +6,10 @@ import random
 
 import pytest
 
+from cbd.engine.core import EngineCore
 from cbd.engine.outputs import RequestOutput
 from cbd.engine.sampling_params import SamplingParams
+from cbd.engine.sched.plan import StepPlan
 from cbd.engine.sequence import FinishReason
 from cbd.errors import InvalidRequest, UnknownRequest
 from cbd.model.loader import LoadedModel
@@ -21,15 +23,29 @@ def prompts(count: int, seed: int = 3, lo: int = 5, hi: int = 40) -> list[list[i
     return [[rng.randrange(2, 256) for _ in range(rng.randrange(lo, hi))] for _ in range(count)]
 
 
+def recorded_plans(core: EngineCore) -> list[StepPlan]:
+    """The plan of every step the engine runs from now on, in order (the scheduler's answers, recorded)."""
+    plans: list[StepPlan] = []
+    schedule = core.scheduler.schedule
+
+    def recording(*args, **kwargs) -> StepPlan:
+        plan = schedule(*args, **kwargs)
+        if plan:
+            plans.append(plan)
+        return plan
+
+    core.scheduler.schedule = recording  # type: ignore[method-assign]
+    return plans
+
+
 def test_step_respects_token_budget_and_chunks_long_prompts(tiny_loaded) -> None:
     core = make_core(tiny_loaded, max_num_batched_tokens=16, block_size=4)
     core.add_request(list(range(2, 52)), SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True))
-    steps = []
+    plans = recorded_plans(core)
     while core.has_work():
-        plan = core.scheduler.schedule()
-        steps.append(plan.num_tokens)
-        assert plan.num_tokens <= 16
-        core._complete(core._launch(plan))
+        checked_step(core)
+    steps = [plan.num_tokens for plan in plans]
+    assert all(n <= 16 for n in steps)
     assert steps == [16, 16, 16, 2, 1]  # 50-token prompt in 4 chunks (the last also samples), then a decode
 
 
@@ -60,9 +76,10 @@ def test_fan_out_prefills_once_and_forks(tiny_loaded) -> None:
     core = make_core(tiny_loaded, block_size=4)
     prompt = list(range(2, 22))  # 20 tokens = 5 full blocks
     request = core.add_request(prompt, SamplingParams(max_tokens=8, temperature=1.0, seed=42, n=4))
-    plan = core.scheduler.schedule()
+    plans = recorded_plans(core)
+    checked_step(core)
+    (plan,) = plans
     assert plan.num_tokens == 20 and len(plan.chunks) == 1  # one prefill for all candidates
-    core._complete(core._launch(plan))
     assert len(request.sequences) == 4
     shared = request.sequences[0].block_table[:5]
     assert all(s.block_table[:5] == shared for s in request.sequences)
@@ -190,13 +207,12 @@ def test_requests_sharing_a_prefix_in_one_step_compute_it_once(tiny_loaded) -> N
     shared = list(range(2, 14))  # 3 full blocks
     a = core.add_request(shared + [40, 41], GREEDY)
     b = core.add_request(shared + [50, 51, 52], GREEDY)
-    first = core.scheduler.schedule()
-    assert [c.seq.request for c in first.chunks] == [a]  # b waits a step for a's blocks
-    core._complete(core._launch(first))
-    second = core.scheduler.schedule()
-    chunk_b = next(c for c in second.chunks if c.seq.request is b)
+    plans = recorded_plans(core)
+    checked_step(core)
+    assert [c.seq.request for c in plans[0].chunks] == [a]  # b waits a step for a's blocks
+    checked_step(core)
+    chunk_b = next(c for c in plans[1].chunks if c.seq.request is b)
     assert chunk_b.start == 12 and chunk_b.num_new_tokens == 3  # its first 12 tokens revived, not computed
-    core._complete(core._launch(second))
     while core.has_work():
         checked_step(core)
     assert b.num_cached_prompt_tokens == 12
