@@ -147,9 +147,13 @@ def test_a_client_that_reads_slowly_neither_stalls_the_engine_nor_loses_tokens(
 
 @pytest.mark.slow
 def test_serving_the_embedded_model_the_frontend_has_no_torch_loaded(tmp_path: Path) -> None:
-    """Its tokenizer (the generic fast class) is loaded without AutoTokenizer's torch import. A daemon of its
-    own: once a grammar has been compiled, the frontend holds the grammar library, which imports torch, so a
-    shared daemon's state would depend on the tests before."""
+    """Its tokenizer (the generic fast class) is loaded without AutoTokenizer's torch import, and a grammar
+    is compiled without the grammar library (which imports torch) in the frontend: the workers' fork server
+    holds it. A daemon of its own, whose first grammar is this test's."""
     with serving(tmp_path) as d, Client(d.address, timeout=60) as client:
         assert client.generate([{"role": "user", "content": "Hi"}], max_tokens=2).candidates[0].token_ids
+        assert "libtorch" not in Path(f"/proc/{d.process.pid}/maps").read_text()
+        number = {"type": "regex", "regex": "[0-9]+"}
+        reply = client.generate([{"role": "user", "content": "A number?"}], max_tokens=4, response_format=number)
+        assert reply.candidates[0].text.isdigit()
         assert "libtorch" not in Path(f"/proc/{d.process.pid}/maps").read_text()

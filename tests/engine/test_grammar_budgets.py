@@ -9,12 +9,12 @@ import asyncio
 
 import pytest
 
-from cbd.engine.grammar.matcher import GrammarKind, GrammarSpec, LazyGrammarCompiler
+from cbd.engine.grammar.matcher import GrammarKind, GrammarSpec
 from cbd.engine.outputs import RequestOutput
 from cbd.engine.sampling_params import SamplingParams
 from cbd.engine.sequence import FinishReason
 from cbd.errors import InvalidRequest
-from cbd.ipc.grammar_pool import CompileBudget, GrammarPool
+from cbd.ipc.grammar_pool import CompileBudget, GrammarPool, GrammarSource
 from grammar_cases import COMPILE_BOMB, MASK_BOMB, schema_bomb
 from helpers import checked_step, make_core, run_all
 
@@ -67,10 +67,8 @@ def test_an_ordinary_grammar_stays_within_the_default_budget(default_model, comp
 
 
 @pytest.fixture(scope="module")
-def grammars(default_model) -> LazyGrammarCompiler:
-    return LazyGrammarCompiler(
-        default_model.tokenizer, default_model.spec.vocab_size, tuple(default_model.eos_token_ids)
-    )
+def grammars(default_model) -> GrammarSource:
+    return GrammarSource(default_model.checkpoint_dir, default_model.spec.vocab_size, default_model.eos_token_ids)
 
 
 def test_the_pool_refuses_past_the_time_budget_kills_on_cancel_and_caches_outcomes(grammars) -> None:

@@ -5,8 +5,9 @@ JSON), which loads it off its command thread (ipc/endpoint.py); nothing compiles
 Why processes: a compile is one call into xgrammar's C++ that cannot be interrupted; some specs of a
 few kilobytes take minutes or gigabytes (deep schemas, wide counted repetitions). A worker process can
 be killed when its request's budget runs out or its client cancels, and its memory capped (RLIMIT_AS).
-Workers are forked from one fork server per pool that has imported the grammar library once, so a worker
-killed over a budget is replaced in milliseconds, not by a two-second start (ipc/grammar_worker.py).
+Workers are forked from one fork server per pool that has imported the grammar library and built the
+tokenizer's grammar info once, so a worker killed over a budget is replaced in milliseconds, not by a
+two-second start, and the frontend never loads the grammar library (nor torch, which it imports).
 
 Invariants: at most `workers` compiles run at once (others wait in order, on the event loop, while
 requests without a grammar are served as usual); a worker is either idle, running exactly one compile,
@@ -28,15 +29,24 @@ from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
-from typing import Any
+from pathlib import Path
 
-from cbd.engine.grammar.matcher import CompiledGrammar, GrammarSpec, LazyGrammarCompiler
+from cbd.engine.grammar.matcher import NO_TOKENIZER, CompiledGrammar, GrammarSpec
 from cbd.errors import EngineFailure, InvalidRequest
 from cbd.ipc.grammar_worker import PID, REQUEST
 
 log = logging.getLogger(__name__)
 MAX_CACHED_BYTES = 256 * 2**20  # compiled forms kept at most (besides the count bound)
 FORK_TIMEOUT = 30.0  # seconds the fork server may take to answer (a fork takes milliseconds)
+
+
+@dataclass(frozen=True, slots=True)
+class GrammarSource:
+    """What the workers' fork server builds the tokenizer's grammar info from."""
+
+    checkpoint_dir: Path | None  # the checkpoint whose tokenizer the frontend loaded; None: the model has none
+    vocab_size: int
+    eos_token_ids: tuple[int, ...]
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,10 +60,12 @@ class _ForkServer:
     """The process that forks the compile workers (ipc/grammar_worker.py), and the frontend's end of its
     control socket (one request at a time)."""
 
-    def __init__(self) -> None:
+    def __init__(self, source: GrammarSource) -> None:
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        stop = ",".join(str(t) for t in source.eos_token_ids)
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "cbd.ipc.grammar_worker", "--fork-server", str(theirs.fileno())],
+            [sys.executable, "-m", "cbd.ipc.grammar_worker", "--fork-server", str(theirs.fileno()),
+             str(source.checkpoint_dir), str(source.vocab_size), stop],
             pass_fds=[theirs.fileno()],
         )  # fmt: skip
         theirs.close()
@@ -98,7 +110,7 @@ class _ForkServer:
 class _Worker:
     """One worker process and the frontend's end of its socket pair (used by one thread at a time)."""
 
-    def __init__(self, server: _ForkServer, setup: tuple[Any, ...]) -> None:
+    def __init__(self, server: _ForkServer, memory_bytes: int) -> None:
         ours, theirs = socket.socketpair()
         try:
             self.pid = server.fork(theirs)
@@ -110,7 +122,7 @@ class _Worker:
         self._server = server
         self._killed = False
         self.conn = Connection(ours.detach())
-        self.conn.send(setup)
+        self.conn.send(memory_bytes)
 
     def wait_ready(self) -> None:
         if self.conn.recv() != "ready":
@@ -134,11 +146,9 @@ class _Worker:
 
 
 class GrammarPool:
-    def __init__(self, grammars: LazyGrammarCompiler, budget: CompileBudget, cache_size: int = 256) -> None:
-        """grammars: this model's compiler in the frontend; only its tokenizer info is used (sent to workers)."""
+    def __init__(self, source: GrammarSource, budget: CompileBudget, cache_size: int = 256) -> None:
         self.budget = budget
-        self._grammars = grammars
-        self._setup: tuple[Any, ...] | None = None
+        self._source = source
         self._setup_lock = asyncio.Lock()
         self._server: _ForkServer | None = None
         self._slots = asyncio.Semaphore(budget.workers)
@@ -207,23 +217,20 @@ class GrammarPool:
 
     async def _spawn(self) -> _Worker:
         loop = asyncio.get_running_loop()
+        if self._source.checkpoint_dir is None:
+            raise InvalidRequest(NO_TOKENIZER)
         async with self._setup_lock:
-            if self._setup is None:
-                compiler = await asyncio.to_thread(self._grammars.get)  # InvalidRequest without a tokenizer
-                info = await asyncio.to_thread(compiler.info.serialize_json)
-                memory = self.budget.memory_mib * 2**20
-                self._setup = (info, compiler.vocab_size, list(compiler.info.stop_token_ids), memory)
             if self._server is None or self._server.process.poll() is not None:
                 if self._server is not None:
                     self._server.close()
-                server = _ForkServer()  # started from the event loop's thread: it dies with this process
+                server = _ForkServer(self._source)  # started from the event loop's thread: dies with this process
                 try:
                     await loop.run_in_executor(self._threads, server.wait_ready)
                 except BaseException:
                     server.close()
                     raise
                 self._server = server
-        worker = _Worker(self._server, self._setup)  # a fork: milliseconds, on the event loop's thread
+        worker = _Worker(self._server, self.budget.memory_mib * 2**20)  # a fork: milliseconds, on this thread
         self._workers.add(worker)
         try:
             await loop.run_in_executor(self._threads, worker.wait_ready)

@@ -1,8 +1,10 @@
 """Grammar compile workers: one process per worker, forked from a process that has already imported the
 grammar library.
 
-`python -m cbd.ipc.grammar_worker --fork-server FD` (started by ipc/grammar_pool.py, one per pool) imports
-xgrammar (and with it torch and transformers: two seconds of CPU) once, then on each request on its
+`python -m cbd.ipc.grammar_worker --fork-server FD CHECKPOINT VOCAB_SIZE STOP_IDS` (started by
+ipc/grammar_pool.py, one per pool) imports xgrammar (and with it torch and transformers: two seconds of CPU)
+and builds the tokenizer's grammar info from the checkpoint's tokenizer once (so the frontend never imports
+the grammar library, nor torch through it), then on each request on its
 control socket (a SOCK_SEQPACKET pair: `F` with the worker's socket attached, answered with the new
 worker's pid; `K` with a pid) forks a worker or kills one of its own workers. It reaps its workers itself
 and kills only a pid among its workers not yet reaped, so never another process (a `K` for a worker that
@@ -10,9 +12,9 @@ exited and was reaped could only reach a newer worker given the same pid, which 
 matter of wrapping around pid_max first). Killing a worker whose compile overran therefore costs a fork to
 replace, not a start.
 
-A worker (`main`) talks to the pool over its own socket: messages are pickled by multiprocessing's
-Connection: first the setup (the tokenizer's xgrammar info as JSON, the vocabulary size, the stop tokens,
-the memory budget in bytes), answered with "ready"; then one `(kind, source)` per compile, answered with
+A worker (`main`) has the tokenizer's info from the server it was forked from and talks to the pool over its
+own socket: messages are pickled by multiprocessing's Connection: first the memory budget in bytes,
+answered with "ready"; then one `(kind, source)` per compile, answered with
 `("ok", serialized)` or `("invalid", message)`. The address space it may grow by past its state after setup
 is capped (RLIMIT_AS); an allocation beyond it fails (answered "memory", then the worker exits) or kills
 the process, which the pool reads as the same. The pool has a worker killed when its compile runs past
@@ -31,6 +33,8 @@ import struct
 import sys
 import traceback
 from multiprocessing.connection import Connection
+from pathlib import Path
+from typing import Any
 
 from cbd.lifetime import die_with_parent
 
@@ -46,17 +50,14 @@ def _address_space() -> int:
         return int(fh.read().split()[0]) * _PAGE
 
 
-def main(fd: int) -> int:
-    die_with_parent()
-    conn = Connection(fd)
-    info_json, vocab_size, stop_token_ids, memory_bytes = conn.recv()
-    import xgrammar as xgr
-
+def main(fd: int, info: Any, vocab_size: int, stop_token_ids: tuple[int, ...]) -> int:
+    """A worker forked by the server: `info` is the tokenizer's xgrammar info the server built."""
     from cbd.engine.grammar.matcher import GrammarCompiler, GrammarKind, GrammarSpec
     from cbd.errors import InvalidRequest
 
-    info = xgr.TokenizerInfo.deserialize_json(info_json)
-    compiler = GrammarCompiler(None, vocab_size, tuple(stop_token_ids), cache_size=1, info=info, max_threads=1)
+    conn = Connection(fd)
+    memory_bytes = conn.recv()
+    compiler = GrammarCompiler(None, vocab_size, stop_token_ids, cache_size=1, info=info, max_threads=1)
     limit = _address_space() + memory_bytes
     resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
     conn.send("ready")
@@ -77,15 +78,16 @@ def main(fd: int) -> int:
             return 1
 
 
-def fork_server(fd: int) -> int:
-    """Import the grammar library, answer b"ready", then fork and kill workers as asked (module docstring)
-    until the pool closes its end."""
+def fork_server(fd: int, checkpoint: Path, vocab_size: int, eos_token_ids: tuple[int, ...]) -> int:
+    """Import the grammar library, build the tokenizer's info, answer b"ready", then fork and kill workers as
+    asked (module docstring) until the pool closes its end."""
     die_with_parent()
-    import xgrammar  # noqa: F401  (what each worker would otherwise import itself)
+    from cbd.engine.grammar.matcher import GrammarCompiler
+    from cbd.errors import InvalidRequest  # noqa: F401  (what each worker would otherwise import itself)
+    from cbd.model.files import load_tokenizer
 
-    from cbd.engine.grammar import matcher  # noqa: F401
-    from cbd.errors import InvalidRequest  # noqa: F401
-
+    built = GrammarCompiler(load_tokenizer(checkpoint), vocab_size, eos_token_ids)
+    info, stop_token_ids = built.info, tuple(built.info.stop_token_ids)
     control = socket.socket(fileno=fd)
     me = os.getpid()
     control.send(b"ready")
@@ -113,7 +115,7 @@ def fork_server(fd: int) -> int:
                     control.close()
                     die_with_parent()
                     if os.getppid() == me:  # else this server died before the line above: so does its worker
-                        code = main(worker_fd)
+                        code = main(worker_fd, info, built.vocab_size, stop_token_ids)
                 except BaseException:
                     traceback.print_exc()
                 finally:
@@ -136,6 +138,7 @@ def _reap(workers: set[int]) -> None:
 
 
 if __name__ == "__main__":
-    if sys.argv[1:2] != ["--fork-server"]:
-        sys.exit("usage: python -m cbd.ipc.grammar_worker --fork-server FD (started by the frontend)")
-    sys.exit(fork_server(int(sys.argv[2])))
+    if len(sys.argv) != 6 or sys.argv[1] != "--fork-server":
+        sys.exit("usage: python -m cbd.ipc.grammar_worker --fork-server FD CHECKPOINT VOCAB_SIZE STOP_IDS")
+    stop = tuple(int(t) for t in sys.argv[5].split(",") if t)
+    sys.exit(fork_server(int(sys.argv[2]), Path(sys.argv[3]), int(sys.argv[4]), stop))

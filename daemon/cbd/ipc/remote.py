@@ -28,7 +28,7 @@ import zmq
 
 from cbd.config import EngineConfig
 from cbd.engine import api
-from cbd.engine.grammar.matcher import CompiledGrammar, GrammarSpec, LazyGrammarCompiler
+from cbd.engine.grammar.matcher import CompiledGrammar, GrammarSpec
 from cbd.engine.live import OutputCallback
 from cbd.engine.outputs import EngineStats, ModelFacts
 from cbd.engine.sampling_params import SamplingParams, validate_request, validate_session_prefix
@@ -37,7 +37,7 @@ from cbd.engine.sessions.records import RETENTION_NORMAL, SessionInfo, TurnInput
 from cbd.errors import CapacityExceeded, EngineFailure, EngineStopped
 from cbd.ipc.engine_process import EngineProcess
 from cbd.ipc.frontend_requests import FrontendRequests
-from cbd.ipc.grammar_pool import CompileBudget, GrammarPool
+from cbd.ipc.grammar_pool import CompileBudget, GrammarPool, GrammarSource
 from cbd.model.files import expects_tokenizer, import_tokenizer_library, load_tokenizer
 
 log = logging.getLogger(__name__)
@@ -80,8 +80,9 @@ class RemoteEngine:
         budget = CompileBudget(
             config.grammar_compile_workers, config.grammar_compile_timeout, config.grammar_compile_memory_mib
         )
-        compiler = LazyGrammarCompiler(engine.tokenizer, engine.facts.vocab_size, engine.facts.eos_token_ids)
-        engine._grammars = GrammarPool(compiler, budget)
+        checkpoint = Path(hello.checkpoint_dir or "") if engine.tokenizer is not None else None
+        source = GrammarSource(checkpoint, engine.facts.vocab_size, tuple(engine.facts.eos_token_ids))
+        engine._grammars = GrammarPool(source, budget)
         engine._reader = asyncio.ensure_future(engine._read())
         return engine
 

@@ -155,6 +155,9 @@ class GrammarCompiler:
         return bitmask.to(device) if str(device) != "cpu" else bitmask
 
 
+NO_TOKENIZER = "structured output and tools need a tokenizer, and this checkpoint has none"
+
+
 class LazyGrammarCompiler:
     """A GrammarCompiler made on first use (building the tokenizer's info takes seconds), thread-safe."""
 
@@ -168,7 +171,7 @@ class LazyGrammarCompiler:
         with self._lock:
             if self._compiler is None:
                 if self._args[0] is None:
-                    raise InvalidRequest("structured output and tools need a tokenizer, and this checkpoint has none")
+                    raise InvalidRequest(NO_TOKENIZER)
                 self._compiler = GrammarCompiler(*self._args)
         return self._compiler
 
