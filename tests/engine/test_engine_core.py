@@ -24,7 +24,8 @@ def prompts(count: int, seed: int = 3, lo: int = 5, hi: int = 40) -> list[list[i
 
 
 def recorded_plans(core: EngineCore) -> list[StepPlan]:
-    """The plan of every step the engine runs from now on, in order (the scheduler's answers, recorded)."""
+    """The plan of every step the engine runs from now on, in order (the scheduler's answers, recorded; the
+    cores here do not speculate, so each plan is what `scheduler.schedule()` alone would give)."""
     plans: list[StepPlan] = []
     schedule = core.scheduler.schedule
 
@@ -39,7 +40,7 @@ def recorded_plans(core: EngineCore) -> list[StepPlan]:
 
 
 def test_step_respects_token_budget_and_chunks_long_prompts(tiny_loaded) -> None:
-    core = make_core(tiny_loaded, max_num_batched_tokens=16, block_size=4)
+    core = make_core(tiny_loaded, max_num_batched_tokens=16, block_size=4, speculative="off")
     core.add_request(list(range(2, 52)), SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True))
     plans = recorded_plans(core)
     while core.has_work():
@@ -73,7 +74,7 @@ def test_preemption_loses_nothing_and_changes_nothing(tiny_loaded) -> None:
 
 
 def test_fan_out_prefills_once_and_forks(tiny_loaded) -> None:
-    core = make_core(tiny_loaded, block_size=4)
+    core = make_core(tiny_loaded, block_size=4, speculative="off")
     prompt = list(range(2, 22))  # 20 tokens = 5 full blocks
     request = core.add_request(prompt, SamplingParams(max_tokens=8, temperature=1.0, seed=42, n=4))
     plans = recorded_plans(core)
@@ -203,7 +204,7 @@ def test_sampling_params_validate(kw, match) -> None:
 
 
 def test_requests_sharing_a_prefix_in_one_step_compute_it_once(tiny_loaded) -> None:
-    core = make_core(tiny_loaded, block_size=4)
+    core = make_core(tiny_loaded, block_size=4, speculative="off")
     shared = list(range(2, 14))  # 3 full blocks
     a = core.add_request(shared + [40, 41], GREEDY)
     b = core.add_request(shared + [50, 51, 52], GREEDY)

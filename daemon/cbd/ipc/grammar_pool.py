@@ -38,6 +38,7 @@ from cbd.ipc.grammar_worker import PID, REQUEST
 log = logging.getLogger(__name__)
 MAX_CACHED_BYTES = 256 * 2**20  # compiled forms kept at most (besides the count bound)
 FORK_TIMEOUT = 30.0  # seconds the fork server may take to answer (a fork takes milliseconds)
+START_TIMEOUT = 300.0  # seconds it may take to start (importing the grammar library, building the info)
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,8 +75,18 @@ class _ForkServer:
         self._lock = threading.Lock()
 
     def wait_ready(self) -> None:
-        if self._control.recv(16) != b"ready":
-            raise EngineFailure("the grammar compile workers' fork server did not start")
+        """Until the server has imported the grammar library and built the tokenizer's info (seconds)."""
+        self._control.settimeout(START_TIMEOUT)
+        try:
+            ready = self._control.recv(16)
+        except OSError:  # a timeout among them
+            ready = b""
+        finally:
+            self._control.settimeout(FORK_TIMEOUT)
+        if ready != b"ready":
+            raise EngineFailure(
+                f"the grammar compile workers' fork server did not start (exit status {self.process.poll()})"
+            )
 
     def fork(self, worker_socket: socket.socket) -> int:
         """A new worker on `worker_socket` (its end); its pid."""

@@ -86,7 +86,10 @@ def fork_server(fd: int, checkpoint: Path, vocab_size: int, eos_token_ids: tuple
     from cbd.errors import InvalidRequest  # noqa: F401  (what each worker would otherwise import itself)
     from cbd.model.files import load_tokenizer
 
-    built = GrammarCompiler(load_tokenizer(checkpoint), vocab_size, eos_token_ids)
+    tokenizer = load_tokenizer(checkpoint)
+    if tokenizer is None:
+        sys.exit(f"cbd grammar fork server: {checkpoint} has no tokenizer")
+    built = GrammarCompiler(tokenizer, vocab_size, eos_token_ids)
     info, stop_token_ids = built.info, tuple(built.info.stop_token_ids)
     control = socket.socket(fileno=fd)
     me = os.getpid()
