@@ -63,10 +63,10 @@ class _ForkServer:
 
     def __init__(self, source: GrammarSource) -> None:
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        stop = ",".join(str(t) for t in source.eos_token_ids)
+        eos = ",".join(str(t) for t in source.eos_token_ids)
         self.process = subprocess.Popen(
             [sys.executable, "-m", "cbd.ipc.grammar_worker", "--fork-server", str(theirs.fileno()),
-             str(source.checkpoint_dir), str(source.vocab_size), stop],
+             str(source.checkpoint_dir), str(source.vocab_size), eos],
             pass_fds=[theirs.fileno()],
         )  # fmt: skip
         theirs.close()

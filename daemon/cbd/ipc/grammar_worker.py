@@ -1,24 +1,24 @@
 """Grammar compile workers: one process per worker, forked from a process that has already imported the
 grammar library.
 
-`python -m cbd.ipc.grammar_worker --fork-server FD CHECKPOINT VOCAB_SIZE STOP_IDS` (started by
-ipc/grammar_pool.py, one per pool) imports xgrammar (and with it torch and transformers: two seconds of CPU)
-and builds the tokenizer's grammar info from the checkpoint's tokenizer once (so the frontend never imports
-the grammar library, nor torch through it), then on each request on its
-control socket (a SOCK_SEQPACKET pair: `F` with the worker's socket attached, answered with the new
-worker's pid; `K` with a pid) forks a worker or kills one of its own workers. It reaps its workers itself
-and kills only a pid among its workers not yet reaped, so never another process (a `K` for a worker that
-exited and was reaped could only reach a newer worker given the same pid, which sequential pids make a
-matter of wrapping around pid_max first). Killing a worker whose compile overran therefore costs a fork to
-replace, not a start.
+`python -m cbd.ipc.grammar_worker --fork-server FD CHECKPOINT VOCAB_SIZE EOS_IDS` (started by
+ipc/grammar_pool.py, one per pool) imports xgrammar (and with it torch and transformers: two seconds of
+CPU) and builds the tokenizer's grammar info from the checkpoint's tokenizer once (so the frontend never
+imports the grammar library, nor torch through it), then on each request on its control socket (a
+SOCK_SEQPACKET pair: `F` with the worker's socket attached, answered with the new worker's pid; `K` with a
+pid) forks a worker or kills one of its own workers. It reaps its workers itself and kills only a pid
+among its workers not yet reaped, so never another process (a `K` for a worker that exited and was reaped
+could only reach a newer worker given the same pid, which sequential pids make a matter of wrapping
+around pid_max first). Killing a worker whose compile overran therefore costs a fork to replace, not a
+start.
 
-A worker (`main`) has the tokenizer's info from the server it was forked from and talks to the pool over its
-own socket: messages are pickled by multiprocessing's Connection: first the memory budget in bytes,
-answered with "ready"; then one `(kind, source)` per compile, answered with
-`("ok", serialized)` or `("invalid", message)`. The address space it may grow by past its state after setup
-is capped (RLIMIT_AS); an allocation beyond it fails (answered "memory", then the worker exits) or kills
-the process, which the pool reads as the same. The pool has a worker killed when its compile runs past
-its time budget or its request was cancelled. Every process here dies with its parent.
+A worker (`main`) has the tokenizer's info from the server it was forked from and talks to the pool over
+its own socket: messages are pickled by multiprocessing's Connection: first the memory budget in bytes,
+answered with "ready"; then one `(kind, source)` per compile, answered with `("ok", serialized)` or
+`("invalid", message)`. The address space it may grow by past its state after setup is capped
+(RLIMIT_AS); an allocation beyond it fails (answered "memory", then the worker exits) or kills the
+process, which the pool reads as the same. The pool has a worker killed when its compile runs past its
+time budget or its request was cancelled. Every process here dies with its parent.
 """
 
 from __future__ import annotations
@@ -50,14 +50,15 @@ def _address_space() -> int:
         return int(fh.read().split()[0]) * _PAGE
 
 
-def main(fd: int, info: Any, vocab_size: int, stop_token_ids: tuple[int, ...]) -> int:
-    """A worker forked by the server: `info` is the tokenizer's xgrammar info the server built."""
+def main(fd: int, info: Any, vocab_size: int) -> int:
+    """A worker forked by the server: `info` is the tokenizer's xgrammar info the server built (its stop
+    tokens included)."""
     from cbd.engine.grammar.matcher import GrammarCompiler, GrammarKind, GrammarSpec
     from cbd.errors import InvalidRequest
 
     conn = Connection(fd)
     memory_bytes = conn.recv()
-    compiler = GrammarCompiler(None, vocab_size, stop_token_ids, cache_size=1, info=info, max_threads=1)
+    compiler = GrammarCompiler(None, vocab_size, (), cache_size=1, info=info, max_threads=1)
     limit = _address_space() + memory_bytes
     resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
     conn.send("ready")
@@ -82,15 +83,13 @@ def fork_server(fd: int, checkpoint: Path, vocab_size: int, eos_token_ids: tuple
     """Import the grammar library, build the tokenizer's info, answer b"ready", then fork and kill workers as
     asked (module docstring) until the pool closes its end."""
     die_with_parent()
-    from cbd.engine.grammar.matcher import GrammarCompiler
-    from cbd.errors import InvalidRequest  # noqa: F401  (what each worker would otherwise import itself)
+    from cbd.engine.grammar.matcher import tokenizer_info  # the library, as each worker would import it
     from cbd.model.files import load_tokenizer
 
     tokenizer = load_tokenizer(checkpoint)
     if tokenizer is None:
         sys.exit(f"cbd grammar fork server: {checkpoint} has no tokenizer")
-    built = GrammarCompiler(tokenizer, vocab_size, eos_token_ids)
-    info, stop_token_ids = built.info, tuple(built.info.stop_token_ids)
+    info = tokenizer_info(tokenizer, vocab_size, eos_token_ids)
     control = socket.socket(fileno=fd)
     me = os.getpid()
     control.send(b"ready")
@@ -118,7 +117,7 @@ def fork_server(fd: int, checkpoint: Path, vocab_size: int, eos_token_ids: tuple
                     control.close()
                     die_with_parent()
                     if os.getppid() == me:  # else this server died before the line above: so does its worker
-                        code = main(worker_fd, info, built.vocab_size, stop_token_ids)
+                        code = main(worker_fd, info, vocab_size)
                 except BaseException:
                     traceback.print_exc()
                 finally:
@@ -142,6 +141,6 @@ def _reap(workers: set[int]) -> None:
 
 if __name__ == "__main__":
     if len(sys.argv) != 6 or sys.argv[1] != "--fork-server":
-        sys.exit("usage: python -m cbd.ipc.grammar_worker --fork-server FD CHECKPOINT VOCAB_SIZE STOP_IDS")
-    stop = tuple(int(t) for t in sys.argv[5].split(",") if t)
-    sys.exit(fork_server(int(sys.argv[2]), Path(sys.argv[3]), int(sys.argv[4]), stop))
+        sys.exit("usage: python -m cbd.ipc.grammar_worker --fork-server FD CHECKPOINT VOCAB_SIZE EOS_IDS")
+    eos = tuple(int(t) for t in sys.argv[5].split(",") if t)
+    sys.exit(fork_server(int(sys.argv[2]), Path(sys.argv[3]), int(sys.argv[4]), eos))

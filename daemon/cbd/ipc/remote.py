@@ -73,15 +73,18 @@ class RemoteEngine:
         if process.exited.done():  # it exited between its Hello and now
             engine._on_exit(process.exited.result())
         try:
-            engine.requests.tokenizer = await asyncio.to_thread(load_tokenizer, Path(hello.checkpoint_dir or ""))
+            checkpoint = Path(hello.checkpoint_dir or "")
+            engine.requests.tokenizer = await asyncio.to_thread(load_tokenizer, checkpoint)
         except BaseException:
             await engine._kill()
             raise
         budget = CompileBudget(
             config.grammar_compile_workers, config.grammar_compile_timeout, config.grammar_compile_memory_mib
         )
-        checkpoint = Path(hello.checkpoint_dir or "") if engine.tokenizer is not None else None
-        source = GrammarSource(checkpoint, engine.facts.vocab_size, tuple(engine.facts.eos_token_ids))
+        source = GrammarSource(
+            checkpoint if engine.tokenizer is not None else None, engine.facts.vocab_size,
+            tuple(engine.facts.eos_token_ids),
+        )  # fmt: skip
         engine._grammars = GrammarPool(source, budget)
         engine._reader = asyncio.ensure_future(engine._read())
         return engine

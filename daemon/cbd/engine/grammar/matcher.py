@@ -53,6 +53,13 @@ class GrammarSpec:
             raise InvalidRequest(f"{self.kind.value} is {len(self.source.encode())} bytes; at most {MAX_GRAMMAR_BYTES}")
 
 
+def tokenizer_info(tokenizer: Any, vocab_size: int, stop_token_ids: tuple[int, ...]) -> Any:
+    """xgrammar's TokenizerInfo of a transformers tokenizer (what every compile reads; seconds to build)."""
+    import xgrammar as xgr
+
+    return xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size, stop_token_ids=list(stop_token_ids))
+
+
 class GrammarCompiler:
     """Compiles specs against the served tokenizer; a bounded LRU of compiled grammars."""
 
@@ -73,7 +80,7 @@ class GrammarCompiler:
                 raise ValueError("a grammar compiler needs a tokenizer or an encoded vocabulary")
             self.info = xgr.TokenizerInfo(encoded_vocab, vocab_size=vocab_size, stop_token_ids=stops)
         else:
-            self.info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size, stop_token_ids=stops)
+            self.info = tokenizer_info(tokenizer, vocab_size, stop_token_ids)
         self._compiler = xgr.GrammarCompiler(self.info, max_threads=max_threads, cache_enabled=False)
         self._cache: OrderedDict[GrammarSpec, tuple[Any, int]] = OrderedDict()  # spec -> (compiled, bytes)
         self._lock = threading.Lock()
