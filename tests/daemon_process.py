@@ -7,6 +7,7 @@ start their own through conftest's `tiny_daemon` factory, which only stops what 
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import threading
@@ -111,6 +112,21 @@ class DaemonProcess:
     def engine_pid(self) -> int:
         (pid,) = _children_running(self.process.pid, "cbd.server.engine_main")
         return pid
+
+    @contextmanager
+    def engine_paused(self) -> Iterator[int]:
+        """The engine process stopped (SIGSTOP) for the block, continued at its end: the frontend admits and
+        counts calls but no step runs, so a test holds as many calls live as it needs without racing the
+        engine (a tiny model's 450 tokens take a tenth of a second)."""
+        pid = self.engine_pid()
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            yield pid
+        finally:
+            try:
+                os.kill(pid, signal.SIGCONT)
+            except ProcessLookupError:
+                pass
 
     def grammar_worker_pids(self) -> list[int]:
         """The frontend's live grammar compile workers: the children of its workers' fork server
