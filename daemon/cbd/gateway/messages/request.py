@@ -1,7 +1,8 @@
 """A Messages API body -> chat messages and what to generate.
 
 Mapped: system (a string or text blocks), messages (user / assistant; a string or blocks: text,
-tool_use, tool_result with string or text-block content), max_tokens (required), stop_sequences,
+tool_use, tool_result with string or text-block content; consecutive messages of one role are one turn,
+their blocks in order), max_tokens (required), stop_sequences,
 temperature (0 to 1), top_p, top_k, tools (name, description, input_schema), tool_choice (auto, any,
 tool, none; disable_parallel_tool_use: at most one tool_use), metadata.user_id (the tenant, when the
 daemon checks no tokens), output_config.format (json_schema; with tools and tool_choice auto the reply
@@ -149,6 +150,12 @@ def _messages(value: Any, marks: list[str]) -> list[dict[str, Any]]:
                 result = _texts(b.get("content") or "", f"{at}.content", marks)
                 out.append({"role": "tool", "tool_call_id": b["tool_use_id"], "content": result})
         if texts or (m["role"] == "assistant" and calls) or not blocks:
+            previous = out[-1] if out else None
+            if previous is not None and previous["role"] == m["role"]:  # consecutive turns of one role: one turn
+                previous["content"] += "".join(texts)
+                if calls:
+                    previous.setdefault("tool_calls", []).extend(calls)
+                continue
             message: dict[str, Any] = {"role": m["role"], "content": "".join(texts)}
             if calls:
                 message["tool_calls"] = calls
