@@ -8,12 +8,13 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
-from cbd_client import Client
+from cbd_client import CbdError, Client
 from daemon_process import DaemonFactory, DaemonProcess
 from helpers import poll_until
 
@@ -126,7 +127,7 @@ def test_a_session_directory_owner_held_by_a_live_daemon_is_refused_before_anyth
                    "--disk-kv-dir", str(sessions), "--disk-kv-owner", "shared", "--pid-file", str(second / "pid"))  # fmt: skip
     assert_one_clear_line(proc, "disk_kv_owner", "another cbd daemon holds the owner name 'shared'")
     assert list(second.iterdir()) == []
-    assert first.health() == "SERVING"
+    assert first.health(timeout=30) == "SERVING"
 
 
 def test_a_host_kv_tier_that_cannot_be_allocated_is_a_configuration_error(tiny_checkpoint, tmp_path) -> None:
@@ -203,16 +204,30 @@ def test_sighup_drains_and_a_second_signal_exits_at_once_leaving_no_socket(
     assert not (tmp_path / "hup.sock").exists()
 
     d = tiny_daemon("--shutdown-grace", "60", socket_name="twice.sock")
-    with Client(d.address, timeout=120) as client:
-        stream = client.stream(PROMPT, max_tokens=400, ignore_eos=True)
-        next(stream)  # a live request keeps the first signal's drain waiting
-        d.process.send_signal(signal.SIGTERM)
+    ended: list[BaseException | None] = []
+
+    def one_stream() -> None:
+        with Client(d.address, timeout=120) as client:
+            try:
+                for _ in client.stream(PROMPT, max_tokens=400, ignore_eos=True):
+                    pass
+            except CbdError as exc:
+                ended.append(exc)
+            else:
+                ended.append(None)
+
+    reader = threading.Thread(target=one_stream)
+    with Client(d.address, timeout=10) as probe, d.engine_paused():  # the call cannot end by itself
+        reader.start()
+        poll_until(lambda: probe.stats().live_requests == 1, 30, what="a live call")
+        d.process.send_signal(signal.SIGTERM)  # the live call keeps the first signal's drain waiting
         # The first signal was taken once health turns NOT_SERVING (the drain has begun): only then is the
         # next one a second signal.
         poll_until(lambda: d.health() == "NOT_SERVING", 60, what="the first SIGTERM starts the drain")
         d.process.send_signal(signal.SIGTERM)
         assert d.process.wait(30) == 1
-        stream.close()
+    reader.join(60)
+    assert len(ended) == 1  # the call ended (the daemon's exit ends it)
     assert not (tmp_path / "twice.sock").exists() and not (tmp_path / "twice.sock.lock").exists()
 
 

@@ -15,6 +15,7 @@ from cbd_client import CbdError, Client
 from cbd_client.v1 import cbd_pb2 as pb
 from cbd_client.v1 import cbd_pb2_grpc
 from daemon_process import DaemonProcess, alive, children, serving
+from helpers import poll_until
 
 PROMPT = list(range(2, 40))
 
@@ -30,24 +31,23 @@ def test_killing_the_engine_process_fails_every_live_call_with_internal_and_the_
     d = tiny_daemon()
     engine = d.engine_pid()
     codes: list[grpc.StatusCode | None] = []
-    got_tokens = threading.Barrier(5)
 
     def one_stream(i: int) -> None:
         with Client(d.address, timeout=60) as client:
             try:
-                for n, _ in enumerate(client.stream(PROMPT, max_tokens=4000, ignore_eos=True, seed=i)):
-                    if n == 0:
-                        got_tokens.wait(30)
+                for _ in client.stream(PROMPT, max_tokens=4000, ignore_eos=True, seed=i):
+                    pass
             except CbdError as exc:
                 codes.append(exc.code)
             else:
                 codes.append(None)
 
     threads = [threading.Thread(target=one_stream, args=(i,)) for i in range(4)]
-    for t in threads:
-        t.start()
-    got_tokens.wait(30)  # every stream has its first token: all four are live in the engine
-    os.kill(engine, signal.SIGKILL)
+    with Client(d.address, timeout=10) as probe, d.engine_paused():  # none can end before the kill
+        for t in threads:
+            t.start()
+        poll_until(lambda: probe.stats().live_requests == 4, 30, what="four live calls")
+        os.kill(engine, signal.SIGKILL)
     for t in threads:
         t.join(60)
     assert codes == [grpc.StatusCode.INTERNAL] * 4
@@ -60,14 +60,26 @@ def test_killing_the_engine_process_fails_every_live_call_with_internal_and_the_
 def test_the_engine_process_dies_with_the_daemon(tiny_daemon) -> None:
     d = tiny_daemon()
     engine = d.engine_pid()
-    with Client(d.address, timeout=60) as client:
-        stream = client.stream(PROMPT, max_tokens=4000, ignore_eos=True)
-        next(stream)
+    ended: list[BaseException | None] = []
+
+    def one_stream() -> None:
+        with Client(d.address, timeout=60) as client:
+            try:
+                for _ in client.stream(PROMPT, max_tokens=4000, ignore_eos=True):
+                    pass
+            except CbdError as exc:
+                ended.append(exc)
+            else:
+                ended.append(None)
+
+    reader = threading.Thread(target=one_stream)
+    with Client(d.address, timeout=10) as probe, d.engine_paused():  # the call is live when the daemon dies
+        reader.start()
+        poll_until(lambda: probe.stats().live_requests == 1, 30, what="a live call")
         d.process.kill()  # no drain, no Stop: the engine process must not outlive it
         assert wait_gone(engine), "the engine process outlived the daemon"
-        with pytest.raises(CbdError):
-            for _ in stream:
-                pass
+    reader.join(60)
+    assert len(ended) == 1 and isinstance(ended[0], CbdError), ended
 
 
 def test_a_sigkilled_daemon_leaves_neither_its_engine_process_nor_its_socket_directory(tiny_daemon) -> None:
@@ -123,11 +135,11 @@ def test_a_client_that_reads_slowly_neither_stalls_the_engine_nor_loses_tokens(
     slow_replies: list[pb.GenerateResponse] = []
     read(False, fast_replies)
     slow = threading.Thread(target=read, args=(True, slow_replies))
-    slow.start()
     try:
         with Client(d.address, timeout=120) as client:
-            while client.stats().live_requests == 0:  # the slow request is in
-                time.sleep(0.05)
+            with d.engine_paused():  # the slow request is in before it can run
+                slow.start()
+                poll_until(lambda: client.stats().live_requests == 1, 30, what="the slow request admitted")
             other = client.generate(PROMPT, max_tokens=300, ignore_eos=True, seed=1)
             assert len(other.candidates[0].token_ids) == 300
             deadline = time.monotonic() + 120

@@ -5,12 +5,15 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import grpc
 import pytest
 
 from cbd_client import CbdError, Client
+from cbd_client.v1 import cbd_pb2 as pb
+from cbd_client.v1 import cbd_pb2_grpc
 from daemon_process import DaemonProcess, serving
 from helpers import poll_until
 
@@ -20,6 +23,22 @@ PROMPT = list(range(2, 40))
 def wait_idle(client: Client) -> None:
     """Until the daemon holds no live request (a closed stream's seat comes back once its cancel arrives)."""
     poll_until(lambda: client.stats().live_requests == 0, 30, what="no live request left")
+
+
+@contextmanager
+def held_call(d: DaemonProcess, client: Client) -> Iterator[None]:
+    """A streaming call admitted and held live for the block (the engine process paused: nothing can end
+    it); cancelled at the end, the engine resumed, and the daemon idle again."""
+    request = pb.GenerateRequest(tokens=pb.TokenIds(ids=PROMPT), sampling=pb.SamplingParams(max_tokens=400))
+    with grpc.insecure_channel(d.address) as channel:
+        with d.engine_paused():
+            call = cbd_pb2_grpc.CbdStub(channel).Generate(request, timeout=120)
+            try:
+                poll_until(lambda: client.stats().live_requests == 1, 30, what="the held call admitted")
+                yield
+            finally:
+                call.cancel()
+        wait_idle(client)
 
 
 @pytest.fixture(scope="module")
@@ -34,14 +53,10 @@ def one_seat(tiny_checkpoint: Callable[..., Path], tmp_path_factory: pytest.Temp
 def test_full_queue_is_resource_exhausted(one_seat: DaemonProcess) -> None:
     d = one_seat
     with Client(d.address, timeout=60) as client:
-        stream = client.stream(PROMPT, max_tokens=400, ignore_eos=True)
-        next(stream)
-        with pytest.raises(CbdError) as info:
+        with held_call(d, client), pytest.raises(CbdError) as info:
             client.generate(PROMPT, max_tokens=2)
         assert info.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED and "limit is 1" in info.value.details
         assert info.value.retry_after is not None and 0.05 <= info.value.retry_after <= 30  # the pushback trailer
-        stream.close()
-        wait_idle(client)
 
 
 def test_a_refused_session_turn_keeps_the_chosen_candidate(one_seat: DaemonProcess) -> None:
@@ -50,13 +65,9 @@ def test_a_refused_session_turn_keeps_the_chosen_candidate(one_seat: DaemonProce
         wait_idle(client)
         session.send([5, 6, 7], n=2, max_tokens=4, temperature=0.9, seed=3)
         session.choose(1)
-        blocker = client.stream(PROMPT, max_tokens=400, ignore_eos=True)
-        next(blocker)  # the one seat is taken
-        with pytest.raises(CbdError) as info:
+        with held_call(d, client), pytest.raises(CbdError) as info:  # the one seat is taken
             session.send([8, 9], max_tokens=3)
-        assert info.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
-        blocker.close()
-        wait_idle(client)  # the seat is free again
+        assert info.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED  # and then the seat is free again
         reply = session.send([8, 9], max_tokens=3, ignore_eos=True)  # retried: still continues candidate 1
         assert len(reply.candidates[0].token_ids) == 3 and session.info().pending_candidates == 0
 
@@ -182,7 +193,8 @@ def test_prometheus_metrics_count_requests_tokens_and_kv(tiny_daemon) -> None:
         stream = client.stream(PROMPT, max_tokens=400, ignore_eos=True)
         for _ in range(5):  # five messages with tokens: four gaps between them, each observed before it went
             next(stream)
-        text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+        with d.engine_paused():  # the stream stays as it is while the metrics are read
+            text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
         stream.close()
     values = {line.split(" ")[0]: float(line.split(" ")[1]) for line in text.splitlines() if line and line[0] != "#"}
     assert values['cbd_requests_total{outcome="completed"}'] == 1
@@ -401,14 +413,10 @@ def test_wedged_engine_stops_the_watchdog_and_turns_health_not_serving(tiny_daem
 def test_limits_on_queued_tokens_stop_lists_and_message_size(tiny_daemon) -> None:
     d = tiny_daemon("--max-queued-tokens", "60", "--max-message-bytes", "4096")
     with Client(d.address, timeout=60) as client:
-        stream = client.stream(PROMPT, max_tokens=400, ignore_eos=True)  # 38 prompt tokens queued
-        next(stream)
-        with pytest.raises(CbdError) as info:
+        with held_call(d, client), pytest.raises(CbdError) as info:  # its 38 prompt tokens queued
             client.generate(PROMPT, max_tokens=2)
         assert info.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED and "retry" in info.value.details
-        assert info.value.retry_after is not None
-        stream.close()
-        wait_idle(client)  # its queued tokens are released
+        assert info.value.retry_after is not None  # and then its queued tokens are released
         assert len(client.generate(PROMPT, max_tokens=2, ignore_eos=True).candidates[0].token_ids) == 2
         for kw, match in ((dict(stop_token_ids=list(range(65))), "at most 64 ids"),):
             with pytest.raises(CbdError) as info:
