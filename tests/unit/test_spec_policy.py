@@ -76,6 +76,32 @@ def test_step_costs_follow_the_steps_as_they_run() -> None:
     assert (16, 24) not in costs.seen
 
 
+def test_a_step_lasts_the_longer_of_its_device_and_host_time() -> None:
+    half = [(0.5, 8, 1.0)] * 20
+    # A large model: the device's time is the longer, so the host's changes nothing.
+    large = StepCosts(COSTS, 8)
+    large.observe_host(32, 32, 2.0)
+    large.observe_host(32, 64, 3.0)
+    assert large.cost(32, 32, 32) == 5.5 and large.cost(32, 64, 32) == 6.6
+    assert sum(large.plan_drafts(20, half)) == 44  # as in the test above
+    # A small model at a large batch: the engine thread's turn (12 ms) is the step. Before a verifying step
+    # has run, its host time is the plain step's, so even the largest graph (288 rows: 9.0 ms on the device)
+    # costs no more than a plain step, and every draft is taken: (20 + 20) / 12 against 1.1 x 20 / 12.
+    small = StepCosts(COSTS, 8)
+    for _ in range(200):
+        small.observe_host(32, 32, 12.0)
+    assert small.cost(32, 32, 32) == pytest.approx(12.0) and small.cost(32, 288, 32) == pytest.approx(12.0)
+    assert small.plan_drafts(20, half) == [8] * 20
+    # Verifying turns that cost the host 40 ms: no count of these drafts pays for that.
+    for tokens in small.tokens[32]:
+        for _ in range(200):
+            small.observe_host(32, tokens, 40.0)
+    assert small.plan_drafts(20, half) == [0] * 20
+    assert small.plan_drafts(20, [(1.0, 8, 1.0)] * 20) == [8] * 20  # sure drafts still do: 180 / 40 > 22 / 12
+    small.observe_host(16, 24, 1.0)  # a graph never captured: ignored
+    assert (16, 24) not in small.host
+
+
 class _Drafter:
     """Proposes the same token at every step (rarely what the model says)."""
 

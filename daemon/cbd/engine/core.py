@@ -27,6 +27,7 @@ from __future__ import annotations
 import itertools
 import logging
 import secrets
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -94,6 +95,7 @@ class EngineCore:
         self.tables = BlockTableRows(config.max_num_seqs + 2, self.runner.table_columns, self.runner.scratch_block)
         self.phases = StepPhases()  # where each step's host time goes (the engine loop starts and files it)
         self._inflight: _Launched | None = None
+        self._waited = 0.0  # this step() call's seconds waiting for the device (the rest is host work)
         self._seq_ids = itertools.count()
         self._request_ids = itertools.count()
         self.num_steps = 0
@@ -213,6 +215,7 @@ class EngineCore:
         N+1 may verify drafts made after a guess of N's tokens (spec/speculator.py). Synchronous (no overlap;
         or a constrained sequence drafts, which needs its tokens known): N is completed before N+1 is
         planned and N+1 before returning, so no step is ever in flight at the next call."""
+        began, self._waited = time.perf_counter(), 0.0
         outputs = self._end_slow_grammars()
         self.phases.lap(EMIT)
         speculator = self.scheduler.speculator
@@ -232,6 +235,8 @@ class EngineCore:
             if sync:
                 self._inflight = None
                 outputs += self._complete(launched)
+            if speculator.costs is not None and launched.graph is not None:  # what this turn cost the host
+                speculator.costs.observe_host(*launched.graph, 1e3 * (time.perf_counter() - began - self._waited))
         return outputs
 
     def _launch_next(self, speculate: bool) -> _Launched | None:
@@ -266,7 +271,9 @@ class EngineCore:
         """Wait for a launched step's tokens, book them, and emit the outputs of its live rows."""
         assert launched.step.pending is None, "a step with constrained rows is sampled before it completes"
         phases = self.phases
+        waiting = time.perf_counter()
         sampled = self.runner.wait(launched.step)
+        self._waited += time.perf_counter() - waiting
         costs, timing = self.scheduler.speculator.costs, launched.step.timing
         if costs is not None and launched.graph is not None and timing is not None and timing[1].query():
             costs.observe(*launched.graph, timing[0].elapsed_time(timing[1]))  # the step's whole device time

@@ -14,11 +14,18 @@ drafts a_i + a_i^2 + ... + a_i^k_i), over the token counts T of the bucket; a ve
 `MARGIN` (1.1) times the plain step's rate: the estimates below are averages of short histories, and a
 step wrongly taken costs every sequence in the batch.
 
-cost(B, T) is the step's whole device time: a running average of the steps of that graph as they run
-(the graph plus what runs outside it: staging, block tables, carry-over, sampling of T rows, copies
-back); before one has run, its graph's time at warm-up (DecodeGraphs.measure) plus the time the decode
-steps of that bucket spend outside their graph, the part the two kinds of step share. That shared part
-can be most of a small model's step, and its sampling grows with T, hence the running averages.
+cost(B, T) is what a step of that graph takes, the longer of its device time and its host time (the
+overlap loop runs the host's work for one step while the device runs another, so a step lasts the longer
+of the two). Device time: a running average of the steps of that graph as they run (the graph plus what
+runs outside it: staging, block tables, carry-over, sampling of T rows, copies back); before one has run,
+its graph's time at warm-up (DecodeGraphs.measure) plus the time the decode steps of that bucket spend
+outside their graph, the part the two kinds of step share. That shared part can be most of a small
+model's step, and its sampling grows with T, hence the running averages. Host time: a running average of
+the engine thread's work in the turns that launched a step of that graph (planning and launching it,
+completing the step before it; its waits for the device left out); before one has run, the plain step's
+of the same batch. With a large model the device's time is the longer and the host's changes nothing;
+with a small one at a large batch the host's is, and drafts, which add host work per sequence (lookups,
+verification, more tokens to book and emit), are weighed at what they cost there.
 
 a_i is sequence i's chance that a draft is kept when all before it were: its verifications' kept
 drafts over the drafts they tried (a draft after a rejected one is not tried), averaged over recent
@@ -55,6 +62,7 @@ class StepCosts:
         self.max_drafts = max_drafts
         self.outside: dict[int, float] = {}  # per decode bucket: its steps' device time outside the graph
         self.seen: dict[tuple[int, int], float] = {}  # per graph: its steps' whole device time
+        self.host: dict[tuple[int, int], float] = {}  # per graph: the host's work in the turns that launched it
         self.tokens: dict[int, list[int]] = {}  # per verifying bucket: its graphs' token counts
         for b, t in sorted(costs):
             if t > b:
@@ -74,13 +82,24 @@ class StepCosts:
         if tokens == batch:
             self.outside[batch] = max(0.0, self.seen[batch, tokens] - graph)
 
+    def observe_host(self, batch: int, tokens: int, ms: float) -> None:
+        """The engine thread's work (waits for the device left out) in a turn that launched a step on the
+        graph of (batch, tokens)."""
+        if (batch, tokens) not in self.costs:
+            return
+        last = self.host.get((batch, tokens))
+        self.host[batch, tokens] = ms if last is None else SMOOTHING * last + (1 - SMOOTHING) * ms
+
     def cost(self, bucket: int, tokens: int, decode_bucket: int) -> float:
-        """A step's device time on the graph of (bucket, tokens): as observed, else as timed alone plus the
-        time outside the graph that the decode steps of decode_bucket showed."""
+        """A step's time on the graph of (bucket, tokens): the longer of its device time (as observed, else
+        as timed alone plus the time outside the graph that the decode steps of decode_bucket showed) and
+        its host time (as observed, else the plain step's of decode_bucket; 0 before any)."""
         seen = self.seen.get((bucket, tokens))
-        if seen is not None:
-            return seen
-        return self.costs[bucket, tokens] + self.outside.get(decode_bucket, 0.0)
+        device = seen if seen is not None else self.costs[bucket, tokens] + self.outside.get(decode_bucket, 0.0)
+        host = self.host.get((bucket, tokens))
+        if host is None:
+            host = self.host.get((decode_bucket, decode_bucket), 0.0)
+        return max(device, host)
 
     def plain_bucket(self, batch: int) -> int | None:
         """The decode graph's bucket a plain step of `batch` sequences runs in (None: none that large)."""
