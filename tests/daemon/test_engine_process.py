@@ -27,34 +27,40 @@ def wait_gone(pid: int, timeout: float = 30.0) -> bool:
     return not alive(pid)
 
 
-def test_killing_the_engine_process_fails_every_live_call_with_internal_and_the_daemon_exits(tiny_daemon) -> None:
-    d = tiny_daemon()
-    engine = d.engine_pid()
-    codes: list[grpc.StatusCode | None] = []
+def test_killing_the_engine_process_fails_every_live_call_with_internal_and_the_daemon_exits(tmp_path: Path) -> None:
+    # The embedded model: 4000 tokens take it minutes on a CPU, so each call is still streaming when it dies.
+    d = DaemonProcess(tmp_path / "cbd.sock")
+    try:
+        d.wait_serving()
+        engine = d.engine_pid()
+        codes: list[grpc.StatusCode | None] = []
+        got_tokens = threading.Barrier(5)
 
-    def one_stream(i: int) -> None:
-        with Client(d.address, timeout=60) as client:
-            try:
-                for _ in client.stream(PROMPT, max_tokens=4000, ignore_eos=True, seed=i):
-                    pass
-            except CbdError as exc:
-                codes.append(exc.code)
-            else:
-                codes.append(None)
+        def one_stream(i: int) -> None:
+            with Client(d.address, timeout=60) as client:
+                try:
+                    for n, _ in enumerate(client.stream(PROMPT, max_tokens=4000, ignore_eos=True, seed=i)):
+                        if n == 0:
+                            got_tokens.wait(30)
+                except CbdError as exc:
+                    codes.append(exc.code)
+                else:
+                    codes.append(None)
 
-    threads = [threading.Thread(target=one_stream, args=(i,)) for i in range(4)]
-    with Client(d.address, timeout=10) as probe, d.engine_paused():  # none can end before the kill
+        threads = [threading.Thread(target=one_stream, args=(i,)) for i in range(4)]
         for t in threads:
             t.start()
-        poll_until(lambda: probe.stats().live_requests == 4, 30, what="four live calls")
+        got_tokens.wait(30)  # every stream has its first token: all four are live in the engine
         os.kill(engine, signal.SIGKILL)
-    for t in threads:
-        t.join(60)
-    assert codes == [grpc.StatusCode.INTERNAL] * 4
-    assert d.process.wait(30) != 0  # so that systemd restarts it
-    assert not alive(engine) and children(d.process.pid) == []
-    assert "the engine process exited unexpectedly (signal 9)" in d.log()
-    assert not Path(d.address.removeprefix("unix:")).exists()  # the daemon cleaned up its socket
+        for t in threads:
+            t.join(60)
+        assert codes == [grpc.StatusCode.INTERNAL] * 4
+        assert d.process.wait(30) != 0  # so that systemd restarts it
+        assert not alive(engine) and children(d.process.pid) == []
+        assert "the engine process exited unexpectedly (signal 9)" in d.log()
+        assert not Path(d.address.removeprefix("unix:")).exists()  # the daemon cleaned up its socket
+    finally:
+        d.stop()
 
 
 def test_the_engine_process_dies_with_the_daemon(tiny_daemon) -> None:

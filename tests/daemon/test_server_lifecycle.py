@@ -177,24 +177,23 @@ def test_print_defaults_is_a_documented_config_equal_to_the_defaults(tmp_path, m
     assert engine == EngineConfig() and server == ServerConfig()
 
 
-def test_prometheus_metrics_count_requests_tokens_and_kv(tiny_daemon) -> None:
+def test_prometheus_metrics_count_requests_tokens_and_kv(tmp_path: Path) -> None:
     import socket
     import urllib.request
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    d = tiny_daemon("--metrics-port", str(port))
-    with Client(d.address, timeout=60) as client:
+    # The embedded model: its stream of 4000 tokens is still live when the metrics are read.
+    with serving(tmp_path, "--metrics-port", str(port)) as d, Client(d.address, timeout=60) as client:
         client.generate(PROMPT, n=2, max_tokens=5, temperature=0.5, seed=3, ignore_eos=True)
         for bad in ({"temperature": -1.0}, {"session_id": "no-such-session"}):  # refused before they run
             with pytest.raises(CbdError):
                 client.generate(PROMPT, max_tokens=5, **bad)
-        stream = client.stream(PROMPT, max_tokens=400, ignore_eos=True)
+        stream = client.stream(PROMPT, max_tokens=4000, ignore_eos=True)
         for _ in range(5):  # five messages with tokens: four gaps between them, each observed before it went
             next(stream)
-        with d.engine_paused():  # the stream stays as it is while the metrics are read
-            text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+        text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
         stream.close()
     values = {line.split(" ")[0]: float(line.split(" ")[1]) for line in text.splitlines() if line and line[0] != "#"}
     assert values['cbd_requests_total{outcome="completed"}'] == 1

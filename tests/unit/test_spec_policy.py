@@ -7,7 +7,7 @@ import pytest
 
 from cbd.engine.sampling_params import SamplingParams
 from cbd.engine.sequence import Sequence
-from cbd.engine.spec.policy import StepCosts, observed_accept
+from cbd.engine.spec.policy import COMPLETE, DELIVER, LAUNCH, StepCosts, observed_accept
 from helpers import make_core, run_all
 
 # Milliseconds per step: decode graphs (batch, batch) and verifying graphs (batch, tokens) of buckets 1, 8, 32.
@@ -78,28 +78,41 @@ def test_step_costs_follow_the_steps_as_they_run() -> None:
 
 def test_a_step_lasts_the_longer_of_its_device_and_host_time() -> None:
     half = [(0.5, 8, 1.0)] * 20
+
+    def host(costs: StepCosts, tokens: int, ms: float, times: int = 200) -> None:
+        """Steps of the graph (32, tokens) whose host work takes ms: a third of it in each part."""
+        for _ in range(times):
+            for part in (LAUNCH, COMPLETE, DELIVER):
+                costs.observe_host(32, tokens, part, ms / 3)
+
     # A large model: the device's time is the longer, so the host's changes nothing.
     large = StepCosts(COSTS, 8)
-    large.observe_host(32, 32, 2.0)
-    large.observe_host(32, 64, 3.0)
+    host(large, 32, 2.0)
+    host(large, 64, 3.0)
     assert large.cost(32, 32, 32) == 5.5 and large.cost(32, 64, 32) == 6.6
     assert sum(large.plan_drafts(20, half)) == 44  # as in the test above
     # A small model at a large batch: the engine thread's turn (12 ms) is the step. Before a verifying step
     # has run, its host time is the plain step's, so even the largest graph (288 rows: 9.0 ms on the device)
     # costs no more than a plain step, and every draft is taken: (20 + 20) / 12 against 1.1 x 20 / 12.
     small = StepCosts(COSTS, 8)
-    for _ in range(200):
-        small.observe_host(32, 32, 12.0)
+    host(small, 32, 12.0)
     assert small.cost(32, 32, 32) == pytest.approx(12.0) and small.cost(32, 288, 32) == pytest.approx(12.0)
     assert small.plan_drafts(20, half) == [8] * 20
+    # One slow turn (a collection, say) counts for at most twice the estimate: the graph is not shut out.
+    host(small, 288, 500.0, times=1)
+    assert small.cost(32, 288, 32) == pytest.approx(0.9 * 12.0 + 0.1 * 24.0)
     # Verifying turns that cost the host 40 ms: no count of these drafts pays for that.
     for tokens in small.tokens[32]:
-        for _ in range(200):
-            small.observe_host(32, tokens, 40.0)
+        host(small, tokens, 40.0)
+    assert small.cost(32, 160, 32) == pytest.approx(40.0, rel=1e-3)
     assert small.plan_drafts(20, half) == [0] * 20
     assert small.plan_drafts(20, [(1.0, 8, 1.0)] * 20) == [8] * 20  # sure drafts still do: 180 / 40 > 22 / 12
-    small.observe_host(16, 24, 1.0)  # a graph never captured: ignored
-    assert (16, 24) not in small.host
+    small.observe_host(16, 24, LAUNCH, 1.0)  # a graph never captured: ignored
+    assert all((16, 24) not in table for table in small.host)
+    # Without the overlap loop a step takes the device's time and then the host's.
+    serial = StepCosts(COSTS, 8, overlap=False)
+    host(serial, 32, 2.0)
+    assert serial.cost(32, 32, 32) == pytest.approx(7.5) and serial.cost(32, 64, 32) == pytest.approx(8.6)
 
 
 class _Drafter:

@@ -47,6 +47,7 @@ from cbd.engine.sampling_params import SamplingParams, validate_request
 from cbd.engine.sched.plan import StepPlan
 from cbd.engine.sequence import FinishReason, Request, Sequence
 from cbd.engine.sessions.records import TurnInput
+from cbd.engine.spec import policy
 from cbd.engine.spec.policy import StepCosts
 from cbd.engine.stats import StatsReader
 from cbd.engine.step_phases import BOOK, EMIT, LAUNCH, MASK, SCHEDULE, WAIT, StepPhases
@@ -95,7 +96,7 @@ class EngineCore:
         self.tables = BlockTableRows(config.max_num_seqs + 2, self.runner.table_columns, self.runner.scratch_block)
         self.phases = StepPhases()  # where each step's host time goes (the engine loop starts and files it)
         self._inflight: _Launched | None = None
-        self._waited = 0.0  # this step() call's seconds waiting for the device (the rest is host work)
+        self._delivered_graph: tuple[int, int] | None = None  # the graph of the step whose outputs deliver() hands over
         self._seq_ids = itertools.count()
         self._request_ids = itertools.count()
         self.num_steps = 0
@@ -198,7 +199,7 @@ class EngineCore:
         graphs = self.runner.graphs
         sharded = self.runner.broadcast is not None  # graphs replay with the workers only: none timed alone
         if self.config.speculative == "auto" and graphs is not None and graphs.verify_buckets and not sharded:
-            costs = StepCosts(graphs.measure(), graphs.max_queries - 1)
+            costs = StepCosts(graphs.measure(), graphs.max_queries - 1, self.overlap)
             self.scheduler.speculator.costs = costs
             plain = {}  # per verifying bucket: its plain step's cost (decode graphs reach past every verifying bucket)
             for b in costs.batches:
@@ -215,7 +216,6 @@ class EngineCore:
         N+1 may verify drafts made after a guess of N's tokens (spec/speculator.py). Synchronous (no overlap;
         or a constrained sequence drafts, which needs its tokens known): N is completed before N+1 is
         planned and N+1 before returning, so no step is ever in flight at the next call."""
-        began, self._waited = time.perf_counter(), 0.0
         outputs = self._end_slow_grammars()
         self.phases.lap(EMIT)
         speculator = self.scheduler.speculator
@@ -224,19 +224,23 @@ class EngineCore:
         if sync and self._inflight is not None:  # drafts follow known tokens: complete the step in flight
             drained, self._inflight = self._inflight, None
             outputs += self._complete(drained)
+        began = time.perf_counter()
         launched = self._launch_next(speculate)
+        launching = time.perf_counter() - began
         previous, self._inflight = self._inflight, launched
         if previous is not None:
             outputs += self._complete(previous)
         if launched is not None:
             if launched.step.pending is not None:  # constrained rows: the forward is on the device already
+                began = time.perf_counter()
                 self.runner.sample_masked(launched.step, self.grammar_masks.fill(launched.plan))
+                launching += time.perf_counter() - began
                 self.phases.lap(MASK)
+            if speculator.costs is not None and launched.graph is not None:
+                speculator.costs.observe_host(*launched.graph, policy.LAUNCH, 1e3 * launching)
             if sync:
                 self._inflight = None
                 outputs += self._complete(launched)
-            if speculator.costs is not None and launched.graph is not None:  # what this turn cost the host
-                speculator.costs.observe_host(*launched.graph, 1e3 * (time.perf_counter() - began - self._waited))
         return outputs
 
     def _launch_next(self, speculate: bool) -> _Launched | None:
@@ -271,9 +275,8 @@ class EngineCore:
         """Wait for a launched step's tokens, book them, and emit the outputs of its live rows."""
         assert launched.step.pending is None, "a step with constrained rows is sampled before it completes"
         phases = self.phases
-        waiting = time.perf_counter()
         sampled = self.runner.wait(launched.step)
-        self._waited += time.perf_counter() - waiting
+        waited = time.perf_counter()
         costs, timing = self.scheduler.speculator.costs, launched.step.timing
         if costs is not None and launched.graph is not None and timing is not None and timing[1].query():
             costs.observe(*launched.graph, timing[0].elapsed_time(timing[1]))  # the step's whole device time
@@ -282,6 +285,9 @@ class EngineCore:
         phases.lap(BOOK)
         outputs = self.emitter.tokens(launched.plan, sampled, rows)
         phases.lap(EMIT)
+        if costs is not None and launched.graph is not None:  # its host work after the wait
+            costs.observe_host(*launched.graph, policy.COMPLETE, 1e3 * (time.perf_counter() - waited))
+        self._delivered_graph = launched.graph
         return outputs
 
     def _end_slow_grammars(self) -> list[RequestOutput]:
@@ -321,7 +327,14 @@ class EngineCore:
 
     def deliver(self) -> None:
         """Hand the outputs made since the last call to their requests' callbacks, in order."""
+        costs, graph = self.scheduler.speculator.costs, self._delivered_graph
+        if costs is None or graph is None:
+            self.emitter.deliver()
+            return
+        began = time.perf_counter()
         self.emitter.deliver()
+        costs.observe_host(*graph, policy.DELIVER, 1e3 * (time.perf_counter() - began))
+        self._delivered_graph = None
 
     def stats(self) -> EngineStats:
         return self._stats.read(self.num_steps, self.emitter.num_generated_tokens, self.phases.snapshot())

@@ -168,11 +168,10 @@ async def serve(
         service.detach()  # new calls get UNAVAILABLE, from before health says NOT_SERVING
         await _set_health(health_servicer, health_pb2.HealthCheckResponse.NOT_SERVING)
         if engine is not None:
-            drained = await engine.drain(server_config.shutdown_grace)
+            if not await engine.drain(server_config.shutdown_grace) and engine.fatal is None:
+                log.info("the grace is over: %d live requests end with ABORT", engine.num_live_requests)
             if saving and engine.fatal is None:
                 await session_saving.save_at_shutdown(engine, service.chats, server_config.session_save_seconds)
-            if not drained:
-                log.info("the grace is over: %d live requests end with ABORT", engine.num_live_requests)
             await engine.shutdown()  # what is left finishes with ABORT, streamed out
         await server.stop(5.0)
         if metrics_server is not None:

@@ -14,18 +14,20 @@ drafts a_i + a_i^2 + ... + a_i^k_i), over the token counts T of the bucket; a ve
 `MARGIN` (1.1) times the plain step's rate: the estimates below are averages of short histories, and a
 step wrongly taken costs every sequence in the batch.
 
-cost(B, T) is what a step of that graph takes, the longer of its device time and its host time (the
-overlap loop runs the host's work for one step while the device runs another, so a step lasts the longer
-of the two). Device time: a running average of the steps of that graph as they run (the graph plus what
-runs outside it: staging, block tables, carry-over, sampling of T rows, copies back); before one has run,
-its graph's time at warm-up (DecodeGraphs.measure) plus the time the decode steps of that bucket spend
-outside their graph, the part the two kinds of step share. That shared part can be most of a small
-model's step, and its sampling grows with T, hence the running averages. Host time: a running average of
-the engine thread's work in the turns that launched a step of that graph (planning and launching it,
-completing the step before it; its waits for the device left out); before one has run, the plain step's
-of the same batch. With a large model the device's time is the longer and the host's changes nothing;
-with a small one at a large batch the host's is, and drafts, which add host work per sequence (lookups,
-verification, more tokens to book and emit), are weighed at what they cost there.
+cost(B, T) is what a step of that graph takes: in the overlap loop, which runs the host's work for one
+step while the device runs another, the longer of its device time and its host time; without the
+overlap, their sum. Device time: a running average of the steps of that graph as they run (the graph
+plus what runs outside it: staging, block tables, carry-over, sampling of T rows, copies back); before
+one has run, its graph's time at warm-up (DecodeGraphs.measure) plus the time the decode steps of that
+bucket spend outside their graph, the part the two kinds of step share. That shared part can be most of
+a small model's step, and its sampling grows with T, hence the running averages. Host time: the engine
+thread's work for a step of that graph, in three parts each followed as a running average: planning and
+launching it, completing it (booking and emitting its tokens; the waits for the device left out), and
+handing its outputs over (`deliver`). Before a verifying graph's step has run, each part starts from the
+plain step's of that batch, and no reading counts for more than twice the part's estimate (one slow turn,
+a garbage collection, must not shut a graph out). With a large model the device's time is the longer and
+the host's changes nothing; with a small one at a large batch the host's is, and drafts, which add host
+work per sequence (lookups, verification, more tokens to book and emit), are weighed at what they cost.
 
 a_i is sequence i's chance that a draft is kept when all before it were: its verifications' kept
 drafts over the drafts they tried (a draft after a rejected one is not tried), averaged over recent
@@ -46,6 +48,9 @@ from itertools import accumulate
 START_ACCEPT = 0.5  # the acceptance prior at start and after a spell without verifications (Speculator.prior)
 SMOOTHING = 0.9  # weight of the running average's past in each observed step
 MARGIN = 1.1  # a verifying step must promise this many times a plain step's tokens per millisecond
+# The parts of a step's host work (observe_host): planning and launching it, completing it, handing its
+# outputs over.
+LAUNCH, COMPLETE, DELIVER = 0, 1, 2
 
 
 def observed_accept(kept: int, drafts: int) -> float:
@@ -55,14 +60,17 @@ def observed_accept(kept: int, drafts: int) -> float:
 
 
 class StepCosts:
-    def __init__(self, costs: dict[tuple[int, int], float], max_drafts: int) -> None:
+    def __init__(self, costs: dict[tuple[int, int], float], max_drafts: int, overlap: bool = True) -> None:
         """costs: milliseconds per step of each (batch bucket, tokens) graph, timed alone (tokens == batch: a
-        decode graph). max_drafts: the most drafts a sequence brings to a verifying graph."""
+        decode graph). max_drafts: the most drafts a sequence brings to a verifying graph. overlap: the
+        host's work for a step runs while the device runs another (the overlap loop)."""
         self.costs = costs
         self.max_drafts = max_drafts
+        self.overlap = overlap
         self.outside: dict[int, float] = {}  # per decode bucket: its steps' device time outside the graph
         self.seen: dict[tuple[int, int], float] = {}  # per graph: its steps' whole device time
-        self.host: dict[tuple[int, int], float] = {}  # per graph: the host's work in the turns that launched it
+        # Per part of the host's work (LAUNCH, COMPLETE, DELIVER), per graph: its running average, ms.
+        self.host: tuple[dict[tuple[int, int], float], ...] = ({}, {}, {})
         self.tokens: dict[int, list[int]] = {}  # per verifying bucket: its graphs' token counts
         for b, t in sorted(costs):
             if t > b:
@@ -82,24 +90,36 @@ class StepCosts:
         if tokens == batch:
             self.outside[batch] = max(0.0, self.seen[batch, tokens] - graph)
 
-    def observe_host(self, batch: int, tokens: int, ms: float) -> None:
-        """The engine thread's work (waits for the device left out) in a turn that launched a step on the
-        graph of (batch, tokens)."""
+    def observe_host(self, batch: int, tokens: int, part: int, ms: float) -> None:
+        """The engine thread's work on `part` (LAUNCH, COMPLETE, DELIVER) of a step on the graph of
+        (batch, tokens), its waits for the device left out."""
         if (batch, tokens) not in self.costs:
             return
-        last = self.host.get((batch, tokens))
-        self.host[batch, tokens] = ms if last is None else SMOOTHING * last + (1 - SMOOTHING) * ms
+        table = self.host[part]
+        last = table.get((batch, tokens))
+        if last is None and tokens > batch:
+            last = self._plain_host(batch, part)
+        if last is None:
+            table[batch, tokens] = ms
+        else:
+            table[batch, tokens] = SMOOTHING * last + (1 - SMOOTHING) * min(ms, 2 * last)
+
+    def _plain_host(self, batch: int, part: int) -> float | None:
+        plain = self.plain_bucket(batch)
+        return None if plain is None else self.host[part].get((plain, plain))
 
     def cost(self, bucket: int, tokens: int, decode_bucket: int) -> float:
-        """A step's time on the graph of (bucket, tokens): the longer of its device time (as observed, else
-        as timed alone plus the time outside the graph that the decode steps of decode_bucket showed) and
-        its host time (as observed, else the plain step's of decode_bucket; 0 before any)."""
+        """A step's time on the graph of (bucket, tokens): its device time (as observed, else as timed alone
+        plus the time outside the graph that the decode steps of decode_bucket showed) and its host time
+        (each part as observed, else the plain step's of decode_bucket; 0 before any), the longer of the two
+        in the overlap loop, else their sum."""
         seen = self.seen.get((bucket, tokens))
         device = seen if seen is not None else self.costs[bucket, tokens] + self.outside.get(decode_bucket, 0.0)
-        host = self.host.get((bucket, tokens))
-        if host is None:
-            host = self.host.get((decode_bucket, decode_bucket), 0.0)
-        return max(device, host)
+        host = 0.0
+        for table in self.host:
+            ms = table.get((bucket, tokens))
+            host += ms if ms is not None else table.get((decode_bucket, decode_bucket), 0.0)
+        return max(device, host) if self.overlap else device + host
 
     def plain_bucket(self, batch: int) -> int | None:
         """The decode graph's bucket a plain step of `batch` sequences runs in (None: none that large)."""

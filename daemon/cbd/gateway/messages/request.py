@@ -1,8 +1,8 @@
 """A Messages API body -> chat messages and what to generate.
 
 Mapped: system (a string or text blocks), messages (user / assistant; a string or blocks: text,
-tool_use, tool_result with string or text-block content; consecutive messages of one role are one turn,
-their blocks in order), max_tokens (required), stop_sequences,
+tool_use, tool_result with string or text-block content; consecutive messages of one role are one turn:
+their texts joined as one message's text blocks are, then their tool_use blocks), max_tokens (required), stop_sequences,
 temperature (0 to 1), top_p, top_k, tools (name, description, input_schema), tool_choice (auto, any,
 tool, none; disable_parallel_tool_use: at most one tool_use), metadata.user_id (the tenant, when the
 daemon checks no tokens), output_config.format (json_schema; with tools and tool_choice auto the reply
