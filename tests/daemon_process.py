@@ -174,6 +174,28 @@ def serving(
         assert d.stop() == 0, d.log()[-4000:]
 
 
+class CallInThread(threading.Thread):
+    """One streaming call (the client's `stream`) read to its end on a thread of its own; `ended` holds what
+    ended it: the client's error, or None for an end without one."""
+
+    def __init__(self, address: str, prompt: list[int], **options: object) -> None:
+        super().__init__(daemon=True)
+        self.address, self.prompt, self.options = address, prompt, options
+        self.ended: list[BaseException | None] = []
+
+    def run(self) -> None:
+        from cbd_client import CbdError, Client
+
+        with Client(self.address, timeout=120) as client:
+            try:
+                for _ in client.stream(self.prompt, **self.options):
+                    pass
+            except CbdError as exc:
+                self.ended.append(exc)
+            else:
+                self.ended.append(None)
+
+
 class BackgroundStream:
     """A long greedy Generate stream read on its own thread; `tokens` counts what has arrived, so a test
     can tell whether the engine kept advancing it while something else went on."""

@@ -8,14 +8,13 @@ import signal
 import socket
 import subprocess
 import sys
-import threading
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
-from cbd_client import CbdError, Client
-from daemon_process import DaemonFactory, DaemonProcess
+from cbd_client import Client
+from daemon_process import CallInThread, DaemonFactory, DaemonProcess
 from helpers import poll_until
 
 PROMPT = list(range(2, 40))
@@ -204,21 +203,9 @@ def test_sighup_drains_and_a_second_signal_exits_at_once_leaving_no_socket(
     assert not (tmp_path / "hup.sock").exists()
 
     d = tiny_daemon("--shutdown-grace", "60", socket_name="twice.sock")
-    ended: list[BaseException | None] = []
-
-    def one_stream() -> None:
-        with Client(d.address, timeout=120) as client:
-            try:
-                for _ in client.stream(PROMPT, max_tokens=400, ignore_eos=True):
-                    pass
-            except CbdError as exc:
-                ended.append(exc)
-            else:
-                ended.append(None)
-
-    reader = threading.Thread(target=one_stream)
+    call = CallInThread(d.address, PROMPT, max_tokens=400, ignore_eos=True)
     with Client(d.address, timeout=10) as probe, d.engine_paused():  # the call cannot end by itself
-        reader.start()
+        call.start()
         poll_until(lambda: probe.stats().live_requests == 1, 30, what="a live call")
         d.process.send_signal(signal.SIGTERM)  # the live call keeps the first signal's drain waiting
         # The first signal was taken once health turns NOT_SERVING (the drain has begun): only then is the
@@ -226,8 +213,8 @@ def test_sighup_drains_and_a_second_signal_exits_at_once_leaving_no_socket(
         poll_until(lambda: d.health() == "NOT_SERVING", 60, what="the first SIGTERM starts the drain")
         d.process.send_signal(signal.SIGTERM)
         assert d.process.wait(30) == 1
-    reader.join(60)
-    assert len(ended) == 1  # the call ended (the daemon's exit ends it)
+    call.join(60)
+    assert len(call.ended) == 1  # the call ended (the daemon's exit ends it)
     assert not (tmp_path / "twice.sock").exists() and not (tmp_path / "twice.sock.lock").exists()
 
 

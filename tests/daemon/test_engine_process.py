@@ -14,7 +14,7 @@ import pytest
 from cbd_client import CbdError, Client
 from cbd_client.v1 import cbd_pb2 as pb
 from cbd_client.v1 import cbd_pb2_grpc
-from daemon_process import DaemonProcess, alive, children, serving
+from daemon_process import CallInThread, DaemonProcess, alive, children, serving
 from helpers import poll_until
 
 PROMPT = list(range(2, 40))
@@ -66,26 +66,14 @@ def test_killing_the_engine_process_fails_every_live_call_with_internal_and_the_
 def test_the_engine_process_dies_with_the_daemon(tiny_daemon) -> None:
     d = tiny_daemon()
     engine = d.engine_pid()
-    ended: list[BaseException | None] = []
-
-    def one_stream() -> None:
-        with Client(d.address, timeout=60) as client:
-            try:
-                for _ in client.stream(PROMPT, max_tokens=4000, ignore_eos=True):
-                    pass
-            except CbdError as exc:
-                ended.append(exc)
-            else:
-                ended.append(None)
-
-    reader = threading.Thread(target=one_stream)
+    call = CallInThread(d.address, PROMPT, max_tokens=4000, ignore_eos=True)
     with Client(d.address, timeout=10) as probe, d.engine_paused():  # the call is live when the daemon dies
-        reader.start()
+        call.start()
         poll_until(lambda: probe.stats().live_requests == 1, 30, what="a live call")
         d.process.kill()  # no drain, no Stop: the engine process must not outlive it
         assert wait_gone(engine), "the engine process outlived the daemon"
-    reader.join(60)
-    assert len(ended) == 1 and isinstance(ended[0], CbdError), ended
+    call.join(60)
+    assert len(call.ended) == 1 and isinstance(call.ended[0], CbdError), call.ended
 
 
 def test_a_sigkilled_daemon_leaves_neither_its_engine_process_nor_its_socket_directory(tiny_daemon) -> None:
