@@ -44,6 +44,18 @@ def alive(pid: int) -> bool:
     return state != "Z"
 
 
+PF_EXITING = 0x4  # a process's flag (/proc/PID/stat, field 9) from the moment it begins to exit
+
+
+def exiting(pid: int) -> bool:
+    """The process has begun to exit (killed, say) or is gone: it runs no more code of its own."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except FileNotFoundError:
+        return True
+    return fields[0] in ("Z", "X") or bool(int(fields[6]) & PF_EXITING)
+
+
 def cpu_seconds(pid: int) -> float:
     """User + system CPU seconds of one process, all its threads (from /proc)."""
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
@@ -132,7 +144,8 @@ class DaemonProcess:
         """The frontend's live grammar compile workers: the children of its workers' fork server
         (ipc/grammar_pool.py)."""
         servers = _children_running(self.process.pid, "cbd.ipc.grammar_worker")
-        return [pid for server in servers for pid in _children_running(server, "cbd.ipc.grammar_worker")]
+        workers = [pid for server in servers for pid in _children_running(server, "cbd.ipc.grammar_worker")]
+        return [pid for pid in workers if not exiting(pid)]  # a killed one tearing its memory down runs nothing
 
     def log(self) -> str:
         self._log.flush()
