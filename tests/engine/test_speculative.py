@@ -391,19 +391,9 @@ def _record_launches(core: EngineCore) -> list[set[str]]:
     return seen
 
 
-@pytest.mark.parametrize("graphs", [False, True])
-def test_the_overlap_loop_verifies_drafts_with_a_step_in_flight(
-    default_model, prompts, copy_stops, graphs: bool
-) -> None:
-    """Overlap on (forced on the CPU): drafts follow a guess of the token in flight, and the step after a
-    verifying one is launched before its kept count reaches the host (the device moves that step's inputs
-    back by the drafts rejected). Outputs equal speculation off token for token: greedy, seeded, fan-out,
-    stop strings and ids inside kept runs, max_tokens mid-run; with eager steps and with the verifying
-    graphs' layout; and the in-flight paths did run."""
-    from cbd.engine.device.cuda_graphs import DecodeGraphs
-
+def _in_flight_cases(copy_stops: tuple[str, int]) -> list[SamplingParams]:
     stop_string, stop_id = copy_stops
-    cases = [
+    return [
         SamplingParams(max_tokens=60, temperature=0.0, logprobs=1),
         SamplingParams(max_tokens=48, temperature=0.8, seed=3),
         SamplingParams(max_tokens=40, temperature=0.0, n=2),
@@ -411,37 +401,61 @@ def test_the_overlap_loop_verifies_drafts_with_a_step_in_flight(
         SamplingParams(max_tokens=60, temperature=0.0, stop_token_ids=[stop_id]),
         SamplingParams(max_tokens=23, temperature=0.0),
     ]
-    batch = [prompts["copy"], prompts["quote"], prompts["quote"], prompts["copy"], prompts["copy"], prompts["plain"]]
-    results = {}
-    for mode in ("off", "ngram"):
-        core = make_core(default_model, overlap="on", speculative=mode, num_kv_blocks=1024, block_size=4)
-        if graphs:
-            runner = core.runner
-            runner.graphs = DecodeGraphs(
-                runner.model, runner.kv_caches, runner.backend, runner.block_size, 8, runner.max_blocks_per_seq,
-                runner.scratch_block, None, 8, core.config.num_speculative_tokens + 1,
-            )  # fmt: skip
-        launched = _record_launches(core)
-        got = run_all(core, batch, cases)
-        results[mode] = [(r["tokens"], r["finish"], r["usage"]) for r in got]
-        results[mode + " logprobs"] = [
-            lp.token_id for o in got[0]["outputs"] for d in o.candidates for lp in d.logprobs
-        ]
-        assert core.block_manager.num_used_blocks == 0
-        if mode == "ngram":
-            assert _speculated(core)[1] > 0
-            # A verifying step whose chunks' first tokens were in flight, and a step after drafts in flight.
-            assert any({"verify_k", "carry_dst"} <= names for names in launched)
-            assert any("carry_group" in names and "seq_group" in names for names in launched)
-            assert any("row_group" in names for names in launched)  # a seeded row moved back on the device
-    assert results["ngram"] == results["off"]
-    assert results["ngram logprobs"] == results["off logprobs"]
+
+
+def _in_flight_batch(prompts) -> list[list[int]]:
+    return [prompts["copy"], prompts["quote"], prompts["quote"], prompts["copy"], prompts["copy"], prompts["plain"]]
+
+
+def _tokens_and_logprobs(got: list[dict]) -> tuple[list, list[int]]:
+    return [(r["tokens"], r["finish"], r["usage"]) for r in got], [
+        lp.token_id for o in got[0]["outputs"] for d in o.candidates for lp in d.logprobs
+    ]
+
+
+@pytest.fixture(scope="module")
+def in_flight_off(default_model, prompts, copy_stops) -> tuple[list, list[int]]:
+    """The oracle of the in-flight test: its batch with speculation off (overlap on, eager steps)."""
+    core = make_core(default_model, overlap="on", speculative="off", num_kv_blocks=1024, block_size=4)
+    got = run_all(core, _in_flight_batch(prompts), _in_flight_cases(copy_stops))
+    assert core.block_manager.num_used_blocks == 0
+    return _tokens_and_logprobs(got)
+
+
+@pytest.mark.parametrize("graphs", [False, True])
+def test_the_overlap_loop_verifies_drafts_with_a_step_in_flight(
+    default_model, prompts, copy_stops, in_flight_off, graphs: bool
+) -> None:
+    """Overlap on (forced on the CPU): drafts follow a guess of the token in flight, and the step after a
+    verifying one is launched before its kept count reaches the host (the device moves that step's inputs
+    back by the drafts rejected). Outputs equal speculation off (eager steps) token for token: greedy,
+    seeded, fan-out, stop strings and ids inside kept runs, max_tokens mid-run; with eager steps and with
+    the verifying graphs' layout; and the in-flight paths did run."""
+    from cbd.engine.device.cuda_graphs import DecodeGraphs
+
+    stop_id = copy_stops[1]
+    core = make_core(default_model, overlap="on", speculative="ngram", num_kv_blocks=1024, block_size=4)
+    if graphs:
+        runner = core.runner
+        runner.graphs = DecodeGraphs(
+            runner.model, runner.kv_caches, runner.backend, runner.block_size, 8, runner.max_blocks_per_seq,
+            runner.scratch_block, None, 8, core.config.num_speculative_tokens + 1,
+        )  # fmt: skip
+    launched = _record_launches(core)
+    on, on_logprobs = _tokens_and_logprobs(run_all(core, _in_flight_batch(prompts), _in_flight_cases(copy_stops)))
+    assert core.block_manager.num_used_blocks == 0
+    assert _speculated(core)[1] > 0
+    # A verifying step whose chunks' first tokens were in flight, and a step after drafts in flight.
+    assert any({"verify_k", "carry_dst"} <= names for names in launched)
+    assert any("carry_group" in names and "seq_group" in names for names in launched)
+    assert any("row_group" in names for names in launched)  # a seeded row moved back on the device
+    assert (on, on_logprobs) == in_flight_off
     # The stop string and the stop id did end their replies early: shorter than the same greedy reply
     # without them (case 0), the stop id its last token.
-    whole = results["ngram"][0][0][0]
-    for stopped in results["ngram"][3:5]:
+    whole = on[0][0][0]
+    for stopped in on[3:5]:
         assert stopped[1] == {0: FinishReason.STOP} and len(stopped[0][0]) < len(whole), stopped
-    assert results["ngram"][4][0][0][-1] == stop_id
+    assert on[4][0][0][-1] == stop_id
 
 
 def test_the_overlap_loop_with_drafts_in_flight_under_preemption_and_abort(default_model, prompts) -> None:
