@@ -51,7 +51,7 @@ def exiting(pid: int) -> bool:
     """The process has begun to exit (killed, say) or is gone: it runs no more code of its own."""
     try:
         fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except FileNotFoundError:
+    except (FileNotFoundError, ProcessLookupError):  # gone (reaped before or while it was read)
         return True
     return fields[0] in ("Z", "X") or bool(int(fields[6]) & PF_EXITING)
 

@@ -445,6 +445,8 @@ def test_the_overlap_loop_verifies_drafts_with_a_step_in_flight(
     on, on_logprobs = _tokens_and_logprobs(run_all(core, _in_flight_batch(prompts), _in_flight_cases(copy_stops)))
     assert core.block_manager.num_used_blocks == 0
     assert _speculated(core)[1] > 0
+    if graphs:  # the verifying graphs' layout did run
+        assert core.runner.graphs is not None and core.runner.graphs.replays[1] > 0
     # A verifying step whose chunks' first tokens were in flight, and a step after drafts in flight.
     assert any({"verify_k", "carry_dst"} <= names for names in launched)
     assert any("carry_group" in names and "seq_group" in names for names in launched)

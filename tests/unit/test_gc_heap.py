@@ -42,8 +42,8 @@ def test_freeze_collects_start_up_garbage_first_and_keeps_the_living_out_of_coll
     assert garbage() is not None
     frozen = gc_heap.freeze()
     assert garbage() is None  # collected, not frozen for the process's life
-    # What it froze, less any frozen object another thread (the test runner's) has freed since.
-    assert 0 < gc.get_freeze_count() <= frozen
+    # What it froze, less the few frozen objects another thread (the test runner's) may have freed since.
+    assert frozen > 1000 and frozen - 1000 < gc.get_freeze_count() <= frozen
     assert all(living is not o for o in gc.get_objects())  # in the permanent generation, never walked
 
 

@@ -24,7 +24,7 @@ def test_a_verification_counts_only_the_drafts_it_tried() -> None:
 
 
 def test_a_step_verifies_the_drafts_that_make_the_most_tokens_per_millisecond() -> None:
-    costs = StepCosts(COSTS, 8)
+    costs = StepCosts(COSTS, 8, overlap=True)
     assert costs.max_batch == 32 and costs.tokens[32] == [34, 40, 64, 160, 288]
     sure, half, never = (1.0, 8, 1.0), (0.5, 8, 1.0), (0.0, 8, 1.0)
     assert costs.plan_drafts(1, [sure]) == [8]  # batch 1: a verifying step costs about a decode step
@@ -48,7 +48,7 @@ def test_a_step_verifies_the_drafts_that_make_the_most_tokens_per_millisecond() 
     assert costs.plan_drafts(8, [(1.0, 2, 1.0)]) == [2]  # two drafts found: two verified
     assert costs.plan_drafts(33, [sure] * 33) == [0] * 33  # no verifying graph that large: eager is not weighed
     # A verifying bucket that is no decode bucket (a cap of 6): the plain step's cost is its decode bucket's.
-    capped = StepCosts({(4, 4): 4.0, (8, 8): 5.0, (6, 8): 5.0}, 2)
+    capped = StepCosts({(4, 4): 4.0, (8, 8): 5.0, (6, 8): 5.0}, 2, overlap=True)
     assert capped.plan_drafts(6, [(0.5, 2, 1.0)]) == [2]  # 6.75 / 5.0 beat 1.1 x 6 / 5.0
     assert capped.plan_drafts(4, [(0.5, 2, 1.0)]) == [0]  # 4.75 / 5.0 do not beat 1.1 x 4 / 4.0
     assert capped.plan_drafts(6, [(0.5, 8, 1.0)]) == [2]  # at most max_drafts a sequence
@@ -57,7 +57,7 @@ def test_a_step_verifies_the_drafts_that_make_the_most_tokens_per_millisecond() 
 
 
 def test_step_costs_follow_the_steps_as_they_run() -> None:
-    costs = StepCosts(COSTS, 8)
+    costs = StepCosts(COSTS, 8, overlap=True)
     # Steps whose device time is mostly outside the graph (a small model): before a verifying step has
     # run, its cost is its graph's plus the decode steps' time outside theirs.
     for _ in range(200):
@@ -86,7 +86,7 @@ def test_a_step_lasts_the_longer_of_its_device_and_host_time() -> None:
                 costs.observe_host(32, tokens, part, ms / 3)
 
     # A large model: the device's time is the longer, so the host's changes nothing.
-    large = StepCosts(COSTS, 8)
+    large = StepCosts(COSTS, 8, overlap=True)
     host(large, 32, 2.0)
     host(large, 64, 3.0)
     assert large.cost(32, 32, 32) == 5.5 and large.cost(32, 64, 32) == 6.6
@@ -94,7 +94,7 @@ def test_a_step_lasts_the_longer_of_its_device_and_host_time() -> None:
     # A small model at a large batch: the engine thread's turn (12 ms) is the step. Before a verifying step
     # has run, its host time is the plain step's, so even the largest graph (288 rows: 9.0 ms on the device)
     # costs no more than a plain step, and every draft is taken: (20 + 20) / 12 against 1.1 x 20 / 12.
-    small = StepCosts(COSTS, 8)
+    small = StepCosts(COSTS, 8, overlap=True)
     host(small, 32, 12.0)
     assert small.cost(32, 32, 32) == pytest.approx(12.0) and small.cost(32, 288, 32) == pytest.approx(12.0)
     assert small.plan_drafts(20, half) == [8] * 20
@@ -122,6 +122,35 @@ class _Drafter:
         return [7] * k
 
 
+def test_the_engine_times_each_part_of_a_steps_host_work_on_that_steps_graph(tiny_loaded) -> None:
+    """The verifying graphs' layout run eagerly on the CPU (as the layout test in test_speculative.py does):
+    every step runs on a graph, and each part of its host work (launch, completion, delivery) is filed
+    under that graph, decode and verifying steps alike."""
+    from cbd.engine.device.cuda_graphs import DecodeGraphs
+
+    core = make_core(tiny_loaded, speculative="auto", speculative_max_batch=8, overlap="on", block_size=4)
+    runner = core.runner
+    runner.graphs = DecodeGraphs(
+        runner.model, runner.kv_caches, runner.backend, runner.block_size, 4, runner.max_blocks_per_seq,
+        runner.scratch_block, None, 4, core.config.num_speculative_tokens + 1,
+    )  # fmt: skip
+    speculator = core.scheduler.speculator
+    width = 4 * (core.config.num_speculative_tokens + 1)
+    cheap = {(4, t): 1.0 for t in range(4, width + 1)}  # verifying as cheap as decoding: drafts are verified
+    speculator.drafter, speculator.costs = _Drafter(), StepCosts(cheap, 8, overlap=True)
+    outputs: list = []
+    for prompt in ([5, 6, 7, 8, 9, 10], [11, 12, 13, 14, 15, 16], [17, 18, 19, 20]):
+        core.add_request(prompt, SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True),
+                         on_output=outputs.append)  # fmt: skip
+    while core.has_work():
+        core.step()
+        core.deliver()
+    host = speculator.costs.host
+    assert outputs and (4, 4) in host[LAUNCH] and any(t > 4 for _, t in host[LAUNCH]), host
+    assert set(host[LAUNCH]) == set(host[COMPLETE]) and set(host[DELIVER]) <= set(host[COMPLETE])
+    assert (4, 4) in host[DELIVER] and all(ms > 0 for table in host for ms in table.values())
+
+
 @pytest.mark.parametrize("overlap", ["off", "on"])
 def test_the_policy_decides_whether_drafts_are_made_and_outputs_are_the_same(tiny_loaded, overlap: str) -> None:
     prompts = [[5, 6, 7, 8, 9, 10], [11, 12, 13, 14, 15, 16], [17, 18, 19, 20]]
@@ -131,7 +160,7 @@ def test_the_policy_decides_whether_drafts_are_made_and_outputs_are_the_same(tin
     for name, costs in (("cheap", COSTS), ("dear", {k: v * (10 if k[1] > k[0] else 1) for k, v in COSTS.items()})):
         core = make_core(tiny_loaded, speculative="auto", speculative_max_batch=8, overlap=overlap)
         speculator = core.scheduler.speculator
-        speculator.drafter, speculator.costs = _Drafter(), StepCosts(costs, 8)
+        speculator.drafter, speculator.costs = _Drafter(), StepCosts(costs, 8, overlap=overlap == "on")
         assert [r["tokens"] for r in run_all(core, prompts, params)] == off
         stats = core.stats().speculation
         assert stats is not None

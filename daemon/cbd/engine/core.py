@@ -96,7 +96,10 @@ class EngineCore:
         self.tables = BlockTableRows(config.max_num_seqs + 2, self.runner.table_columns, self.runner.scratch_block)
         self.phases = StepPhases()  # where each step's host time goes (the engine loop starts and files it)
         self._inflight: _Launched | None = None
-        self._delivered_graph: tuple[int, int] | None = None  # the graph of the step whose outputs deliver() hands over
+        # The graph of the one step completed since the last deliver() (None: none, or more than one: their
+        # outputs are not one step's), whose host time for handing its outputs over deliver() then times.
+        self._delivered_graph: tuple[int, int] | None = None
+        self._completed = False
         self._seq_ids = itertools.count()
         self._request_ids = itertools.count()
         self.num_steps = 0
@@ -199,7 +202,7 @@ class EngineCore:
         graphs = self.runner.graphs
         sharded = self.runner.broadcast is not None  # graphs replay with the workers only: none timed alone
         if self.config.speculative == "auto" and graphs is not None and graphs.verify_buckets and not sharded:
-            costs = StepCosts(graphs.measure(), graphs.max_queries - 1, self.overlap)
+            costs = StepCosts(graphs.measure(), graphs.max_queries - 1, overlap=self.overlap)
             self.scheduler.speculator.costs = costs
             plain = {}  # per verifying bucket: its plain step's cost (decode graphs reach past every verifying bucket)
             for b in costs.batches:
@@ -287,7 +290,8 @@ class EngineCore:
         phases.lap(EMIT)
         if costs is not None and launched.graph is not None:  # its host work after the wait
             costs.observe_host(*launched.graph, policy.COMPLETE, 1e3 * (time.perf_counter() - waited))
-        self._delivered_graph = launched.graph
+        self._delivered_graph = None if self._completed else launched.graph
+        self._completed = True
         return outputs
 
     def _end_slow_grammars(self) -> list[RequestOutput]:
@@ -316,6 +320,7 @@ class EngineCore:
 
     # ---- ending, stats, checks ------------------------------------------------------------------
     def fail_all(self, reason: FinishReason) -> list[RequestOutput]:
+        self._delivered_graph = None  # what is delivered next is no step's outputs
         if self._inflight is not None:
             step, self._inflight = self._inflight, None
             try:
@@ -328,13 +333,13 @@ class EngineCore:
     def deliver(self) -> None:
         """Hand the outputs made since the last call to their requests' callbacks, in order."""
         costs, graph = self.scheduler.speculator.costs, self._delivered_graph
+        self._delivered_graph, self._completed = None, False
         if costs is None or graph is None:
             self.emitter.deliver()
             return
         began = time.perf_counter()
         self.emitter.deliver()
         costs.observe_host(*graph, policy.DELIVER, 1e3 * (time.perf_counter() - began))
-        self._delivered_graph = None
 
     def stats(self) -> EngineStats:
         return self._stats.read(self.num_steps, self.emitter.num_generated_tokens, self.phases.snapshot())

@@ -22,12 +22,17 @@ one has run, its graph's time at warm-up (DecodeGraphs.measure) plus the time th
 bucket spend outside their graph, the part the two kinds of step share. That shared part can be most of
 a small model's step, and its sampling grows with T, hence the running averages. Host time: the engine
 thread's work for a step of that graph, in three parts each followed as a running average: planning and
-launching it, completing it (booking and emitting its tokens; the waits for the device left out), and
-handing its outputs over (`deliver`). Before a verifying graph's step has run, each part starts from the
-plain step's of that batch, and no reading counts for more than twice the part's estimate (one slow turn,
-a garbage collection, must not shut a graph out). With a large model the device's time is the longer and
-the host's changes nothing; with a small one at a large batch the host's is, and drafts, which add host
-work per sequence (lookups, verification, more tokens to book and emit), are weighed at what they cost.
+launching it (with its rows' masks and masked sampling, and the host tier's restores started after it),
+completing it (booking and emitting its tokens; its wait for the device, with the copy of its tokens into
+host lists, left out), and handing its outputs over (`deliver`, timed when one step was completed since
+the last). The loop's other work in a turn (commands taken in, the stats snapshot) is in no part. Before
+a verifying graph's step has run, each part starts from the plain step's of that batch, and no later
+reading counts for more than twice the part's estimate (one slow turn, a garbage collection, must not shut
+a graph out). With a large model the device's time is the longer and the host's changes nothing; with a
+small one at a large batch the host's is, and drafts, which add host work per sequence (lookups,
+verification, more tokens to book and emit), are weighed at what they cost. A step that the overlap loop
+runs synchronously (a constrained sequence due to draft needs its tokens known) is priced as an
+overlapped one: those are rare, and their rows are few.
 
 a_i is sequence i's chance that a draft is kept when all before it were: its verifications' kept
 drafts over the drafts they tried (a draft after a rejected one is not tried), averaged over recent
@@ -60,7 +65,7 @@ def observed_accept(kept: int, drafts: int) -> float:
 
 
 class StepCosts:
-    def __init__(self, costs: dict[tuple[int, int], float], max_drafts: int, overlap: bool = True) -> None:
+    def __init__(self, costs: dict[tuple[int, int], float], max_drafts: int, *, overlap: bool) -> None:
         """costs: milliseconds per step of each (batch bucket, tokens) graph, timed alone (tokens == batch: a
         decode graph). max_drafts: the most drafts a sequence brings to a verifying graph. overlap: the
         host's work for a step runs while the device runs another (the overlap loop)."""
