@@ -13,6 +13,7 @@ import torch
 
 from cbd.config import EngineConfig
 from cbd.engine.core import EngineCore
+from cbd.engine.device.cuda_graphs import DecodeGraphs
 from cbd.engine.outputs import RequestOutput
 from cbd.engine.sampling_params import SamplingParams
 from cbd.model.loader import LoadedModel
@@ -32,6 +33,17 @@ def fuzz_examples(variable: str, thorough: int, quick: int) -> int:
 
 def make_core(loaded: LoadedModel, **overrides) -> EngineCore:
     return EngineCore(loaded, EngineConfig(**{"num_kv_blocks": 256, **overrides}))
+
+
+def eager_graphs(core: EngineCore, batch: int) -> DecodeGraphs:
+    """The engine's CUDA graphs' layout (batch buckets up to `batch`, verifying graphs included) run eagerly,
+    so that a CPU test steps through the graphs' packing and forward; installed on the core's runner."""
+    runner = core.runner
+    runner.graphs = DecodeGraphs(
+        runner.model, runner.kv_caches, runner.backend, runner.block_size, batch, runner.max_blocks_per_seq,
+        runner.scratch_block, None, batch, core.config.num_speculative_tokens + 1,
+    )  # fmt: skip
+    return runner.graphs
 
 
 def checked_step(core: EngineCore) -> list[RequestOutput]:

@@ -17,7 +17,7 @@ from cbd.engine.core import EngineCore
 from cbd.engine.sampling_params import SamplingParams
 from cbd.engine.sequence import FinishReason, Request, Sequence
 from cbd.engine.spec.drafter import NgramDrafter, NgramIndex
-from helpers import checked_step, make_core, run_all
+from helpers import checked_step, eager_graphs, make_core, run_all
 
 pytestmark = pytest.mark.first  # minutes on the CI machine: run before the other files
 
@@ -353,17 +353,12 @@ def test_verifying_graph_layout_gives_the_same_outputs(default_model, prompts) -
     count, padding's K/V sent to the scratch block), run eagerly on the CPU: the same greedy tokens,
     logprobs included, as without speculation, with a block size that puts drafts past the end of a
     block; the graphs' forward served every verifying step."""
-    from cbd.engine.device.cuda_graphs import DecodeGraphs
 
     params = SamplingParams(max_tokens=40, temperature=0.0, logprobs=2)
     for batch in ([prompts["copy"], prompts["quote"], prompts["plain"]], [prompts["copy"]]):
         off = run_all(make_core(default_model, speculative="off", num_kv_blocks=512, block_size=4), batch, params)
         core = make_core(default_model, speculative="ngram", num_kv_blocks=512, block_size=4)
-        runner = core.runner
-        runner.graphs = graphs = DecodeGraphs(
-            runner.model, runner.kv_caches, runner.backend, runner.block_size, 4, runner.max_blocks_per_seq,
-            runner.scratch_block, None, 4, core.config.num_speculative_tokens + 1,
-        )  # fmt: skip
+        graphs = eager_graphs(core, 4)
         on = run_all(core, batch, params)
         assert core.block_manager.num_used_blocks == 0
         for a, b in zip(off, on):
@@ -431,16 +426,11 @@ def test_the_overlap_loop_verifies_drafts_with_a_step_in_flight(
     back by the drafts rejected). Outputs equal speculation off (eager steps) token for token: greedy,
     seeded, fan-out, stop strings and ids inside kept runs, max_tokens mid-run; with eager steps and with
     the verifying graphs' layout; and the in-flight paths did run."""
-    from cbd.engine.device.cuda_graphs import DecodeGraphs
 
     stop_id = copy_stops[1]
     core = make_core(default_model, overlap="on", speculative="ngram", num_kv_blocks=1024, block_size=4)
     if graphs:
-        runner = core.runner
-        runner.graphs = DecodeGraphs(
-            runner.model, runner.kv_caches, runner.backend, runner.block_size, 8, runner.max_blocks_per_seq,
-            runner.scratch_block, None, 8, core.config.num_speculative_tokens + 1,
-        )  # fmt: skip
+        eager_graphs(core, 8)
     launched = _record_launches(core)
     on, on_logprobs = _tokens_and_logprobs(run_all(core, _in_flight_batch(prompts), _in_flight_cases(copy_stops)))
     assert core.block_manager.num_used_blocks == 0

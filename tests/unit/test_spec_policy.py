@@ -8,7 +8,7 @@ import pytest
 from cbd.engine.sampling_params import SamplingParams
 from cbd.engine.sequence import Sequence
 from cbd.engine.spec.policy import COMPLETE, DELIVER, LAUNCH, StepCosts, observed_accept
-from helpers import make_core, run_all
+from helpers import eager_graphs, make_core, run_all
 
 # Milliseconds per step: decode graphs (batch, batch) and verifying graphs (batch, tokens) of buckets 1, 8, 32.
 COSTS = {(1, 1): 4.7, (1, 3): 4.8, (1, 9): 4.8,
@@ -126,14 +126,9 @@ def test_the_engine_times_each_part_of_a_steps_host_work_on_that_steps_graph(tin
     """The verifying graphs' layout run eagerly on the CPU (as the layout test in test_speculative.py does):
     every step runs on a graph, and each part of its host work (launch, completion, delivery) is filed
     under that graph, decode and verifying steps alike."""
-    from cbd.engine.device.cuda_graphs import DecodeGraphs
 
     core = make_core(tiny_loaded, speculative="auto", speculative_max_batch=8, overlap="on", block_size=4)
-    runner = core.runner
-    runner.graphs = DecodeGraphs(
-        runner.model, runner.kv_caches, runner.backend, runner.block_size, 4, runner.max_blocks_per_seq,
-        runner.scratch_block, None, 4, core.config.num_speculative_tokens + 1,
-    )  # fmt: skip
+    eager_graphs(core, 4)
     speculator = core.scheduler.speculator
     width = 4 * (core.config.num_speculative_tokens + 1)
     cheap = {(4, t): 1.0 for t in range(4, width + 1)}  # verifying as cheap as decoding: drafts are verified
