@@ -101,6 +101,7 @@ def _run(core: EngineCore, prompts: list[list[int]], new_tokens: int | list[int]
     lengths = new_tokens if isinstance(new_tokens, list) else [new_tokens] * len(prompts)
     params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=ignore_eos) for n in lengths]
     before = core.stats().speculation
+    device_before = core.scheduler.speculator.num_device_drafted
     events: list = []
     core.runner.step_events = events
     _sync()
@@ -116,42 +117,51 @@ def _run(core: EngineCore, prompts: list[list[int]], new_tokens: int | list[int]
     spec = core.stats().speculation
     drafted = (spec.num_draft_tokens - before.num_draft_tokens) if spec and before else 0
     kept = (spec.num_accepted_tokens - before.num_accepted_tokens) if spec and before else 0
+    device_drafted = core.scheduler.speculator.num_device_drafted - device_before
     return dict(tok_s=sum(map(len, tokens)) / elapsed, tokens=tokens, busy=busy, drafted=drafted, kept=kept,
-                steps=len(events))  # fmt: skip
+                steps=len(events), device_drafted=device_drafted)  # fmt: skip
 
 
-MODES = ["off", "auto"]  # the second: --on
+MODES = ["off", "auto", "auto/host"]  # the speculating ones: --on; "/host": drafts made on the host only
 
 
 def _config(mode: str, batch: int, dtype: str, max_len: int, device: str = "cuda") -> EngineConfig:
     # No drafts across requests (speculative_index_tokens=0): every run repeats the same prompts, whose earlier
     # outputs would otherwise draft for them; the drafts are the sequence's own context's, as draft_patterns'.
-    return EngineConfig(device=device, dtype=dtype, overlap="on", speculative=mode, num_speculative_tokens=8,
+    speculative, _, where = mode.partition("/")
+    return EngineConfig(device=device, dtype=dtype, overlap="on", speculative=speculative, num_speculative_tokens=8,
                         speculative_index_tokens=0, speculative_max_batch=32, max_num_seqs=batch, max_model_len=max_len,
-                        num_kv_blocks=batch * (max_len // 16 + 2) + 64, block_size=16)  # fmt: skip
+                        num_kv_blocks=batch * (max_len // 16 + 2) + 64, block_size=16,
+                        speculative_device_drafts=where != "host")  # fmt: skip
 
 
 def _compare(name: str, cores: dict[str, EngineCore], prompts: list[list[int]], new_tokens: int | list[int],
-             repeat: int, ignore_eos: bool) -> dict:  # fmt: skip
-    runs: dict[str, list[dict]] = {mode: [] for mode in MODES}
+             repeat: int, ignore_eos: bool) -> list[dict]:  # fmt: skip
+    """One row per speculating mode against "off", all modes' runs interleaved."""
+    runs: dict[str, list[dict]] = {mode: [] for mode in cores}
     for _ in range(repeat):  # interleaved
         for mode, core in cores.items():
             runs[mode].append(_run(core, prompts, new_tokens, ignore_eos))
-    off, on = runs["off"][-1], runs[MODES[1]][-1]
-    costs = cores[MODES[1]].scheduler.speculator.costs
-    if costs is not None:
-        log.info("step costs (ms) %s, outside the graphs %s", costs.costs, costs.outside)
-    same = sum(a == b for a, b in zip(off["tokens"], on["tokens"]))
-    row = dict(
-        workload=name, batch=next(iter(cores.values())).config.max_num_seqs, off=statistics.median(r["tok_s"] for r in runs["off"]),
-        on=statistics.median(r["tok_s"] for r in runs[MODES[1]]), kept=on["kept"] / max(1, on["drafted"]),
-        same=f"{same}/{len(prompts)}", busy_off=off["busy"], busy_on=on["busy"], steps_off=off["steps"],
-        steps_on=on["steps"],
-    )  # fmt: skip
-    row["ratio"] = row["on"] / row["off"]
-    log.info("%s", row)
-    row["off_tokens"] = off["tokens"]
-    return row
+    off = runs["off"][-1]
+    batch = next(iter(cores.values())).config.max_num_seqs
+    rows = []
+    for mode in (m for m in cores if m != "off"):
+        on = runs[mode][-1]
+        speculator = cores[mode].scheduler.speculator
+        if speculator.costs is not None:
+            log.info("%s step costs (ms) %s, host %s", mode, speculator.costs.costs, speculator.costs.host)
+        same = sum(a == b for a, b in zip(off["tokens"], on["tokens"]))
+        row = dict(
+            workload=name, mode=mode, batch=batch, off=statistics.median(r["tok_s"] for r in runs["off"]),
+            on=statistics.median(r["tok_s"] for r in runs[mode]), kept=on["kept"] / max(1, on["drafted"]),
+            same=f"{same}/{len(prompts)}", busy_off=off["busy"], busy_on=on["busy"], steps_off=off["steps"],
+            steps_on=on["steps"], device_drafted=on["device_drafted"],
+        )  # fmt: skip
+        row["ratio"] = row["on"] / row["off"]
+        log.info("%s", row)
+        rows.append(row)
+    rows[0]["off_tokens"] = off["tokens"]
+    return rows
 
 
 def part_default(args: argparse.Namespace, patterns: dict[str, list[list[tuple[int, int]]]]) -> list[dict]:
@@ -171,10 +181,10 @@ def part_default(args: argparse.Namespace, patterns: dict[str, list[list[tuple[i
             prompts = [_chat(loaded.tokenizer, t) for t in texts]
             for core in cores.values():
                 _run(core, prompts[:2], 8, False)  # warm the loop
-            row = _compare(name, cores, prompts, args.new_tokens, args.repeat, False)
-            tokens = row.pop("off_tokens")
+            compared = _compare(name, cores, prompts, args.new_tokens, args.repeat, False)
+            tokens = compared[0].pop("off_tokens")
             patterns[name] = [draft_patterns(p + t, len(p), 8) for p, t in zip(prompts, tokens)]
-            rows.append(row)
+            rows += compared
         del cores
         torch.cuda.empty_cache()
     return rows
@@ -213,7 +223,10 @@ class ReplayDrafter:
     """Proposes each request's recorded greedy continuation after the context it is given, as long and as
     right as a pattern says (see the module docstring): request i follows patterns[i % len(patterns)]; at
     output position j it proposes min(k, length_j) tokens of which the first right_j are the recording's
-    and the rest wrong. A context that left the recording, or a position past its pattern, gets none."""
+    and the rest wrong. A context whose known tokens left the recording, or a position past its pattern,
+    gets none. After a guess of tokens in flight (the overlap loop) it proposes what the pattern has at
+    the guessed position, as the n-gram drafter proposes a copy's continuation after a guess of it, right
+    or wrong (the device then drafts at the real position: DeviceReplay)."""
 
     def __init__(self, recorded: dict[tuple[int, ...], tuple[int, list[int]]],
                  patterns: list[list[tuple[int, int]]], vocab: int) -> None:  # fmt: skip
@@ -224,13 +237,54 @@ class ReplayDrafter:
         tokens = seq.token_ids
         end = len(tokens) if end is None else end
         index, rec = self.recorded.get(tuple(seq.request.prompt_token_ids), (0, None))
-        out = end - seq.num_prompt_tokens
+        prompt = seq.num_prompt_tokens
+        out, known = end - prompt, min(seq.num_known_tokens, end) - prompt
         pattern = self.patterns[index % len(self.patterns)]
-        if rec is None or out >= len(pattern) or tokens[seq.num_prompt_tokens : end] != rec[:out]:
+        if rec is None or out >= len(pattern) or tokens[prompt : prompt + known] != rec[:known]:
             return []
-        length, right = pattern[out]
-        drafts = rec[out : out + min(k, length)]
-        return drafts[:right] + [(t + 1) % self.vocab for t in drafts[right:]]
+        return _proposal(rec, pattern, out, k, self.vocab)
+
+
+def _proposal(rec: list[int], pattern: list[tuple[int, int]], out: int, k: int, vocab: int) -> list[int]:
+    """The pattern's proposal at output position `out` of the recorded continuation `rec`, at most k tokens."""
+    length, right = pattern[out]
+    drafts = rec[out : out + min(k, length)]
+    return drafts[:right] + [(t + 1) % vocab for t in drafts[right:]]
+
+
+class DeviceReplay:
+    """The device's lookup (engine/device/draft_lookup.py, `DraftLookup.find`) for the replaying runs: a
+    group's drafts are the pattern's proposal at its real output position (its newest token's position,
+    read on the device, less the prompt), so they follow the tokens the step in flight kept, as the n-gram
+    lookup on the device does. The request is told by its first prompt tokens in the device's token table."""
+
+    WIDTH = 16  # drafts per position at most (num_speculative_tokens is 8)
+
+    def __init__(self, prompts: list[list[int]], recorded: list[list[int]], patterns: list[list[tuple[int, int]]],
+                 vocab: int, prompt_len: int) -> None:  # fmt: skip
+        longest = max(len(r) for r in recorded) + 1
+        drafts = torch.zeros(len(prompts), longest, self.WIDTH, dtype=torch.int64)
+        found = torch.zeros(len(prompts), longest, dtype=torch.int64)
+        for i, rec in enumerate(recorded):
+            pattern = patterns[i % len(patterns)]
+            for out in range(min(len(pattern), len(rec))):
+                proposal = _proposal(rec, pattern, out, self.WIDTH, vocab)
+                drafts[i, out, : len(proposal)] = torch.tensor(proposal, dtype=torch.int64)
+                found[i, out] = len(proposal)
+        self.drafts, self.found = drafts.cuda(), found.cuda()
+        self.heads = torch.tensor([p[:4] for p in prompts], dtype=torch.int32).cuda()
+        self.prompt_len = prompt_len
+
+    def find(self, table: torch.Tensor, rows: torch.Tensor, newest: torch.Tensor, depth: int, span: int):  # type: ignore[no-untyped-def]
+        heads = table[rows, :4]
+        same = (heads[:, None, :] == self.heads[None]).all(-1)
+        request = same.to(torch.int32).argmax(1)
+        out = (newest + 1 - self.prompt_len).clamp(0, self.found.shape[1] - 1)
+        found = torch.where(same.any(1), self.found[request, out], 0).clamp(max=depth)
+        drafts = self.drafts[request, out, :depth]
+        if depth > self.WIDTH:
+            drafts = torch.nn.functional.pad(drafts, (0, depth - self.WIDTH))
+        return drafts, found
 
 
 def _next_token_model(loaded) -> None:  # type: ignore[no-untyped-def]
@@ -266,10 +320,14 @@ def part_8b(args: argparse.Namespace, patterns: dict[str, list[list[tuple[int, i
             recorded = _run(cores["off"], prompts, lengths, True)["tokens"]
             by_prompt = {tuple(q): (i, r) for i, (q, r) in enumerate(zip(prompts, recorded))}
             drafter = ReplayDrafter(by_prompt, pattern, loaded.spec.vocab_size)
-            cores[MODES[1]].scheduler.speculator.drafter = drafter
-            row = _compare(f"{name}, 8B (replayed)", cores, prompts, lengths, args.repeat, True)
-            row.pop("off_tokens")
-            rows.append(row)
+            replay = DeviceReplay(prompts, recorded, pattern, loaded.spec.vocab_size, args.prompt_len)
+            for mode, core in cores.items():
+                if mode != "off":
+                    core.scheduler.speculator.drafter = drafter
+                    core.runner.draft_lookup.find = replay.find
+            compared = _compare(f"{name}, 8B (replayed)", cores, prompts, lengths, args.repeat, True)
+            compared[0].pop("off_tokens")
+            rows += compared
         del cores
         torch.cuda.empty_cache()
     return rows
@@ -285,9 +343,11 @@ def main() -> None:
     parser.add_argument("--device", default="cuda", help="part 1's device (cpu: a smoke run)")
     parser.add_argument("--prompt-len", type=int, default=512, help="part 2's prompt length")
     parser.add_argument("--workloads", default="copy,no copying", help="part 1's workloads (comma-separated)")
-    parser.add_argument("--on", default="auto", help="the speculating mode: auto (the cost policy) or ngram (always)")
+    parser.add_argument("--on", nargs="+", default=["auto", "auto/host"],
+                        help="the speculating modes: auto (the cost policy) or ngram (always); '/host': drafts made "
+                             "on the host only (no lookup on the device after the step in flight)")  # fmt: skip
     args = parser.parse_args()
-    MODES[1] = args.on
+    MODES[1:] = args.on
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     logging.getLogger("cbd").setLevel(logging.WARNING)
     patterns: dict[str, list[list[tuple[int, int]]]] = {}
@@ -310,12 +370,12 @@ def main() -> None:
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU"
     print(f"\n{device}; greedy, {args.new_tokens} new tokens per request; tok/s: median of "
           f"{args.repeat} interleaved runs; busy: the GPU's step work over the wall time (last run)")  # fmt: skip
-    print(f"{'workload':36s} {'batch':>5s} {'off tok/s':>10s} {MODES[1] + ' tok/s':>11s} {'ratio':>6s} {'kept':>5s} "
-          f"{'busy off/on':>11s} {'steps off/on':>12s} same")  # fmt: skip
+    print(f"{'workload':36s} {'mode':9s} {'batch':>5s} {'off tok/s':>10s} {'on tok/s':>9s} {'ratio':>6s} "
+          f"{'kept':>5s} {'busy off/on':>11s} {'steps off/on':>12s} {'dev':>5s} same")  # fmt: skip
     for r in rows:
-        print(f"{r['workload']:36s} {r['batch']:5d} {r['off']:10.1f} {r['on']:11.1f} {r['ratio']:5.2f}x "
+        print(f"{r['workload']:36s} {r['mode']:9s} {r['batch']:5d} {r['off']:10.1f} {r['on']:9.1f} {r['ratio']:5.2f}x "
               f"{r['kept']:5.0%} {r['busy_off']:5.0%}/{r['busy_on']:<5.0%} {r['steps_off']:5d}/{r['steps_on']:<6d} "
-              f"{r['same']}")  # fmt: skip
+              f"{r['device_drafted']:5d} {r['same']}")  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -96,6 +96,10 @@ class EngineConfig:
     # own context has no match, its tenant's other recent work is searched: engine/spec/agent_index.py), at most
     # ~0.5 KB of host memory each (its index included); 0: only the sequence's own context.
     speculative_index_tokens: int = 131072
+    # In the overlap loop, look a step's drafts up again on the device once the step before it has been sampled,
+    # so that they follow the sequence's real tokens (engine/device/draft_lookup.py); false: the host's drafts
+    # only, made after a guess of the tokens in flight. Outputs are the same either way.
+    speculative_device_drafts: bool = True
     # "auto" | "torch" | "triton" | "flash". auto: on CUDA, "flash" (FlashAttention-4 for prefill/extend steps,
     # Triton for decodes) where flash-attn-4 is installed, compute capability >= 9.0, bf16/fp16 and KV not FP8,
     # else "triton"; "torch" on the CPU. The choice and its reason are logged at start.

@@ -441,6 +441,8 @@ def test_the_overlap_loop_verifies_drafts_with_a_step_in_flight(
     assert any({"verify_k", "carry_dst"} <= names for names in launched)
     assert any("carry_group" in names and "seq_group" in names for names in launched)
     assert any("row_group" in names for names in launched)  # a seeded row moved back on the device
+    # Drafts looked up again on the device after the step in flight, some of them not the host's guess.
+    assert any("redraft" in names for names in launched) and core.scheduler.speculator.num_device_drafted > 0
     assert (on, on_logprobs) == in_flight_off
     # The stop string and the stop id did end their replies early: shorter than the same greedy reply
     # without them (case 0), the stop id its last token.

@@ -37,6 +37,7 @@ from cbd.engine.build import build_parts
 from cbd.engine.device.block_tables import BlockTableRows
 from cbd.engine.device.runner import InflightStep
 from cbd.engine.device.step_inputs import pack_step
+from cbd.engine.device.token_rows import TokenRows
 from cbd.engine.emitter import Emitter
 from cbd.engine.grammar.masks import GrammarMasks
 from cbd.engine.kv.host_pool import HostCopy
@@ -94,6 +95,10 @@ class EngineCore:
         )  # fmt: skip
         # Rows of the device's block table (device/block_tables.py): one more than a step's sequences, and padding's.
         self.tables = BlockTableRows(config.max_num_seqs + 2, self.runner.table_columns, self.runner.scratch_block)
+        # The device's token table, the same rows (device/token_rows.py), where it drafts in the overlap loop.
+        device_drafts = self.overlap and config.speculative_device_drafts and config.speculative != "off"
+        self.tokens = TokenRows(self.tables.num_rows) if device_drafts else None
+        self.scheduler.speculator.device_drafts = device_drafts
         self.phases = StepPhases()  # where each step's host time goes (the engine loop starts and files it)
         self._inflight: _Launched | None = None
         # The graph of the one step completed since the last deliver() (None: none, or more than one: their
@@ -262,12 +267,14 @@ class EngineCore:
         """Launch a planned (and already booked) step: its forward, and its sampling unless it has constrained
         rows (those wait for their masks: `runner.sample_masked`, see step())."""
         try:
-            batch = pack_step(plan, self.runner.graph_bucket, self.tables)
+            batch = pack_step(plan, self.runner.graph_bucket, self.tables, self.tokens)
             if plan.fences and self.host_tier is not None:  # it reuses GPU blocks a copy to the host still reads
                 self.host_tier.fence_compute(plan.fences)
             step = self.runner.launch(batch)
         except BaseException:
             self.tables.invalidate()  # its table writes may not have reached the device
+            if self.tokens is not None:
+                self.tokens.invalidate()
             raise
         self.num_steps += 1
         if self.host_tier is not None:  # keep some GPU blocks free ahead of need (see offload_ahead)
@@ -284,7 +291,7 @@ class EngineCore:
         if costs is not None and launched.graph is not None and timing is not None and timing[1].query():
             costs.observe(*launched.graph, timing[0].elapsed_time(timing[1]))  # the step's whole device time
         phases.lap(WAIT)
-        rows = self.scheduler.update_from_output(launched.plan, sampled.token_ids)
+        rows = self.scheduler.update_from_output(launched.plan, sampled.token_ids, sampled.drafts)
         phases.lap(BOOK)
         outputs = self.emitter.tokens(launched.plan, sampled, rows)
         phases.lap(EMIT)

@@ -30,6 +30,7 @@ import torch
 
 from cbd.engine.device.cuda_graphs import DecodeGraphs
 from cbd.engine.device.draft_carry import DraftCarry
+from cbd.engine.device.draft_lookup import DraftLookup
 from cbd.engine.device.sampler import SampleResult, SamplingBatch, sample
 from cbd.engine.device.step_inputs import InputStager, StagedStep, StepBatch, StepMeta, StepTensors
 from cbd.engine.device.streams import DeviceStreams
@@ -62,6 +63,7 @@ class InflightStep:
     keep: list = field(default_factory=list)
     pending: PendingSample | None = None  # set while its sampling waits for masks
     timing: tuple | None = None  # (start, end) CUDA events of its compute-stream work (one launch, unmasked)
+    drafts: torch.Tensor | None = None  # the drafts it verified, where the device drafted some (host copy)
 
 
 @dataclass(slots=True)
@@ -72,6 +74,9 @@ class SampledTokens:
     logprobs: list[float] | None
     top_ids: list[list[int]] | None
     top_logprobs: list[list[float]] | None
+    # Where the device drafted for some verifying group (device/draft_lookup.py): every group's drafts, [G * D]
+    # as the step's `verify_ids` lay them out.
+    drafts: list[int] | None = None
 
 
 class ModelRunner:
@@ -115,6 +120,7 @@ class ModelRunner:
             )  # fmt: skip
         self._last_sampled: torch.Tensor | None = None
         self.draft_carry = DraftCarry()  # kept drafts on the device, for the step after a verifying one
+        self.draft_lookup = DraftLookup(self.device)  # drafts in the verifying step's real context
         # The logits rows are the whole vocabulary, also on a tensor-parallel rank whose spec is its shard's.
         self.masks = TokenMasks(self.streams, model.full_vocab_size)
         # Tensor parallelism: sends each step (and warm-up) to the worker ranks before running it here.
@@ -204,6 +210,7 @@ class ModelRunner:
                 assert self._last_sampled is not None
                 t.ids.index_copy_(0, t.carry_dst, self._last_sampled.index_select(0, self.draft_carry.carry_rows(t)))
             self.draft_carry.move_back(t)
+            self.draft_lookup.before_forward(t, meta)
             logits = self._forward(t, meta)
             if meta.num_rows:
                 if t.row_logits is not None:
@@ -244,6 +251,7 @@ class ModelRunner:
                     logits = self.masks.apply(logits, masks[0])
                 result = sample(logits, _sampling_batch(t, meta))
             self.draft_carry.after_sample(t, result.token_ids if result is not None else None)
+            drafts = self.draft_lookup.step_drafts(t)
             self.stager.release(staged)
             compute_done = s.event()
             s.record(compute_done, s.compute)
@@ -252,14 +260,22 @@ class ModelRunner:
             self._last_sampled = None
             return InflightStep(0, None, None, None, [staged])
         host = _to_pinned(result, s)
+        host_drafts = drafts if drafts is None or not s.cuda else torch.empty_like(drafts, device="cpu").pin_memory()
         done = s.event()
         with s.on(s.d2h):
             s.wait(s.d2h, compute_done)
             _copy_result(host, result)
+            if host_drafts is not drafts:
+                host_drafts.copy_(drafts, non_blocking=True)  # type: ignore[union-attr,arg-type]
             s.record(done, s.d2h)
         self._last_sampled = result.token_ids
         keep = [staged, result] if masks is None else [staged, result, masks[0]]
-        return InflightStep(meta.num_rows, result.token_ids, host, done, keep, timing=timing if masks is None else None)
+        if drafts is not None:
+            keep.append(drafts)
+        return InflightStep(
+            meta.num_rows, result.token_ids, host, done, keep, timing=timing if masks is None else None,
+            drafts=host_drafts,
+        )  # fmt: skip
 
     def _start_timing(self) -> tuple | None:
         """(start, end) CUDA events bracketing compute-stream work, for the GPU-busy gauge (None on CPU)."""
@@ -287,6 +303,7 @@ class ModelRunner:
             logprobs=None if host.logprobs is None else host.logprobs[:n].tolist(),
             top_ids=None if host.top_ids is None else host.top_ids[:n].tolist(),
             top_logprobs=None if host.top_logprobs is None else host.top_logprobs[:n].tolist(),
+            drafts=None if step.drafts is None else step.drafts.tolist(),
         )
 
     # ---- internals --------------------------------------------------------------------------

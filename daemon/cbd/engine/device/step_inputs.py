@@ -29,6 +29,7 @@ import torch
 
 from cbd.engine.device.block_tables import PADDING_ROW, BlockTableRows
 from cbd.engine.device.streams import DeviceStreams
+from cbd.engine.device.token_rows import TokenRows
 from cbd.engine.sched.plan import StepPlan
 
 
@@ -76,6 +77,7 @@ class StepMeta:
     # token masks (runner.sample_masked; engine/device/token_masks.py). Without one, launch samples at once.
     masked: bool = False
     table_shape: tuple[int, int] = (0, 0)  # the device block table's rows and columns (block_tables.py)
+    token_rows: int = 0  # rows of the device's token table (token_rows.py); 0: drafts are the host's only
 
 
 @dataclass(slots=True)
@@ -111,6 +113,12 @@ class StepTensors:
     verify_ids: torch.Tensor | None = None  # [G * D]
     verify_rows: torch.Tensor | None = None  # [G * D]
     verify_k: torch.Tensor | None = None  # [G]
+    verify_seq: torch.Tensor | None = None  # [G] each group's sequence (its index in the step)
+    # Drafts looked up on the device (device/draft_lookup.py): per group 1 where the device drafts (only when
+    # some group does), and the host's writes into the token table (flat positions, token ids).
+    redraft: torch.Tensor | None = None  # [G]
+    token_index: torch.Tensor | None = None  # [W]
+    token_values: torch.Tensor | None = None  # [W]
     seed: torch.Tensor | None = None  # the rest: per row, only when a row samples at random
     stream: torch.Tensor | None = None
     position: torch.Tensor | None = None
@@ -200,7 +208,7 @@ class _ChunkArrays:
     carry_dst: list[int]
     carry_src: list[int]
     after: list[tuple[int, int, int]]  # chunks after drafts in flight: (chunk, carry index, group + 1)
-    drafted: list[tuple[int, int]]  # chunks with drafts: (index of the first draft in ids, drafts)
+    drafted: list[tuple[int, int, int]]  # chunks with drafts: (index of the first draft in ids, drafts, chunk)
     width: int  # the widest block table
 
 
@@ -214,7 +222,7 @@ def gather_chunks(plan: StepPlan) -> _ChunkArrays:
     carry_dst: list[int] = []
     carry_src: list[int] = []
     after: list[tuple[int, int, int]] = []
-    drafted: list[tuple[int, int]] = []
+    drafted: list[tuple[int, int, int]] = []
     width = 1
     for chunk in plan.chunks:
         seq, start, n = chunk.seq, chunk.start, chunk.num_new_tokens
@@ -232,7 +240,7 @@ def gather_chunks(plan: StepPlan) -> _ChunkArrays:
         if chunk.samples:  # its last token's logits; with drafts, those of the tokens before each draft too
             if chunk.num_draft:
                 logits_rows += range(len(ids) - 1 - chunk.num_draft, len(ids))
-                drafted.append((first + 1, chunk.num_draft))
+                drafted.append((first + 1, chunk.num_draft, len(ctx)))
             else:
                 logits_rows.append(len(ids) - 1)
         qstart.append(len(ids))
@@ -264,7 +272,10 @@ def gather_decodes(plan: StepPlan) -> _ChunkArrays:
 
 
 def pack_step(
-    plan: StepPlan, graph_bucket: Callable[[int, int, int], tuple[int, int] | None], tables: BlockTableRows
+    plan: StepPlan,
+    graph_bucket: Callable[[int, int, int], tuple[int, int] | None],
+    tables: BlockTableRows,
+    tokens: TokenRows | None = None,
 ) -> StepBatch:
     """Pack a planned step. Reads only what the plan recorded when it was made (chunk starts, carry
     rows, sample rows), and the sequences' block tables (the scheduler has already advanced the sequences
@@ -272,7 +283,8 @@ def pack_step(
     graph_bucket(num_seqs, num_tokens, max_query_len): the captured graph (batch, tokens) for a step whose
     every sequence samples after each of its new tokens (a decode step, or one verifying drafts), or None.
     A graph's step is packed padded: sequences with no tokens up to `batch` (a decode graph: one token each,
-    on the scratch block), then rows up to `tokens`."""
+    on the scratch block), then rows up to `tokens`. tokens: the device's token table's rows (token_rows.py),
+    when the device drafts for the verifying groups whose newest token is in flight (None: it never does)."""
     rows = plan.samples
     num_seqs = len(plan.chunks)
     if is_plain_decode(plan):
@@ -326,6 +338,8 @@ def pack_step(
         packed.add("seq_group", seq_group)
     if a.drafted:
         _pack_verify(packed, a.drafted, rows)
+        if tokens is not None:
+            _pack_device_drafts(packed, plan, a.drafted, table_rows, tokens)
     packed.add("table_rows", table_rows)
     if table_index:
         packed.add("table_index", table_index)
@@ -352,20 +366,45 @@ def pack_step(
         max_logprobs=max(wanted) if wanted else None, graph_tokens=graph_tokens,
         num_decodes=num_decodes,
         masked=plan.constrained, table_shape=(tables.num_rows, tables.num_columns),
+        token_rows=tokens.num_rows if tokens is not None else 0,
     )  # fmt: skip
     return StepBatch(packed, meta, plan.block_copies)
 
 
-def _pack_verify(packed: PackedStep, drafted: list[tuple[int, int]], rows: list) -> None:
+def _pack_verify(packed: PackedStep, drafted: list[tuple[int, int, int]], rows: list) -> None:
     """A verifying step's groups, padded to the most drafts: where each draft is in ids, the sample row
-    before it (a group's rows start at its first row, in chunk order), and each group's drafts."""
-    most = max(k for _, k in drafted)
+    before it (a group's rows start at its first row, in chunk order), each group's drafts and sequence."""
+    most = max(k for _, k, _ in drafted)
     bases = [i for i, r in enumerate(rows) if r.num_draft]
     ids: list[int] = []
     sampled: list[int] = []
-    for (first, k), base in zip(drafted, bases, strict=True):
+    for (first, k, _), base in zip(drafted, bases, strict=True):
         ids += [*range(first, first + k), *([0] * (most - k))]
         sampled += [*range(base, base + k), *([0] * (most - k))]
     packed.add("verify_ids", ids)
     packed.add("verify_rows", sampled)
-    packed.add("verify_k", [k for _, k in drafted])
+    packed.add("verify_k", [k for _, k, _ in drafted])
+    packed.add("verify_seq", [chunk for _, _, chunk in drafted])
+
+
+def _pack_device_drafts(
+    packed: PackedStep, plan: StepPlan, drafted: list[tuple[int, int, int]], table_rows: list[int], tokens: TokenRows
+) -> None:
+    """The groups the device drafts for (device/draft_lookup.py): those whose newest token is in flight, without
+    a grammar (a constrained sequence's drafts were checked by its grammar), and their rows' known tokens."""
+    redraft = []
+    index: list[int] = []
+    values: list[int] = []
+    for _, _, i in drafted:
+        chunk = plan.chunks[i]
+        device = chunk.carry_row >= 0 and chunk.seq.grammar is None
+        redraft.append(int(device))
+        if device:
+            tokens.sync(table_rows[i], chunk.seq, index, values)
+        else:
+            tokens.written(table_rows[i], chunk.seq)
+    if any(redraft):
+        packed.add("redraft", redraft)
+    if index:
+        packed.add("token_index", index)
+        packed.add("token_values", values)

@@ -227,13 +227,17 @@ class Scheduler:
         target.final_in_flight = target.length_limit_reached(len(tokens), self.max_model_len)
         rows.append(SampleRow(source, target, position))
 
-    def update_from_output(self, plan: StepPlan, token_ids: list[int]) -> list[int]:
+    def update_from_output(self, plan: StepPlan, token_ids: list[int], drafts: list[int] | None = None) -> list[int]:
         """Put a completed step's tokens (one per sample row) in place of their placeholders; returns
         the indices of the rows whose target is still live (one that finished or was aborted while
-        the step was in flight drops its token)."""
+        the step was in flight drops its token). drafts: the drafts it verified where the device drafted
+        some (device/draft_lookup.py), D per verifying group in the plan's order."""
         live = []
         skip = 0
         finished = SequenceStatus.FINISHED
+        group, depth = 0, 0
+        if drafts is not None:
+            depth = len(drafts) // sum(1 for row in plan.samples if row.num_draft)
         for i, row in enumerate(plan.samples):
             if skip:
                 skip -= 1
@@ -242,7 +246,9 @@ class Scheduler:
             if row.num_draft:
                 skip = row.num_draft
                 if seq.status is not finished:
-                    live += self.speculator.verify(seq, row, i, token_ids)
+                    verified = drafts[group * depth : group * depth + skip] if drafts is not None else None
+                    live += self.speculator.verify(seq, row, i, token_ids, verified)
+                group += 1
                 continue
             if seq.status is finished:
                 continue

@@ -54,10 +54,14 @@ class Speculator:
         # "auto" with verifying CUDA graphs: their measured costs decide whether a decode step drafts (policy.py)
         self.costs: StepCosts | None = None
         self.backoff = False  # overlap mode: after finding no draft, a sequence waits before drafting again
+        # Overlap mode: the device drafts again, after the step in flight, for a sequence whose newest token is
+        # in flight (device/draft_lookup.py), so its drafts follow its real tokens rather than the guess.
+        self.device_drafts = False
         self.step_index = 0  # steps scheduled so far (the backoff's clock; the scheduler advances it)
         self.num_draft_tokens = 0  # proposed and verified
         self.num_accepted_tokens = 0  # of those, kept
         self.num_speculative_steps = 0
+        self.num_device_drafted = 0  # verifying groups whose drafts the device looked up anew (not the host's)
         self.accept_prior = START_ACCEPT  # drafts kept over drafts tried, recent verifications (see prior)
         self.last_verified_step = 0
 
@@ -153,9 +157,12 @@ class Speculator:
         prior = self.prior()
         drafting = []
         for chunk, drafts in proposals:
-            accept = prior if chunk.seq.draft_accept is None else chunk.seq.draft_accept
-            # Drafts made after drafts still in flight (the overlap loop) count only if those are all kept.
-            drafting.append((accept, len(drafts), accept**chunk.seq.num_draft))
+            seq = chunk.seq
+            accept = prior if seq.draft_accept is None else seq.draft_accept
+            # Drafts made after drafts still in flight (the overlap loop) count only if those are all kept,
+            # unless the device drafts for them again once the step in flight has said what it kept.
+            after = 1.0 if self.device_drafts and seq.grammar is None else accept**seq.num_draft
+            drafting.append((accept, len(drafts), after))
         return self.costs.plan_drafts(len(plan.chunks), drafting)
 
     def verifying_rows(self, chunk: ScheduledChunk, rows: list[SampleRow], group: int) -> None:
@@ -172,11 +179,17 @@ class Speculator:
         self.num_draft_tokens += k
         self.num_speculative_steps += 1
 
-    def verify(self, seq: Sequence, row: SampleRow, i: int, token_ids: list[int]) -> list[int]:
+    def verify(
+        self, seq: Sequence, row: SampleRow, i: int, token_ids: list[int], drafts: list[int] | None = None
+    ) -> list[int]:
         """Keep seq's drafts up to the first that differs from the token sampled before it, then that
         sampled token; cut the rest and free the blocks only they used. What was booked after them (the
-        next step's rows, in the overlap loop) moves back by the drafts cut. Returns the rows kept."""
+        next step's rows, in the overlap loop) moves back by the drafts cut. drafts: those the step verified,
+        where the device may have drafted them (device/draft_lookup.py). Returns the rows kept."""
         first, k = row.position, row.num_draft
+        if drafts is not None and drafts != seq.token_ids[first : first + k]:
+            seq.token_ids[first : first + k] = drafts
+            self.num_device_drafted += 1
         kept = 0
         while kept < k and token_ids[i + kept] == seq.token_ids[first + kept]:
             kept += 1

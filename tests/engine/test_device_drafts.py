@@ -1,0 +1,66 @@
+"""Drafts looked up again on the device in the overlap loop (engine/device/draft_lookup.py): a step planned
+while the step before it is in flight verifies drafts that follow the sequence's real tokens, not the host's
+guess of them; outputs stay those without speculation."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from cbd.engine.sampling_params import SamplingParams
+from cbd.engine.sequence import Sequence
+from cbd.engine.spec.drafter import NgramDrafter
+from cbd.model.loader import LoadedModel, load_model
+from helpers import make_core, run_all
+
+
+@pytest.fixture(scope="module")
+def chain_model(tiny_checkpoint) -> LoadedModel:
+    """A tiny model whose greedy next token is a fixed function of the last one, by a wide margin: its layers
+    add nothing to the residual stream, and its LM head is the embedding table permuted."""
+    loaded = load_model(str(tiny_checkpoint("llama")))
+    model = loaded.model
+    with torch.no_grad():
+        for layer in model.layers:
+            layer.self_attn.o_proj.weight.zero_()
+            layer.mlp.down_proj.weight.zero_()
+        vocab = model.embed_tokens.weight.shape[0]
+        perm = torch.randperm(vocab, generator=torch.Generator().manual_seed(0))
+        model.lm_head.weight.copy_(model.embed_tokens.weight[torch.argsort(perm)])
+    return loaded
+
+
+class _GuessBlind:
+    """The host's n-gram drafter, except that after a guess of tokens in flight it proposes tokens that are
+    never right: only drafts made in the real context can be kept."""
+
+    def __init__(self, wrong: int) -> None:
+        self.ngram, self.wrong = NgramDrafter(), wrong
+
+    def propose(self, seq: Sequence, k: int, end: int | None = None) -> list[int]:
+        drafts = self.ngram.propose(seq, k, end)
+        if end is not None and end > seq.num_known_tokens and drafts:
+            return [drafts[0]] + [self.wrong] * (len(drafts) - 1)  # its first stands for the token in flight
+        return drafts
+
+
+def test_drafts_after_a_guess_follow_the_real_tokens(chain_model) -> None:
+    loaded = chain_model
+    params = SamplingParams(max_tokens=59, temperature=0.0, ignore_eos=True)
+    chain = [3] + run_all(make_core(loaded, speculative="off"), [[3]], params)[0]["tokens"][0]
+    prompt = chain + [7, 8] + chain[:3]  # the model continues the chain: every later token is in the prompt
+    wrong = next(t for t in range(10, 200) if t not in chain)
+    params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    off = run_all(make_core(loaded, speculative="off"), [prompt], params)[0]["tokens"]
+    assert off[0] == chain[3:43]
+    kept = {}
+    for device in (False, True):
+        core = make_core(loaded, overlap="on", speculative="ngram", speculative_device_drafts=device, block_size=4)
+        speculator = core.scheduler.speculator
+        speculator.drafter, speculator.backoff = _GuessBlind(wrong), False
+        assert run_all(core, [prompt], params)[0]["tokens"] == off
+        kept[device] = speculator.num_accepted_tokens
+        assert (speculator.num_device_drafted > 0) == device
+        assert core.block_manager.num_used_blocks == 0
+    # With the host's guessed drafts only the first of each run after a guess could be kept.
+    assert kept[True] >= 2 * kept[False], kept
