@@ -275,7 +275,8 @@ class DeviceReplay:
         self.heads = torch.tensor([p[:4] for p in prompts], dtype=torch.int32).cuda()
         self.prompt_len = prompt_len
 
-    def find(self, table: torch.Tensor, rows: torch.Tensor, newest: torch.Tensor, depth: int, span: int):  # type: ignore[no-untyped-def]
+    def find(self, table: torch.Tensor, rows: torch.Tensor, newest: torch.Tensor, token: torch.Tensor, depth: int,
+             span: int):  # type: ignore[no-untyped-def]  # fmt: skip
         heads = table[rows, :4]
         same = (heads[:, None, :] == self.heads[None]).all(-1)
         request = same.to(torch.int32).argmax(1)

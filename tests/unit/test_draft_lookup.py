@@ -35,7 +35,10 @@ def test_the_device_lookup_proposes_what_the_host_index_does() -> None:
         for row, end in zip(rows.tolist(), ends):
             table[row, : end + 1] = torch.tensor(tokens[: end + 1], dtype=torch.int32)
             table[row, end + 1 : end + 30] = 7  # beyond the context: never read
-        drafts, found = lookup(table, rows, torch.tensor(ends), depth, min(SPAN, length))
+        newest = torch.tensor([tokens[end] for end in ends])
+        for row, end in zip(rows.tolist(), ends):
+            table[row, end] = 12345  # the newest token is passed in, whatever the table holds there
+        drafts, found = lookup(table, rows, torch.tensor(ends), newest, depth, min(SPAN, length))
         for g, end in enumerate(ends):
             expected = _host(tokens, end, depth)
             assert drafts[g, : found[g]].tolist() == expected, (trial, g, end)
@@ -50,9 +53,11 @@ def test_the_lookup_reads_positions_through_the_ring() -> None:
     table = torch.zeros(2, COLUMNS, dtype=torch.int32)
     for i in range(length - SPAN, length):
         table[1, i % COLUMNS] = tokens[i]
-    drafts, found = lookup(table, torch.tensor([1]), torch.tensor([length - 1]), 6, SPAN)
+    last = torch.tensor([tokens[-1]])
+    drafts, found = lookup(table, torch.tensor([1]), torch.tensor([length - 1]), last, 6, SPAN)
     assert found.tolist() == [6]
     assert drafts[0].tolist() == tokens[COLUMNS + 104 : COLUMNS + 110]
     # No match: nothing found.
-    table[1, (length - 1) % COLUMNS] = 99999
-    assert lookup(table, torch.tensor([1]), torch.tensor([length - 1]), 6, SPAN)[1].tolist() == [0]
+    assert lookup(table, torch.tensor([1]), torch.tensor([length - 1]), torch.tensor([99999]), 6, SPAN)[1].tolist() == [
+        0
+    ]

@@ -29,7 +29,7 @@ class DraftLookup:
     def __init__(self, device: torch.device) -> None:
         self.device = device
         self._table: torch.Tensor | None = None  # [rows, COLUMNS] int32 token ids, made at first use
-        self.find = lookup  # (table, rows, newest, depth, span) -> (drafts, found): see `lookup`
+        self.find = lookup  # (table, rows, newest, newest token, depth, span) -> (drafts, found): see `lookup`
 
     def before_forward(self, t: StepTensors, meta: StepMeta) -> None:
         """A verifying step, its carried-over tokens and context lengths in place (draft_carry.py): apply
@@ -46,22 +46,21 @@ class DraftLookup:
         k = t.verify_k
         groups = k.shape[0]
         slots = t.verify_ids.view(groups, -1)  # [G, D] where each draft is in ids (padding: 0)
+        depth = slots.shape[1]
         rows = t.table_rows.index_select(0, t.verify_seq)
         newest = t.ctx.index_select(0, t.verify_seq) - 1 - k  # each group's newest token's position
-        table[rows, newest % COLUMNS] = t.ids.index_select(0, slots[:, 0] - 1).to(torch.int32)
-        depth = slots.shape[1]
-        real = torch.arange(depth, device=k.device) < k[:, None]
+        # Each group's newest token (the one before its first draft), then its drafts: [G, 1 + D].
+        tokens = t.ids[torch.cat([slots[:, :1] - 1, slots], 1)]
+        columns = torch.arange(1 + depth, device=k.device)
         if t.redraft is not None:
-            drafts, found = self.find(table, rows, newest, depth, min(SPAN, meta.max_context_len))
-            use = real & (t.redraft[:, None] > 0) & (torch.arange(depth, device=k.device) < found[:, None])
-            current = t.ids.index_select(0, slots.reshape(-1)).view(groups, depth)
+            drafts, found = self.find(table, rows, newest, tokens[:, 0], depth, min(SPAN, meta.max_context_len))
+            use = (columns[1:] <= torch.minimum(found, k)[:, None]) & (t.redraft[:, None] > 0)
+            tokens[:, 1:] = torch.where(use, drafts, tokens[:, 1:])
             # Padding slots write ids[0] back to itself: a group's first token, never a draft.
-            t.ids.index_copy_(0, slots.reshape(-1), torch.where(use, drafts, current).reshape(-1))
-        positions = newest[:, None] + 1 + torch.arange(depth, device=k.device)
+            t.ids.index_copy_(0, slots.reshape(-1), tokens[:, 1:].reshape(-1))
         # Slots past a group's drafts write to the padding row (0), which no sequence holds.
-        table[torch.where(real, rows[:, None], 0), positions % COLUMNS] = (
-            t.ids.index_select(0, slots.reshape(-1)).view(groups, depth).to(torch.int32)
-        )
+        mine = torch.where(columns <= k[:, None], rows[:, None], 0)
+        table[mine, (newest[:, None] + columns) % COLUMNS] = tokens.to(torch.int32)
 
     @staticmethod
     def step_drafts(t: StepTensors) -> torch.Tensor | None:
@@ -72,16 +71,17 @@ class DraftLookup:
 
 
 def lookup(
-    table: torch.Tensor, rows: torch.Tensor, newest: torch.Tensor, depth: int, span: int
+    table: torch.Tensor, rows: torch.Tensor, newest: torch.Tensor, token: torch.Tensor, depth: int, span: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """For each row's context ending at position `newest`, over its last `span` positions: the `depth`
-    tokens after the latest earlier occurrence of its longest matching last n-gram (n = 4, 3, 2), and how
-    many of them lie within the context ([G, depth] int64, [G]; 0 found: no match)."""
+    """For each row's context ending at position `newest` with the token `token` there, over its last `span`
+    positions: the `depth` tokens after the latest earlier occurrence of its longest matching last n-gram
+    (n = 4, 3, 2), and how many of them lie within the context ([G, depth] int64, [G]; 0 found: no match)."""
     span = max(span, 2)
     device = newest.device
     offsets = torch.arange(span, device=device)
     positions = newest[:, None] - (span - 1) + offsets  # [G, span], the last column the newest token
     window = torch.where(positions >= 0, table[rows[:, None], positions % COLUMNS].to(torch.int64), -1)
+    window[:, -1] = token
     ends = torch.arange(span - 1, device=device)  # where an earlier occurrence may end: its follower is known
     back = torch.arange(NGRAMS, device=device)
     earlier = ends[None, :] - back[:, None]  # [n, span - 1] the i-th token back from each end
@@ -89,9 +89,7 @@ def lookup(
     same = (window[:, earlier.clamp(min=0)] == tail[:, :, None]) & (earlier >= 0) & (tail >= 0)[:, :, None]
     matches = same.to(torch.int8).cumprod(1).bool()  # [G, n, span - 1]: the last i + 1 tokens all match
     latest = torch.where(matches, ends, -1).amax(2)  # [G, n] the latest such end per n-gram size (-1: none)
-    end = torch.full_like(newest, -1)
-    for n in range(2, NGRAMS + 1):  # the longest that matched wins
-        end = torch.where(latest[:, n - 1] >= 0, latest[:, n - 1], end)
+    end = torch.where(latest[:, 3] >= 0, latest[:, 3], torch.where(latest[:, 2] >= 0, latest[:, 2], latest[:, 1]))
     found = torch.where(end >= 0, (span - 1 - end).clamp(max=depth), 0)
     follow = (end[:, None] + 1 + torch.arange(depth, device=device)).clamp(max=span - 1)
     return window.gather(1, follow), found
