@@ -122,13 +122,22 @@ def _run(core: EngineCore, prompts: list[list[int]], new_tokens: int | list[int]
                 steps=len(events), device_drafted=device_drafted)  # fmt: skip
 
 
-MODES = ["off", "auto", "auto/host"]  # the speculating ones: --on; "/host": drafts made on the host only
+MODES = ["off", "auto", "auto/host"]  # the speculating ones: --on; "/host": drafts made on the host only;
+# "@1.4": the policy's margin (policy.MARGIN) set to 1.4
+
+
+def _warm(cores: dict[str, EngineCore]) -> None:
+    for mode, core in cores.items():
+        core.warm_up()
+        costs = core.scheduler.speculator.costs
+        if "@" in mode and costs is not None:
+            costs.margin = float(mode.split("@")[1])
 
 
 def _config(mode: str, batch: int, dtype: str, max_len: int, device: str = "cuda") -> EngineConfig:
     # No drafts across requests (speculative_index_tokens=0): every run repeats the same prompts, whose earlier
     # outputs would otherwise draft for them; the drafts are the sequence's own context's, as draft_patterns'.
-    speculative, _, where = mode.partition("/")
+    speculative, _, where = mode.split("@")[0].partition("/")
     return EngineConfig(device=device, dtype=dtype, overlap="on", speculative=speculative, num_speculative_tokens=8,
                         speculative_index_tokens=0, speculative_max_batch=32, max_num_seqs=batch, max_model_len=max_len,
                         num_kv_blocks=batch * (max_len // 16 + 2) + 64, block_size=16,
@@ -173,8 +182,7 @@ def part_default(args: argparse.Namespace, patterns: dict[str, list[list[tuple[i
     rows = []
     for batch in args.batches:
         cores = {mode: EngineCore(loaded, _config(mode, batch, args.dtype, 4096, args.device)) for mode in MODES}
-        for core in cores.values():
-            core.warm_up()
+        _warm(cores)
         for name, texts in workloads(batch * (3 if batch > 1 else 1)).items():
             if name not in args.workloads.split(","):
                 continue
@@ -312,8 +320,7 @@ def part_8b(args: argparse.Namespace, patterns: dict[str, list[list[tuple[int, i
     for batch in args.batches:
         max_len = args.prompt_len + args.new_tokens + 32
         cores = {mode: EngineCore(loaded, _config(mode, batch, "bfloat16", max_len)) for mode in MODES}
-        for core in cores.values():
-            core.warm_up()
+        _warm(cores)
         for name, pattern in patterns.items():
             count = batch * (3 if batch > 1 else 1)
             prompts = [[rng.randrange(100, 120000) for _ in range(args.prompt_len)] for _ in range(count)]

@@ -72,6 +72,7 @@ class StepCosts:
         self.costs = costs
         self.max_drafts = max_drafts
         self.overlap = overlap
+        self.margin = MARGIN
         self.outside: dict[int, float] = {}  # per decode bucket: its steps' device time outside the graph
         self.seen: dict[tuple[int, int], float] = {}  # per graph: its steps' whole device time
         # Per part of the host's work (LAUNCH, COMPLETE, DELIVER), per graph: its running average, ms.
@@ -156,7 +157,7 @@ class StepCosts:
             key=lambda v: (-v[0], v[1]),
         )
         kept = list(accumulate((v[0] for v in values), initial=0.0))
-        best, best_rate = 0, MARGIN * batch / self.cost(plain, plain, plain)
+        best, best_rate = 0, self.margin * batch / self.cost(plain, plain, plain)
         for tokens in self.tokens[bucket]:
             taken = min(len(values), tokens - batch)
             rate = (batch + kept[taken]) / self.cost(bucket, tokens, plain)

@@ -35,6 +35,7 @@ from cbd.engine.spec.drafter import Drafter
 from cbd.engine.spec.policy import START_ACCEPT, StepCosts, observed_accept
 
 STALE_STEPS = 128  # steps without a verification after which the prior is one half again
+NEWCOMER = 0.5  # a sequence without an estimate of its own: this times the engine's recent acceptance (prior)
 NO_DRAFT_WAIT = 2  # overlap mode: steps a sequence waits after it found no draft or its drafts were declined
 
 
@@ -244,10 +245,12 @@ class Speculator:
             self.agents.add(seq.request.tenant, seq.request.session, seq.token_ids, seq.draft_index)
 
     def prior(self) -> float:
-        """A sequence's chance that a draft is kept before it has verified any (or after a miss): the engine's
-        recent acceptance, or one half when nothing was verified for `STALE_STEPS` steps (so a workload that
-        turned to copying is noticed again)."""
-        return START_ACCEPT if self._quiet() else self.accept_prior
+        """A sequence's chance that a draft is kept before it has verified any (or after a miss): `NEWCOMER`
+        times the engine's recent acceptance, or times one half when nothing was verified for `STALE_STEPS`
+        steps (so a workload that turned to copying is noticed again). Skeptical: the engine's acceptance is
+        held up by the sequences that copy (they verify most), and a step verifying on it costs every
+        sequence in the batch; a sequence earns its own estimate by keeping drafts."""
+        return NEWCOMER * (START_ACCEPT if self._quiet() else self.accept_prior)
 
     def _quiet(self) -> bool:
         """Nothing was verified for `STALE_STEPS` steps."""
