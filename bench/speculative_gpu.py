@@ -123,7 +123,7 @@ def _run(core: EngineCore, prompts: list[list[int]], new_tokens: int | list[int]
 
 
 MODES = ["off", "auto", "auto/host"]  # the speculating ones: --on; "/host": drafts made on the host only;
-# "@1.4": the policy's margin (policy.MARGIN) set to 1.4
+# "@1.4": the policy's margin (policy.MARGIN) set to 1.4; "~1": a newcomer weighed at the whole prior (speculator.NEWCOMER)
 
 
 def _warm(cores: dict[str, EngineCore]) -> None:
@@ -131,13 +131,15 @@ def _warm(cores: dict[str, EngineCore]) -> None:
         core.warm_up()
         costs = core.scheduler.speculator.costs
         if "@" in mode and costs is not None:
-            costs.margin = float(mode.split("@")[1])
+            costs.margin = float(mode.split("@")[1].split("~")[0])
+        if "~" in mode:
+            core.scheduler.speculator.newcomer = float(mode.split("~")[1])
 
 
 def _config(mode: str, batch: int, dtype: str, max_len: int, device: str = "cuda") -> EngineConfig:
     # No drafts across requests (speculative_index_tokens=0): every run repeats the same prompts, whose earlier
     # outputs would otherwise draft for them; the drafts are the sequence's own context's, as draft_patterns'.
-    speculative, _, where = mode.split("@")[0].partition("/")
+    speculative, _, where = mode.split("@")[0].split("~")[0].partition("/")
     return EngineConfig(device=device, dtype=dtype, overlap="on", speculative=speculative, num_speculative_tokens=8,
                         speculative_index_tokens=0, speculative_max_batch=32, max_num_seqs=batch, max_model_len=max_len,
                         num_kv_blocks=batch * (max_len // 16 + 2) + 64, block_size=16,

@@ -5,9 +5,13 @@ from __future__ import annotations
 
 import pytest
 
+from cbd.engine.kv.blocks import BlockManager
 from cbd.engine.sampling_params import SamplingParams
-from cbd.engine.sequence import Sequence
+from cbd.engine.sched.plan import ScheduledChunk, StepPlan
+from cbd.engine.sequence import Request, Sequence
+from cbd.engine.spec.drafter import NgramDrafter
 from cbd.engine.spec.policy import COMPLETE, DELIVER, LAUNCH, StepCosts, observed_accept
+from cbd.engine.spec.speculator import Speculator
 from helpers import eager_graphs, make_core, run_all
 
 # Milliseconds per step: decode graphs (batch, batch) and verifying graphs (batch, tokens) of buckets 1, 8, 32.
@@ -54,6 +58,27 @@ def test_a_step_verifies_the_drafts_that_make_the_most_tokens_per_millisecond() 
     assert capped.plan_drafts(6, [(0.5, 8, 1.0)]) == [2]  # at most max_drafts a sequence
     # The margin: a verifying step promising less than 1.1 times a plain step's rate is not taken.
     assert capped.plan_drafts(6, [(0.1, 2, 1.0)]) == [0]  # 6.11 / 5.0 beat 6 / 5.0, but not by 1.1
+
+
+def test_a_sequence_without_its_own_estimate_is_weighed_skeptically_beside_others() -> None:
+    """The engine's recent acceptance is held up by the sequences that copy: beside other sequences (whose step
+    a wrongly taken verification slows too) a sequence that has no estimate of its own is weighed at
+    NEWCOMER times it; alone, at all of it."""
+    speculator = Speculator(BlockManager(64, 4), 1024, NgramDrafter(), 8)
+    speculator.costs = StepCosts(COSTS, 8, overlap=True)
+    speculator.accept_prior = 0.95  # a copying engine, verifying lately
+    request = Request("r", [1, 2, 3], SamplingParams(), 0)
+    seqs = [Sequence(i, request, 0, [1, 2, 3, 4], 3) for i in range(20)]
+    newcomer, known = seqs[0], seqs[1]
+    known.draft_accept = 0.95
+    drafts = [7] * 8
+    batch = StepPlan(chunks=[ScheduledChunk(seq, 1) for seq in seqs])
+    # At 0.95 eight drafts are worth 6.4 tokens: (20 + 6.4) / 5.6 beat 1.1 x 20 / 5.5; at half, 0.9 do not.
+    assert speculator._draft_caps(batch, [(batch.chunks[1], drafts)]) == [8]
+    assert speculator._draft_caps(batch, [(batch.chunks[0], drafts)]) == [0]
+    alone = StepPlan(chunks=[ScheduledChunk(newcomer, 1)])
+    assert speculator._draft_caps(alone, [(alone.chunks[0], drafts)]) == [8]
+    assert speculator.prior() == 0.95  # the estimate a verification starts from is not lowered
 
 
 def test_step_costs_follow_the_steps_as_they_run() -> None:

@@ -35,7 +35,7 @@ from cbd.engine.spec.drafter import Drafter
 from cbd.engine.spec.policy import START_ACCEPT, StepCosts, observed_accept
 
 STALE_STEPS = 128  # steps without a verification after which the prior is one half again
-NEWCOMER = 0.5  # a sequence without an estimate of its own: this times the engine's recent acceptance (prior)
+NEWCOMER = 0.5  # in a step of several sequences, one without an estimate of its own is weighed at this x prior
 NO_DRAFT_WAIT = 2  # overlap mode: steps a sequence waits after it found no draft or its drafts were declined
 
 
@@ -64,6 +64,7 @@ class Speculator:
         self.num_speculative_steps = 0
         self.num_device_drafted = 0  # verifying groups whose drafts the device looked up anew (not the host's)
         self.accept_prior = START_ACCEPT  # drafts kept over drafts tried, recent verifications (see prior)
+        self.newcomer = NEWCOMER
         self.last_verified_step = 0
 
     def worth_trying(self, running: list[Sequence], overlap: bool) -> bool:
@@ -155,7 +156,10 @@ class Speculator:
         without drafts (policy.py); a step that also prefills runs eagerly and takes its drafts."""
         if self.costs is None or any(c.num_new_tokens != 1 for c in plan.chunks):
             return [self.num_speculative_tokens] * len(proposals)
-        prior = self.prior()
+        # A sequence without an estimate of its own is weighed skeptically where others share the step: the
+        # engine's acceptance is held up by the sequences that copy (they verify most), and a step verifying on
+        # it costs every sequence in the batch. It earns its own estimate by keeping drafts.
+        prior = self.prior() * (self.newcomer if len(plan.chunks) > 1 else 1.0)
         drafting = []
         for chunk, drafts in proposals:
             seq = chunk.seq
@@ -245,12 +249,10 @@ class Speculator:
             self.agents.add(seq.request.tenant, seq.request.session, seq.token_ids, seq.draft_index)
 
     def prior(self) -> float:
-        """A sequence's chance that a draft is kept before it has verified any (or after a miss): `NEWCOMER`
-        times the engine's recent acceptance, or times one half when nothing was verified for `STALE_STEPS`
-        steps (so a workload that turned to copying is noticed again). Skeptical: the engine's acceptance is
-        held up by the sequences that copy (they verify most), and a step verifying on it costs every
-        sequence in the batch; a sequence earns its own estimate by keeping drafts."""
-        return NEWCOMER * (START_ACCEPT if self._quiet() else self.accept_prior)
+        """A sequence's chance that a draft is kept before it has verified any (or after a miss): the engine's
+        recent acceptance, or one half when nothing was verified for `STALE_STEPS` steps (so a workload that
+        turned to copying is noticed again)."""
+        return START_ACCEPT if self._quiet() else self.accept_prior
 
     def _quiet(self) -> bool:
         """Nothing was verified for `STALE_STEPS` steps."""
