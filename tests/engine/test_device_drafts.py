@@ -4,8 +4,10 @@ guess of them; outputs stay those without speculation."""
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import pytest
-import torch
 
 from cbd.engine.sampling_params import SamplingParams
 from cbd.engine.sequence import Sequence
@@ -13,20 +15,18 @@ from cbd.engine.spec.drafter import NgramDrafter
 from cbd.model.loader import LoadedModel, load_model
 from helpers import make_core, run_all
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
+
+import speculative_gpu  # noqa: E402
+
 
 @pytest.fixture(scope="module")
 def chain_model(tiny_checkpoint) -> LoadedModel:
-    """A tiny model whose greedy next token is a fixed function of the last one, by a wide margin: its layers
-    add nothing to the residual stream, and its LM head is the embedding table permuted."""
+    """A tiny model whose greedy next token is a fixed function of the last one, by a wide margin (the 8B
+    replay's model of bench/speculative_gpu.py: its layers add nothing, its LM head is the embedding table
+    permuted)."""
     loaded = load_model(str(tiny_checkpoint("llama")))
-    model = loaded.model
-    with torch.no_grad():
-        for layer in model.layers:
-            layer.self_attn.o_proj.weight.zero_()
-            layer.mlp.down_proj.weight.zero_()
-        vocab = model.embed_tokens.weight.shape[0]
-        perm = torch.randperm(vocab, generator=torch.Generator().manual_seed(0))
-        model.lm_head.weight.copy_(model.embed_tokens.weight[torch.argsort(perm)])
+    speculative_gpu._next_token_model(loaded)
     return loaded
 
 
