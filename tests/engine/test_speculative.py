@@ -573,3 +573,63 @@ def test_a_session_closed_during_its_turn_leaves_no_donor(tiny_loaded) -> None:
     while core.has_work():
         checked_step(core)
     assert agents.num_tokens > 0 and core.block_manager.num_used_blocks == 0
+
+
+class _BlindAfterGuess:
+    """The n-gram drafter, except that its drafts after a guess of tokens in flight are never right: a kept
+    draft there is one the device looked up (device/draft_lookup.py)."""
+
+    def __init__(self) -> None:
+        self.ngram = NgramDrafter()
+
+    def propose(self, seq: Sequence, k: int, end: int | None = None) -> list[int]:
+        drafts = self.ngram.propose(seq, k, end)
+        if end is not None and end > seq.num_known_tokens and drafts:
+            return [drafts[0]] + [0] * (len(drafts) - 1)  # its first stands for the token in flight
+        return drafts
+
+
+def test_a_masked_step_verifies_the_drafts_the_device_looked_up(default_model, prompts) -> None:
+    """Overlap on: a constrained sequence that is not due to draft (so the loop stays overlapped) beside a
+    copying one whose drafts the device looks up again: the step is sampled under masks, and the host
+    verifies the drafts the device put in it, not its own guess. Outputs equal speculation off."""
+    import json
+
+    from cbd.engine.grammar.matcher import GrammarCompiler, GrammarKind, GrammarSpec
+
+    compiler = GrammarCompiler(default_model.tokenizer, default_model.spec.vocab_size, default_model.eos_token_ids)
+    schema = {"type": "object", "properties": {"name": {"type": "string"}}, "required": ["name"]}
+    grammar = compiler.compile(GrammarSpec(GrammarKind.JSON_SCHEMA, json.dumps(schema)))
+    constrained = _chat(default_model, "Give a JSON object with a name for a cat.")
+    batch = [prompts["copy"], constrained]
+    cases = [
+        SamplingParams(max_tokens=60, temperature=0.0),
+        SamplingParams(max_tokens=40, temperature=0.0, grammar=grammar),
+    ]
+    results = {}
+    for mode in ("off", "ngram"):
+        core = make_core(default_model, overlap="on", speculative=mode, num_kv_blocks=1024, block_size=4)
+        if mode == "ngram":
+            core.scheduler.speculator.drafter = _BlindAfterGuess()
+        masked: list[set[str]] = []  # the packed arrays of the steps sampled under masks
+        launch = core.runner.launch
+
+        def recording(step_batch, launch=launch, masked=masked):
+            if step_batch.meta.masked:
+                masked.append(set(step_batch.packed.int_fields))
+            return launch(step_batch)
+
+        core.runner.launch = recording  # type: ignore[method-assign]
+        requests = [core.add_request(p, c) for p, c in zip(batch, cases)]
+        requests[1].sequences[0].draft_retry_step = 10**9  # never due to draft: no synchronous step
+        ids = [r.request_id for r in requests]
+        got: dict[str, list[int]] = {rid: [] for rid in ids}
+        while core.has_work():
+            for out in checked_step(core):
+                got[out.request_id] += [t for d in out.candidates for t in d.token_ids]
+        results[mode] = [got[rid] for rid in ids]
+        assert core.block_manager.num_used_blocks == 0
+        if mode == "ngram":
+            assert any({"redraft", "verify_k"} <= names for names in masked)
+            assert core.scheduler.speculator.num_device_drafted > 0 and _speculated(core)[1] > 0
+    assert results["ngram"] == results["off"]

@@ -8,8 +8,8 @@ device looks them up again before N+1's forward, once draft_carry.py has put N's
 place: the same n-gram lookup as the host's drafter (the latest earlier occurrence of the longest of the
 last 4, 3, 2 tokens; what followed it, within the known context), over the sequence's row of the token
 table (device/token_rows.py) ending at its real newest token. A group whose context has a match gets
-those tokens in its draft rows (as many as it has rows: the host chose how many, and the step's shape);
-one without keeps the host's. The host learns the drafts the step verified with its sampled tokens
+those tokens in its first draft rows (the host chose how many rows, the step's shape; where the match
+has fewer tokens than the group has rows, the rest keep the host's drafts); one without keeps the host's. The host learns the drafts the step verified with its sampled tokens
 (`step_drafts`). Every verifying step also writes its groups' newest token and drafts into the table, so
 the next lookup sees the drafts kept. Pure torch on the step's stream, no host sync; only verifying steps
 do any of it.
@@ -29,7 +29,8 @@ class DraftLookup:
     def __init__(self, device: torch.device) -> None:
         self.device = device
         self._table: torch.Tensor | None = None  # [rows, COLUMNS] int32 token ids, made at first use
-        self.find = lookup  # (table, rows, newest, newest token, depth, span) -> (drafts, found): see `lookup`
+        # (table, rows, newest, newest token, depth, span) -> (drafts, found): `lookup`; a benchmark may replay.
+        self.find = lookup
 
     def before_forward(self, t: StepTensors, meta: StepMeta) -> None:
         """A verifying step, its carried-over tokens and context lengths in place (draft_carry.py): apply
@@ -80,9 +81,12 @@ def lookup(
     device = newest.device
     offsets = torch.arange(span, device=device)
     positions = newest[:, None] - (span - 1) + offsets  # [G, span], the last column the newest token
-    window = torch.where(positions >= 0, table[rows[:, None], positions % COLUMNS].to(torch.int64), -1)
-    window[:, -1] = token
-    ends = torch.arange(span - 1, device=device)  # where an earlier occurrence may end: its follower is known
+    # int32 throughout ([G, 4, span] temporaries: a 16K context at batch 32 is 8 MB each)
+    window = torch.where(positions >= 0, table[rows[:, None], positions % COLUMNS], -1)
+    window[:, -1] = token.to(torch.int32)
+    ends = torch.arange(
+        span - 1, device=device, dtype=torch.int32
+    )  # an earlier occurrence's last token: its follower is known
     back = torch.arange(NGRAMS, device=device)
     earlier = ends[None, :] - back[:, None]  # [n, span - 1] the i-th token back from each end
     tail = window[:, span - 1 - back]  # [G, n] the i-th token back from the newest
@@ -91,5 +95,5 @@ def lookup(
     latest = torch.where(matches, ends, -1).amax(2)  # [G, n] the latest such end per n-gram size (-1: none)
     end = torch.where(latest[:, 3] >= 0, latest[:, 3], torch.where(latest[:, 2] >= 0, latest[:, 2], latest[:, 1]))
     found = torch.where(end >= 0, (span - 1 - end).clamp(max=depth), 0)
-    follow = (end[:, None] + 1 + torch.arange(depth, device=device)).clamp(max=span - 1)
-    return window.gather(1, follow), found
+    follow = (end[:, None].to(torch.int64) + 1 + torch.arange(depth, device=device)).clamp(max=span - 1)
+    return window.gather(1, follow).to(torch.int64), found.to(torch.int64)

@@ -14,7 +14,9 @@ under the rows' token masks, once the caller has filled them (the one way masks 
 Carry-over: a sequence scheduled while its previous token is still being sampled by the step in
 flight has input id 0 there; it is filled on the GPU from that step's sampled-token tensor
 (`carry_dst`/`carry_src`), so step N+1 needs nothing from step N's host side; after drafts in flight,
-from the row their kept count names, with the chunk moved back by those rejected (draft_carry.py).
+from the row their kept count names, with the chunk moved back by those rejected (draft_carry.py);
+then a verifying step's drafts are looked up again in the real context (draft_lookup.py), and the
+drafts it verified go back to the host with its tokens (`SampledTokens.drafts`).
 
 A chunk that ends a prompt with pending forks has one sample row per candidate, all reading the
 same logits row (prefill once, then fork: `row_logits`).
@@ -233,7 +235,7 @@ class ModelRunner:
         assert pending is not None
         staged_masks = self.masks.stage(masks)
         done = self._sample(pending.logits, pending.tensors, pending.meta, pending.staged, staged_masks, None)
-        step.sampled, step.host, step.done = done.sampled, done.host, done.done
+        step.sampled, step.host, step.done, step.drafts = done.sampled, done.host, done.done, done.drafts
         step.keep += done.keep
 
     def _sample(
@@ -260,7 +262,9 @@ class ModelRunner:
             self._last_sampled = None
             return InflightStep(0, None, None, None, [staged])
         host = _to_pinned(result, s)
-        host_drafts = drafts if drafts is None or not s.cuda else torch.empty_like(drafts, device="cpu").pin_memory()
+        host_drafts = (
+            drafts if drafts is None or not s.cuda else torch.empty(drafts.shape, dtype=drafts.dtype, pin_memory=True)
+        )
         done = s.event()
         with s.on(s.d2h):
             s.wait(s.d2h, compute_done)

@@ -10,8 +10,10 @@ Carry-over: a chunk whose first token is still being sampled by the step in flig
 there; `carry_dst` / `carry_src` tell the runner to fill it on the device from that step's sampled
 tokens, so step N+1 needs nothing from step N's host side. After drafts in flight, the token's row and
 the chunk's positions depend on how many that step keeps: `carry_group` / `seq_group` / `row_group`
-name its verifying group, and `verify_ids` / `verify_rows` / `verify_k` let a verifying step count
-what it keeps on the device (device/draft_carry.py).
+name its verifying group, and `verify_ids` / `verify_rows` / `verify_k` / `verify_seq` let a verifying step
+count what it keeps on the device (device/draft_carry.py); `redraft` marks the groups whose drafts the
+device looks up again, and `token_index` / `token_values` are the known tokens its token table lacks
+(device/draft_lookup.py, device/token_rows.py).
 
 Double buffering: step N+1 is staged into the buffer pair that step N is *not* reading. Before
 the host overwrites a pinned buffer it waits for that buffer's previous copy (`h2d_done`); before

@@ -15,7 +15,9 @@ In the overlap loop the step in flight has not said its tokens yet when the next
 follow a guess: the drafter reads the context up to the token in flight (with the drafts in flight
 taken as kept) and proposes one more token than asked, the first standing for the token in flight and
 dropped. A wrong guess costs only compute: verification compares with what the model samples after
-the real tokens, which the device puts in place (device/draft_carry.py). A constrained sequence drafts
+the real tokens, which the device puts in place (device/draft_carry.py); and with `device_drafts` the
+device looks the drafts up again in the real context before the step's forward (device/draft_lookup.py),
+so the guess decides only how many drafts a sequence verifies. `verify` takes the drafts the step verified. A constrained sequence drafts
 only when its tokens are all known (its grammar checks drafts): a step that gives it drafts completes
 the step in flight first (`needs_known_tokens`).
 
