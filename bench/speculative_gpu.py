@@ -122,8 +122,9 @@ def _run(core: EngineCore, prompts: list[list[int]], new_tokens: int | list[int]
                 steps=len(events), device_drafted=device_drafted)  # fmt: skip
 
 
-MODES = ["off", "auto", "auto/host"]  # the speculating ones: --on; "/host": drafts made on the host only;
-# "@1.4": the policy's margin (policy.MARGIN) set to 1.4; "~1": a newcomer weighed at the whole prior (speculator.NEWCOMER)
+# The speculating ones: --on. "/host": drafts made on the host only; "@1.4": the policy's margin (policy.MARGIN)
+# set to 1.4; "~1": a sequence without its own estimate weighed at the whole prior (speculator.NEWCOMER).
+MODES = ["off", "auto", "auto/host"]
 
 
 def _warm(cores: dict[str, EngineCore]) -> None:

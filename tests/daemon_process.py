@@ -20,16 +20,21 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 
+def stat_fields(pid: int) -> list[str]:
+    """/proc/PID/stat after the command name: [0] the state, [1] the parent, [6] the flags, [11:13] CPU ticks."""
+    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+
+
 def children(pid: int) -> list[int]:
     """Processes whose parent is `pid` (from /proc)."""
     found = []
     for entry in Path("/proc").iterdir():
         if entry.name.isdigit():
             try:
-                stat = (entry / "stat").read_text()
+                parent = int(stat_fields(int(entry.name))[1])
             except OSError:
                 continue
-            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
+            if parent == pid:
                 found.append(int(entry.name))
     return found
 
@@ -38,7 +43,7 @@ def alive(pid: int) -> bool:
     """The process exists and is not a zombie."""
     try:
         os.kill(pid, 0)
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        state = stat_fields(pid)[0]
     except (ProcessLookupError, FileNotFoundError):
         return False
     return state != "Z"
@@ -50,7 +55,7 @@ PF_EXITING = 0x4  # a process's flag (/proc/PID/stat, field 9) from the moment i
 def exiting(pid: int) -> bool:
     """The process has begun to exit (killed, say) or is gone: it runs no more code of its own."""
     try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        fields = stat_fields(pid)
     except (FileNotFoundError, ProcessLookupError):  # gone (reaped before or while it was read)
         return True
     return fields[0] in ("Z", "X") or bool(int(fields[6]) & PF_EXITING)
@@ -58,7 +63,7 @@ def exiting(pid: int) -> bool:
 
 def cpu_seconds(pid: int) -> float:
     """User + system CPU seconds of one process, all its threads (from /proc)."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    fields = stat_fields(pid)
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 

@@ -9,9 +9,10 @@ place: the same n-gram lookup as the host's drafter (the latest earlier occurren
 last 4, 3, 2 tokens; what followed it, within the known context), over the sequence's row of the token
 table (device/token_rows.py) ending at its real newest token. A group whose context has a match gets
 those tokens in its first draft rows (the host chose how many rows, the step's shape; where the match
-has fewer tokens than the group has rows, the rest keep the host's drafts); one without keeps the host's. The host learns the drafts the step verified with its sampled tokens
-(`step_drafts`). Every verifying step also writes its groups' newest token and drafts into the table, so
-the next lookup sees the drafts kept. Pure torch on the step's stream, no host sync; only verifying steps
+has fewer tokens than the group has rows, the rest keep the host's drafts); one without keeps the host's.
+The host learns the drafts the step verified with its sampled tokens (`step_drafts`). Every verifying
+step also writes its groups' newest token and drafts into the table, so the next lookup sees the drafts
+kept. Pure torch on the step's stream, no host sync; only verifying steps
 do any of it.
 """
 
@@ -84,9 +85,8 @@ def lookup(
     # int32 throughout ([G, 4, span] temporaries: a 16K context at batch 32 is 8 MB each)
     window = torch.where(positions >= 0, table[rows[:, None], positions % COLUMNS], -1)
     window[:, -1] = token.to(torch.int32)
-    ends = torch.arange(
-        span - 1, device=device, dtype=torch.int32
-    )  # an earlier occurrence's last token: its follower is known
+    # Where an earlier occurrence may end (its follower is known: any position before the newest).
+    ends = torch.arange(span - 1, device=device, dtype=torch.int32)
     back = torch.arange(NGRAMS, device=device)
     earlier = ends[None, :] - back[:, None]  # [n, span - 1] the i-th token back from each end
     tail = window[:, span - 1 - back]  # [G, n] the i-th token back from the newest

@@ -262,15 +262,13 @@ class ModelRunner:
             self._last_sampled = None
             return InflightStep(0, None, None, None, [staged])
         host = _to_pinned(result, s)
-        host_drafts = (
-            drafts if drafts is None or not s.cuda else torch.empty(drafts.shape, dtype=drafts.dtype, pin_memory=True)
-        )
+        host_drafts = _pinned_like(drafts) if s.cuda else drafts
         done = s.event()
         with s.on(s.d2h):
             s.wait(s.d2h, compute_done)
             _copy_result(host, result)
-            if host_drafts is not drafts:
-                host_drafts.copy_(drafts, non_blocking=True)  # type: ignore[union-attr,arg-type]
+            if drafts is not None and host_drafts is not None and host_drafts is not drafts:
+                host_drafts.copy_(drafts, non_blocking=True)
             s.record(done, s.d2h)
         self._last_sampled = result.token_ids
         keep = [staged, result] if masks is None else [staged, result, masks[0]]
@@ -371,18 +369,19 @@ def _sampling_batch(t: StepTensors, meta: StepMeta) -> SamplingBatch:
     )
 
 
+def _pinned_like(t: torch.Tensor | None) -> torch.Tensor | None:
+    """A pinned host tensor of t's shape and dtype, for its copy back from the device."""
+    return None if t is None else torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+
+
 def _to_pinned(result: SampleResult, streams: DeviceStreams) -> SampleResult:
     if not streams.cuda:
         return result  # already on the host
-
-    def pinned_like(t: torch.Tensor | None) -> torch.Tensor | None:
-        return None if t is None else torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-
     return SampleResult(
-        pinned_like(result.token_ids),  # type: ignore[arg-type]
-        pinned_like(result.logprobs),
-        pinned_like(result.top_ids),
-        pinned_like(result.top_logprobs),
+        _pinned_like(result.token_ids),  # type: ignore[arg-type]
+        _pinned_like(result.logprobs),
+        _pinned_like(result.top_ids),
+        _pinned_like(result.top_logprobs),
     )
 
 

@@ -38,8 +38,8 @@ a_i is sequence i's chance that a draft is kept when all before it were: its ver
 drafts over the drafts they tried (a draft after a rejected one is not tried), averaged over recent
 verifications; before its first, or after a miss, the engine's recent acceptance over all sequences
 (one half when nothing was verified lately: `Speculator.prior`), halved in a step of several sequences
-(the copying sequences hold that acceptance up; `Speculator._draft_caps`); the drafts weighed are those it found
-for this step (they are looked up before the step is weighed). So speculation runs at any batch size
+(the copying sequences hold that acceptance up; `Speculator._draft_caps`); the drafts weighed are those it
+found for this step (they are looked up before the step is weighed). So speculation runs at any batch size
 where it pays (at batch 1 a verifying step costs about a decode step: almost always; at large batches
 the sequences that keep most of their drafts verify, the others decode), and not where no verifying
 graph was captured (an eager verifying step costs far more). Without measured costs (the CPU, or no

@@ -17,9 +17,9 @@ taken as kept) and proposes one more token than asked, the first standing for th
 dropped. A wrong guess costs only compute: verification compares with what the model samples after
 the real tokens, which the device puts in place (device/draft_carry.py); and with `device_drafts` the
 device looks the drafts up again in the real context before the step's forward (device/draft_lookup.py),
-so the guess decides only how many drafts a sequence verifies. `verify` takes the drafts the step verified. A constrained sequence drafts
-only when its tokens are all known (its grammar checks drafts): a step that gives it drafts completes
-the step in flight first (`needs_known_tokens`).
+so the guess decides only how many drafts a sequence verifies. `verify` takes the drafts the step
+verified. A constrained sequence drafts only when its tokens are all known (its grammar checks drafts):
+a step that gives it drafts completes the step in flight first (`needs_known_tokens`).
 
 Per-sequence draft state lives on the Sequence (`draft_len`, `draft_misses`, `draft_retry_step`,
 `draft_accept`, `draft_index`, `num_draft`, `pending_group`, `next_rows`); the step counter of the
