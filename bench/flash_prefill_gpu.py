@@ -4,12 +4,15 @@ Llama-3-8B shape (32 query / 8 KV heads, head_dim 128), bf16, block size 16, shu
 figure is triton (before) and flash (after) from the same process.
 
 - chunk: one layer's attention of an 8K-token chunk at the end of a 32K context (the backend's prepare +
-  attend, ms per layer, mean of 20 calls after 3), its causal TFLOP/s; peer: torch SDPA over the same K/V
-  made contiguous, with a boolean mask (the K/V copy not timed).
+  attend, ms per layer, mean of 20 calls after 3), its causal TFLOP/s; flash's keys from a gathered copy (the
+  copy timed) and, as "flash paged", from the pages in place; peer: torch SDPA over the same K/V made
+  contiguous, with a boolean mask (the K/V copy not timed).
 - mixed: one layer's attention of a step shaped like the priorities benchmark's mixed step: 240 decodes over
-  256..768-token contexts, then two session turns of 200 tokens over 1200- and 2400-token contexts.
+  256..768-token contexts, then two session turns of 200 tokens over 1200- and 2400-token contexts; the
+  decodes (Triton) and the turns (FA4) on two streams, and as "flash serial" on one.
 - TTFT: one request with an L-token random prompt on an EngineCore over random 8B weights (chunked prefill
-  at --chunk tokens per step), submit to first token, best of 2; the engine's warm-up seconds.
+  at --chunk tokens per step), submit to first token, best of 2; the engine's warm-up seconds; "flash paged":
+  flash with long chunks' keys read from the pages in place.
 - decode: B x C decode ms/step (CUDA graphs; decodes are Triton's under both backends: not regressed).
 
     python bench/flash_prefill_gpu.py [--ttft 32768] [--chunk 2048] [--decode 1x32768] [--skip-engine]
@@ -113,9 +116,17 @@ def kernels(results: dict) -> None:
         q, kv, layout = case(q_lens, ctx)
         flop = causal_flop(q_lens, ctx)
         variants = [("triton", True), ("flash", True)] + ([("flash", False)] if case_name == "mixed" else [])
+        variants += [("flash paged", True)] if flash_attention.gathers(layout) else []
+        variants += [("flash serial", True)] if case_name == "mixed" else []
         for name, split in variants:
             flash_attention.SPLIT_DECODES = split
-            eager, gpu = attention_ms(name, q, kv, layout)
+            gather_min = flash_attention.GATHER_MIN_QUERIES
+            if name == "flash paged":  # the same chunk with its keys read from the pages in place
+                flash_attention.GATHER_MIN_QUERIES = 1 << 62
+            flash_attention.CONCURRENT_SPLIT = name != "flash serial"  # the mixed step's halves one after the other
+            eager, gpu = attention_ms(name.split()[0], q, kv, layout)
+            flash_attention.GATHER_MIN_QUERIES = gather_min
+            flash_attention.CONCURRENT_SPLIT = True
             key = name if split else f"{name} whole"
             results[case_name][key] = {"eager_ms": eager, "gpu_ms": gpu, "tflops": flop / (gpu or eager) / 1e9}
             print(f"{case_name} {key}: eager {eager * 1e3:.0f} us, graph {gpu * 1e3 if gpu else float('nan'):.0f} us/layer",
@@ -197,12 +208,18 @@ def main() -> None:
         hf = build_hf(32)
         loaded = model_from_hf(hf, "cuda", torch.bfloat16, max_positions=longest)
         free(hf)
-        for name in BACKENDS:
+        for name in (*BACKENDS, "flash paged"):
+            gather_min = flash_attention.GATHER_MIN_QUERIES
+            if name == "flash paged":  # long chunks' keys from the pages in place (before the gathered copy)
+                flash_attention.GATHER_MIN_QUERIES = 1 << 62
             for length in lengths:
-                seconds, warm = ttft(loaded, name, length, args.chunk)
+                seconds, warm = ttft(loaded, name.split()[0], length, args.chunk)
                 results["ttft"][f"{name} {length}"] = seconds
                 results["warm_up_s"][name] = warm
                 print(f"ttft {name} {length}: {seconds:.3f} s (warm-up {warm:.1f} s)", flush=True)
+            flash_attention.GATHER_MIN_QUERIES = gather_min
+            if name not in BACKENDS:
+                continue
             for batch, context in configs:
                 ms = decode_ms(loaded, name, batch, context, args.steps, args.chunk)
                 results["decode"][f"{name} {batch}x{context}"] = ms
@@ -222,14 +239,20 @@ def main() -> None:
             note = f"{r['triton']['tflops']:.0f} -> {r['flash']['tflops']:.0f} TFLOP/s" if case_name == "chunk" else ""
             if case_name == "chunk" and kind == "eager_ms":
                 note = f"torch SDPA {r['sdpa']['eager_ms'] * 1e3:.0f} us ({r['sdpa']['tflops']:.0f} TFLOP/s)"
+            if case_name == "chunk" and kind == "gpu_ms" and r.get("flash paged", {}).get(kind):
+                note += f"; keys from the pages in place: {r['flash paged'][kind] * 1e3:.0f} us"
             if case_name == "mixed" and r["flash whole"][kind] is not None:
                 note = f"FA4 over the whole step: {r['flash whole'][kind] * 1e3:.0f} us"
+            if case_name == "mixed" and r["flash serial"][kind] is not None:
+                note += f"; the halves on one stream: {r['flash serial'][kind] * 1e3:.0f} us"
             what = "GPU (graph)" if kind == "gpu_ms" else "eager call"
             print(f"| {label}, {what}, us/layer | {t * 1e3:.0f} | {f_ * 1e3:.0f} | {f_ / t:.2f} | {note} |")
     for length in lengths:
         t, f_ = results["ttft"].get(f"triton {length}"), results["ttft"].get(f"flash {length}")
         if t is not None and f_ is not None:
-            print(f"| TTFT {length // 1024}K prompt, s | {t:.3f} | {f_:.3f} | {f_ / t:.2f} | |")
+            paged = results["ttft"].get(f"flash paged {length}")
+            note = f"keys from the pages in place: {paged:.3f} s" if paged is not None else ""
+            print(f"| TTFT {length // 1024}K prompt, s | {t:.3f} | {f_:.3f} | {f_ / t:.2f} | {note} |")
     for batch, context in configs:
         t, f_ = results["decode"].get(f"triton {batch}x{context}"), results["decode"].get(f"flash {batch}x{context}")
         if t is not None and f_ is not None:

@@ -43,7 +43,7 @@ def gpu_available() -> bool:
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     skip = pytest.mark.skip(reason="needs a CUDA device")
     for item in items:
-        if "gpu" in item.keywords and not gpu_available():
+        if item.get_closest_marker("gpu") is not None and not gpu_available():
             item.add_marker(skip)
     # The workers take whole files in this order (pyproject.toml's addopts): the files marked `first`, which
     # take minutes, go before the rest, so that none is taken last while the other workers have run dry.

@@ -56,6 +56,49 @@ def test_a_mixed_steps_leading_decodes_go_to_triton_and_the_rest_to_fa4() -> Non
     assert backend.prepare(long).pack_gqa is False and backend.prepare(prefill).pack_gqa is None
 
 
+def _reference_varlen(q, k, v, *, cu_seqlens_q, seqused_k, page_table, softmax_scale, window_size, **_):  # type: ignore[no-untyped-def]
+    """FA4's contract for batched keys (k, v: [B, C, Hkv, D], seqused_k), causal at the end of each row's keys,
+    in plain torch: the stand-in that lets the CPU check what the gathered path hands FA4."""
+    assert page_table is None and window_size == (None, None)
+    out = torch.empty_like(q)
+    group = q.shape[1] // k.shape[2]
+    for b in range(k.shape[0]):
+        rows = slice(int(cu_seqlens_q[b]), int(cu_seqlens_q[b + 1]))
+        n, c = rows.stop - rows.start, int(seqused_k[b])
+        keys, values = (t[b, :c].repeat_interleave(group, dim=1).transpose(0, 1) for t in (k, v))  # [H, c, D]
+        scores = torch.einsum("qhd,hkd->hqk", q[rows], keys) * softmax_scale
+        allowed = torch.arange(c)[None, :] <= torch.arange(c - n, c)[:, None]
+        weights = scores.masked_fill(~allowed, float("-inf")).softmax(-1)
+        out[rows] = torch.einsum("hqk,hkd->qhd", weights, values)
+    return out, None
+
+
+def test_long_chunks_hand_fa4_their_keys_gathered_in_position_order() -> None:
+    """CPU: the slots gathered for a step of long chunks (shuffled blocks, a context not a multiple of the block,
+    a shorter sequence padded), and the step's attention through them equals the torch reference."""
+    rng = random.Random(5)
+    block_size, ctx = 4, [700, 530]
+    free = list(range(sum(-(-c // block_size) for c in ctx) + 3))
+    rng.shuffle(free)
+    tables = [[free.pop() for _ in range(-(-c // block_size))] for c in ctx]
+    layout = layout_from_lists([600, 512], ctx, tables, block_size)
+    backend = flash_attention.FlashBackend(block_size, None, 2, varlen=_reference_varlen)
+    meta = backend.prepare(layout)
+    assert isinstance(meta, flash_attention.FlashMetadata) and meta.key_slots is not None
+    for b, table in enumerate(tables):
+        want = [table[p // block_size] * block_size + p % block_size for p in range(ctx[b])]
+        assert meta.key_slots[b, : ctx[b]].tolist() == want and not meta.key_slots[b, ctx[b] :].any()
+    kv = torch.randn(len(free) * 0 + (max(map(max, tables)) + 1) * block_size, 2, 2, 16)
+    q = torch.randn(len(layout.slot_mapping), 4, 16)
+    reference = reference_metadata(layout, block_size).attend(q, kv, 0.25)
+    assert torch.allclose(meta.attend(q, kv, 0.25), reference, atol=1e-5)
+    short = layout_from_lists([511, 1], [600, 9], [tables[0], tables[1]], block_size)
+    assert backend.prepare(short).key_slots is None  # below GATHER_MIN_QUERIES: the pages in place
+    wide = layout_from_lists([600] * 2, [flash_attention.GATHER_MAX_KEYS // 2 + 1] * 2,
+                             [list(range(-(-(flash_attention.GATHER_MAX_KEYS // 2 + 1) // block_size)))] * 2, block_size)  # fmt: skip
+    assert backend.prepare(wide).key_slots is None  # a copy past GATHER_MAX_KEYS: the pages in place
+
+
 def _fa4_usable() -> bool:
     return flash_attention.unusable_reason(torch.device("cuda"), torch.bfloat16, 128, False) is None
 
@@ -90,12 +133,14 @@ def _random_step(
 @pytest.mark.parametrize("runs", [
     [(1, 37), (1, 300), (5, 200), (300, 1000), (257, 257), (1, 1), (64, 700)],  # decodes, drafts, chunks
     [(2048, 2048 + 13)],  # one long chunk over a short prefix
-], ids=["mixed", "long"])  # fmt: skip
+    [(1, 300), (600, 3000), (512, 700)],  # a decode, then long chunks read from a gathered copy of their keys
+], ids=["mixed", "long", "gathered"])  # fmt: skip
 @pytest.mark.gpu
 @needs_flash
 def test_flash_equals_triton_and_the_reference(block_size, heads, head_dim, window, runs) -> None:
     if window is not None and runs[0][0] == 2048:
         pytest.skip("one windowed case is enough")
+    gathered = runs[-1][0] >= flash_attention.GATHER_MIN_QUERIES
     rng = random.Random(block_size * 31 + head_dim + heads[0])
     torch.manual_seed(rng.randrange(1000))
     layout, kv, q = _random_step(rng, runs, heads, head_dim, block_size)
@@ -104,6 +149,8 @@ def test_flash_equals_triton_and_the_reference(block_size, heads, head_dim, wind
                            head_dim=head_dim).prepare(layout)  # fmt: skip
     # leading decodes go to Triton's decode kernel, the rest to FA4
     assert isinstance(flash, flash_attention.SplitMetadata if runs[0][0] == 1 else flash_attention.FlashMetadata)
+    fa4 = flash.rest if isinstance(flash, flash_attention.SplitMetadata) else flash
+    assert (fa4.key_slots is not None) == gathered
     ours = flash.attend(q, kv, scale).float()
     triton = TritonBackend(block_size, window, heads[1]).prepare(layout).attend(q, kv, scale).float()
     reference = reference_metadata(layout, block_size, window).attend(q.float(), kv.float(), scale)

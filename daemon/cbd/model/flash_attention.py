@@ -17,7 +17,14 @@ fitting one tile (a persistent schedule) or not; the runner's warm-up runs all t
 160-query extends, and a mixed step for the Triton half). Compiled kernels are kept on disk (FA4's own
 cache, under cbd's cache directory): on an H200 a cold warm-up took 11 s, one from the cache 0.2 s.
 
-Mixed steps: the leading decodes (`BatchLayout.num_decodes`) go to Triton's extend kernel, the rest to FA4.
+Mixed steps: the leading decodes (`BatchLayout.num_decodes`) go to Triton's extend kernel, the rest to FA4, each
+on its own CUDA stream (`CONCURRENT_SPLIT`): the decodes are bound by memory, FA4's queries by the tensor cores.
+
+Long chunks (a sequence with `GATHER_MIN_QUERIES` or more queries; sequences x longest context within
+`GATHER_MAX_KEYS`): each layer first copies the step's keys and values into one contiguous tensor in position
+order (`key_slots`, one gather), and FA4 reads that instead of the pages. FA4 loads pages smaller than its
+128-key tile with plain loads and a contiguous tensor by TMA; the copy costs ~2 x 4 KB per key per layer at the
+8B shape, repaid many times over by a chunk of hundreds of queries.
 
 Importing FA4 takes 3-17 s (the CuTe DSL); `load()` does it once, when the backend is chosen at start.
 """
@@ -40,7 +47,13 @@ DTYPES = (torch.bfloat16, torch.float16)
 # A mixed step's leading decodes go to Triton (FA4 would give each a 128-row tile, one per query head when
 # the step also holds whole tiles of queries: 5x the attention time of the priorities benchmark's mixed step).
 SPLIT_DECODES = True
+CONCURRENT_SPLIT = True  # the two halves of a mixed step on two CUDA streams (SplitMetadata.side)
 PACK_GQA_BELOW = 128  # queries per sequence (FA4's tile height on sm90 at head dim 128)
+# Long chunks read their keys from a contiguous copy: FA4 loads paged K/V in 8-16-token pages with plain loads,
+# contiguous K/V by TMA. The copy (one gather per layer, 2 x 4 KB per key at the 8B shape) is repaid once a
+# sequence has GATHER_MIN_QUERIES queries; GATHER_MAX_KEYS bounds it (sequences x longest context).
+GATHER_MIN_QUERIES = 512
+GATHER_MAX_KEYS = 65536
 
 
 def installed() -> bool:
@@ -96,16 +109,24 @@ class FlashMetadata:
     cu_seqlens_q: torch.Tensor  # [B + 1] int32
     seqused_k: torch.Tensor  # [B] int32
     page_table: torch.Tensor  # [B, W] int32, contiguous
+    # [B, C] int64: the slot of each sequence's position 0..C-1 (C: the longest context; 0 past a shorter
+    # one) when the step reads its keys from a gathered copy; None: from the pages in place.
+    key_slots: torch.Tensor | None = None
 
     @property
     def slot_mapping(self) -> torch.Tensor:
         return self.layout.slot_mapping
 
     def attend(self, q: torch.Tensor, kv_cache: torch.Tensor, scale: float) -> torch.Tensor:
-        pages = kv_cache.view(-1, self.block_size, *kv_cache.shape[1:])  # [P, PAGE, 2, Hkv, D]
+        if self.key_slots is not None:  # [B, C, 2, Hkv, D]: one copy of both halves, in position order
+            kv = kv_cache.index_select(0, self.key_slots.view(-1)).view(*self.key_slots.shape, *kv_cache.shape[1:])
+            page_table = None
+        else:
+            kv = kv_cache.view(-1, self.block_size, *kv_cache.shape[1:])  # [P, PAGE, 2, Hkv, D]
+            page_table = self.page_table
         out, _ = self.varlen(
-            q, pages[:, :, 0], pages[:, :, 1], cu_seqlens_q=self.cu_seqlens_q, max_seqlen_q=self.layout.max_query_len,
-            max_seqlen_k=self.layout.max_context_len, seqused_k=self.seqused_k, page_table=self.page_table,
+            q, kv[:, :, 0], kv[:, :, 1], cu_seqlens_q=self.cu_seqlens_q, max_seqlen_q=self.layout.max_query_len,
+            max_seqlen_k=self.layout.max_context_len, seqused_k=self.seqused_k, page_table=page_table,
             softmax_scale=scale, causal=True, window_size=self.window, pack_gqa=self.pack_gqa,
         )  # fmt: skip
         return out  # [T, H, D]
@@ -126,9 +147,21 @@ class SplitMetadata:
     decodes: PreparedAttention
     rest: FlashMetadata
 
+    side: torch.cuda.Stream | None = None  # FA4's half runs on it beside the decodes (CONCURRENT_SPLIT)
+
     def attend(self, q: torch.Tensor, kv_cache: torch.Tensor, scale: float) -> torch.Tensor:
         n = self.num_decodes
-        return torch.cat((self.decodes.attend(q[:n], kv_cache, scale), self.rest.attend(q[n:], kv_cache, scale)))
+        if self.side is None:
+            return torch.cat((self.decodes.attend(q[:n], kv_cache, scale), self.rest.attend(q[n:], kv_cache, scale)))
+        # The decodes read memory, FA4's sequences keep the tensor cores busy: two streams let them share the SMs.
+        main = torch.cuda.current_stream(q.device)
+        self.side.wait_stream(main)
+        with torch.cuda.stream(self.side):
+            rest = self.rest.attend(q[n:], kv_cache, scale)
+        head = self.decodes.attend(q[:n], kv_cache, scale)
+        main.wait_stream(self.side)
+        rest.record_stream(main)  # made on the side stream, read (and freed) on this one
+        return torch.cat((head, rest))
 
 
 class FlashBackend:
@@ -142,6 +175,7 @@ class FlashBackend:
         self.window: tuple[int | None, int | None] = (sliding_window - 1, 0) if sliding_window else (None, None)
         self.varlen = varlen
         self.decodes = TritonBackend(block_size, sliding_window, num_kv_heads)
+        self._side: torch.cuda.Stream | None = None
 
     def decode_splits(self, num_seqs: int, max_context: int | None = None) -> int:
         return self.decodes.decode_splits(num_seqs, max_context)
@@ -163,11 +197,36 @@ class FlashBackend:
             )  # fmt: skip
             # Triton's extend kernel (one variant, warmed up), not its decode kernel: that one compiles per
             # split count, which here would follow each step's decode count and context.
-            return SplitMetadata(layout.slot_mapping, n, self.decodes.prepare(head), self._flash(tail))
+            return SplitMetadata(
+                layout.slot_mapping, n, self.decodes.prepare(head), self._flash(tail), self._side_stream(layout)
+            )
         return self._flash(layout)
+
+    def _side_stream(self, layout: BatchLayout) -> torch.cuda.Stream | None:
+        if not CONCURRENT_SPLIT or layout.slot_mapping.device.type != "cuda":
+            return None
+        if self._side is None:
+            self._side = torch.cuda.Stream(layout.slot_mapping.device)
+        return self._side
 
     def _flash(self, layout: BatchLayout) -> FlashMetadata:
         return FlashMetadata(
             layout, self.block_size, self.window, self.varlen, layout.query_start.to(torch.int32),
             layout.context_lens.to(torch.int32), layout.block_tables.to(torch.int32).contiguous(),
+            key_slots(layout, self.block_size) if gathers(layout) else None,
         )  # fmt: skip
+
+
+def gathers(layout: BatchLayout) -> bool:
+    """Whether a step's FA4 part reads its keys from a gathered copy (host-side bounds only, no device read)."""
+    num_seqs = layout.context_lens.shape[0]
+    return layout.max_query_len >= GATHER_MIN_QUERIES and num_seqs * layout.max_context_len <= GATHER_MAX_KEYS
+
+
+def key_slots(layout: BatchLayout, block_size: int) -> torch.Tensor:
+    """[B, C] int64: the KV slot of each sequence's positions 0..C-1 (C = max_context_len), 0 past its own
+    context (FA4 reads only `seqused_k` keys of each row; the 0 keeps the gather's index in range)."""
+    positions = torch.arange(layout.max_context_len, device=layout.block_tables.device)
+    blocks = layout.block_tables[:, positions // block_size]
+    slots = blocks * block_size + positions % block_size
+    return torch.where(positions[None, :] < layout.context_lens[:, None], slots, 0)

@@ -41,6 +41,7 @@ from cbd.engine.device.tp_messages import RunStep, SampleStep, WarmUp, WorkerMes
 from cbd.model import kv_format
 from cbd.model.attention import BatchLayout, slot_mapping
 from cbd.model.attention_backends import AttentionBackend, select_backend
+from cbd.model.flash_attention import GATHER_MIN_QUERIES
 from cbd.model.llama import CausalLM
 
 
@@ -163,8 +164,11 @@ class ModelRunner:
         with self.streams.on(self.streams.compute):
             # Query lengths per sequence. FA4 compiles apart: 16 queries x a GQA group in one tile; 100 x a
             # group of 2+ past one tile; 160, whole tiles of queries per head (flash_attention.PACK_GQA_BELOW);
-            # (1, 160): a mixed step, its leading decode on Triton's extend kernel.
-            for lens in ((1, 1), (16, 16), (100, 100), (160, 160), (1, 160)):
+            # (1, 160): a mixed step, its leading decode on Triton's extend kernel; GATHER_MIN_QUERIES, a long
+            # chunk read from a gathered copy of its keys.
+            for lens in ((1, 1), (16, 16), (100, 100), (160, 160), (1, 160), (GATHER_MIN_QUERIES,)):
+                if max(lens) > self.model.cos_table.shape[0]:  # a model this short never runs such a step
+                    continue
                 q_lens = torch.tensor(lens, device=self.device)
                 num_seqs, num_tokens, q_max = len(lens), sum(lens), max(lens)
                 tables = torch.full((num_seqs, -(-q_max // bs)), scratch, device=self.device)
