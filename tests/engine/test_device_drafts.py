@@ -62,5 +62,20 @@ def test_drafts_after_a_guess_follow_the_real_tokens(chain_model) -> None:
         kept[device] = speculator.num_accepted_tokens
         assert (speculator.num_device_drafted > 0) == device
         assert core.block_manager.num_used_blocks == 0
+        _reported(core.stats(), speculator.num_device_drafted)
     # With the host's guessed drafts only the first of each run after a guess could be kept.
     assert kept[True] >= 2 * kept[False], kept
+
+
+def _reported(stats, device_drafted: int) -> None:  # type: ignore[no-untyped-def]
+    """The count reaches GetStats (device_drafted_steps) and the metrics (cbd_spec_device_drafted_steps_total)."""
+    from prometheus_client import generate_latest
+
+    from cbd.server.info import stats as stats_message
+    from cbd.server.metrics import Metrics
+
+    assert stats.speculation is not None and stats.speculation.num_device_drafted == device_drafted
+    assert stats_message(stats, 0, 1.0).device_drafted_steps == device_drafted
+    metrics = Metrics()
+    metrics.watch_engine(lambda: stats, lambda: 0, dict, dict)
+    assert f"cbd_spec_device_drafted_steps_total {float(device_drafted)}" in generate_latest(metrics.registry).decode()

@@ -179,6 +179,7 @@ class SpeculationStats:
     num_steps: int = 0  # sequence-steps that verified drafts
     num_draft_tokens: int = 0  # drafts proposed and verified
     num_accepted_tokens: int = 0  # of those, kept (each saved one step of its sequence)
+    num_device_drafted: int = 0  # of num_steps, those whose drafts the device looked up again (not the host's)
 
 
 def ended(request_id: str, n: int, reason: FinishReason, done: Collection[int] = ()) -> RequestOutput:

@@ -49,7 +49,9 @@ class StatsReader:
             gpu_busy=self.gpu_busy(),
             host=self.host_tier.stats(sessions.hits) if self.host_tier is not None else None,
             disk=self.disk.stats() if self.disk is not None else None,
-            speculation=SpeculationStats(spec.num_speculative_steps, spec.num_draft_tokens, spec.num_accepted_tokens),
+            speculation=SpeculationStats(
+                spec.num_speculative_steps, spec.num_draft_tokens, spec.num_accepted_tokens, spec.num_device_drafted
+            ),
             step_phases=step_phases,
         )
 

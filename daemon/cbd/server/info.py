@@ -62,6 +62,7 @@ def stats(s: EngineStats, live_requests: int, uptime: float) -> pb.Stats:
         draft_tokens=s.speculation.num_draft_tokens if s.speculation else 0,
         accepted_draft_tokens=s.speculation.num_accepted_tokens if s.speculation else 0,
         speculative_steps=s.speculation.num_steps if s.speculation else 0,
+        device_drafted_steps=s.speculation.num_device_drafted if s.speculation else 0,
         **(_session_files(s.disk) if s.disk else {}),
     )
 

@@ -95,6 +95,11 @@ class _EngineCollector(Collector):
                                       value=spec.num_draft_tokens)  # fmt: skip
             yield CounterMetricFamily("cbd_spec_accepted_tokens", "Draft tokens kept (each saved a step).",
                                       value=spec.num_accepted_tokens)  # fmt: skip
+            yield CounterMetricFamily(
+                "cbd_spec_device_drafted_steps",
+                "Sequence-steps whose drafts the device looked up again in the real context after the step in flight.",
+                value=spec.num_device_drafted,
+            )  # fmt: skip
             yield GaugeMetricFamily(
                 "cbd_spec_acceptance_ratio", "Kept / verified draft tokens since start (0 before any).",
                 value=spec.num_accepted_tokens / spec.num_draft_tokens if spec.num_draft_tokens else 0.0,
