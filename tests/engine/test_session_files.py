@@ -528,3 +528,66 @@ def test_the_host_tiers_evictions_spill_to_disk_instead_of_recomputing(tiny_load
     assert spilling.checkpoints is not None and spilling.checkpoints.disk.flush(10)
     assert not list((tmp_path / "engine").glob(f"*{files.SUFFIX}"))  # closed: no file left
     spilling.checkpoints.disk.close()
+
+
+def test_sessions_due_back_are_read_ahead_of_their_turns_into_room_those_due_later_make(
+    tiny_loaded, tmp_path, monkeypatch
+) -> None:  # fmt: skip
+    """Four agents said when they would be back (30 s, 7200 s, 3600 s, 7200 s); all their KV is in their files
+    (a host tier of two sessions). As each comes due (the read-ahead's clock moved on), its KV is read back
+    before its turn, into host blocks that only sessions due back after it give up; then every turn answers as
+    an engine with room for everything, from the KV read ahead (not recomputed, not read on the turn)."""
+    import types
+
+    from cbd.engine.sessions import read_back
+    from cbd.engine.sessions.records import RETENTION_HIGH, Session
+
+    rng = random.Random(12)
+    scripts = [[[rng.randrange(2, 256) for _ in range(40)] for _ in range(2)] for _ in range(4)]
+    idle = [30.0, 7200.0, 3600.0, 7200.0]
+    ideal = make_core(tiny_loaded, block_size=4, num_kv_blocks=512, num_host_kv_blocks=0)
+    core = make_core(tiny_loaded, disk_kv_dir=str(tmp_path), disk_kv_spill=True, block_size=4, num_kv_blocks=64,
+                     num_host_kv_blocks=26)  # fmt: skip
+    keys = [f"due-{i}" for i in range(4)]
+    for c in (ideal, core):
+        for key, script, gap in zip(keys, scripts, idle):
+            c.sessions.open(session_id=key)
+            _turn(c, key, script[0], expected_idle=gap)
+    # Everything leaves the GPU and the host tier: to the files.
+    core.sessions.eviction.evict(core.block_manager.num_blocks)
+    core.sessions.eviction.free_host(26, Session(session_id="-", ttl=None, retention=RETENTION_HIGH))
+    checkpoints = core.checkpoints
+    assert checkpoints is not None and checkpoints.disk.flush(30)
+    loads, sessions = checkpoints.loads, core.sessions.sessions
+
+    def where() -> list[str]:
+        return ["host" if sessions[k].host else "disk" if sessions[k].disk else "none" for k in keys]
+
+    def look(shift: float) -> None:
+        """One look for sessions due, `shift` seconds from now, and its read to the end."""
+        real = time.monotonic
+        monkeypatch.setattr(read_back, "time", types.SimpleNamespace(monotonic=lambda: real() + shift))
+        loads._next_look = 0.0
+        loads.prefetch(lambda key: False)
+        poll_until(lambda: loads.completed() is not None and not any(loads.reading(k) for k in keys), 30,
+                   what="the read ends")  # fmt: skip
+
+    look(0.0)  # none is due within its lead
+    assert where() == ["disk"] * 4 and loads.num_read_ahead == 0
+    for key in (keys[3], keys[1]):  # two sessions due back last fill the host tier (read for a fork, say)
+        loads.read_back(sessions[key])
+    assert where() == ["disk", "host", "disk", "host"]
+    look(29.5)  # agent 0 is due: one of those due back last makes way
+    assert where()[0] == "host" and where().count("host") == 2 and loads.num_read_ahead == 1
+    look(3599.5)  # agent 2: the other makes way
+    assert where() == ["host", "disk", "host", "disk"] and loads.num_read_ahead == 2
+    look(7199.5)  # agents 1 and 3 are due, but those on the host are due sooner: they keep their room
+    assert where() == ["host", "disk", "host", "disk"] and loads.num_read_ahead == 2
+    hits = dict(core.sessions.hits)
+    for i in (0, 2):
+        assert _turn(core, keys[i], scripts[i][1]) == _turn(ideal, keys[i], scripts[i][1])
+    assert core.sessions.hits["disk"] == hits.get("disk", 0) and core.sessions.hits["recompute"] == hits.get(
+        "recompute", 0
+    )
+    core.check_integrity()
+    checkpoints.disk.close()

@@ -49,6 +49,8 @@ from cbd.errors import SettingError
 from cbd.model.loader import LoadedModel
 
 log = logging.getLogger(__name__)
+READ_RATE_GUESS = 1 << 30  # bytes per second, before reads have measured the folder's disk
+READ_RATE_AFTER = 64 << 20
 
 
 @dataclass(slots=True)
@@ -345,6 +347,14 @@ class DiskTier:
     def _count_lost(self) -> None:
         with self._count:
             self._stats.num_sessions_lost += 1
+
+    def read_seconds(self, size: int) -> float:
+        """How long reading `size` bytes of KV is expected to take: at the rate reads have had so far (at
+        READ_RATE_GUESS until READ_RATE_AFTER bytes were read)."""
+        with self._count:
+            s = self._stats
+            rate = s.bytes_read / s.load_seconds_sum if s.bytes_read >= READ_RATE_AFTER and s.load_seconds_sum else 0.0
+        return size / (rate or READ_RATE_GUESS)
 
     def _count_load(self, size: int, start: float, failed: bool) -> None:
         with self._count:

@@ -91,21 +91,27 @@ class SessionEviction:
                 self._offload(b, [])
             self.num_evictions += 1
 
-    def free_host(self, count: int, coming: Session) -> None:
+    def free_host(self, count: int, coming: Session, ahead: bool = False) -> bool:
         """Make `count` host blocks free for the KV of `coming`, whose turn or fork is here (its KV read back
         from its file): evict the host copies of idle sessions in eviction order, those of a retention no
         higher than its own (it is wanted now: it comes last among its peers), spilled to disk first with
-        `--disk-kv-spill`; none if all of them would not free enough."""
+        `--disk-kv-spill`; none if all of them would not free enough. ahead: `coming` is read back ahead of
+        its turn (sessions/read_back.py), so only sessions expected back after it make way. Returns whether
+        `count` blocks are free."""
         tier = self.host_tier
         if tier is None or tier.num_free_blocks >= count:
-            return
+            return tier is not None
+        now = time.monotonic()
         idle = [s for s in self.sessions.values() if s.busy is None and s is not coming]
-        going = [s for s in self.order(idle) if s.retention <= coming.retention]
+        going = [s for s in self.order(idle, now) if s.retention <= coming.retention]
+        if ahead:
+            going = [s for s in going if s.next_use(now) > coming.next_use(now)]
         # Only if evicting them all would free enough (blocks may be shared with what stays): else none goes.
         held = Counter(i for s in going for b in s.branches_and_self() if b.host is not None for i in b.host.block_ids)
         if tier.num_free_blocks + sum(1 for i, n in held.items() if tier.pool.ref_counts[i] == n) < count:
-            return
+            return False
         self._evict_host(going, count)
+        return tier.num_free_blocks >= count
 
     def _evict_host(self, sessions: list[Session], count: int) -> None:
         """Evict the host copies of these idle sessions, in order, until `count` host blocks are free."""

@@ -5,7 +5,10 @@
                         (engine_loop.py), so the turn waits and the batch does not. A turn of a session whose
                         spill is still being written waits the same way, then its KV is read back
   ahead of turns        restored sessions, most recently used first, one at a time, while the host tier
-                        keeps a quarter free (`prefetch`)
+                        keeps a quarter free (`prefetch`); and a session whose agent said when it would be
+                        back (`expected_idle`) once it is due within READ_AHEAD_SECONDS plus the time its KV
+                        takes to read, into host blocks that sessions due back after it make way for
+                        (`_due`: the disk's latency hidden behind the agent's tool call)
   synchronously         for a caller without that loop (an EngineCore used directly), before the turn or
                         fork (`read_back`)
 
@@ -18,6 +21,7 @@ Engine-thread only.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from concurrent.futures import Future
 from concurrent.futures import wait as futures_wait
@@ -27,6 +31,9 @@ from cbd.engine.kv.host_pool import HostCopy
 from cbd.engine.kv.session_files import DiskCopy
 from cbd.engine.sessions.manager import SessionManager
 from cbd.engine.sessions.records import Branch, Session
+
+READ_AHEAD_SECONDS = 1.0  # how long before a session is due back (beyond its read time) its KV is read back
+READ_AHEAD_EVERY = 0.02  # seconds between two looks for sessions due (a look walks every session)
 
 
 class ReadBack:
@@ -45,6 +52,8 @@ class ReadBack:
         self._loads: dict[str, list[tuple[Branch, Load]]] = {}  # session key -> its branches being read back
         self._after_spill: dict[str, Future[Written]] = {}  # session key -> its spill, to be read back after
         self.prefetching: list[str] = []  # restored sessions not yet read back, most recently used first
+        self.num_read_ahead = 0  # sessions read back because they were due (`_due`)
+        self._next_look = 0.0
         sessions.read_back = self.read_back
 
     def reading(self, key: str) -> bool:
@@ -143,10 +152,13 @@ class ReadBack:
         return done
 
     def prefetch(self, busy: Callable[[str], bool]) -> None:
-        """Read the next restored session back ahead of its turn, one at a time, while the host tier keeps a
-        quarter free after it; `busy(key)`: the session has commands waiting (they start its load)."""
+        """Read a session back ahead of its turn, one at a time: the next one due (`_due`), else the next
+        restored one while the host tier keeps a quarter free after it; `busy(key)`: the session has commands
+        waiting (they start its load)."""
         host = self.disk.host_tier
         if self._loads or host is None:
+            return
+        if self._due(busy):
             return
         while self.prefetching:
             key = self.prefetching[0]
@@ -161,6 +173,36 @@ class ReadBack:
             self.prefetching.pop(0)
             self.start_load(key)
             return
+
+    def _due(self, busy: Callable[[str], bool]) -> bool:
+        """Start reading back the idle session due back soonest among those whose KV is in their file and who
+        are due within READ_AHEAD_SECONDS plus its read time, if the host tier has room for it or sessions due
+        back after it can make room. True if one was started."""
+        now = time.monotonic()
+        if now < self._next_look:
+            return False
+        self._next_look = now + READ_AHEAD_EVERY
+        self._settle()  # spills written since: their branches point at the files
+        soonest: tuple[float, Session, int] | None = None
+        for key, session in self.sessions.sessions.items():
+            if session.busy is not None or session.expected_idle is None or busy(key):
+                continue
+            on_disk = [b.disk for b in session.branches_and_self() if b.disk is not None]
+            if not on_disk or key in self._after_spill or self._spill_of(key) is not None:
+                continue
+            due = session.next_use(now)
+            size = sum(e.length for copy in on_disk for e in copy.branch.extents)
+            if due - now <= READ_AHEAD_SECONDS + self.disk.read_seconds(size) and (soonest is None or due < soonest[0]):
+                blocks = sum(-(-copy.num_tokens // self.disk.block_size) for copy in on_disk)
+                soonest = (due, session, blocks)
+        if soonest is None:
+            return False
+        _, session, blocks = soonest
+        if not self.sessions.eviction.free_host(blocks, session, ahead=True):
+            return False
+        self.num_read_ahead += 1
+        self.start_load(session.session_id)
+        return True
 
     def load_copies(self) -> list[HostCopy]:
         """Host copies held by reads in flight (integrity checks)."""
