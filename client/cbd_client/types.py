@@ -144,6 +144,7 @@ class Stats:
     sessions_lost: int = 0
     last_save_seconds: float = 0.0
     sessions_spilled: int = 0
+    device_drafted_steps: int = 0  # of speculative_steps, those whose drafts the device looked up again
 
 
 @dataclass(frozen=True, slots=True)
