@@ -116,7 +116,7 @@ def kernels(results: dict) -> None:
         q, kv, layout = case(q_lens, ctx)
         flop = causal_flop(q_lens, ctx)
         variants = [("triton", True), ("flash", True)] + ([("flash", False)] if case_name == "mixed" else [])
-        variants += [("flash paged", True)] if flash_attention.gathers(layout) else []
+        variants += [("flash paged", True)] if case_name == "chunk" else []
         variants += [("flash serial", True)] if case_name == "mixed" else []
         for name, split in variants:
             flash_attention.SPLIT_DECODES = split

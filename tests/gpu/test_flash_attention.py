@@ -82,7 +82,7 @@ def test_long_chunks_hand_fa4_their_keys_gathered_in_position_order() -> None:
     rng.shuffle(free)
     tables = [[free.pop() for _ in range(-(-c // block_size))] for c in ctx]
     layout = layout_from_lists([600, 512], ctx, tables, block_size)
-    backend = flash_attention.FlashBackend(block_size, None, 2, varlen=_reference_varlen)
+    backend = flash_attention.FlashBackend(block_size, None, 2, varlen=_reference_varlen, head_dim=16)
     meta = backend.prepare(layout)
     assert isinstance(meta, flash_attention.FlashMetadata) and meta.key_slots is not None
     for b, table in enumerate(tables):
@@ -94,9 +94,11 @@ def test_long_chunks_hand_fa4_their_keys_gathered_in_position_order() -> None:
     assert torch.allclose(meta.attend(q, kv, 0.25), reference, atol=1e-5)
     short = layout_from_lists([511, 1], [600, 9], [tables[0], tables[1]], block_size)
     assert backend.prepare(short).key_slots is None  # below GATHER_MIN_QUERIES: the pages in place
-    wide = layout_from_lists([600] * 2, [flash_attention.GATHER_MAX_KEYS // 2 + 1] * 2,
-                             [list(range(-(-(flash_attention.GATHER_MAX_KEYS // 2 + 1) // block_size)))] * 2, block_size)  # fmt: skip
-    assert backend.prepare(wide).key_slots is None  # a copy past GATHER_MAX_KEYS: the pages in place
+    longest = flash_attention.GATHER_MAX_BYTES // backend.key_bytes // 2 + 1  # two of them: one key too many
+    wide = layout_from_lists([600] * 2, [longest] * 2, [list(range(-(-longest // block_size)))] * 2, block_size)
+    assert backend.prepare(wide).key_slots is None  # a copy past GATHER_MAX_BYTES: the pages in place
+    windowed = flash_attention.FlashBackend(block_size, 256, 2, varlen=_reference_varlen, head_dim=16)
+    assert windowed.prepare(layout).key_slots is None  # a sliding window: the pages in place
 
 
 def _fa4_usable() -> bool:
@@ -140,7 +142,7 @@ def _random_step(
 def test_flash_equals_triton_and_the_reference(block_size, heads, head_dim, window, runs) -> None:
     if window is not None and runs[0][0] == 2048:
         pytest.skip("one windowed case is enough")
-    gathered = runs[-1][0] >= flash_attention.GATHER_MIN_QUERIES
+    gathered = runs[-1][0] >= flash_attention.GATHER_MIN_QUERIES and window is None
     rng = random.Random(block_size * 31 + head_dim + heads[0])
     torch.manual_seed(rng.randrange(1000))
     layout, kv, q = _random_step(rng, runs, heads, head_dim, block_size)

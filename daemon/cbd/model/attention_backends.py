@@ -166,7 +166,7 @@ def select_backend(
     if name == "flash":
         varlen = flash_attention.load()
         assert not isinstance(varlen, str)  # unusable_reason returned None: it loaded
-        return flash_attention.FlashBackend(block_size, sliding_window, num_kv_heads, varlen)
+        return flash_attention.FlashBackend(block_size, sliding_window, num_kv_heads, varlen, head_dim)
     if name == "triton":
         return TritonBackend(block_size, sliding_window, num_kv_heads)
     return TorchBackend(block_size, sliding_window)

@@ -20,8 +20,8 @@ cache, under cbd's cache directory): on an H200 a cold warm-up took 11 s, one fr
 Mixed steps: the leading decodes (`BatchLayout.num_decodes`) go to Triton's extend kernel, the rest to FA4, each
 on its own CUDA stream (`CONCURRENT_SPLIT`): the decodes are bound by memory, FA4's queries by the tensor cores.
 
-Long chunks (a sequence with `GATHER_MIN_QUERIES` or more queries; sequences x longest context within
-`GATHER_MAX_KEYS`): each layer first copies the step's keys and values into one contiguous tensor in position
+Long chunks (a sequence with `GATHER_MIN_QUERIES` or more queries, the copy within `GATHER_MAX_BYTES`, no
+sliding window): each layer first copies the step's keys and values into one contiguous tensor in position
 order (`key_slots`, one gather), and FA4 reads that instead of the pages. FA4 loads pages smaller than its
 128-key tile with plain loads and a contiguous tensor by TMA; the copy costs ~2 x 4 KB per key per layer at the
 8B shape, repaid many times over by a chunk of hundreds of queries.
@@ -51,9 +51,9 @@ CONCURRENT_SPLIT = True  # the two halves of a mixed step on two CUDA streams (S
 PACK_GQA_BELOW = 128  # queries per sequence (FA4's tile height on sm90 at head dim 128)
 # Long chunks read their keys from a contiguous copy: FA4 loads paged K/V in 8-16-token pages with plain loads,
 # contiguous K/V by TMA. The copy (one gather per layer, 2 x 4 KB per key at the 8B shape) is repaid once a
-# sequence has GATHER_MIN_QUERIES queries; GATHER_MAX_KEYS bounds it (sequences x longest context).
+# sequence has GATHER_MIN_QUERIES queries; GATHER_MAX_BYTES bounds it (sequences x longest context x K and V).
 GATHER_MIN_QUERIES = 512
-GATHER_MAX_KEYS = 65536
+GATHER_MAX_BYTES = 256 << 20
 
 
 def installed() -> bool:
@@ -170,8 +170,11 @@ class FlashBackend:
     name = "flash"
     supports_cuda_graphs = True  # the graphs capture decode / verifying steps: Triton's, which read no host values
 
-    def __init__(self, block_size: int, sliding_window: int | None, num_kv_heads: int, varlen: Callable) -> None:
+    def __init__(
+        self, block_size: int, sliding_window: int | None, num_kv_heads: int, varlen: Callable, head_dim: int = 128
+    ) -> None:
         self.block_size = block_size
+        self.key_bytes = 2 * num_kv_heads * head_dim * 2  # K and V of one position, 16-bit (FA4's dtypes)
         self.window: tuple[int | None, int | None] = (sliding_window - 1, 0) if sliding_window else (None, None)
         self.varlen = varlen
         self.decodes = TritonBackend(block_size, sliding_window, num_kv_heads)
@@ -213,14 +216,14 @@ class FlashBackend:
         return FlashMetadata(
             layout, self.block_size, self.window, self.varlen, layout.query_start.to(torch.int32),
             layout.context_lens.to(torch.int32), layout.block_tables.to(torch.int32).contiguous(),
-            key_slots(layout, self.block_size) if gathers(layout) else None,
+            key_slots(layout, self.block_size) if self.gathers(layout) else None,
         )  # fmt: skip
 
-
-def gathers(layout: BatchLayout) -> bool:
-    """Whether a step's FA4 part reads its keys from a gathered copy (host-side bounds only, no device read)."""
-    num_seqs = layout.context_lens.shape[0]
-    return layout.max_query_len >= GATHER_MIN_QUERIES and num_seqs * layout.max_context_len <= GATHER_MAX_KEYS
+    def gathers(self, layout: BatchLayout) -> bool:
+        """Whether a step's FA4 part reads its keys from a gathered copy (host-side bounds only, no device read);
+        never with a sliding window (the copy would hold the whole context, FA4 reads only the window)."""
+        copy = layout.context_lens.shape[0] * layout.max_context_len * self.key_bytes
+        return layout.max_query_len >= GATHER_MIN_QUERIES and copy <= GATHER_MAX_BYTES and self.window == (None, None)
 
 
 def key_slots(layout: BatchLayout, block_size: int) -> torch.Tensor:
