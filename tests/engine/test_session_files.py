@@ -534,12 +534,13 @@ def test_sessions_due_back_are_read_ahead_of_their_turns_into_room_those_due_lat
     tiny_loaded, tmp_path, monkeypatch
 ) -> None:  # fmt: skip
     """Four agents said when they would be back (30 s, 7200 s, 3600 s, 7200 s); all their KV is in their files
-    (a host tier of two sessions). As each comes due (the read-ahead's clock moved on), its KV is read back
-    before its turn, into host blocks that only sessions due back after it give up; then every turn answers as
-    an engine with room for everything, from the KV read ahead (not recomputed, not read on the turn)."""
+    (a host tier of two sessions). As each comes due (the engine's clock moved on), its KV is read back before
+    its turn, once, into host blocks that only sessions expected back after it give up (an agent two hours past
+    its 30 s is expected back no sooner than one idle as long without a hint); then the turns answer as an
+    engine with room for everything, from the KV read ahead (not recomputed, not read on the turn)."""
     import types
 
-    from cbd.engine.sessions import read_back
+    from cbd.engine.sessions import eviction, read_back
     from cbd.engine.sessions.records import RETENTION_HIGH, Session
 
     rng = random.Random(12)
@@ -559,18 +560,24 @@ def test_sessions_due_back_are_read_ahead_of_their_turns_into_room_those_due_lat
     checkpoints = core.checkpoints
     assert checkpoints is not None and checkpoints.disk.flush(30)
     loads, sessions = checkpoints.loads, core.sessions.sessions
+    real = time.monotonic
 
     def where() -> list[str]:
         return ["host" if sessions[k].host else "disk" if sessions[k].disk else "none" for k in keys]
 
     def look(shift: float) -> None:
-        """One look for sessions due, `shift` seconds from now, and its read to the end."""
-        real = time.monotonic
-        monkeypatch.setattr(read_back, "time", types.SimpleNamespace(monotonic=lambda: real() + shift))
+        """One look for sessions due with the clock `shift` seconds on, and its read to the end."""
+        clock = types.SimpleNamespace(monotonic=lambda: real() + shift)
+        monkeypatch.setattr(read_back, "time", clock)
+        monkeypatch.setattr(eviction, "time", clock)
         loads._next_look = 0.0
         loads.prefetch(lambda key: False)
-        poll_until(lambda: loads.completed() is not None and not any(loads.reading(k) for k in keys), 30,
-                   what="the read ends")  # fmt: skip
+
+        def ended() -> bool:
+            loads.completed()  # hands the branches their host copies
+            return not any(loads.reading(k) for k in keys)
+
+        poll_until(ended, 30, what="the read ends")
 
     look(0.0)  # none is due within its lead
     assert where() == ["disk"] * 4 and loads.num_read_ahead == 0
@@ -579,15 +586,21 @@ def test_sessions_due_back_are_read_ahead_of_their_turns_into_room_those_due_lat
     assert where() == ["disk", "host", "disk", "host"]
     look(29.5)  # agent 0 is due: one of those due back last makes way
     assert where()[0] == "host" and where().count("host") == 2 and loads.num_read_ahead == 1
+    look(29.5)  # read ahead once per idle period
+    assert loads.num_read_ahead == 1
     look(3599.5)  # agent 2: the other makes way
     assert where() == ["host", "disk", "host", "disk"] and loads.num_read_ahead == 2
-    look(7199.5)  # agents 1 and 3 are due, but those on the host are due sooner: they keep their room
-    assert where() == ["host", "disk", "host", "disk"] and loads.num_read_ahead == 2
+    look(7199.5)  # agents 1 and 3 are due; agent 2 (due sooner) keeps its room, agent 0 (long past due) gives way
+    assert where() == ["disk", "host", "host", "disk"] and loads.num_read_ahead == 3
+    look(7199.5)  # agent 3: both on the host are due no later than it
+    assert where() == ["disk", "host", "host", "disk"] and loads.num_read_ahead == 3
+    monkeypatch.setattr(read_back, "time", time)
+    monkeypatch.setattr(eviction, "time", time)
     hits = dict(core.sessions.hits)
-    for i in (0, 2):
+    for i in (1, 2):
         assert _turn(core, keys[i], scripts[i][1]) == _turn(ideal, keys[i], scripts[i][1])
-    assert core.sessions.hits["disk"] == hits.get("disk", 0) and core.sessions.hits["recompute"] == hits.get(
-        "recompute", 0
-    )
+    assert core.sessions.hits == hits | {"host": hits.get("host", 0) + 2}  # both from the KV read ahead
+    assert _turn(core, keys[0], scripts[0][1]) == _turn(ideal, keys[0], scripts[0][1])  # read back on its turn
+    assert core.sessions.hits["disk"] == hits.get("disk", 0) + 1
     core.check_integrity()
     checkpoints.disk.close()

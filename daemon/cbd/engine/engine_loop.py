@@ -134,7 +134,9 @@ class EngineLoop:
             if not core.has_work():
                 # Sessions expire by time, so an idle engine still wakes now and then; so does a trim due.
                 trims = self._trim.trims
-                waits = [w for w in (1.0 if core.sessions.sessions else None, self._trim.poll()) if w is not None]
+                # With session files, sessions due back are read ahead (ReadBack.prefetch): a look twice a second.
+                every = 0.5 if core.checkpoints is not None else 1.0
+                waits = [w for w in (every if core.sessions.sessions else None, self._trim.poll()) if w is not None]
                 if self._trim.trims == trims:  # after a trim, one more turn reports it before the wait
                     self._wake.wait(timeout=min(waits) if waits else None)
             else:

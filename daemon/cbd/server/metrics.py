@@ -97,7 +97,7 @@ class _EngineCollector(Collector):
                                       value=spec.num_accepted_tokens)  # fmt: skip
             yield CounterMetricFamily(
                 "cbd_spec_device_drafted_steps",
-                "Sequence-steps whose drafts the device looked up again in the real context after the step in flight.",
+                "Sequence-steps whose drafts the device looked up again after the step in flight, where they differed.",
                 value=spec.num_device_drafted,
             )  # fmt: skip
             yield GaugeMetricFamily(

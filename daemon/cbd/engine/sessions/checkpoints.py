@@ -200,12 +200,13 @@ class SessionCheckpoints:
                 b.disk = same[0]
 
     # ---- spilling: the host tier's evictions go to disk -----------------------------------------------
-    def spill(self, session: Session, going: list[Branch]) -> None:
+    def spill(self, session: Session, going: list[Branch]) -> bool:
         """The host copies of these branches of an idle session are about to be released to recompute (the
-        caller clears `host` after): keep the KV in the session's file instead (see the module docstring)."""
+        caller clears `host` after): keep the KV in the session's file instead (see the module docstring).
+        False: it is not kept (files of token ids only, or too much in flight): the branches recompute."""
         self._settle()
         if not self.disk.keeps_kv:  # files hold token ids only: nothing to keep
-            return
+            return False
         key = session.session_id
         branches = session.branches_and_self()
         entry = self._files.get(key)
@@ -216,15 +217,16 @@ class SessionCheckpoints:
                 for b in going:
                     b.disk = by_branch[id(b)]
                 self.disk.count_spill()
-                return
+                return True
         plan = self._plan(session)
         per_block, size = self.disk.bytes_per_block, self.disk.block_size
         need = sum(-(-p.kv_tokens // size) - p.keep // size for p in plan) * per_block
         in_flight = sum(n for _, n in self._spilling.values())
         if key in self._spilling or (in_flight and in_flight + need > SPILL_BYTES):
-            return  # recomputed
+            return False  # recomputed
         self._spilling[key] = (self._save(session, True, plan), need)
         self.disk.count_spill()
+        return True
 
     def _spill_of(self, key: str) -> Future[Written] | None:
         entry = self._spilling.get(key)

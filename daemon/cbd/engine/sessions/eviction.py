@@ -34,8 +34,9 @@ class SessionEviction:
         self.host_tier = host_tier
         self.num_evictions = 0  # sessions whose KV left the GPU
         # Called before an idle session's host copies are released to make room on the host: the disk tier
-        # keeps them instead of letting them go to recompute (sessions/checkpoints.py); None: no disk tier.
-        self.spill: Callable[[Session, list[Branch]], None] | None = None
+        # keeps them instead of letting them go to recompute (sessions/checkpoints.py; False: it could not,
+        # they are recomputed); None: no disk tier.
+        self.spill: Callable[[Session, list[Branch]], bool] | None = None
 
     def order(self, sessions: list[Session], now: float | None = None) -> list[Session]:
         """Which sessions leave a tier first: retention LOW, then NORMAL, then HIGH; within a class, the
@@ -96,8 +97,9 @@ class SessionEviction:
         from its file): evict the host copies of idle sessions in eviction order, those of a retention no
         higher than its own (it is wanted now: it comes last among its peers), spilled to disk first with
         `--disk-kv-spill`; none if all of them would not free enough. ahead: `coming` is read back ahead of
-        its turn (sessions/read_back.py), so only sessions expected back after it make way. Returns whether
-        `count` blocks are free."""
+        its turn (sessions/read_back.py), a guess: only sessions expected back after it make way
+        (`Session.expected_back`), and only those whose KV their files keep (none without spilling). Returns
+        whether `count` blocks are free."""
         tier = self.host_tier
         if tier is None or tier.num_free_blocks >= count:
             return tier is not None
@@ -105,16 +107,19 @@ class SessionEviction:
         idle = [s for s in self.sessions.values() if s.busy is None and s is not coming]
         going = [s for s in self.order(idle, now) if s.retention <= coming.retention]
         if ahead:
-            going = [s for s in going if s.next_use(now) > coming.next_use(now)]
+            if self.spill is None:
+                return False
+            going = [s for s in going if s.expected_back(now) > coming.expected_back(now)]
         # Only if evicting them all would free enough (blocks may be shared with what stays): else none goes.
         held = Counter(i for s in going for b in s.branches_and_self() if b.host is not None for i in b.host.block_ids)
         if tier.num_free_blocks + sum(1 for i, n in held.items() if tier.pool.ref_counts[i] == n) < count:
             return False
-        self._evict_host(going, count)
+        self._evict_host(going, count, keep_kv=ahead)
         return tier.num_free_blocks >= count
 
-    def _evict_host(self, sessions: list[Session], count: int) -> None:
-        """Evict the host copies of these idle sessions, in order, until `count` host blocks are free."""
+    def _evict_host(self, sessions: list[Session], count: int, keep_kv: bool = False) -> None:
+        """Evict the host copies of these idle sessions, in order, until `count` host blocks are free; keep_kv:
+        only those whose KV is kept in their files (a session the spill refuses keeps its host copy)."""
         tier = self.host_tier
         assert tier is not None
         for other in sessions:
@@ -122,8 +127,11 @@ class SessionEviction:
                 break
             copies = [b.host for b in other.branches_and_self() if b.host is not None]
             if other.busy is None and copies:
-                if self.spill is not None:
-                    self.spill(other, [b for b in other.branches_and_self() if b.host is not None])
+                kept = self.spill is not None and self.spill(
+                    other, [b for b in other.branches_and_self() if b.host is not None]
+                )
+                if keep_kv and not kept:
+                    continue
                 tier.evict(copies)
                 for b in other.branches_and_self():
                     b.host = None

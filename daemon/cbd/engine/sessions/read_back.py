@@ -53,6 +53,7 @@ class ReadBack:
         self._after_spill: dict[str, Future[Written]] = {}  # session key -> its spill, to be read back after
         self.prefetching: list[str] = []  # restored sessions not yet read back, most recently used first
         self.num_read_ahead = 0  # sessions read back because they were due (`_due`)
+        self._read_ahead: dict[str, float] = {}  # session key -> its last use when it was read ahead (once each)
         self._next_look = 0.0
         sessions.read_back = self.read_back
 
@@ -175,9 +176,10 @@ class ReadBack:
             return
 
     def _due(self, busy: Callable[[str], bool]) -> bool:
-        """Start reading back the idle session due back soonest among those whose KV is in their file and who
-        are due within READ_AHEAD_SECONDS plus its read time, if the host tier has room for it or sessions due
-        back after it can make room. True if one was started."""
+        """Start reading back the idle session due back soonest (`Session.hinted_back`) among those whose KV is
+        in their file and who are due within READ_AHEAD_SECONDS plus its read time (or are late, within the
+        hint's grace), once per idle period, if the host tier has room for it or sessions expected back after
+        it can make room (`free_host(ahead=True)`). True if one was started."""
         now = time.monotonic()
         if now < self._next_look:
             return False
@@ -185,12 +187,12 @@ class ReadBack:
         self._settle()  # spills written since: their branches point at the files
         soonest: tuple[float, Session, int] | None = None
         for key, session in self.sessions.sessions.items():
-            if session.busy is not None or session.expected_idle is None or busy(key):
+            due = session.hinted_back(now)
+            if due is None or session.busy is not None or busy(key) or self._read_ahead.get(key) == session.last_used:
                 continue
             on_disk = [b.disk for b in session.branches_and_self() if b.disk is not None]
             if not on_disk or key in self._after_spill or self._spill_of(key) is not None:
                 continue
-            due = session.next_use(now)
             size = sum(e.length for copy in on_disk for e in copy.branch.extents)
             if due - now <= READ_AHEAD_SECONDS + self.disk.read_seconds(size) and (soonest is None or due < soonest[0]):
                 blocks = sum(-(-copy.num_tokens // self.disk.block_size) for copy in on_disk)
@@ -200,8 +202,11 @@ class ReadBack:
         _, session, blocks = soonest
         if not self.sessions.eviction.free_host(blocks, session, ahead=True):
             return False
+        key = session.session_id
+        self._read_ahead = {k: t for k, t in self._read_ahead.items() if k in self.sessions.sessions}
+        self._read_ahead[key] = session.last_used
         self.num_read_ahead += 1
-        self.start_load(session.session_id)
+        self.start_load(key)
         return True
 
     def load_copies(self) -> list[HostCopy]:

@@ -73,6 +73,19 @@ class Session(Branch):
             return max(now, self.last_used + self.expected_idle)
         return now + (now - self.last_used)
 
+    def hinted_back(self, now: float) -> float | None:
+        """When its agent said it would be back (last use + expected_idle, possibly past), or None: no hint, or
+        one past by more than the hinted idle time itself (at least a second): that agent is not coming on it."""
+        if self.expected_idle is None:
+            return None
+        due = self.last_used + self.expected_idle
+        return due if due >= now - max(1.0, self.expected_idle) else None
+
+    def expected_back(self, now: float) -> float:
+        """As `next_use`, not clamped to now, and a hint long past counts as none (`hinted_back`)."""
+        due = self.hinted_back(now)
+        return due if due is not None else now + (now - self.last_used)
+
     def idle_seconds(self, now: float | None = None) -> float:
         return (now if now is not None else time.monotonic()) - self.last_used
 
