@@ -8,8 +8,7 @@ figure is triton (before) and flash (after) from the same process.
   copy timed) and, as "flash paged", from the pages in place; peer: torch SDPA over the same K/V made
   contiguous, with a boolean mask (the K/V copy not timed).
 - mixed: one layer's attention of a step shaped like the priorities benchmark's mixed step: 240 decodes over
-  256..768-token contexts, then two session turns of 200 tokens over 1200- and 2400-token contexts; the
-  decodes (Triton) and the turns (FA4) on two streams, and as "flash serial" on one.
+  256..768-token contexts, then two session turns of 200 tokens over 1200- and 2400-token contexts.
 - TTFT: one request with an L-token random prompt on an EngineCore over random 8B weights (chunked prefill
   at --chunk tokens per step), submit to first token, best of 2; the engine's warm-up seconds; "flash paged":
   flash with long chunks' keys read from the pages in place.
@@ -117,16 +116,13 @@ def kernels(results: dict) -> None:
         flop = causal_flop(q_lens, ctx)
         variants = [("triton", True), ("flash", True)] + ([("flash", False)] if case_name == "mixed" else [])
         variants += [("flash paged", True)] if case_name == "chunk" else []
-        variants += [("flash serial", True)] if case_name == "mixed" else []
         for name, split in variants:
             flash_attention.SPLIT_DECODES = split
             gather_min = flash_attention.GATHER_MIN_QUERIES
             if name == "flash paged":  # the same chunk with its keys read from the pages in place
                 flash_attention.GATHER_MIN_QUERIES = 1 << 62
-            flash_attention.CONCURRENT_SPLIT = name != "flash serial"  # the mixed step's halves one after the other
             eager, gpu = attention_ms(name.split()[0], q, kv, layout)
             flash_attention.GATHER_MIN_QUERIES = gather_min
-            flash_attention.CONCURRENT_SPLIT = True
             key = name if split else f"{name} whole"
             results[case_name][key] = {"eager_ms": eager, "gpu_ms": gpu, "tflops": flop / (gpu or eager) / 1e9}
             print(f"{case_name} {key}: eager {eager * 1e3:.0f} us, graph {gpu * 1e3 if gpu else float('nan'):.0f} us/layer",
@@ -243,8 +239,6 @@ def main() -> None:
                 note += f"; keys from the pages in place: {r['flash paged'][kind] * 1e3:.0f} us"
             if case_name == "mixed" and r["flash whole"][kind] is not None:
                 note = f"FA4 over the whole step: {r['flash whole'][kind] * 1e3:.0f} us"
-            if case_name == "mixed" and r["flash serial"][kind] is not None:
-                note += f"; the halves on one stream: {r['flash serial'][kind] * 1e3:.0f} us"
             what = "GPU (graph)" if kind == "gpu_ms" else "eager call"
             print(f"| {label}, {what}, us/layer | {t * 1e3:.0f} | {f_ * 1e3:.0f} | {f_ / t:.2f} | {note} |")
     for length in lengths:

@@ -17,8 +17,7 @@ fitting one tile (a persistent schedule) or not; the runner's warm-up runs all t
 160-query extends, and a mixed step for the Triton half). Compiled kernels are kept on disk (FA4's own
 cache, under cbd's cache directory): on an H200 a cold warm-up took 11 s, one from the cache 0.2 s.
 
-Mixed steps: the leading decodes (`BatchLayout.num_decodes`) go to Triton's extend kernel, the rest to FA4, each
-on its own CUDA stream (`CONCURRENT_SPLIT`): the decodes are bound by memory, FA4's queries by the tensor cores.
+Mixed steps: the leading decodes (`BatchLayout.num_decodes`) go to Triton's extend kernel, the rest to FA4.
 
 Long chunks (a sequence with `GATHER_MIN_QUERIES` or more queries, the copy within `GATHER_MAX_BYTES`, no
 sliding window): each layer first copies the step's keys and values into one contiguous tensor in position
@@ -47,7 +46,6 @@ DTYPES = (torch.bfloat16, torch.float16)
 # A mixed step's leading decodes go to Triton (FA4 would give each a 128-row tile, one per query head when
 # the step also holds whole tiles of queries: 5x the attention time of the priorities benchmark's mixed step).
 SPLIT_DECODES = True
-CONCURRENT_SPLIT = True  # the two halves of a mixed step on two CUDA streams (SplitMetadata.side)
 PACK_GQA_BELOW = 128  # queries per sequence (FA4's tile height on sm90 at head dim 128)
 # Long chunks read their keys from a contiguous copy: FA4 loads paged K/V in 8-16-token pages with plain loads,
 # contiguous K/V by TMA. The copy (one gather per layer, 2 x 4 KB per key at the 8B shape) is repaid once a
@@ -147,21 +145,9 @@ class SplitMetadata:
     decodes: PreparedAttention
     rest: FlashMetadata
 
-    side: torch.cuda.Stream | None = None  # FA4's half runs on it beside the decodes (CONCURRENT_SPLIT)
-
     def attend(self, q: torch.Tensor, kv_cache: torch.Tensor, scale: float) -> torch.Tensor:
         n = self.num_decodes
-        if self.side is None:
-            return torch.cat((self.decodes.attend(q[:n], kv_cache, scale), self.rest.attend(q[n:], kv_cache, scale)))
-        # The decodes read memory, FA4's sequences keep the tensor cores busy: two streams let them share the SMs.
-        main = torch.cuda.current_stream(q.device)
-        self.side.wait_stream(main)
-        with torch.cuda.stream(self.side):
-            rest = self.rest.attend(q[n:], kv_cache, scale)
-        head = self.decodes.attend(q[:n], kv_cache, scale)
-        main.wait_stream(self.side)
-        rest.record_stream(main)  # made on the side stream, read (and freed) on this one
-        return torch.cat((head, rest))
+        return torch.cat((self.decodes.attend(q[:n], kv_cache, scale), self.rest.attend(q[n:], kv_cache, scale)))
 
 
 class FlashBackend:
@@ -178,7 +164,6 @@ class FlashBackend:
         self.window: tuple[int | None, int | None] = (sliding_window - 1, 0) if sliding_window else (None, None)
         self.varlen = varlen
         self.decodes = TritonBackend(block_size, sliding_window, num_kv_heads)
-        self._side: torch.cuda.Stream | None = None
 
     def decode_splits(self, num_seqs: int, max_context: int | None = None) -> int:
         return self.decodes.decode_splits(num_seqs, max_context)
@@ -200,17 +185,8 @@ class FlashBackend:
             )  # fmt: skip
             # Triton's extend kernel (one variant, warmed up), not its decode kernel: that one compiles per
             # split count, which here would follow each step's decode count and context.
-            return SplitMetadata(
-                layout.slot_mapping, n, self.decodes.prepare(head), self._flash(tail), self._side_stream(layout)
-            )
+            return SplitMetadata(layout.slot_mapping, n, self.decodes.prepare(head), self._flash(tail))
         return self._flash(layout)
-
-    def _side_stream(self, layout: BatchLayout) -> torch.cuda.Stream | None:
-        if not CONCURRENT_SPLIT or layout.slot_mapping.device.type != "cuda":
-            return None
-        if self._side is None:
-            self._side = torch.cuda.Stream(layout.slot_mapping.device)
-        return self._side
 
     def _flash(self, layout: BatchLayout) -> FlashMetadata:
         return FlashMetadata(
