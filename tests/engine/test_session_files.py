@@ -6,6 +6,7 @@ a wrong answer. The oracle: the same sessions on an engine without session files
 from __future__ import annotations
 
 import logging
+import os
 import random
 import threading
 import time
@@ -19,7 +20,7 @@ from cbd.engine.engine import Engine
 from cbd.engine.kv import disk_tier, session_file_save
 from cbd.engine.kv import session_files as files
 from cbd.engine.sampling_params import SamplingParams
-from cbd.engine.sessions.records import TurnInput
+from cbd.engine.sessions.records import RETENTION_HIGH, Session, TurnInput
 from cbd.errors import SessionExists, SettingError, UnknownSession
 from helpers import checked_step, make_core, poll_until
 
@@ -541,7 +542,6 @@ def test_sessions_due_back_are_read_ahead_of_their_turns_into_room_those_due_lat
     import types
 
     from cbd.engine.sessions import eviction, read_back
-    from cbd.engine.sessions.records import RETENTION_HIGH, Session
 
     rng = random.Random(12)
     scripts = [[[rng.randrange(2, 256) for _ in range(40)] for _ in range(2)] for _ in range(4)]
@@ -604,3 +604,44 @@ def test_sessions_due_back_are_read_ahead_of_their_turns_into_room_those_due_lat
     assert core.sessions.hits["disk"] == hits.get("disk", 0) + 1
     core.check_integrity()
     checkpoints.disk.close()
+
+
+def test_a_spill_is_written_without_fsyncs_and_the_next_background_save_makes_it_durable(
+    tiny_loaded, tmp_path, monkeypatch
+) -> None:  # fmt: skip
+    """Spills keep KV for capacity, not for a crash: written without fsyncs. The sessions still count as
+    changed, so the background save writes them again, fsynced, with no KV twice (their files hold it), and
+    their files' names reach the disk (the directory synced); a restart then finds every session whole."""
+    synced: list[int] = []
+    real = os.fsync
+    monkeypatch.setattr(os, "fsync", lambda fd: synced.append(fd) or real(fd))
+    directories: list[Path] = []
+    sync = files.sync_directory
+    monkeypatch.setattr(files, "sync_directory", lambda d: directories.append(d) or sync(d))
+    rng = random.Random(13)
+    scripts = [[rng.randrange(2, 256) for _ in range(40)] for _ in range(3)]
+    core = make_core(tiny_loaded, disk_kv_dir=str(tmp_path), disk_kv_spill=True, block_size=4, num_kv_blocks=64,
+                     num_host_kv_blocks=26)  # fmt: skip
+    keys = [f"spill-{i}" for i in range(3)]
+    answers = {}
+    for key, script in zip(keys, scripts):
+        core.sessions.open(session_id=key)
+        answers[key] = _turn(core, key, script)
+    core.sessions.eviction.evict(core.block_manager.num_blocks)
+    core.sessions.eviction.free_host(26, Session(session_id="-", ttl=None, retention=RETENTION_HIGH))
+    checkpoints = core.checkpoints
+    assert checkpoints is not None and checkpoints.disk.flush(30)
+    stats = checkpoints.disk.stats()
+    assert stats.num_spilled == 3 and stats.num_files_written == 3 and synced == [] and directories == []
+    written = stats.bytes_written
+    assert checkpoints.save_idle(0) == 3 and checkpoints.disk.flush(30)
+    stats = checkpoints.disk.stats()
+    assert stats.num_files_written == 6 and stats.bytes_written - written < 3 * 8192  # headers, no KV again
+    assert len(directories) == 3 and len(synced) == 3 * 2 + 3  # each file (extents, header), and its name
+    assert checkpoints.save_idle(0) == 0  # saved: unchanged now
+    checkpoints.disk.close()
+    restarted = _restarted(tiny_loaded, tmp_path)
+    assert sorted(restarted.sessions.sessions) == keys
+    assert all(restarted.sessions.sessions[k].disk is not None for k in keys)
+    assert restarted.checkpoints is not None
+    restarted.checkpoints.disk.close()

@@ -168,3 +168,34 @@ def test_a_file_written_anew_holds_an_extent_its_branches_share_once(tmp_path) -
     unique = len(_kv(TOKENS, 48)) + sum(len(_kv(c, 53, 12)) for c in candidates)
     assert path.stat().st_size == 16 + 2 * layout.slot_size + unique
     assert _read(path)[1] == [_kv(TOKENS, 48), *(_kv(c, 53) for c in candidates)]
+
+
+def test_a_save_that_is_not_durable_skips_the_fsyncs_only_where_no_earlier_save_is_at_stake(
+    tmp_path, monkeypatch
+) -> None:  # fmt: skip
+    """A spill's save (durable=False) of a new file and its appends run no fsync; written anew over a file that
+    exists, it does (the older file is at stake); a durable save always does. The file reads back the same,
+    and an append's new extents that never reached the disk fail their CRC (recomputed, the tokens kept)."""
+    synced: list[int] = []
+    real = os.fsync
+    monkeypatch.setattr(os, "fsync", lambda fd: synced.append(fd) or real(fd))
+    path = tmp_path / "s.session"
+    session_file_save.save(path, _session((TOKENS[:50], 49)), [_new(TOKENS, 49)], durable=False)
+    session_file_save.save(path, _session((TOKENS[:80], 79)), [_new(TOKENS, 79, base=0, keep=48)], durable=False)
+    assert synced == []
+    back, data = _read(path)
+    assert back.branches[0].token_ids == TOKENS[:80] and data == [_kv(TOKENS, 79)]
+    session_file_save.save(path, _session((TOKENS[:80], 79)), [files.NewKv(0, 79, [])], compact=True, durable=False)
+    assert len(synced) >= 2  # the file and its directory: the older file was at stake
+    synced.clear()
+    session_file_save.save(path, _session((TOKENS[:90], 89)), [_new(TOKENS, 89, base=0, keep=76)])
+    assert len(synced) == 2  # a durable append: the extents, then the header
+    # A crash after a save without fsyncs whose extents never reached the disk: zeros where they were.
+    session_file_save.save(path, _session((TOKENS[:120], 119)), [_new(TOKENS, 119, base=0, keep=88)], durable=False)
+    back, _ = files.read_header(path)
+    raw = bytearray(path.read_bytes())
+    last = back.branches[0].extents[-1]
+    raw[last.offset : last.offset + last.length] = bytes(last.length)
+    path.write_bytes(bytes(raw))
+    back, data = _read(path)
+    assert back.branches[0].token_ids == TOKENS[:120] and data == [None]

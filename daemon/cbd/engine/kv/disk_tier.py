@@ -112,6 +112,7 @@ class DiskTier:
         self._stats = DiskTierStats(cap_bytes=cap_bytes)
         self._stats.last_checkpoint_seconds = self._read_last_save()  # the last shutdown's, if this folder's
         self._sizes: dict[str, int] = {}  # file name -> bytes, the writer thread's view of the directory
+        self._new_entries: set[str] = set()  # files a save without fsyncs made (the writer thread's)
         left = files.remove_temporaries(self.directory)
         if left:
             log.info("removed %d unfinished session files from %s", left, self.directory)
@@ -141,11 +142,12 @@ class DiskTier:
         assert self.host_tier is not None  # only a host tier makes host copies
         return self.host_tier.read_blocks(copy.block_ids)
 
-    def write(self, saved: files.SavedSession, kv: list[files.NewKv | None]) -> Future[Written]:
+    def write(self, saved: files.SavedSession, kv: list[files.NewKv | None], durable: bool = True) -> Future[Written]:
         """Save a session to its file on the writer thread (kv/session_file_save.py `save`: what the file holds
-        already is kept, the rest appended); the future says whether all its KV was kept (not: token ids
-        only, for the cap). A write that fails (disk full) leaves the file as it was and raises."""
-        return self._writer.submit(self._write, saved, kv)
+        already is kept, the rest appended; fsynced if `durable`); the future says whether all its KV was kept
+        (not: token ids only, for the cap). A write that fails (disk full) leaves the file as it was and
+        raises."""
+        return self._writer.submit(self._write, saved, kv, durable)
 
     def remove(self, key: str) -> Future[None]:
         """Delete a session's file (after any write queued before)."""
@@ -164,7 +166,7 @@ class DiskTier:
         self._writer.shutdown(wait=True)
         self._lock.close()
 
-    def _write(self, saved: files.SavedSession, kv: list[files.NewKv | None]) -> Written:
+    def _write(self, saved: files.SavedSession, kv: list[files.NewKv | None], durable: bool) -> Written:
         name = files.file_name(saved.key)
         asked = [b.kv_tokens for b in saved.branches]
         need = sum(memoryview(data).nbytes for new in kv if new is not None for data, _ in new.extents)
@@ -175,12 +177,19 @@ class DiskTier:
                     b.kv_tokens, new.extents = new.keep, []
         start = time.monotonic()
         path = self.directory / name
+        created = not path.exists()
         try:
-            saved, size = session_file_save.save(path, saved, kv, compact=over)
+            saved, size = session_file_save.save(path, saved, kv, compact=over, durable=durable)
+            if durable and name in self._new_entries:  # made by a save without fsyncs: its name too, now
+                files.sync_directory(self.directory)
         except OSError:
             with self._count:
                 self._stats.num_write_errors += 1
             raise
+        if durable:
+            self._new_entries.discard(name)
+        elif created:
+            self._new_entries.add(name)
         self._sizes[name] = path.stat().st_size
         with self._count:
             s = self._stats
@@ -192,6 +201,7 @@ class DiskTier:
 
     def _remove(self, name: str) -> None:
         self._sizes.pop(name, None)
+        self._new_entries.discard(name)
         with contextlib.suppress(FileNotFoundError):
             (self.directory / name).unlink()
 

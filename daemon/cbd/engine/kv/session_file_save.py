@@ -10,6 +10,11 @@ the next save can keep the whole blocks). A file that has no room in its slots f
 whose dead extents pass both DEAD_FLOOR and its live ones, or is of the older format, is written anew
 instead (each kept extent once, though branches share it): a temporary file, fsynced and renamed over the
 old one (then the directory is fsynced), the extents it keeps copied in the kernel.
+
+A save that is not `durable` (a spill: the host tier's overflow, kept for capacity, not for a crash) skips the
+fsyncs where no earlier save is at stake: an append (a crash keeps the older header slot, or a new one whose
+new extents fail their CRCs: recomputed), or a file that did not exist. The kernel writes it back when it
+will, and reads meanwhile come from the page cache; the next durable save's fsync covers it all.
 """
 
 from __future__ import annotations
@@ -39,12 +44,15 @@ MIN_SLOT = 4096  # a header slot's size, at least
 DEAD_FLOOR = 64 * 2**20  # a file is written anew only once its dead extents pass this many bytes (and its live ones)
 
 
-def save(path: Path, saved: SavedSession, kv: list[NewKv | None], compact: bool = False) -> tuple[SavedSession, int]:
+def save(
+    path: Path, saved: SavedSession, kv: list[NewKv | None], compact: bool = False, durable: bool = True
+) -> tuple[SavedSession, int]:
     """Save a session: `kv[i]` is branch i's KV (None: token ids only, its `kv_tokens` 0), appended to the
     file at `path` if it can be (see above), else written anew (`compact`: whenever the file has dead
-    extents). A branch whose kept extents the file does not hold as asked, or whose extents do not cover
-    its `kv_tokens`, is saved with token ids only. Returns the header as written and the bytes written.
-    Raises OSError (the file as it was, nothing left behind; but for a failed fsync of the new header)."""
+    extents); `durable`: fsynced (see above). A branch whose kept extents the file does not hold as asked,
+    or whose extents do not cover its `kv_tokens`, is saved with token ids only. Returns the header as
+    written and the bytes written. Raises OSError (the file as it was, nothing left behind; but for a
+    failed fsync of the new header)."""
     try:
         current, layout = read_header(path)
     except (OSError, DamagedFile):
@@ -66,9 +74,9 @@ def save(path: Path, saved: SavedSession, kv: list[NewKv | None], compact: bool 
         dead = size - PREFIX.size - 2 * layout.slot_size - live  # extents no header will name again
         small = dead <= (0 if compact else DEAD_FLOOR) or (not compact and dead <= live + fresh)
         if len(header) + SLOT.size <= layout.slot_size and small:
-            _append(path, header, kv, layout, size)
+            _append(path, header, kv, layout, size, durable)
             return saved, fresh + SLOT.size + len(header)
-    return _rewrite(path, saved, kept, kv)
+    return _rewrite(path, saved, kept, kv, durable or path.exists())
 
 
 def _unique(kept: list[list[Extent]]) -> list[Extent]:
@@ -113,22 +121,25 @@ def _slot(generation: int, header: bytes) -> bytes:
     return SLOT.pack(generation, len(header), slot_crc(generation, header)) + header
 
 
-def _append(path: Path, header: bytes, kv: list[NewKv | None], layout: Layout, size: int) -> None:
-    """The new extents after the file's end (fsynced), then the header in the other slot (fsynced)."""
+def _append(path: Path, header: bytes, kv: list[NewKv | None], layout: Layout, size: int, durable: bool) -> None:
+    """The new extents after the file's end (fsynced), then the header in the other slot (fsynced): the
+    fsyncs only if `durable`."""
     with open(path, "r+b", buffering=0) as f:
         try:
             f.seek(size)
             for new in kv:
                 for data, _ in new.extents if new is not None else ():
                     _write_all(f, data)
-            os.fsync(f.fileno())
+            if durable:
+                os.fsync(f.fileno())
         except BaseException:
             with contextlib.suppress(OSError):
                 f.truncate(size)
             raise
         f.seek(PREFIX.size + (1 - layout.slot) * layout.slot_size)
         _write_all(f, _slot(layout.generation + 1, header))
-        os.fsync(f.fileno())
+        if durable:
+            os.fsync(f.fileno())
 
 
 def _write_all(f, data: bytes | memoryview) -> None:  # noqa: ANN001
@@ -139,10 +150,11 @@ def _write_all(f, data: bytes | memoryview) -> None:  # noqa: ANN001
 
 
 def _rewrite(
-    path: Path, saved: SavedSession, kept: list[list[Extent]], kv: list[NewKv | None]
+    path: Path, saved: SavedSession, kept: list[list[Extent]], kv: list[NewKv | None], durable: bool = True
 ) -> tuple[SavedSession, int]:
     """Write the file anew (see above): slots twice the header's size, the kept extents copied from the old
-    file, then the new ones. Returns the header and the file's size."""
+    file, then the new ones; fsynced (the file, then its directory) if `durable`. Returns the header and the
+    file's size."""
     slot_size = MIN_SLOT
     while True:
         at = PREFIX.size + 2 * slot_size
@@ -169,14 +181,16 @@ def _rewrite(
                 for data, _ in new.extents if new is not None else ():
                     f.write(data)
             f.flush()
-            os.fsync(f.fileno())
+            if durable:
+                os.fsync(f.fileno())
             size = f.tell()
         os.replace(tmp, path)
     except BaseException:
         with contextlib.suppress(OSError):
             tmp.unlink()
         raise
-    sync_directory(path.parent)
+    if durable:
+        sync_directory(path.parent)
     return saved, size
 
 

@@ -125,8 +125,12 @@ class SessionCheckpoints:
     def _changed(self) -> list[Session]:
         return [s for s in self.sessions.sessions.values() if s.num_turns_saved != s.num_turns]
 
-    def _save(self, session: Session, with_kv: bool, plan: list[save_plan.BranchKv] | None = None) -> Future[Written]:
-        """Queue the saving of a session: its KV (with_kv) as `plan` says (by default `_plan`'s)."""
+    def _save(
+        self, session: Session, with_kv: bool, plan: list[save_plan.BranchKv] | None = None, durable: bool = True
+    ) -> Future[Written]:
+        """Queue the saving of a session: its KV (with_kv) as `plan` says (by default `_plan`'s). Not `durable`
+        (a spill): written without fsyncs, and the session still counts as changed, so the next background or
+        shutdown save writes its header again, fsynced (the KV its file holds by then is not written again)."""
         self._settle()
         key = session.session_id
         if plan is None:  # without KV: what its file holds already is still kept (nothing gathered)
@@ -144,8 +148,9 @@ class SessionCheckpoints:
             self.disk.fingerprint, key, session.ttl, session.idle_seconds(), time.time(), session.is_chat,
             session.expected_idle, session.retention, session.priority, session.note, branches,
         )  # fmt: skip
-        session.num_turns_saved = session.num_turns
-        future = self.disk.write(saved_session, kv)
+        if durable:
+            session.num_turns_saved = session.num_turns
+        future = self.disk.write(saved_session, kv, durable)
         self._files_kv[key] = view
         self._writes.append((key, session.num_turns if with_kv else -1, future))  # -1: not all its KV
         return future
@@ -224,7 +229,7 @@ class SessionCheckpoints:
         in_flight = sum(n for _, n in self._spilling.values())
         if key in self._spilling or (in_flight and in_flight + need > SPILL_BYTES):
             return False  # recomputed
-        self._spilling[key] = (self._save(session, True, plan), need)
+        self._spilling[key] = (self._save(session, True, plan, durable=False), need)
         self.disk.count_spill()
         return True
 
