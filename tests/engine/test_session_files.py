@@ -639,9 +639,54 @@ def test_a_spill_is_written_without_fsyncs_and_the_next_background_save_makes_it
     assert stats.num_files_written == 6 and stats.bytes_written - written < 3 * 8192  # headers, no KV again
     assert len(directories) == 3 and len(synced) == 3 * 2 + 3  # each file (extents, header), and its name
     assert checkpoints.save_idle(0) == 0  # saved: unchanged now
+    # Spilled twice without a durable save between: the second append keeps the fsynced header's slot.
+    slots: list[bool] = []
+    real_save = session_file_save.save
+    monkeypatch.setattr(session_file_save, "save", lambda *a, **k: slots.append(k["same_slot"]) or real_save(*a, **k))
+    for script in ([7, 8, 9], [10, 11, 12]):
+        _turn(core, keys[0], script)
+        core.sessions.eviction.evict(core.block_manager.num_blocks)
+        core.sessions.eviction.free_host(26, Session(session_id="-", ttl=None, retention=RETENTION_HIGH))
+        assert checkpoints.disk.flush(30)
+    assert slots[-2:] == [False, True]
+    assert checkpoints.save_idle(0) == 1 and checkpoints.disk.flush(30)
     checkpoints.disk.close()
     restarted = _restarted(tiny_loaded, tmp_path)
     assert sorted(restarted.sessions.sessions) == keys
     assert all(restarted.sessions.sessions[k].disk is not None for k in keys)
+    assert restarted.checkpoints is not None
+    restarted.checkpoints.disk.close()
+
+
+def test_a_shutdown_save_waits_for_a_spill_in_flight_and_keeps_its_kv(tiny_loaded, tmp_path, monkeypatch) -> None:
+    """While a spill is being written its session's KV is only in that write: a durable save of it then (at
+    shutdown) waits for the write and saves the KV it holds, where saving at once would save token ids only."""
+    gate = threading.Event()
+    real_save = session_file_save.save
+
+    def held(*args, **kw):  # noqa: ANN002, ANN003
+        if not kw["durable"]:
+            assert gate.wait(60)
+        return real_save(*args, **kw)
+
+    monkeypatch.setattr(session_file_save, "save", held)
+    core = make_core(tiny_loaded, disk_kv_dir=str(tmp_path), disk_kv_spill=True, block_size=4, num_kv_blocks=64,
+                     num_host_kv_blocks=26)  # fmt: skip
+    rng = random.Random(14)
+    keys = [f"held-{i}" for i in range(2)]
+    for key in keys:
+        core.sessions.open(session_id=key)
+        _turn(core, key, [rng.randrange(2, 256) for _ in range(40)])
+    core.sessions.eviction.evict(core.block_manager.num_blocks)
+    core.sessions.eviction.free_host(26, Session(session_id="-", ttl=None, retention=RETENTION_HIGH))
+    checkpoints = core.checkpoints
+    assert checkpoints is not None and checkpoints.disk.stats().num_spilled == 2
+    threading.Timer(0.2, gate.set).start()  # the spills' writes end only once the shutdown save has begun
+    report = checkpoints.save_all(30)
+    assert report.num_saved == 2 and report.num_with_kv == 2
+    assert checkpoints.disk.flush(30)
+    checkpoints.disk.close()
+    restarted = _restarted(tiny_loaded, tmp_path)
+    assert all(restarted.sessions.sessions[k].disk is not None for k in keys)  # with their KV, not token ids
     assert restarted.checkpoints is not None
     restarted.checkpoints.disk.close()

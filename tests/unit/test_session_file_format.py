@@ -199,3 +199,23 @@ def test_a_save_that_is_not_durable_skips_the_fsyncs_only_where_no_earlier_save_
     path.write_bytes(bytes(raw))
     back, data = _read(path)
     assert back.branches[0].token_ids == TOKENS[:120] and data == [None]
+
+
+def test_saves_without_fsyncs_in_a_row_never_overwrite_the_last_fsynced_header(tmp_path) -> None:
+    """After a save without fsyncs, the next one writes the same header slot (same_slot): if a crash tears it,
+    the other slot still holds the last durable save, not an older one."""
+    path = tmp_path / "s.session"
+    session_file_save.save(path, _session((TOKENS[:50], 49)), [_new(TOKENS, 49)])
+    session_file_save.save(path, _session((TOKENS[:80], 79)), [_new(TOKENS, 79, base=0, keep=48)])  # durable
+    session_file_save.save(path, _session((TOKENS[:90], 89)), [_new(TOKENS, 89, base=0, keep=76)], durable=False)
+    _, first = files.read_header(path)
+    session_file_save.save(path, _session((TOKENS[:100], 99)), [_new(TOKENS, 99, base=0, keep=88)], durable=False,
+                           same_slot=True)  # fmt: skip
+    back, layout = files.read_header(path)
+    assert layout.slot == first.slot and layout.generation == first.generation + 1
+    assert back.branches[0].token_ids == TOKENS[:100]
+    raw = bytearray(path.read_bytes())
+    raw[16 + layout.slot * layout.slot_size + 20] ^= 0xFF  # the crash tore the slot being written
+    path.write_bytes(bytes(raw))
+    back, data = _read(path)
+    assert back.branches[0].token_ids == TOKENS[:80] and data == [_kv(TOKENS, 79)]  # the last durable save

@@ -113,6 +113,7 @@ class DiskTier:
         self._stats.last_checkpoint_seconds = self._read_last_save()  # the last shutdown's, if this folder's
         self._sizes: dict[str, int] = {}  # file name -> bytes, the writer thread's view of the directory
         self._new_entries: set[str] = set()  # files a save without fsyncs made (the writer thread's)
+        self._unsynced: set[str] = set()  # files whose header in use a save without fsyncs wrote (likewise)
         left = files.remove_temporaries(self.directory)
         if left:
             log.info("removed %d unfinished session files from %s", left, self.directory)
@@ -179,7 +180,8 @@ class DiskTier:
         path = self.directory / name
         created = not path.exists()
         try:
-            saved, size = session_file_save.save(path, saved, kv, compact=over, durable=durable)
+            same_slot = not durable and name in self._unsynced  # keep the last fsynced header's slot
+            saved, size = session_file_save.save(path, saved, kv, compact=over, durable=durable, same_slot=same_slot)
             if durable and name in self._new_entries:  # made by a save without fsyncs: its name too, now
                 files.sync_directory(self.directory)
         except OSError:
@@ -188,8 +190,11 @@ class DiskTier:
             raise
         if durable:
             self._new_entries.discard(name)
-        elif created:
-            self._new_entries.add(name)
+            self._unsynced.discard(name)
+        else:
+            self._unsynced.add(name)
+            if created:
+                self._new_entries.add(name)
         self._sizes[name] = path.stat().st_size
         with self._count:
             s = self._stats
@@ -202,6 +207,7 @@ class DiskTier:
     def _remove(self, name: str) -> None:
         self._sizes.pop(name, None)
         self._new_entries.discard(name)
+        self._unsynced.discard(name)
         with contextlib.suppress(FileNotFoundError):
             (self.directory / name).unlink()
 

@@ -13,8 +13,10 @@ old one (then the directory is fsynced), the extents it keeps copied in the kern
 
 A save that is not `durable` (a spill: the host tier's overflow, kept for capacity, not for a crash) skips the
 fsyncs where no earlier save is at stake: an append (a crash keeps the older header slot, or a new one whose
-new extents fail their CRCs: recomputed), or a file that did not exist. The kernel writes it back when it
-will, and reads meanwhile come from the page cache; the next durable save's fsync covers it all.
+new extents fail their CRCs: recomputed), or a file that did not exist. An append after such a save writes
+the slot that save wrote (`same_slot`), so the last fsynced header is never overwritten before a durable
+save replaces it. The kernel writes it back when it will, and reads meanwhile come from the page cache; the
+next durable save's fsync covers it all.
 """
 
 from __future__ import annotations
@@ -45,11 +47,13 @@ DEAD_FLOOR = 64 * 2**20  # a file is written anew only once its dead extents pas
 
 
 def save(
-    path: Path, saved: SavedSession, kv: list[NewKv | None], compact: bool = False, durable: bool = True
-) -> tuple[SavedSession, int]:
+    path: Path, saved: SavedSession, kv: list[NewKv | None], compact: bool = False, durable: bool = True,
+    same_slot: bool = False,
+) -> tuple[SavedSession, int]:  # fmt: skip
     """Save a session: `kv[i]` is branch i's KV (None: token ids only, its `kv_tokens` 0), appended to the
     file at `path` if it can be (see above), else written anew (`compact`: whenever the file has dead
-    extents); `durable`: fsynced (see above). A branch whose kept extents the file does not hold as asked,
+    extents); `durable`: fsynced; `same_slot`: an append writes the header slot in use (the last save was not
+    durable; see above). A branch whose kept extents the file does not hold as asked,
     or whose extents do not cover its `kv_tokens`, is saved with token ids only. Returns the header as
     written and the bytes written. Raises OSError (the file as it was, nothing left behind; but for a
     failed fsync of the new header)."""
@@ -74,7 +78,7 @@ def save(
         dead = size - PREFIX.size - 2 * layout.slot_size - live  # extents no header will name again
         small = dead <= (0 if compact else DEAD_FLOOR) or (not compact and dead <= live + fresh)
         if len(header) + SLOT.size <= layout.slot_size and small:
-            _append(path, header, kv, layout, size, durable)
+            _append(path, header, kv, layout, size, durable, same_slot)
             return saved, fresh + SLOT.size + len(header)
     return _rewrite(path, saved, kept, kv, durable or path.exists())
 
@@ -121,9 +125,11 @@ def _slot(generation: int, header: bytes) -> bytes:
     return SLOT.pack(generation, len(header), slot_crc(generation, header)) + header
 
 
-def _append(path: Path, header: bytes, kv: list[NewKv | None], layout: Layout, size: int, durable: bool) -> None:
+def _append(
+    path: Path, header: bytes, kv: list[NewKv | None], layout: Layout, size: int, durable: bool, same_slot: bool
+) -> None:  # fmt: skip
     """The new extents after the file's end (fsynced), then the header in the other slot (fsynced): the
-    fsyncs only if `durable`."""
+    fsyncs only if `durable`; the slot in use if `same_slot`."""
     with open(path, "r+b", buffering=0) as f:
         try:
             f.seek(size)
@@ -136,7 +142,7 @@ def _append(path: Path, header: bytes, kv: list[NewKv | None], layout: Layout, s
             with contextlib.suppress(OSError):
                 f.truncate(size)
             raise
-        f.seek(PREFIX.size + (1 - layout.slot) * layout.slot_size)
+        f.seek(PREFIX.size + (layout.slot if same_slot else 1 - layout.slot) * layout.slot_size)
         _write_all(f, _slot(layout.generation + 1, header))
         if durable:
             os.fsync(f.fileno())

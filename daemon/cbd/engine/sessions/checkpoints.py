@@ -37,6 +37,7 @@ import math
 import time
 from collections import deque
 from concurrent.futures import Future
+from concurrent.futures import wait as futures_wait
 from dataclasses import replace
 from pathlib import Path
 
@@ -117,7 +118,12 @@ class SessionCheckpoints:
     def save_idle(self, idle_for: float) -> int:
         """Queue the saving of changed sessions idle for at least `idle_for` seconds; returns how many."""
         now = time.monotonic()
-        due = [s for s in self._changed() if s.busy is None and s.idle_seconds(now) >= idle_for]
+        # A session being spilled is saved after (its KV is in that write; `_save` would wait for it).
+        self._settle()
+        due = [
+            s for s in self._changed()
+            if s.busy is None and s.idle_seconds(now) >= idle_for and s.session_id not in self._spilling
+        ]  # fmt: skip
         for session in due:
             self._save(session, True).add_done_callback(functools.partial(_log_failure, key=session.session_id))
         return len(due)
@@ -130,7 +136,11 @@ class SessionCheckpoints:
     ) -> Future[Written]:
         """Queue the saving of a session: its KV (with_kv) as `plan` says (by default `_plan`'s). Not `durable`
         (a spill): written without fsyncs, and the session still counts as changed, so the next background or
-        shutdown save writes its header again, fsynced (the KV its file holds by then is not written again)."""
+        shutdown save writes its header again, fsynced (the KV its file holds by then is not written again). A
+        durable save of a session whose spill is still being written waits for it: its KV is in that write."""
+        spilling = self._spilling.get(session.session_id)
+        if durable and spilling is not None:
+            futures_wait([spilling[0]])
         self._settle()
         key = session.session_id
         if plan is None:  # without KV: what its file holds already is still kept (nothing gathered)
