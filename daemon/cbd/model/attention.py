@@ -66,6 +66,14 @@ def slot_mapping(
     return block_ids * block_size + positions % block_size
 
 
+def key_slots(layout: BatchLayout, block_size: int) -> torch.Tensor:
+    """[B, C] int64: the KV slot of each sequence's positions 0..C-1 (C = max_context_len), 0 past its own
+    context (a reader takes only each sequence's context; the 0 keeps a gather's index in range)."""
+    positions = torch.arange(layout.max_context_len, device=layout.block_tables.device)
+    slots = layout.block_tables[:, positions // block_size] * block_size + positions % block_size
+    return torch.where(positions[None, :] < layout.context_lens[:, None], slots, 0)
+
+
 def layout_from_lists(
     query_lens: list[int],
     context_lens: list[int],
@@ -124,11 +132,8 @@ def reference_metadata(layout: BatchLayout, block_size: int, sliding_window: int
     q_lens, ctx_lens = starts[1:] - starts[:-1], layout.context_lens
     q_max, k_max = layout.max_query_len, layout.max_context_len
     num_seqs = ctx_lens.shape[0]
-    tables = layout.block_tables
 
     key_pos = torch.arange(k_max, device=device)  # [Kmax]
-    key_slots = tables[:, key_pos // block_size] * block_size + key_pos % block_size  # [B, Kmax]
-    key_slots = torch.where(key_pos[None, :] < ctx_lens[:, None], key_slots, 0)
 
     q_off = torch.arange(q_max, device=device)  # [Qmax]
     last = (q_lens - 1).clamp(min=0)  # a padding sequence (no rows) repeats a row, its output unused
@@ -143,7 +148,9 @@ def reference_metadata(layout: BatchLayout, block_size: int, sliding_window: int
     seq_of_row = layout.seq_of_row if layout.seq_of_row is not None else row_sequences(starts, num_tokens)
     seq_of_row = torch.where(seq_of_row < 0, num_seqs - 1, seq_of_row)  # padding rows: the last sequence's
     output_index = seq_of_row * q_max + (rows - starts[seq_of_row]).clamp(max=q_max - 1)  # [T]
-    return AttentionMetadata(layout.slot_mapping, query_index, output_index, key_slots, mask[:, None])
+    return AttentionMetadata(
+        layout.slot_mapping, query_index, output_index, key_slots(layout, block_size), mask[:, None]
+    )
 
 
 @dataclass(slots=True)

@@ -38,7 +38,7 @@ from dataclasses import dataclass
 
 import torch
 
-from cbd.model.attention import BatchLayout
+from cbd.model.attention import BatchLayout, key_slots
 from cbd.model.attention_backends import PreparedAttention, TritonBackend
 
 MIN_CAPABILITY = (9, 0)  # FA4's Hopper and Blackwell kernels; older GPUs keep Triton
@@ -200,12 +200,3 @@ class FlashBackend:
         never with a sliding window (the copy would hold the whole context, FA4 reads only the window)."""
         copy = layout.context_lens.shape[0] * layout.max_context_len * self.key_bytes
         return layout.max_query_len >= GATHER_MIN_QUERIES and copy <= GATHER_MAX_BYTES and self.window == (None, None)
-
-
-def key_slots(layout: BatchLayout, block_size: int) -> torch.Tensor:
-    """[B, C] int64: the KV slot of each sequence's positions 0..C-1 (C = max_context_len), 0 past its own
-    context (FA4 reads only `seqused_k` keys of each row; the 0 keeps the gather's index in range)."""
-    positions = torch.arange(layout.max_context_len, device=layout.block_tables.device)
-    blocks = layout.block_tables[:, positions // block_size]
-    slots = blocks * block_size + positions % block_size
-    return torch.where(positions[None, :] < layout.context_lens[:, None], slots, 0)
