@@ -85,7 +85,7 @@ class ReadBack:
     def _room_for(self, session: Session, copy: DiskCopy) -> None:
         """Free host blocks for a branch's KV read back for a turn or fork now (idle sessions' host copies
         make way: sessions/eviction.py `free_host`)."""
-        self.sessions.eviction.free_host(-(-copy.num_tokens // self.disk.block_size), session)
+        self.sessions.eviction.free_host(self._blocks([copy]), session)
 
     def needs_load(self, key: str) -> bool:
         """The session's KV (some branch's) is only in its file, or being read back, or its spill is still
@@ -167,7 +167,7 @@ class ReadBack:
             if session is None or busy(key) or not any(b.disk for b in session.branches_and_self()):
                 self.prefetching.pop(0)
                 continue
-            need = sum(-(-b.disk.num_tokens // self.disk.block_size) for b in session.branches_and_self() if b.disk)
+            need = self._blocks([b.disk for b in session.branches_and_self() if b.disk])
             if host.num_free_blocks - need < host.pool.num_blocks // 4:
                 self.prefetching.clear()  # the rest are read back when their turns come
                 return
@@ -195,8 +195,7 @@ class ReadBack:
                 continue
             size = sum(e.length for copy in on_disk for e in copy.branch.extents)
             if due - now <= READ_AHEAD_SECONDS + self.disk.read_seconds(size) and (soonest is None or due < soonest[0]):
-                blocks = sum(-(-copy.num_tokens // self.disk.block_size) for copy in on_disk)
-                soonest = (due, session, blocks)
+                soonest = (due, session, self._blocks(on_disk))
         if soonest is None:
             return False
         _, session, blocks = soonest
@@ -208,6 +207,10 @@ class ReadBack:
         self.num_read_ahead += 1
         self.start_load(key)
         return True
+
+    def _blocks(self, copies: list[DiskCopy]) -> int:
+        """The host blocks these branches' KV takes once read back."""
+        return sum(-(-copy.num_tokens // self.disk.block_size) for copy in copies)
 
     def load_copies(self) -> list[HostCopy]:
         """Host copies held by reads in flight (integrity checks)."""
