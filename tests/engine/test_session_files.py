@@ -531,6 +531,20 @@ def test_the_host_tiers_evictions_spill_to_disk_instead_of_recomputing(tiny_load
     spilling.checkpoints.disk.close()
 
 
+def _spilling_core(tiny_loaded, directory: Path) -> EngineCore:  # noqa: ANN001
+    """Spilling on, a GPU pool of 64 blocks and a host tier of 26 (two 40-token sessions)."""
+    return make_core(tiny_loaded, disk_kv_dir=str(directory), disk_kv_spill=True, block_size=4, num_kv_blocks=64,
+                     num_host_kv_blocks=26)  # fmt: skip
+
+
+def _all_to_files(core: EngineCore) -> None:
+    """Every idle session's KV leaves the GPU (to the host tier) and the host tier (spilled to its file)."""
+    core.sessions.eviction.evict(core.block_manager.num_blocks)
+    assert core.host_tier is not None
+    core.sessions.eviction.free_host(core.host_tier.pool.num_blocks, Session(session_id="-", ttl=None,
+                                                                              retention=RETENTION_HIGH))  # fmt: skip
+
+
 def test_sessions_due_back_are_read_ahead_of_their_turns_into_room_those_due_later_make(
     tiny_loaded, tmp_path, monkeypatch
 ) -> None:  # fmt: skip
@@ -547,16 +561,14 @@ def test_sessions_due_back_are_read_ahead_of_their_turns_into_room_those_due_lat
     scripts = [[[rng.randrange(2, 256) for _ in range(40)] for _ in range(2)] for _ in range(4)]
     idle = [30.0, 7200.0, 3600.0, 7200.0]
     ideal = make_core(tiny_loaded, block_size=4, num_kv_blocks=512, num_host_kv_blocks=0)
-    core = make_core(tiny_loaded, disk_kv_dir=str(tmp_path), disk_kv_spill=True, block_size=4, num_kv_blocks=64,
-                     num_host_kv_blocks=26)  # fmt: skip
+    core = _spilling_core(tiny_loaded, tmp_path)
     keys = [f"due-{i}" for i in range(4)]
     for c in (ideal, core):
         for key, script, gap in zip(keys, scripts, idle):
             c.sessions.open(session_id=key)
             _turn(c, key, script[0], expected_idle=gap)
     # Everything leaves the GPU and the host tier: to the files.
-    core.sessions.eviction.evict(core.block_manager.num_blocks)
-    core.sessions.eviction.free_host(26, Session(session_id="-", ttl=None, retention=RETENTION_HIGH))
+    _all_to_files(core)
     checkpoints = core.checkpoints
     assert checkpoints is not None and checkpoints.disk.flush(30)
     loads, sessions = checkpoints.loads, core.sessions.sessions
@@ -620,15 +632,13 @@ def test_a_spill_is_written_without_fsyncs_and_the_next_background_save_makes_it
     monkeypatch.setattr(files, "sync_directory", lambda d: directories.append(d) or sync(d))
     rng = random.Random(13)
     scripts = [[rng.randrange(2, 256) for _ in range(40)] for _ in range(3)]
-    core = make_core(tiny_loaded, disk_kv_dir=str(tmp_path), disk_kv_spill=True, block_size=4, num_kv_blocks=64,
-                     num_host_kv_blocks=26)  # fmt: skip
+    core = _spilling_core(tiny_loaded, tmp_path)
     keys = [f"spill-{i}" for i in range(3)]
     answers = {}
     for key, script in zip(keys, scripts):
         core.sessions.open(session_id=key)
         answers[key] = _turn(core, key, script)
-    core.sessions.eviction.evict(core.block_manager.num_blocks)
-    core.sessions.eviction.free_host(26, Session(session_id="-", ttl=None, retention=RETENTION_HIGH))
+    _all_to_files(core)
     checkpoints = core.checkpoints
     assert checkpoints is not None and checkpoints.disk.flush(30)
     stats = checkpoints.disk.stats()
@@ -645,8 +655,7 @@ def test_a_spill_is_written_without_fsyncs_and_the_next_background_save_makes_it
     monkeypatch.setattr(session_file_save, "save", lambda *a, **k: slots.append(k["same_slot"]) or real_save(*a, **k))
     for script in ([7, 8, 9], [10, 11, 12]):
         _turn(core, keys[0], script)
-        core.sessions.eviction.evict(core.block_manager.num_blocks)
-        core.sessions.eviction.free_host(26, Session(session_id="-", ttl=None, retention=RETENTION_HIGH))
+        _all_to_files(core)
         assert checkpoints.disk.flush(30)
     assert slots[-2:] == [False, True]
     assert checkpoints.save_idle(0) == 1 and checkpoints.disk.flush(30)
@@ -670,15 +679,13 @@ def test_a_shutdown_save_waits_for_a_spill_in_flight_and_keeps_its_kv(tiny_loade
         return real_save(*args, **kw)
 
     monkeypatch.setattr(session_file_save, "save", held)
-    core = make_core(tiny_loaded, disk_kv_dir=str(tmp_path), disk_kv_spill=True, block_size=4, num_kv_blocks=64,
-                     num_host_kv_blocks=26)  # fmt: skip
+    core = _spilling_core(tiny_loaded, tmp_path)
     rng = random.Random(14)
     keys = [f"held-{i}" for i in range(2)]
     for key in keys:
         core.sessions.open(session_id=key)
         _turn(core, key, [rng.randrange(2, 256) for _ in range(40)])
-    core.sessions.eviction.evict(core.block_manager.num_blocks)
-    core.sessions.eviction.free_host(26, Session(session_id="-", ttl=None, retention=RETENTION_HIGH))
+    _all_to_files(core)
     checkpoints = core.checkpoints
     assert checkpoints is not None and checkpoints.disk.stats().num_spilled == 2
     threading.Timer(0.2, gate.set).start()  # the spills' writes end only once the shutdown save has begun
