@@ -66,6 +66,19 @@ def slot_mapping(
     return block_ids * block_size + positions % block_size
 
 
+def sampled_layout(layout: BatchLayout, seq_of_row: torch.Tensor, rows: torch.Tensor) -> BatchLayout:
+    """The layout of only `rows`, the sampled rows of a step that samples at most one row per sequence (each a
+    sequence's last): one query per sampling sequence over its whole context, as in a decode step. What the last
+    layer's attention reads when only the sampled rows go on past it (llama.py); no host read."""
+    seqs = seq_of_row.index_select(0, rows)
+    num_rows = rows.shape[0]
+    return BatchLayout(
+        layout.slot_mapping.index_select(0, rows), torch.arange(num_rows + 1, device=rows.device),
+        layout.context_lens.index_select(0, seqs), layout.block_tables.index_select(0, seqs), 1,
+        layout.max_context_len, num_rows,
+    )  # fmt: skip
+
+
 def key_slots(layout: BatchLayout, block_size: int) -> torch.Tensor:
     """[B, C] int64: the KV slot of each sequence's positions 0..C-1 (C = max_context_len), 0 past its own
     context (a reader takes only each sequence's context; the 0 keeps a gather's index in range)."""

@@ -1,7 +1,9 @@
 """The Llama-family decoder (Llama 2/3, Mistral, Qwen2/2.5, Qwen3, SmolLM2) over a paged KV pool.
 
 Tokens of all scheduled sequences are packed into one row dimension `T`; there is no batch axis.
-Projections are fused (q|k|v and gate|up) so each layer runs four GEMMs.
+Projections are fused (q|k|v and gate|up) so each layer runs four GEMMs. Only the sampled rows need the
+last layer past its K/V: given their attention metadata (`sampled`), that layer's attention, output
+projection and MLP run on those rows alone (a prefill chunk that samples nothing writes its KV and stops).
 """
 
 from __future__ import annotations
@@ -45,7 +47,9 @@ class Attention(nn.Module):
         sin_table: torch.Tensor,
         kv_cache: torch.Tensor,  # [S, 2, Hkv, D]
         meta,  # backend metadata: .slot_mapping, .attend(q, kv_cache, scale)
-    ) -> torch.Tensor:
+        rows: torch.Tensor | None = None,  # [N]: only these rows go on past the K/V write (their queries)
+        rows_meta=None,  # with rows: the metadata of their attention (attention.sampled_layout)
+    ) -> torch.Tensor:  # [T or N, hidden]
         s = self.spec
         qkv = self.qkv_proj(x)  # [T, q | k | v]
         num_tokens = qkv.shape[0]
@@ -56,7 +60,10 @@ class Attention(nn.Module):
             q = self.q_norm(q.reshape(-1, s.head_dim))[0].view(num_tokens, s.num_heads, s.head_dim)
             k = self.k_norm(k.reshape(-1, s.head_dim))[0].view(num_tokens, s.num_kv_heads, s.head_dim)
         q = ops.rope_and_write_kv(q, k, v, positions, cos_table, sin_table, kv_cache, meta.slot_mapping)
-        out = meta.attend(q, kv_cache, self.scale)
+        if rows is not None:
+            q, meta = q.index_select(0, rows), rows_meta
+        # A step that samples nothing (prefill chunks only) needs no attention past its K/V.
+        out = q if q.shape[0] == 0 else meta.attend(q, kv_cache, self.scale)
         out = self.o_proj(out.reshape(-1, s.q_size))
         return out if self.tp is None else self.tp.all_reduce(out)
 
@@ -81,10 +88,13 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
         self.mlp = MLP(spec)
 
-    def forward(self, x, residual, positions, cos_table, sin_table, kv_cache, meta):
-        """x: this layer's input delta; residual: the running sum (None before the first layer)."""
+    def forward(self, x, residual, positions, cos_table, sin_table, kv_cache, meta, rows=None, rows_meta=None):
+        """x: this layer's input delta; residual: the running sum (None before the first layer). With rows (and
+        their attention's rows_meta): every row's K/V written, the outputs of those rows only."""
         h, residual = self.input_layernorm(x, residual)
-        h = self.self_attn(h, positions, cos_table, sin_table, kv_cache, meta)
+        h = self.self_attn(h, positions, cos_table, sin_table, kv_cache, meta, rows, rows_meta)
+        if rows is not None:
+            residual = residual.index_select(0, rows)
         h, residual = self.post_attention_layernorm(h, residual)
         return self.mlp(h), residual
 
@@ -124,14 +134,19 @@ class CausalLM(nn.Module):
         kv_caches: torch.Tensor,  # [L, S, 2, Hkv, D]
         meta,  # attention backend metadata for this step
         logits_indices: torch.Tensor,  # [N] rows whose next-token logits are wanted
+        sampled=None,  # metadata of those rows' attention: the last layer computes only them past its K/V
     ) -> torch.Tensor:  # [N, vocab] fp32
         tp = self.tp
         x = self.embed_tokens(input_ids) if tp is None else tp.embed(self.embed_tokens, input_ids)
         residual = None
-        for layer, kv_cache in zip(self.layers, kv_caches):
-            x, residual = layer(x, residual, positions, self.cos_table, self.sin_table, kv_cache, meta)
+        last = len(self.layers) - 1
+        for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches)):
+            rows = logits_indices if sampled is not None and i == last else None
+            x, residual = layer(x, residual, positions, self.cos_table, self.sin_table, kv_cache, meta, rows, sampled)
         assert residual is not None  # set by the first layer
-        x, _ = self.norm(x[logits_indices], residual[logits_indices])
+        if sampled is None:
+            x, residual = x[logits_indices], residual[logits_indices]
+        x, _ = self.norm(x, residual)
         logits = self.lm_head(x)
         if tp is not None:
             logits = tp.gather_logits(logits, self.full_vocab_size)

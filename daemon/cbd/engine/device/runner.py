@@ -39,10 +39,14 @@ from cbd.engine.device.streams import DeviceStreams
 from cbd.engine.device.token_masks import TokenMasks
 from cbd.engine.device.tp_messages import RunStep, SampleStep, WarmUp, WorkerMessage
 from cbd.model import kv_format
-from cbd.model.attention import BatchLayout, slot_mapping
-from cbd.model.attention_backends import AttentionBackend, select_backend
+from cbd.model.attention import BatchLayout, sampled_layout, slot_mapping
+from cbd.model.attention_backends import AttentionBackend, PreparedAttention, select_backend
 from cbd.model.flash_attention import GATHER_MIN_QUERIES
 from cbd.model.llama import CausalLM
+
+# A step whose rows that sample nothing (prefill chunks) number at least this runs its last layer past the K/V on
+# the sampled rows alone: the skipped rows' share of one layer, against the host's cost of one more metadata.
+LAST_LAYER_MIN_SKIPPED = 256
 
 
 @dataclass(slots=True)
@@ -183,7 +187,9 @@ class ModelRunner:
                 splits = self.backend.decode_splits(num_seqs) if q_max == 1 else 0
                 meta = self.backend.prepare(layout, decode_splits=splits)
                 ids = torch.zeros(num_tokens, dtype=torch.int64, device=self.device)
-                self.model(ids, pos, self.kv_caches, meta, starts[1:] - 1)
+                rows = starts[1:] - 1
+                sampled = None if splits else self._sampled(layout, seq_of_row, rows, meta)
+                self.model(ids, pos, self.kv_caches, meta, rows, sampled)
         torch.cuda.synchronize(self.device)
 
     # ---- launch -----------------------------------------------------------------------------
@@ -338,7 +344,20 @@ class ModelRunner:
             slots = slot_mapping(tables, positions, self.block_size, seq_of_row)
         layout = BatchLayout(slots, qstart, ctx, tables, meta.max_query_len, meta.max_context_len, meta.num_decodes)
         meta_attn = self.backend.prepare(layout, decode_splits=splits)
-        return self.model(ids, positions, self.kv_caches, meta_attn, t.logits_rows)
+        rows = t.logits_rows
+        sampled = None if meta.decode_only or meta.drafts else self._sampled(layout, seq_of_row, rows, meta_attn)
+        return self.model(ids, positions, self.kv_caches, meta_attn, t.logits_rows, sampled)
+
+    def _sampled(
+        self, layout: BatchLayout, seq_of_row: torch.Tensor, rows: torch.Tensor, step: PreparedAttention
+    ) -> PreparedAttention | None:
+        """The attention metadata of a step's sampled rows (at most one per sequence) when the last layer may
+        skip the rest: at least LAST_LAYER_MIN_SKIPPED rows that sample nothing (prefill chunks); else None."""
+        if layout.slot_mapping.shape[0] - rows.shape[0] < LAST_LAYER_MIN_SKIPPED:
+            return None
+        if rows.shape[0] == 0:  # chunks that sample nothing: the last layer stops at their K/V (llama.py reads no
+            return step  # metadata then; the step's own stands in)
+        return self.backend.prepare(sampled_layout(layout, seq_of_row, rows))
 
     def _block_tables(self, t: StepTensors, meta: StepMeta) -> torch.Tensor:
         """The step's block tables [batch, width]: the writes it brings applied to the persistent table, then

@@ -80,6 +80,7 @@ class StepMeta:
     masked: bool = False
     table_shape: tuple[int, int] = (0, 0)  # the device block table's rows and columns (block_tables.py)
     token_rows: int = 0  # rows of the device's token table (token_rows.py); 0: drafts are the host's only
+    drafts: bool = False  # some sequence verifies drafts (samples several rows)
 
 
 @dataclass(slots=True)
@@ -368,7 +369,7 @@ def pack_step(
         max_logprobs=max(wanted) if wanted else None, graph_tokens=graph_tokens,
         num_decodes=num_decodes,
         masked=plan.constrained, table_shape=(tables.num_rows, tables.num_columns),
-        token_rows=tokens.num_rows if tokens is not None else 0,
+        token_rows=tokens.num_rows if tokens is not None else 0, drafts=bool(a.drafted),
     )  # fmt: skip
     return StepBatch(packed, meta, plan.block_copies)
 
