@@ -11,10 +11,12 @@ figure is triton (before) and flash (after) from the same process.
   256..768-token contexts, then two session turns of 200 tokens over 1200- and 2400-token contexts.
 - TTFT: one request with an L-token random prompt on an EngineCore over random 8B weights (chunked prefill
   at --chunk tokens per step), submit to first token, best of 2; the engine's warm-up seconds; "flash paged":
-  flash with long chunks' keys read from the pages in place.
+  flash with long chunks' keys read from the pages in place; "flash whole": flash with the last layer run on
+  every row (before it ran on the sampled rows alone, runner.LAST_LAYER_MIN_SKIPPED).
 - decode: B x C decode ms/step (CUDA graphs; decodes are Triton's under both backends: not regressed).
 
     python bench/flash_prefill_gpu.py [--ttft 32768] [--chunk 2048] [--decode 1x32768] [--skip-engine]
+                                      [--skip-kernels]
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ from overlap_gpu import build_hf  # noqa: E402
 
 from cbd.config import EngineConfig  # noqa: E402
 from cbd.engine.core import EngineCore  # noqa: E402
+from cbd.engine.device import runner as runner_module  # noqa: E402
 from cbd.engine.sampling_params import SamplingParams  # noqa: E402
 from cbd.model import flash_attention  # noqa: E402
 from cbd.model.attention import BatchLayout, layout_from_lists  # noqa: E402
@@ -194,9 +197,11 @@ def main() -> None:
     ap.add_argument("--decode", default="1x32768")
     ap.add_argument("--steps", type=int, default=64)
     ap.add_argument("--skip-engine", action="store_true")
+    ap.add_argument("--skip-kernels", action="store_true")
     args = ap.parse_args()
     results: dict = {"chunk": {}, "mixed": {}, "turns": {}, "ttft": {}, "warm_up_s": {}, "decode": {}}
-    kernels(results)
+    if not args.skip_kernels:
+        kernels(results)
     lengths = [int(x) for x in args.ttft.split(",") if x]
     configs = [tuple(int(x) for x in c.split("x")) for c in args.decode.split(",") if c]
     if not args.skip_engine:
@@ -204,16 +209,18 @@ def main() -> None:
         hf = build_hf(32)
         loaded = model_from_hf(hf, "cuda", torch.bfloat16, max_positions=longest)
         free(hf)
-        for name in (*BACKENDS, "flash paged"):
-            gather_min = flash_attention.GATHER_MIN_QUERIES
+        for name in (*BACKENDS, "flash paged", "flash whole"):
+            gather_min, skipped_min = flash_attention.GATHER_MIN_QUERIES, runner_module.LAST_LAYER_MIN_SKIPPED
             if name == "flash paged":  # long chunks' keys from the pages in place (before the gathered copy)
                 flash_attention.GATHER_MIN_QUERIES = 1 << 62
+            if name == "flash whole":  # the last layer on every row (before it ran on the sampled rows alone)
+                runner_module.LAST_LAYER_MIN_SKIPPED = 1 << 62
             for length in lengths:
                 seconds, warm = ttft(loaded, name.split()[0], length, args.chunk)
                 results["ttft"][f"{name} {length}"] = seconds
                 results["warm_up_s"][name] = warm
                 print(f"ttft {name} {length}: {seconds:.3f} s (warm-up {warm:.1f} s)", flush=True)
-            flash_attention.GATHER_MIN_QUERIES = gather_min
+            flash_attention.GATHER_MIN_QUERIES, runner_module.LAST_LAYER_MIN_SKIPPED = gather_min, skipped_min
             if name not in BACKENDS:
                 continue
             for batch, context in configs:
@@ -228,6 +235,8 @@ def main() -> None:
     print("| --- | ---: | ---: | ---: | --- |")
     for case_name, label in (("chunk", "8K chunk at 32K"), ("mixed", "mixed step"), ("turns", "its two turns alone")):
         r = results[case_name]
+        if not r:
+            continue
         for kind in ("gpu_ms", "eager_ms"):
             t, f_ = r["triton"][kind], r["flash"][kind]
             if t is None or f_ is None:
@@ -244,8 +253,9 @@ def main() -> None:
     for length in lengths:
         t, f_ = results["ttft"].get(f"triton {length}"), results["ttft"].get(f"flash {length}")
         if t is not None and f_ is not None:
-            paged = results["ttft"].get(f"flash paged {length}")
+            paged, whole = results["ttft"].get(f"flash paged {length}"), results["ttft"].get(f"flash whole {length}")
             note = f"keys from the pages in place: {paged:.3f} s" if paged is not None else ""
+            note += f"; last layer on every row: {whole:.3f} s" if whole is not None else ""
             print(f"| TTFT {length // 1024}K prompt, s | {t:.3f} | {f_:.3f} | {f_ / t:.2f} | {note} |")
     for batch, context in configs:
         t, f_ = results["decode"].get(f"triton {batch}x{context}"), results["decode"].get(f"flash {batch}x{context}")
