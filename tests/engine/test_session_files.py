@@ -531,6 +531,64 @@ def test_the_host_tiers_evictions_spill_to_disk_instead_of_recomputing(tiny_load
     spilling.checkpoints.disk.close()
 
 
+def test_on_a_gpu_the_pools_evictions_make_host_room_by_spilling_and_nothing_is_gathered_from_the_pool(
+    tiny_loaded, tmp_path, monkeypatch
+) -> None:
+    """As above with a host tier of about one session, where the GPU pool's evictions find no host room, and the pool
+    taken for a GPU's (`spills_from_gpu` off: a gather from it would wait for the step in flight): nothing is
+    gathered from the pool; the host tier makes room by spilling idle sessions' host copies, and the GPU pool's
+    evictions go there; what still finds no room recomputes. The answers stay, and no more is computed than with
+    the host tier alone."""
+    monkeypatch.setattr(disk_tier.DiskTier, "spills_from_gpu", property(lambda self: False))
+
+    def gather_gpu(self, block_ids):  # type: ignore[no-untyped-def]
+        raise AssertionError("a spill gathered KV from the GPU pool")
+
+    monkeypatch.setattr(disk_tier.DiskTier, "gather_gpu", gather_gpu)
+    rng = random.Random(11)
+    scripts = [[[rng.randrange(2, 256) for _ in range(rng.randrange(10, 30))] for _ in range(4)] for _ in range(6)]
+    small = {"block_size": 4, "num_kv_blocks": 40, "num_host_kv_blocks": 26}
+    ideal, _ = _agents(make_core(tiny_loaded, block_size=4, num_kv_blocks=512, num_host_kv_blocks=0), scripts)
+    _, host_computed = _agents(make_core(tiny_loaded, **small), scripts)
+    spilling = make_core(tiny_loaded, disk_kv_dir=str(tmp_path), disk_kv_spill=True, **small)
+    spilled, spill_computed = _agents(spilling, scripts)
+    assert spilled == ideal
+    stats = spilling.stats().disk
+    assert stats is not None and stats.num_spilled > 0 and stats.num_kv_loads > 0
+    assert spill_computed < host_computed, (spill_computed, host_computed)
+    assert spilling.checkpoints is not None and spilling.checkpoints.disk.flush(10)
+    spilling.checkpoints.disk.close()
+
+
+def test_a_gpu_eviction_without_host_room_spills_the_host_copy_of_a_session_due_back_sooner(
+    tiny_loaded, tmp_path, monkeypatch
+) -> None:
+    """The GPU pool lets a session go (it is due back last) while the host tier is full of one due back sooner:
+    with the GPU's pool not gathered from (`spills_from_gpu` off), the host copy goes to its file, and the GPU's
+    session to the host tier (before: the GPU's session recomputed, the host copy stayed)."""
+    monkeypatch.setattr(disk_tier.DiskTier, "spills_from_gpu", property(lambda self: False))
+    core = make_core(tiny_loaded, disk_kv_dir=str(tmp_path), disk_kv_spill=True, block_size=4, num_kv_blocks=64,
+                     num_host_kv_blocks=16)  # fmt: skip
+    soon, later = core.sessions.open(session_id="soon").session_id, core.sessions.open(session_id="later").session_id
+    rng = random.Random(5)
+    _turn(core, soon, [rng.randrange(2, 256) for _ in range(36)], expected_idle=1.0)
+    core.sessions.eviction.evict(core.block_manager.num_blocks)  # "soon" to the host tier (13 of its 16 blocks)
+    first = core.sessions.sessions[soon]
+    assert first.host is not None and not first.block_table
+    _turn(core, later, [rng.randrange(2, 256) for _ in range(36)], expected_idle=600.0)
+    core.sessions.eviction.evict(core.block_manager.num_blocks)
+    second = core.sessions.sessions[later]
+    assert second.host is not None and not second.block_table  # in the host tier, not released to recompute
+    disk = core.stats().disk
+    assert first.host is None and disk is not None and disk.num_spilled == 1  # its KV to its file
+    assert core.checkpoints is not None and core.checkpoints.disk.flush(10)
+    for key in (soon, later):  # both next turns take their KV back (36 + 6 tokens; all but the last computed)
+        assert _turn(core, key, [7, 8, 9])[1] == 41
+    assert core.sessions.hits["disk"] >= 1 and core.sessions.hits["recompute"] == 0
+    core.check_integrity()
+    core.checkpoints.disk.close()
+
+
 def _spilling_core(tiny_loaded, directory: Path) -> EngineCore:  # noqa: ANN001
     """Spilling on, a GPU pool of 64 blocks and a host tier of 26 (two 40-token sessions)."""
     return make_core(tiny_loaded, disk_kv_dir=str(directory), disk_kv_spill=True, block_size=4, num_kv_blocks=64,

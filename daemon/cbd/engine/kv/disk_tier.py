@@ -133,6 +133,13 @@ class DiskTier:
         )  # fmt: skip
 
     # ---- writing (the engine thread snapshots, the writer thread writes) ---------------------------
+    @property
+    def spills_from_gpu(self) -> bool:
+        """Whether a spill may gather KV from the GPU pool: only where that pool is in host memory. On a GPU
+        the gather waits for the step in flight and copies on the engine thread (measured ~0.5 s a GiB at the
+        8B shape, the batch stalled meanwhile), where a recompute costs the GPU less."""
+        return not self._gpu.is_cuda
+
     def gather_gpu(self, block_ids: list[int]) -> torch.Tensor:
         """The KV of GPU blocks as a host tensor `[blocks, layers, block_size, *slot]`. Blocks a session
         holds are not written by any step (its KV is complete and shared blocks are immutable)."""

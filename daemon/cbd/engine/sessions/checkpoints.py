@@ -21,7 +21,9 @@ and the frontend's note (a chat's transcript). A session is saved again only whe
                              written since its last change is reused as it is, else what the file
                              lacks of the host copy is gathered and appended (at most SPILL_BYTES in
                              flight, or one spill; beyond, it is recomputed); the session's next
-                             turn waits for that write
+                             turn waits for that write. KV the GPU pool lets go when the host tier
+                             has no room is spilled from there only where that pool is in host
+                             memory (`DiskTier.spills_from_gpu`)
   claim                      a session this daemon does not hold is taken over from the folder of a
                              daemon that stopped (kv/disk_tier.py), then treated as restored
   close, expiry              the file is removed
@@ -233,6 +235,8 @@ class SessionCheckpoints:
                     b.disk = by_branch[id(b)]
                 self.disk.count_spill()
                 return True
+        if not self.disk.spills_from_gpu and any(b.block_table for b in going):
+            return False  # from the GPU's pool (the host tier had no room): recomputed, see DiskTier.spills_from_gpu
         plan = self._plan(session)
         per_block, size = self.disk.bytes_per_block, self.disk.block_size
         need = sum(-(-p.kv_tokens // size) - p.keep // size for p in plan) * per_block

@@ -5,8 +5,9 @@ in eviction order (`order`: retention LOW, NORMAL, HIGH; within one, the session
 goes first). With a host tier it is copied there (`HostTier.offload`); the next turn's sequence takes
 references on the copy and the scheduler restores it before its prefill. Without one, or when the
 host pool is full of sessions due back sooner, it is released: the tokens stay, and the next turn
-recomputes, reviving whatever the prefix cache still holds (with `--disk-kv-spill` it goes to the
-session's file first, `spill`). Host copies are evicted in the same order, to recompute
+recomputes, reviving whatever the prefix cache still holds (with `--disk-kv-spill` the host tier makes
+room by spilling idle sessions' host copies to their files, any session's whose file keeps its KV, and
+only what still finds no room goes to the session's file straight from the GPU, `spill`). Host copies are evicted in the same order, to recompute
 (`HostTier.evict`), or to the session's file with spilling on; a turn whose KV is read back from its
 file makes room in the host tier the same way (`free_host`). The tier does the copies and counts them; this class only
 picks the sessions. Engine-thread only.
@@ -62,7 +63,7 @@ class SessionEviction:
             before = self.bm.num_free_blocks
             for b in session.branches_and_self():
                 b.draft_index = None  # idle long enough to leave the GPU: its drafter index goes too
-                if b.block_table and not (session.busy is None and self._offload(b, order[:rank])):
+                if b.block_table and not (session.busy is None and self._offload(b, order[:rank], order[rank + 1 :])):
                     if session.busy is None and self.spill is not None:  # no host room: to disk, not recompute
                         self.spill(session, [b])
                     self.bm.release(b.block_table)
@@ -136,15 +137,22 @@ class SessionEviction:
                 for b in other.branches_and_self():
                     b.host = None
 
-    def _offload(self, branch: Branch, before: list[Session]) -> bool:
+    def _offload(self, branch: Branch, before: list[Session], after: list[Session] | None = None) -> bool:
         """Copy a branch's GPU blocks to the host tier and free them (fenced until the copy is done);
         False if there is no tier or no room in it, even after evicting the host copies of sessions in
-        `before` (those that come before this one in eviction order)."""
+        `before` (those that come before this one in eviction order) and, with spilling on, those of the
+        sessions in `after` whose files keep their KV: a spill from the host tier is a host-memory copy,
+        where one from the GPU waits for the step in flight on the engine thread."""
         tier = self.host_tier
         if tier is None:
             return False
 
-        copy = tier.offload(branch.block_table, branch.num_computed, lambda count: self._evict_host(before, count))
+        def make_room(count: int) -> None:
+            self._evict_host(before, count)
+            if after and self.spill is not None and tier.num_free_blocks < count:
+                self._evict_host(after, count, keep_kv=True)
+
+        copy = tier.offload(branch.block_table, branch.num_computed, make_room)
         if copy is None:  # no room, or the copy failed: the caller releases the KV (the next turn recomputes)
             return False
         self.bm.release(branch.block_table)
