@@ -35,6 +35,23 @@ def test_fp32_on_cuda_matches_transformers_on_cuda(tiny_checkpoint, kind: str) -
         assert_greedy_matches(core, _CpuView(hf), prompt, ours, theirs)
 
 
+@pytest.mark.parametrize("kind", ["llama", "mistral-window"])
+def test_long_chunks_last_layer_on_sampled_rows_matches_transformers_on_cuda(tiny_checkpoint, kind: str) -> None:
+    """Prompts of 290-450 tokens in chunks of 300 beside others' last chunks and decodes: steps whose last layer
+    runs past its K/V on the sampled rows alone (runner.LAST_LAYER_MIN_SKIPPED), Triton's kernels, fp32."""
+    from transformers import AutoModelForCausalLM
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    directory = tiny_checkpoint(kind)
+    hf = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).cuda().eval()
+    core = make_core(load_model(str(directory), device="cuda"), block_size=8, max_num_batched_tokens=300)
+    rng = random.Random(3)
+    prompts = [[rng.randrange(2, 256) for _ in range(n)] for n in (450, 380, 290, 20)]
+    results = run_all(core, prompts, SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True))
+    for prompt, result in zip(prompts, results):
+        assert_greedy_matches(core, _CpuView(hf), prompt, result["tokens"][0], _hf_cuda(hf, prompt, 12))
+
+
 def _hf_cuda(hf, prompt: list[int], n: int) -> list[int]:
     with torch.inference_mode():
         out = hf.generate(torch.tensor([prompt], device="cuda"), max_new_tokens=n, min_new_tokens=n,
