@@ -219,3 +219,46 @@ def test_saves_without_fsyncs_in_a_row_never_overwrite_the_last_fsynced_header(t
     path.write_bytes(bytes(raw))
     back, data = _read(path)
     assert back.branches[0].token_ids == TOKENS[:80] and data == [_kv(TOKENS, 79)]  # the last durable save
+
+
+def test_extents_are_checked_by_xxh3_and_files_with_crc32_extents_are_still_read(tmp_path, monkeypatch) -> None:
+    """New extents carry XXH3-64 (a flipped byte fails it); a file whose extents carry CRC-32 (as written before
+    XXH3 came, the kind absent from their records) is read, its damage found the same way; a kind this version does
+    not know is treated as damaged."""
+    path = tmp_path / "s.session"
+    session_file_save.save(path, _session((TOKENS[:50], 49)), [_new(TOKENS, 49)])
+    saved, kv = _read(path)
+    assert kv == [_kv(TOKENS, 49)] and {e.kind for e in saved.branches[0].extents} == {files.XXH3}
+    extent = saved.branches[0].extents[0]
+    raw = bytearray(path.read_bytes())
+    raw[extent.offset + 3] ^= 0x40
+    path.write_bytes(raw)
+    assert _read(path)[1] == [None]
+    # The same session as an earlier version wrote it: CRC-32 extents, the record without its kind.
+    monkeypatch.setattr(session_file_save, "checksum", zlib.crc32)
+    monkeypatch.setattr(session_file_save, "XXH3", files.CRC32)
+    old = tmp_path / "old.session"
+    session_file_save.save(old, _session((TOKENS[:50], 49)), [_new(TOKENS, 49)])
+    saved, kv = _read(old)
+    assert kv == [_kv(TOKENS, 49)] and {e.kind for e in saved.branches[0].extents} == {files.CRC32}
+    header, layout = files.read_header(old)
+    encoded = files.encoder.encode(header)
+    stripped = files.encoder.encode(  # each extent record as [offset, length, checksum, num_tokens], no kind
+        [*[getattr(header, f) for f in header.__struct_fields__[:-1]],
+         [[b.token_ids, b.kv_tokens, [[e.offset, e.length, e.checksum, e.num_tokens] for e in b.extents]]
+          for b in header.branches]]
+    )  # fmt: skip
+    assert len(stripped) < len(encoded) and files._decoder.decode(stripped) == header
+    raw = bytearray(old.read_bytes())
+    at = files.PREFIX.size + layout.slot * layout.slot_size
+    raw[at : at + files.SLOT.size + len(stripped)] = (
+        files.SLOT.pack(layout.generation, len(stripped), files.slot_crc(layout.generation, stripped)) + stripped
+    )
+    old.write_bytes(raw)
+    monkeypatch.undo()
+    assert _read(old)[1] == [_kv(TOKENS, 49)]
+    raw[extent.offset + 3] ^= 0x40
+    old.write_bytes(raw)
+    assert _read(old)[1] == [None]
+    unknown = files.Extent(extent.offset, extent.length, extent.checksum, extent.num_tokens, 7)
+    assert not files._Check(7).matches(unknown)

@@ -13,7 +13,7 @@ old one (then the directory is fsynced), the extents it keeps copied in the kern
 
 A save that is not `durable` (a spill: the host tier's overflow, kept for capacity, not for a crash) skips the
 fsyncs where no earlier save is at stake: an append (a crash keeps the older header slot, or a new one whose
-new extents fail their CRCs: recomputed), or a file that did not exist. An append after such a save writes
+new extents fail their checksums: recomputed), or a file that did not exist. An append after such a save writes
 the slot that save wrote (`same_slot`), so the last fsynced header is never overwritten before a durable
 save replaces it. The kernel writes it back when it will, and reads meanwhile come from the page cache; the
 next durable save's fsync covers it all.
@@ -23,19 +23,20 @@ from __future__ import annotations
 
 import contextlib
 import os
-import zlib
 from pathlib import Path
 
 from cbd.engine.kv.session_files import (
     MAGIC,
     PREFIX,
     SLOT,
+    XXH3,
     DamagedFile,
     Extent,
     Layout,
     NewKv,
     SavedBranch,
     SavedSession,
+    checksum,
     encoder,
     read_header,
     slot_crc,
@@ -117,7 +118,7 @@ def _place(saved: SavedSession, kept: list[list[Extent]], kv: list[NewKv | None]
         branch.extents = list(extents)
         for data, tokens in new.extents if new is not None else ():
             view = memoryview(data)
-            branch.extents.append(Extent(at, view.nbytes, zlib.crc32(view), tokens))
+            branch.extents.append(Extent(at, view.nbytes, checksum(view), tokens, XXH3))
             at += view.nbytes
 
 
@@ -166,7 +167,7 @@ def _rewrite(
         at = PREFIX.size + 2 * slot_size
         new_place: dict[int, Extent] = {}  # old offset -> the kept extent, once, after the slots in file order
         for e in _unique(kept):
-            new_place[e.offset] = Extent(at, e.length, e.crc, e.num_tokens)
+            new_place[e.offset] = Extent(at, e.length, e.checksum, e.num_tokens, e.kind)
             at += e.length
         _place(saved, [[new_place[e.offset] for e in extents] for extents in kept], kv, at)
         header = encoder.encode(saved)
