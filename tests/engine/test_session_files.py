@@ -124,6 +124,50 @@ def test_restored_sessions_answer_as_if_never_stopped_with_their_kv_from_disk(ti
     assert core.host_tier.pool.num_used_blocks == 0
 
 
+def test_a_background_save_gathers_gpu_kv_on_the_writer_thread_and_holds_its_blocks_till_then(
+    tiny_loaded, tmp_path, monkeypatch
+) -> None:
+    """save_idle names a session's GPU blocks and the disk tier's writer thread gathers them: the engine thread
+    gathers nothing; the blocks stay referenced until the write is done, so a session evicted meanwhile and another
+    turn that takes fresh blocks leave them unwritten; the file holds the KV the session had."""
+    core = make_core(tiny_loaded, disk_kv_dir=str(tmp_path), block_size=4, num_kv_blocks=40, num_host_kv_blocks=40)
+    key = core.sessions.open(session_id="saved").session_id
+    rng = random.Random(9)
+    _turn(core, key, [rng.randrange(2, 256) for _ in range(60)])
+    session = core.sessions.sessions[key]
+    assert core.checkpoints is not None
+    disk = core.checkpoints.disk
+    want = bytes(disk_tier.raw_bytes(disk.gather_gpu(list(session.block_table))))  # its KV as it is now
+    threads: list[str] = []
+    gather = disk_tier.DiskTier.gather_gpu
+
+    def recording(self, block_ids):  # type: ignore[no-untyped-def]
+        threads.append(threading.current_thread().name)
+        return gather(self, block_ids)
+
+    monkeypatch.setattr(disk_tier.DiskTier, "gather_gpu", recording)
+    gate = threading.Event()
+    disk._writer.submit(gate.wait, 30)  # the writer busy: the save waits in its queue
+    assert core.checkpoints.save_idle(0.0) == 1
+    assert threads == []  # nothing gathered on this thread
+    held = sum(len(ids) for ids in core.checkpoints.held_blocks())
+    assert held == len(session.block_table) > 0
+    core.sessions.eviction.evict(core.block_manager.num_blocks)  # to the host tier: its GPU blocks released
+    assert not session.block_table and session.host is not None and core.block_manager.num_used_blocks == held
+    other = core.sessions.open(session_id="other").session_id
+    _turn(core, other, [rng.randrange(2, 256) for _ in range(80)])  # takes every block not held
+    core.check_integrity()
+    gate.set()
+    assert disk.flush(10) and threads and all(t.startswith("cbd-disk") for t in threads)
+    saved, _ = files.read_header(tmp_path / "engine" / files.file_name(key))
+    got = files.read_kv(tmp_path / "engine" / files.file_name(key), saved.branches[0])
+    assert got is not None and bytes(got) == want
+    core.sessions.close(other)
+    core.checkpoints.save_idle(3600.0)  # settles the writes done: the blocks are let go
+    assert core.checkpoints.held_blocks() == [] and core.block_manager.num_used_blocks == 0
+    disk.close()
+
+
 def test_saving_again_appends_only_the_kv_a_file_lacks_and_later_restarts_answer_the_same(
     tiny_loaded, tmp_path
 ) -> None:

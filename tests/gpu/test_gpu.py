@@ -251,3 +251,57 @@ def test_constrained_and_unconstrained_rows_in_one_cuda_graph_batch(tiny_checkpo
         for r in mixed[6:]:
             text = bytes(t for t in r["tokens"][0] if t != 1).decode()
             assert r["finish"][0].value == "stop" and re.fullmatch("[a-z]{30}", text), text
+
+
+def test_background_save_gathers_on_the_writer_thread_while_steps_run_on_cuda(tiny_checkpoint, tmp_path) -> None:
+    """save_idle names a session's GPU blocks; the disk tier's writer thread gathers them on a stream of its own
+    while another request's steps run on the compute stream; the file holds the KV the session had, and a daemon
+    started on the files answers its next turn as the one that never stopped."""
+    import threading
+
+    from cbd.engine.kv import disk_tier
+    from cbd.engine.kv import session_files as files
+
+    directory = str(tiny_checkpoint("llama"))
+    config = dict(disk_kv_dir=str(tmp_path), block_size=8, num_kv_blocks=64, num_host_kv_blocks=64)
+    core = make_core(load_model(directory, device="cuda"), **config)
+    key = core.sessions.open(session_id="saved").session_id
+    rng = random.Random(2)
+    history = [rng.randrange(2, 256) for _ in range(200)]
+    _session_turn(core, key, history)
+    session = core.sessions.sessions[key]
+    assert core.checkpoints is not None
+    disk = core.checkpoints.disk
+    want = bytes(disk_tier.raw_bytes(disk.gather_gpu(list(session.block_table))))
+    gate = threading.Event()
+    disk._writer.submit(gate.wait, 30)
+    assert core.checkpoints.save_idle(0.0) == 1 and core.checkpoints.held_blocks()
+    request = core.add_request(
+        [rng.randrange(2, 256) for _ in range(150)], SamplingParams(max_tokens=40, ignore_eos=True)
+    )
+    core.step()
+    gate.set()  # the writer gathers while the other request's steps go on
+    while core.has_work():
+        core.step()
+    assert request.request_id and disk.flush(30)
+    path = tmp_path / "engine" / files.file_name(key)
+    saved, _ = files.read_header(path)
+    got = files.read_kv(path, saved.branches[0])
+    assert got is not None and bytes(got) == want
+    never_stopped = _session_turn(core, key, [5, 6, 7])
+    disk.close()
+    restarted = make_core(load_model(directory, device="cuda"), **config)
+    assert restarted.checkpoints is not None and restarted.checkpoints.restore() == [key]
+    assert _session_turn(restarted, key, [5, 6, 7]) == never_stopped
+    assert restarted.sessions.hits["disk"] == 1
+    restarted.checkpoints.disk.close()
+
+
+def _session_turn(core, key: str, tokens: list[int]) -> list[int]:
+    request = core.add_session_turn(key, tokens, SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))
+    out: list[int] = []
+    while core.has_work():
+        for o in core.step():
+            if o.request_id == request.request_id:
+                out += [t for d in o.candidates for t in d.token_ids]
+    return out

@@ -353,12 +353,14 @@ class EngineCore:
 
     def check_integrity(self) -> None:
         """The block manager's invariants, with every holder of a reference: live sequences, sessions'
-        histories and pending branches (tests call this after every step)."""
+        histories and pending branches, saves not gathered yet (tests call this after every step)."""
         holders = [seq.block_table for live in self.live.live.values() if live.request is not None
                    for seq in live.request.sequences]  # fmt: skip
         for session in self.sessions.sessions.values():
             holders.append(session.block_table)
             holders.extend(b.block_table for b in session.branches)
+        if self.checkpoints is not None:
+            holders.extend(self.checkpoints.held_blocks())
         self.block_manager.check_integrity(holders)
         if self.host_tier is not None:
             copies = self.sessions.host_copies()

@@ -2,8 +2,11 @@
 engine thread.
 
 The engine thread takes a snapshot of what a session holds (its token ids, settings, and the KV its
-file lacks, gathered from the GPU pool or the host pool into host tensors) and hands it to the tier's
-writer thread, which saves it to the session file (kv/session_file_save.py: appended) and keeps the
+file lacks: gathered from the host pool into host tensors, or named as GPU pool blocks, `PoolBlocks`,
+which the caller keeps referenced until the write is done) and hands it to the tier's writer thread,
+which gathers the GPU blocks (on a stream of its own, after the compute stream's work so far, a chunk
+at a time: the engine thread and the steps go on meanwhile), saves the session to its file
+(kv/session_file_save.py: appended) and keeps the
 directory under its cap (`--disk-kv-gib`: a save that would go over it adds no KV). Removals go through
 the same thread, so a session closed after a save never comes back from a late write. Reading back
 goes through the tier's reader thread: the engine thread takes fresh host blocks (`start_load`), the
@@ -51,6 +54,18 @@ from cbd.model.loader import LoadedModel
 log = logging.getLogger(__name__)
 READ_RATE_GUESS = 1 << 30  # bytes per second, before reads have measured the folder's disk
 READ_RATE_AFTER = 64 << 20
+GATHER_CHUNK_BYTES = 256 << 20  # GPU memory the writer thread's gather of a save's blocks takes at a time
+
+
+@dataclass(slots=True)
+class PoolBlocks:
+    """KV blocks of the GPU pool a save names for the writer thread to gather (the caller holds a reference on
+    each until the write is done, so no step writes them meanwhile)."""
+
+    block_ids: list[int]
+
+
+Planned = files.NewKv[bytes | memoryview | PoolBlocks]  # a branch's KV as the engine thread hands it over
 
 
 @dataclass(slots=True)
@@ -106,6 +121,9 @@ class DiskTier:
         self._lock = lock
         layers, slots, *slot_shape = kv_caches.shape
         self._gpu = kv_caches.view(layers, slots // block_size, block_size, *slot_shape)  # [layers, blocks, bs, *slot]
+        streams = host_tier.copier.streams if host_tier is not None else None
+        self._compute = streams.compute if streams is not None and streams.cuda else None
+        self._gather_stream = torch.cuda.Stream(kv_caches.device) if self._compute is not None else None
         self._writer = ThreadPoolExecutor(1, thread_name_prefix="cbd-disk")
         self._reader = ThreadPoolExecutor(1, thread_name_prefix="cbd-disk-read")
         self._count = threading.Lock()  # the stats, written by the writer thread
@@ -141,16 +159,27 @@ class DiskTier:
         return not self._gpu.is_cuda
 
     def gather_gpu(self, block_ids: list[int]) -> torch.Tensor:
-        """The KV of GPU blocks as a host tensor `[blocks, layers, block_size, *slot]`. Blocks a session
-        holds are not written by any step (its KV is complete and shared blocks are immutable)."""
+        """The KV of GPU blocks as a host tensor `[blocks, layers, block_size, *slot]` (the writer thread's, for
+        `PoolBlocks`). Blocks a session holds are not written by any step (its KV is complete and shared
+        blocks are immutable); on a GPU the gather's stream waits for the compute stream's work so far all the
+        same, and it blocks this thread only."""
+        layers, _, *block_shape = self._gpu.shape
+        out = torch.empty((len(block_ids), layers, *block_shape), dtype=self._gpu.dtype)
+        per_chunk = max(1, GATHER_CHUNK_BYTES // max(1, self.bytes_per_block))
         index = torch.tensor(block_ids, dtype=torch.int64, device=self._gpu.device)
-        return self._gpu.index_select(1, index).transpose(0, 1).to("cpu").contiguous()
+        if self._gather_stream is not None and self._compute is not None:
+            self._gather_stream.wait_stream(self._compute)
+        with torch.cuda.stream(self._gather_stream) if self._gather_stream is not None else contextlib.nullcontext():
+            for at in range(0, len(block_ids), per_chunk):
+                part = self._gpu.index_select(1, index[at : at + per_chunk]).to("cpu")  # waits for its stream
+                out[at : at + per_chunk] = part.transpose(0, 1)
+        return out
 
     def gather_host(self, copy: HostCopy) -> torch.Tensor:
         assert self.host_tier is not None  # only a host tier makes host copies
         return self.host_tier.read_blocks(copy.block_ids)
 
-    def write(self, saved: files.SavedSession, kv: list[files.NewKv | None], durable: bool = True) -> Future[Written]:
+    def write(self, saved: files.SavedSession, kv: list[Planned | None], durable: bool = True) -> Future[Written]:
         """Save a session to its file on the writer thread (kv/session_file_save.py `save`: what the file holds
         already is kept, the rest appended; fsynced if `durable`); the future says whether all its KV was kept
         (not: token ids only, for the cap). A write that fails (disk full) leaves the file as it was and
@@ -174,7 +203,15 @@ class DiskTier:
         self._writer.shutdown(wait=True)
         self._lock.close()
 
-    def _write(self, saved: files.SavedSession, kv: list[files.NewKv | None], durable: bool) -> Written:
+    def _gathered(self, planned: Planned) -> files.NewKv[bytes | memoryview]:
+        """GPU blocks named by the engine thread, gathered here (see the module docstring)."""
+        extents = [
+            (raw_bytes(self.gather_gpu(d.block_ids)) if isinstance(d, PoolBlocks) else d, n) for d, n in planned.extents
+        ]
+        return files.NewKv(planned.base, planned.keep, extents)
+
+    def _write(self, saved: files.SavedSession, planned: list[Planned | None], durable: bool) -> Written:
+        kv = [None if p is None else self._gathered(p) for p in planned]
         name = files.file_name(saved.key)
         asked = [b.kv_tokens for b in saved.branches]
         need = sum(memoryview(data).nbytes for new in kv if new is not None for data, _ in new.extents)
@@ -386,6 +423,11 @@ class DiskTier:
             s.num_kv_load_failures += failed
             s.bytes_read += size
             s.load_seconds_sum += time.monotonic() - start
+
+
+def raw_bytes(tensor: torch.Tensor) -> memoryview:
+    """A host tensor's raw bytes, no copy."""
+    return tensor.view(torch.uint8).reshape(-1).numpy().data
 
 
 def fingerprint(loaded: LoadedModel, config: EngineConfig, kv_caches: torch.Tensor) -> files.Fingerprint:

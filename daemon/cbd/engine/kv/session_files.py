@@ -31,6 +31,7 @@ import struct
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Generic, TypeVar
 
 import msgspec
 import xxhash
@@ -155,14 +156,18 @@ class Layout:
     generation: int = 0
 
 
+Data = TypeVar("Data")
+
+
 @dataclass(slots=True)
-class NewKv:
+class NewKv(Generic[Data]):
     """A branch's KV to save: the first `keep` tokens' extents of the file's branch `base` (its tokens there
-    the same), then `extents`, new bytes in order, each with the tokens it covers."""
+    the same), then `extents`, new data in order, each with the tokens it covers: bytes when saved; until the
+    disk tier's writer gathers them, GPU blocks may stand in (kv/disk_tier.py `PoolBlocks`)."""
 
     base: int | None
     keep: int
-    extents: list[tuple[bytes | memoryview, int]]
+    extents: list[tuple[Data, int]]
 
 
 class DamagedFile(Exception):

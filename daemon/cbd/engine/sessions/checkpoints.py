@@ -11,7 +11,9 @@ and the frontend's note (a chat's transcript). A session is saved again only whe
                              the rest is recomputed later, never lost). A save gathers only what the
                              file lacks (save_plan.py): the file keeps the rest (kv/session_file_save.py)
   background (`save_idle`)   changed sessions idle for at least `idle_for`, no turn in flight; the
-                             write is queued to the disk tier's thread (a crash loses the turns since)
+                             write is queued to the disk tier's thread (a crash loses the turns since);
+                             KV on the GPU is gathered there too, its blocks referenced until then, so
+                             no save stalls the engine thread or the batch
   start (`restore`)          every file of this model becomes a session again at once, idle for as
                              long as it was plus the downtime (one whose TTL ran out meanwhile is
                              removed); its KV stays in the file (`Branch.disk`)
@@ -44,7 +46,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from cbd.engine.kv import session_files as files
-from cbd.engine.kv.disk_tier import DiskTier, Written
+from cbd.engine.kv.disk_tier import DiskTier, Planned, PoolBlocks, Written
 from cbd.engine.kv.session_files import DiskCopy
 from cbd.engine.outputs import SaveReport
 from cbd.engine.sessions import save_plan
@@ -72,6 +74,8 @@ class SessionCheckpoints:
         # ids themselves); the next save keeps what it can of it (`_plan`).
         self._files_kv: dict[str, save_plan.FileView] = {}
         self._spilling: dict[str, tuple[Future[Written], int]] = {}  # key -> its spill write, the bytes
+        # GPU blocks the writer gathers for a queued save (kv/disk_tier.py `PoolBlocks`): referenced until it ends.
+        self._held: deque[tuple[Future[Written], list[int]]] = deque()
         self._spill_on = spill
         if spill:
             sessions.eviction.spill = self.spill
@@ -109,6 +113,7 @@ class SessionCheckpoints:
                 settle(*in_flight.popleft())
         while in_flight:
             settle(*in_flight.popleft())
+        self._settle()  # the GPU blocks the writes gathered are let go
         report.seconds = time.monotonic() - start
         self.disk.count_checkpoint(report.seconds)
         log.info(
@@ -148,10 +153,14 @@ class SessionCheckpoints:
         if plan is None:  # without KV: what its file holds already is still kept (nothing gathered)
             plan = [p if with_kv else replace(p, kv_tokens=p.keep) for p in self._plan(session)]
         branches: list[files.SavedBranch] = []
-        kv: list[files.NewKv | None] = []
+        kv: list[Planned | None] = []
         view: save_plan.FileView = []  # what the file will hold (see `_files_kv`)
+        held: list[int] = []
         for b, p in zip(session.branches_and_self(), plan, strict=True):
-            new = save_plan.new_kv(self.disk, b, p) if p.kv_tokens else None
+            new = save_plan.new_kv(self.disk, b, p, gather_gpu=not durable) if p.kv_tokens else None
+            for data, _ in new.extents if new is not None else ():
+                if isinstance(data, PoolBlocks):
+                    held += self.sessions.eviction.bm.share(data.block_ids)
             saved = files.SavedBranch(list(b.token_ids), p.kv_tokens if new is not None else 0)
             branches.append(saved)
             kv.append(new)
@@ -163,6 +172,8 @@ class SessionCheckpoints:
         if durable:
             session.num_turns_saved = session.num_turns
         future = self.disk.write(saved_session, kv, durable)
+        if held:
+            self._held.append((future, held))
         self._files_kv[key] = view
         self._writes.append((key, session.num_turns if with_kv else -1, future))  # -1: not all its KV
         return future
@@ -173,7 +184,9 @@ class SessionCheckpoints:
     def _settle(self) -> None:
         """Note the writes that have ended (in order): each session's last file with all its KV (for spills);
         a write that did not keep all it was given leaves `_files_kv` as the file holds it (a failed one:
-        forgotten, the next save whole)."""
+        forgotten, the next save whole). The GPU blocks a finished write gathered are let go."""
+        while self._held and self._held[0][0].done():
+            self.sessions.eviction.bm.release(self._held.popleft()[1])
         while self._writes and self._writes[0][2].done():
             key, turns, future = self._writes.popleft()
             written = _result(future)
@@ -246,6 +259,10 @@ class SessionCheckpoints:
         self._spilling[key] = (self._save(session, True, plan, durable=False), need)
         self.disk.count_spill()
         return True
+
+    def held_blocks(self) -> list[list[int]]:
+        """GPU blocks referenced by saves whose writer has not gathered them yet (integrity checks)."""
+        return [ids for _, ids in self._held]
 
     def _spill_of(self, key: str) -> Future[Written] | None:
         entry = self._spilling.get(key)

@@ -1,5 +1,6 @@
 """What saving a session to its file takes (kv/session_file_save.py): for each branch, the extents its file holds
-already under the same tokens (kept), and the blocks gathered to host bytes to append after them.
+already under the same tokens (kept), and the blocks to append after them: gathered to host bytes from the host
+tier or a file, or named (`PoolBlocks`) where they are on the GPU, for the disk tier's writer to gather.
 
 A file's contents are known to the engine thread as a view (`FileView`): per branch of the file, the token
 counts its extents end at, each with a digest of the token ids up to there. A branch keeps the file's
@@ -17,10 +18,8 @@ import itertools
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-import torch
-
 from cbd.engine.kv import session_files as files
-from cbd.engine.kv.disk_tier import DiskTier
+from cbd.engine.kv.disk_tier import DiskTier, Planned, PoolBlocks, raw_bytes
 from cbd.engine.kv.host_pool import HostCopy
 from cbd.engine.sessions.records import Branch, Session
 
@@ -70,23 +69,27 @@ def kv_tokens(b: Branch) -> int:
     return b.disk.num_tokens if b.disk is not None else 0
 
 
-def new_kv(disk: DiskTier, b: Branch, p: BranchKv) -> files.NewKv | None:
-    """The KV a branch's file lacks (blocks from `p.keep`'s on), gathered to host bytes: its whole blocks,
-    then its last partial block apart (so that the next save keeps the whole ones)."""
+def new_kv(disk: DiskTier, b: Branch, p: BranchKv, gather_gpu: bool = False) -> Planned | None:
+    """The KV a branch's file lacks (blocks from `p.keep`'s on): its whole blocks, then its last partial block
+    apart (so that the next save keeps the whole ones); from the host tier or a file as host bytes, from the
+    GPU as `PoolBlocks` for the writer thread to gather (the caller references them until the write is done),
+    or gathered now with `gather_gpu` (a spill: its blocks are freed as soon as it returns)."""
     size, per_block = disk.block_size, disk.bytes_per_block
     if p.keep >= p.kv_tokens:  # the branch's KV is in the file as it is
-        return files.NewKv(p.base, p.keep, [])
+        return Planned(p.base, p.keep, [])
     first, count = p.keep // size, -(-p.kv_tokens // size)
-    data = _blocks(disk, b, first, count)
+    whole = p.kv_tokens // size - first
+    parts = [(0, whole, whole * size)] if whole else []  # keep is a whole block's end here
+    if p.kv_tokens % size:
+        parts.append((whole, count - first, p.kv_tokens % size))
+    on_gpu = bool(b.block_table and b.num_computed)
+    if on_gpu and not gather_gpu:  # named here, gathered by the disk tier's writer thread
+        table = b.block_table[first:count]
+        return Planned(p.base, p.keep, [(PoolBlocks(table[lo:hi]), n) for lo, hi, n in parts])
+    data = raw_bytes(disk.gather_gpu(b.block_table[first:count])) if on_gpu else _blocks(disk, b, first, count)
     if data is None:  # the file it was only in is damaged: saved without (recomputed later)
         return None
-    whole = p.kv_tokens // size - first
-    extents: list[tuple[bytes | memoryview, int]] = []
-    if whole:
-        extents.append((data[: whole * per_block], whole * size))  # keep is a whole block's end here
-    if p.kv_tokens % size:
-        extents.append((data[whole * per_block :], p.kv_tokens % size))
-    return files.NewKv(p.base, p.keep, extents)
+    return Planned(p.base, p.keep, [(data[lo * per_block : hi * per_block], n) for lo, hi, n in parts])
 
 
 def view_after(p: BranchKv, saved: files.SavedBranch, block_size: int) -> list[tuple[int, bytes]]:
@@ -121,10 +124,9 @@ def prefix_hashes(token_ids: list[int], ends: Iterable[int]) -> list[bytes]:
 
 
 def _blocks(disk: DiskTier, b: Branch, first: int, count: int) -> memoryview | None:
-    """A branch's KV blocks [first, count) as host bytes (`[blocks, layers, block_size, *slot]`)."""
-    if b.block_table and b.num_computed:
-        tensor = disk.gather_gpu(b.block_table[first:count])
-    elif b.host is not None:
+    """A branch's KV blocks [first, count) in the host tier or its file as host bytes (`[blocks, layers,
+    block_size, *slot]`)."""
+    if b.host is not None:
         tensor = disk.gather_host(HostCopy(b.host.block_ids[first:count], 0))
     else:  # only in a file it is not kept in (written anew or damaged since): read it back first
         assert b.disk is not None
@@ -133,4 +135,4 @@ def _blocks(disk: DiskTier, b: Branch, first: int, count: int) -> memoryview | N
         if data is None or len(data) != -(-b.disk.num_tokens // disk.block_size) * per_block:
             return None
         return memoryview(data)[first * per_block : count * per_block]
-    return tensor.view(torch.uint8).reshape(-1).numpy().data  # raw bytes, no copy
+    return raw_bytes(tensor)
