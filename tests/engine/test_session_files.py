@@ -163,8 +163,49 @@ def test_a_background_save_gathers_gpu_kv_on_the_writer_thread_and_holds_its_blo
     got = files.read_kv(tmp_path / "engine" / files.file_name(key), saved.branches[0])
     assert got is not None and bytes(got) == want
     core.sessions.close(other)
-    core.checkpoints.save_idle(3600.0)  # settles the writes done: the blocks are let go
+    core.sessions.eviction.evict(core.block_manager.num_blocks)  # looking for GPU blocks lets the held ones go
     assert core.checkpoints.held_blocks() == [] and core.block_manager.num_used_blocks == 0
+    disk.close()
+
+
+def test_saves_hold_at_most_hold_bytes_of_gpu_blocks_and_gather_the_rest_at_once(
+    tiny_loaded, tmp_path, monkeypatch
+) -> None:
+    """Past HOLD_BYTES of GPU blocks held by queued saves, a save gathers its GPU blocks on the engine thread (its
+    blocks are not held); both files hold their sessions' KV."""
+    from cbd.engine.sessions import checkpoints as checkpoints_module
+
+    core = make_core(tiny_loaded, disk_kv_dir=str(tmp_path), block_size=4, num_kv_blocks=64, num_host_kv_blocks=40)
+    assert core.checkpoints is not None
+    disk = core.checkpoints.disk
+    monkeypatch.setattr(checkpoints_module, "HOLD_BYTES", 20 * disk.bytes_per_block)
+    rng = random.Random(4)
+    keys = [core.sessions.open(session_id=f"s{i}").session_id for i in range(2)]
+    for key in keys:
+        _turn(core, key, [rng.randrange(2, 256) for _ in range(60)])  # 17 blocks each
+    want = [bytes(disk_tier.raw_bytes(disk.gather_gpu(list(core.sessions.sessions[k].block_table)))) for k in keys]
+    threads: list[str] = []
+    gather = disk_tier.DiskTier.gather_gpu
+
+    def recording(self, block_ids):  # type: ignore[no-untyped-def]
+        threads.append(threading.current_thread().name)
+        return gather(self, block_ids)
+
+    monkeypatch.setattr(disk_tier.DiskTier, "gather_gpu", recording)
+    gate = threading.Event()
+    disk._writer.submit(gate.wait, 30)
+    assert core.checkpoints.save_idle(0.0) == 2
+    assert [len(ids) for ids in core.checkpoints.held_blocks()] == [17]  # the first held, the second gathered
+    on_engine = len(threads)  # the second session's extents (its whole blocks, its last partial block)
+    assert on_engine >= 1 and set(threads) == {threading.current_thread().name}
+    core.check_integrity()
+    gate.set()
+    assert disk.flush(10) and len(threads) > on_engine
+    assert all(t.startswith("cbd-disk") for t in threads[on_engine:])
+    for key, kv in zip(keys, want):
+        path = tmp_path / "engine" / files.file_name(key)
+        got = files.read_kv(path, files.read_header(path)[0].branches[0])
+        assert got is not None and bytes(got) == kv
     disk.close()
 
 

@@ -36,20 +36,35 @@ def test_fp32_on_cuda_matches_transformers_on_cuda(tiny_checkpoint, kind: str) -
 
 
 @pytest.mark.parametrize("kind", ["llama", "mistral-window"])
-def test_long_chunks_last_layer_on_sampled_rows_matches_transformers_on_cuda(tiny_checkpoint, kind: str) -> None:
+def test_long_chunks_last_layer_on_sampled_rows_matches_transformers_on_cuda(
+    tiny_checkpoint, kind: str, monkeypatch
+) -> None:
     """Prompts of 290-450 tokens in chunks of 300 beside others' last chunks and decodes: steps whose last layer
     runs past its K/V on the sampled rows alone (runner.LAST_LAYER_MIN_SKIPPED), Triton's kernels, fp32."""
     from transformers import AutoModelForCausalLM
 
     torch.backends.cuda.matmul.allow_tf32 = False
     directory = tiny_checkpoint(kind)
+    from cbd.engine.device import runner as runner_module
+
     hf = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).cuda().eval()
     core = make_core(load_model(str(directory), device="cuda"), block_size=8, max_num_batched_tokens=300)
+    seen: list[int] = []  # the sampled rows of each step whose last layer skipped the rest
+    original = runner_module.ModelRunner._sampled
+
+    def recording(self, layout, seq_of_row, rows, step):  # type: ignore[no-untyped-def]
+        sampled = original(self, layout, seq_of_row, rows, step)
+        if sampled is not None:
+            seen.append(rows.shape[0])
+        return sampled
+
+    monkeypatch.setattr(runner_module.ModelRunner, "_sampled", recording)
     rng = random.Random(3)
     prompts = [[rng.randrange(2, 256) for _ in range(n)] for n in (450, 380, 290, 20)]
     results = run_all(core, prompts, SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True))
     for prompt, result in zip(prompts, results):
         assert_greedy_matches(core, _CpuView(hf), prompt, result["tokens"][0], _hf_cuda(hf, prompt, 12))
+    assert 0 in seen and any(n > 1 for n in seen), seen
 
 
 def _hf_cuda(hf, prompt: list[int], n: int) -> list[int]:
@@ -275,14 +290,19 @@ def test_background_save_gathers_on_the_writer_thread_while_steps_run_on_cuda(ti
     want = bytes(disk_tier.raw_bytes(disk.gather_gpu(list(session.block_table))))
     gate = threading.Event()
     disk._writer.submit(gate.wait, 30)
-    assert core.checkpoints.save_idle(0.0) == 1 and core.checkpoints.held_blocks()
-    request = core.add_request(
-        [rng.randrange(2, 256) for _ in range(150)], SamplingParams(max_tokens=40, ignore_eos=True)
-    )
+    # Another request's prefill in flight on the compute stream when the save is queued.
+    params = SamplingParams(max_tokens=40, ignore_eos=True)
+    request = core.add_request([rng.randrange(2, 256) for _ in range(150)], params)
     core.step()
-    gate.set()  # the writer gathers while the other request's steps go on
+    assert core.checkpoints.save_idle(0.0) == 1 and core.checkpoints.held_blocks()
+    core.sessions.eviction.evict(core.block_manager.num_blocks)  # to the host tier: its GPU blocks released, held
+    assert not session.block_table and session.host is not None
+    core.add_request([rng.randrange(2, 256) for _ in range(100)], params)  # takes the blocks not held
+    core.step()
+    gate.set()  # the writer gathers while the requests' steps go on
     while core.has_work():
         core.step()
+    core.check_integrity()
     assert request.request_id and disk.flush(30)
     path = tmp_path / "engine" / files.file_name(key)
     saved, _ = files.read_header(path)

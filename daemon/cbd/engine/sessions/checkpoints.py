@@ -12,8 +12,9 @@ and the frontend's note (a chat's transcript). A session is saved again only whe
                              file lacks (save_plan.py): the file keeps the rest (kv/session_file_save.py)
   background (`save_idle`)   changed sessions idle for at least `idle_for`, no turn in flight; the
                              write is queued to the disk tier's thread (a crash loses the turns since);
-                             KV on the GPU is gathered there too, its blocks referenced until then, so
-                             no save stalls the engine thread or the batch
+                             KV on the GPU is gathered there too, off the engine thread, its blocks
+                             referenced until the write is done (at most HOLD_BYTES of them; beyond, a
+                             save gathers on the engine thread as before)
   start (`restore`)          every file of this model becomes a session again at once, idle for as
                              long as it was plus the downtime (one whose TTL ran out meanwhile is
                              removed); its KV stays in the file (`Branch.disk`)
@@ -56,6 +57,9 @@ from cbd.engine.sessions.records import Branch, Session
 
 log = logging.getLogger(__name__)
 SPILL_BYTES = 4 * 2**30  # KV gathered for spills and not yet written, at most (one spill always may)
+# GPU KV that saves queued for the writer thread hold (`PoolBlocks`), at most: beyond it a save gathers its GPU
+# blocks on the engine thread, so that evictions meanwhile free GPU blocks (held ones free none).
+HOLD_BYTES = 2 * 2**30
 
 
 class SessionCheckpoints:
@@ -77,6 +81,7 @@ class SessionCheckpoints:
         # GPU blocks the writer gathers for a queued save (kv/disk_tier.py `PoolBlocks`): referenced until it ends.
         self._held: deque[tuple[Future[Written], list[int]]] = deque()
         self._spill_on = spill
+        sessions.eviction.let_go = self.let_go
         if spill:
             sessions.eviction.spill = self.spill
         self.loads = ReadBack(sessions, disk, self._settle, self._spill_of, self.claim, self._forget_file)
@@ -100,7 +105,7 @@ class SessionCheckpoints:
         def settle(key: str, future: Future[Written]) -> None:
             try:
                 kept = future.result().has_kv
-            except OSError as exc:
+            except Exception as exc:  # a disk error, or the gather of its GPU blocks failed
                 log.warning("session %s could not be saved: %s", key, exc)
                 report.num_failed += 1
                 return
@@ -156,22 +161,37 @@ class SessionCheckpoints:
         kv: list[Planned | None] = []
         view: save_plan.FileView = []  # what the file will hold (see `_files_kv`)
         held: list[int] = []
-        for b, p in zip(session.branches_and_self(), plan, strict=True):
-            new = save_plan.new_kv(self.disk, b, p, gather_gpu=not durable) if p.kv_tokens else None
-            for data, _ in new.extents if new is not None else ():
-                if isinstance(data, PoolBlocks):
-                    held += self.sessions.eviction.bm.share(data.block_ids)
-            saved = files.SavedBranch(list(b.token_ids), p.kv_tokens if new is not None else 0)
-            branches.append(saved)
-            kv.append(new)
-            view.append(save_plan.view_after(p, saved, self.disk.block_size))
+        bm = self.sessions.eviction.bm
+        room = HOLD_BYTES - sum(len(ids) for _, ids in self._held) * self.disk.bytes_per_block
+        try:
+            for b, p in zip(session.branches_and_self(), plan, strict=True):
+                new = save_plan.new_kv(self.disk, b, p, gather_gpu=not durable) if p.kv_tokens else None
+                if new is not None and any(isinstance(d, PoolBlocks) for d, _ in new.extents):
+                    ids = [i for d, _ in new.extents if isinstance(d, PoolBlocks) for i in d.block_ids]
+                    if len(ids) * self.disk.bytes_per_block > room:  # over HOLD_BYTES: gathered now
+                        now = self.disk.gathered(new)
+                        new = Planned(now.base, now.keep, [(d, n) for d, n in now.extents])
+                    else:
+                        held += bm.share(ids)
+                        room -= len(ids) * self.disk.bytes_per_block
+                saved = files.SavedBranch(list(b.token_ids), p.kv_tokens if new is not None else 0)
+                branches.append(saved)
+                kv.append(new)
+                view.append(save_plan.view_after(p, saved, self.disk.block_size))
+        except BaseException:
+            bm.release(held)
+            raise
         saved_session = files.SavedSession(
             self.disk.fingerprint, key, session.ttl, session.idle_seconds(), time.time(), session.is_chat,
             session.expected_idle, session.retention, session.priority, session.note, branches,
         )  # fmt: skip
         if durable:
             session.num_turns_saved = session.num_turns
-        future = self.disk.write(saved_session, kv, durable)
+        try:
+            future = self.disk.write(saved_session, kv, durable)
+        except BaseException:
+            bm.release(held)
+            raise
         if held:
             self._held.append((future, held))
         self._files_kv[key] = view
@@ -184,9 +204,8 @@ class SessionCheckpoints:
     def _settle(self) -> None:
         """Note the writes that have ended (in order): each session's last file with all its KV (for spills);
         a write that did not keep all it was given leaves `_files_kv` as the file holds it (a failed one:
-        forgotten, the next save whole). The GPU blocks a finished write gathered are let go."""
-        while self._held and self._held[0][0].done():
-            self.sessions.eviction.bm.release(self._held.popleft()[1])
+        forgotten, the next save whole). The GPU blocks finished writes held are let go (`let_go`)."""
+        self.let_go()
         while self._writes and self._writes[0][2].done():
             key, turns, future = self._writes.popleft()
             written = _result(future)
@@ -248,8 +267,8 @@ class SessionCheckpoints:
                     b.disk = by_branch[id(b)]
                 self.disk.count_spill()
                 return True
-        if not self.disk.spills_from_gpu and any(b.block_table for b in going):
-            return False  # from the GPU's pool (the host tier had no room): recomputed, see DiskTier.spills_from_gpu
+        if not self.disk.spills_from_gpu and any(b.block_table for b in branches):
+            return False  # KV in the GPU's pool would be gathered from it: recomputed, see DiskTier.spills_from_gpu
         plan = self._plan(session)
         per_block, size = self.disk.bytes_per_block, self.disk.block_size
         need = sum(-(-p.kv_tokens // size) - p.keep // size for p in plan) * per_block
@@ -260,8 +279,13 @@ class SessionCheckpoints:
         self.disk.count_spill()
         return True
 
+    def let_go(self) -> None:
+        """Release the GPU blocks held by saves whose writes are done (in order: one writer thread)."""
+        while self._held and self._held[0][0].done():
+            self.sessions.eviction.bm.release(self._held.popleft()[1])
+
     def held_blocks(self) -> list[list[int]]:
-        """GPU blocks referenced by saves whose writer has not gathered them yet (integrity checks)."""
+        """GPU blocks referenced by queued saves (`PoolBlocks`), until `let_go` (integrity checks)."""
         return [ids for _, ids in self._held]
 
     def _spill_of(self, key: str) -> Future[Written] | None:

@@ -6,8 +6,9 @@ goes first). With a host tier it is copied there (`HostTier.offload`); the next 
 references on the copy and the scheduler restores it before its prefill. Without one, or when the
 host pool is full of sessions due back sooner, it is released: the tokens stay, and the next turn
 recomputes, reviving whatever the prefix cache still holds (with `--disk-kv-spill` the host tier makes
-room by spilling idle sessions' host copies to their files, any session's whose file keeps its KV, and
-only what still finds no room goes to the session's file straight from the GPU, `spill`). Host copies are evicted in the same order, to recompute
+room by spilling idle sessions' host copies to their files, those of no higher retention whose files keep
+their KV; what still finds no room goes to the session's file straight from the GPU, `spill`, only where
+the pool is in host memory: on a GPU it recomputes). Host copies are evicted in the same order, to recompute
 (`HostTier.evict`), or to the session's file with spilling on; a turn whose KV is read back from its
 file makes room in the host tier the same way (`free_host`). The tier does the copies and counts them; this class only
 picks the sessions. Engine-thread only.
@@ -38,6 +39,9 @@ class SessionEviction:
         # keeps them instead of letting them go to recompute (sessions/checkpoints.py; False: it could not,
         # they are recomputed); None: no disk tier.
         self.spill: Callable[[Session, list[Branch]], bool] | None = None
+        # Called before GPU blocks are looked for: saves whose writes are done let go of the GPU blocks they
+        # held (sessions/checkpoints.py `let_go`); None: no disk tier.
+        self.let_go: Callable[[], None] | None = None
 
     def order(self, sessions: list[Session], now: float | None = None) -> list[Session]:
         """Which sessions leave a tier first: retention LOW, then NORMAL, then HIGH; within a class, the
@@ -52,6 +56,8 @@ class SessionEviction:
         KV goes to the host tier when there is one and it has room (after evicting host-resident
         sessions that come before it in the same order); otherwise it is released. Returns the
         blocks freed."""
+        if self.let_go is not None:
+            self.let_go()
         freed = 0
         now = time.monotonic()
         order = self.order([s for s in self.sessions.values() if include_busy or s.busy is None], now)
@@ -63,7 +69,8 @@ class SessionEviction:
             before = self.bm.num_free_blocks
             for b in session.branches_and_self():
                 b.draft_index = None  # idle long enough to leave the GPU: its drafter index goes too
-                if b.block_table and not (session.busy is None and self._offload(b, order[:rank], order[rank + 1 :])):
+                later = [s for s in order[rank + 1 :] if s.retention <= session.retention]
+                if b.block_table and not (session.busy is None and self._offload(b, order[:rank], later)):
                     if session.busy is None and self.spill is not None:  # no host room: to disk, not recompute
                         self.spill(session, [b])
                     self.bm.release(b.block_table)
@@ -141,8 +148,9 @@ class SessionEviction:
         """Copy a branch's GPU blocks to the host tier and free them (fenced until the copy is done);
         False if there is no tier or no room in it, even after evicting the host copies of sessions in
         `before` (those that come before this one in eviction order) and, with spilling on, those of the
-        sessions in `after` whose files keep their KV: a spill from the host tier is a host-memory copy,
-        where one from the GPU waits for the step in flight on the engine thread."""
+        sessions in `after` (after it, of no higher retention) whose files keep their KV: a spill from the
+        host tier gathers host memory (after the copies in flight), where one from the GPU pool would wait
+        for the step in flight and copy to pageable memory, the batch stalled."""
         tier = self.host_tier
         if tier is None:
             return False
