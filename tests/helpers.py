@@ -125,3 +125,20 @@ def poll_until(condition: Callable[[], T | None], timeout: float = 30.0, every: 
             return value
         assert time.monotonic() < deadline, f"still not true after {timeout}s: {what}"
         time.sleep(every)
+
+
+def record_last_layer_rows(monkeypatch) -> list[int]:  # noqa: ANN001
+    """The sampled rows of each step whose last layer ran on them alone (runner.ModelRunner._sampled), recorded."""
+    from cbd.engine.device import runner as runner_module
+
+    seen: list[int] = []
+    original = runner_module.ModelRunner._sampled
+
+    def recording(self, layout, seq_of_row, rows, step):  # type: ignore[no-untyped-def]
+        sampled = original(self, layout, seq_of_row, rows, step)
+        if sampled is not None:
+            seen.append(rows.shape[0])
+        return sampled
+
+    monkeypatch.setattr(runner_module.ModelRunner, "_sampled", recording)
+    return seen

@@ -12,7 +12,7 @@ from cbd.engine.sampling_params import SamplingParams
 from cbd.errors import UnsupportedModel
 from cbd.model.loader import load_model
 from conftest import TINY_CONFIGS
-from helpers import assert_greedy_matches, hf_greedy, make_core, run_all
+from helpers import assert_greedy_matches, hf_greedy, make_core, record_last_layer_rows, run_all
 
 
 def _prompts(count: int, seed: int = 1) -> list[list[int]]:
@@ -71,21 +71,10 @@ def test_long_chunks_run_the_last_layer_on_their_sampled_rows_only(tiny_checkpoi
     step of chunks that sample nothing, on none). Greedy output equals transformers' generate."""
     from transformers import AutoModelForCausalLM
 
-    from cbd.engine.device import runner as runner_module
-
     directory = tiny_checkpoint(kind)
     hf = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
     core = make_core(load_model(str(directory)), block_size=4, max_num_batched_tokens=300, max_model_len=512)
-    seen: list[int] = []  # the sampled rows of each step whose last layer skipped the rest
-    original = runner_module.ModelRunner._sampled
-
-    def recording(self, layout, seq_of_row, rows, step):  # type: ignore[no-untyped-def]
-        sampled = original(self, layout, seq_of_row, rows, step)
-        if sampled is not None:
-            seen.append(rows.shape[0])
-        return sampled
-
-    monkeypatch.setattr(runner_module.ModelRunner, "_sampled", recording)
+    seen = record_last_layer_rows(monkeypatch)  # the sampled rows of each step whose last layer skipped the rest
     rng = random.Random(3)
     prompts = [[rng.randrange(2, 256) for _ in range(n)] for n in (450, 380, 290, 20)]
     params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)

@@ -124,6 +124,19 @@ def test_restored_sessions_answer_as_if_never_stopped_with_their_kv_from_disk(ti
     assert core.host_tier.pool.num_used_blocks == 0
 
 
+def _record_gathers(monkeypatch) -> list[str]:  # noqa: ANN001
+    """The thread of each gather from the GPU pool (`DiskTier.gather_gpu`), recorded from now on."""
+    threads: list[str] = []
+    gather = disk_tier.DiskTier.gather_gpu
+
+    def recording(self, block_ids):  # type: ignore[no-untyped-def]
+        threads.append(threading.current_thread().name)
+        return gather(self, block_ids)
+
+    monkeypatch.setattr(disk_tier.DiskTier, "gather_gpu", recording)
+    return threads
+
+
 def test_a_background_save_gathers_gpu_kv_on_the_writer_thread_and_holds_its_blocks_till_then(
     tiny_loaded, tmp_path, monkeypatch
 ) -> None:
@@ -138,14 +151,7 @@ def test_a_background_save_gathers_gpu_kv_on_the_writer_thread_and_holds_its_blo
     assert core.checkpoints is not None
     disk = core.checkpoints.disk
     want = bytes(disk_tier.raw_bytes(disk.gather_gpu(list(session.block_table))))  # its KV as it is now
-    threads: list[str] = []
-    gather = disk_tier.DiskTier.gather_gpu
-
-    def recording(self, block_ids):  # type: ignore[no-untyped-def]
-        threads.append(threading.current_thread().name)
-        return gather(self, block_ids)
-
-    monkeypatch.setattr(disk_tier.DiskTier, "gather_gpu", recording)
+    threads = _record_gathers(monkeypatch)
     gate = threading.Event()
     disk._writer.submit(gate.wait, 30)  # the writer busy: the save waits in its queue
     assert core.checkpoints.save_idle(0.0) == 1
@@ -184,14 +190,7 @@ def test_saves_hold_at_most_hold_bytes_of_gpu_blocks_and_gather_the_rest_at_once
     for key in keys:
         _turn(core, key, [rng.randrange(2, 256) for _ in range(60)])  # 17 blocks each
     want = [bytes(disk_tier.raw_bytes(disk.gather_gpu(list(core.sessions.sessions[k].block_table)))) for k in keys]
-    threads: list[str] = []
-    gather = disk_tier.DiskTier.gather_gpu
-
-    def recording(self, block_ids):  # type: ignore[no-untyped-def]
-        threads.append(threading.current_thread().name)
-        return gather(self, block_ids)
-
-    monkeypatch.setattr(disk_tier.DiskTier, "gather_gpu", recording)
+    threads = _record_gathers(monkeypatch)
     gate = threading.Event()
     disk._writer.submit(gate.wait, 30)
     assert core.checkpoints.save_idle(0.0) == 2

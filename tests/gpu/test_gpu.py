@@ -9,7 +9,7 @@ import torch
 
 from cbd.engine.sampling_params import SamplingParams
 from cbd.model.loader import load_model
-from helpers import assert_greedy_matches, make_core, run_all
+from helpers import assert_greedy_matches, make_core, record_last_layer_rows, run_all
 
 pytestmark = pytest.mark.gpu
 
@@ -45,20 +45,9 @@ def test_long_chunks_last_layer_on_sampled_rows_matches_transformers_on_cuda(
 
     torch.backends.cuda.matmul.allow_tf32 = False
     directory = tiny_checkpoint(kind)
-    from cbd.engine.device import runner as runner_module
-
     hf = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).cuda().eval()
     core = make_core(load_model(str(directory), device="cuda"), block_size=8, max_num_batched_tokens=300)
-    seen: list[int] = []  # the sampled rows of each step whose last layer skipped the rest
-    original = runner_module.ModelRunner._sampled
-
-    def recording(self, layout, seq_of_row, rows, step):  # type: ignore[no-untyped-def]
-        sampled = original(self, layout, seq_of_row, rows, step)
-        if sampled is not None:
-            seen.append(rows.shape[0])
-        return sampled
-
-    monkeypatch.setattr(runner_module.ModelRunner, "_sampled", recording)
+    seen = record_last_layer_rows(monkeypatch)  # the sampled rows of each step whose last layer skipped the rest
     rng = random.Random(3)
     prompts = [[rng.randrange(2, 256) for _ in range(n)] for n in (450, 380, 290, 20)]
     results = run_all(core, prompts, SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True))
