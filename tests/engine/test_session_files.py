@@ -208,6 +208,42 @@ def test_saves_hold_at_most_hold_bytes_of_gpu_blocks_and_gather_the_rest_at_once
     disk.close()
 
 
+def test_a_save_whose_gather_fails_lets_its_blocks_go_and_the_others_are_saved(
+    tiny_loaded, tmp_path, monkeypatch
+) -> None:
+    """Past HOLD_BYTES a save gathers on the engine thread; when that gather fails, the blocks it had taken go back,
+    the shutdown save counts it failed and saves the other sessions; one save holds even past the cap (nothing else
+    held)."""
+    from cbd.engine.sessions import checkpoints as checkpoints_module
+
+    core = make_core(tiny_loaded, disk_kv_dir=str(tmp_path), block_size=4, num_kv_blocks=64, num_host_kv_blocks=40)
+    assert core.checkpoints is not None
+    disk = core.checkpoints.disk
+    monkeypatch.setattr(checkpoints_module, "HOLD_BYTES", disk.bytes_per_block)  # under one session's
+    rng = random.Random(6)
+    keys = [core.sessions.open(session_id=f"f{i}").session_id for i in range(3)]
+    for key in keys:
+        _turn(core, key, [rng.randrange(2, 256) for _ in range(40)])
+    gathered = disk_tier.DiskTier.gathered
+
+    def failing(self, planned):  # type: ignore[no-untyped-def]
+        if not threading.current_thread().name.startswith("cbd-disk"):
+            raise RuntimeError("out of host memory")
+        return gathered(self, planned)
+
+    monkeypatch.setattr(disk_tier.DiskTier, "gathered", failing)
+    report = core.checkpoints.save_all(60.0)
+    assert (report.num_saved, report.num_failed, report.num_with_kv) == (1, 2, 1)
+    assert core.checkpoints.held_blocks() == []
+    core.check_integrity()
+    for key in keys:
+        core.sessions.close(key)
+    assert core.checkpoints.disk.flush(10)
+    core.sessions.eviction.evict(core.block_manager.num_blocks)
+    assert core.block_manager.num_used_blocks == 0
+    disk.close()
+
+
 def test_saving_again_appends_only_the_kv_a_file_lacks_and_later_restarts_answer_the_same(
     tiny_loaded, tmp_path
 ) -> None:

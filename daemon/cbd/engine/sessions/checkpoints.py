@@ -57,8 +57,8 @@ from cbd.engine.sessions.records import Branch, Session
 
 log = logging.getLogger(__name__)
 SPILL_BYTES = 4 * 2**30  # KV gathered for spills and not yet written, at most (one spill always may)
-# GPU KV that saves queued for the writer thread hold (`PoolBlocks`), at most: beyond it a save gathers its GPU
-# blocks on the engine thread, so that evictions meanwhile free GPU blocks (held ones free none).
+# GPU KV that saves queued for the writer thread hold (`PoolBlocks`), at most (one save always may): beyond it a
+# save gathers its GPU blocks on the engine thread, so that evictions meanwhile free GPU blocks (held ones free none).
 HOLD_BYTES = 2 * 2**30
 
 
@@ -113,7 +113,11 @@ class SessionCheckpoints:
             report.num_with_kv += kept
 
         for session in sorted(self._changed(), key=lambda s: s.last_used, reverse=True):
-            in_flight.append((session.session_id, self._save(session, time.monotonic() < deadline)))
+            try:
+                in_flight.append((session.session_id, self._save(session, time.monotonic() < deadline)))
+            except Exception as exc:  # its KV could not be gathered: the others are saved all the same
+                log.warning("session %s could not be saved: %s", session.session_id, exc)
+                report.num_failed += 1
             while len(in_flight) > 2:
                 settle(*in_flight.popleft())
         while in_flight:
@@ -136,9 +140,16 @@ class SessionCheckpoints:
             s for s in self._changed()
             if s.busy is None and s.idle_seconds(now) >= idle_for and s.session_id not in self._spilling
         ]  # fmt: skip
+        saved = 0
         for session in due:
-            self._save(session, True).add_done_callback(functools.partial(_log_failure, key=session.session_id))
-        return len(due)
+            try:
+                future = self._save(session, True)
+            except Exception as exc:  # its KV could not be gathered: the others are saved all the same
+                log.warning("session %s could not be saved: %s", session.session_id, exc)
+                continue
+            future.add_done_callback(functools.partial(_log_failure, key=session.session_id))
+            saved += 1
+        return saved
 
     def _changed(self) -> list[Session]:
         return [s for s in self.sessions.sessions.values() if s.num_turns_saved != s.num_turns]
@@ -168,7 +179,7 @@ class SessionCheckpoints:
                 new = save_plan.new_kv(self.disk, b, p, gather_gpu=not durable) if p.kv_tokens else None
                 if new is not None and any(isinstance(d, PoolBlocks) for d, _ in new.extents):
                     ids = [i for d, _ in new.extents if isinstance(d, PoolBlocks) for i in d.block_ids]
-                    if len(ids) * self.disk.bytes_per_block > room:  # over HOLD_BYTES: gathered now
+                    if len(ids) * self.disk.bytes_per_block > room and (self._held or held):  # gathered now
                         now = self.disk.gathered(new)
                         new = Planned(now.base, now.keep, [(d, n) for d, n in now.extents])
                     else:

@@ -84,6 +84,8 @@ class SessionEviction:
         are free (or no idle session is left on the GPU, or the host pool has no room). Called after a
         step is launched, so that the copies run while the GPU computes and the blocks they free are
         ready (their fences passed) by the time a later step needs them; never releases KV to recompute."""
+        if self.let_go is not None:
+            self.let_go()
         tier = self.host_tier
         if tier is None or self.bm.num_free_blocks >= free_target:
             return
