@@ -224,14 +224,14 @@ def test_a_save_whose_gather_fails_lets_its_blocks_go_and_the_others_are_saved(
     keys = [core.sessions.open(session_id=f"f{i}").session_id for i in range(3)]
     for key in keys:
         _turn(core, key, [rng.randrange(2, 256) for _ in range(40)])
-    gathered = disk_tier.DiskTier.gathered
+    gather = disk_tier.DiskTier.gather_gpu
 
-    def failing(self, planned):  # type: ignore[no-untyped-def]
+    def failing(self, block_ids):  # type: ignore[no-untyped-def]
         if not threading.current_thread().name.startswith("cbd-disk"):
             raise RuntimeError("out of host memory")
-        return gathered(self, planned)
+        return gather(self, block_ids)
 
-    monkeypatch.setattr(disk_tier.DiskTier, "gathered", failing)
+    monkeypatch.setattr(disk_tier.DiskTier, "gather_gpu", failing)
     report = core.checkpoints.save_all(60.0)
     assert (report.num_saved, report.num_failed, report.num_with_kv) == (1, 2, 1)
     assert core.checkpoints.held_blocks() == []

@@ -346,7 +346,7 @@ class ModelRunner:
         meta_attn = self.backend.prepare(layout, decode_splits=splits)
         rows = t.logits_rows
         sampled = None if meta.decode_only or meta.drafts else self._sampled(layout, seq_of_row, rows, meta_attn)
-        return self.model(ids, positions, self.kv_caches, meta_attn, t.logits_rows, sampled)
+        return self.model(ids, positions, self.kv_caches, meta_attn, rows, sampled)
 
     def _sampled(
         self, layout: BatchLayout, seq_of_row: torch.Tensor, rows: torch.Tensor, step: PreparedAttention

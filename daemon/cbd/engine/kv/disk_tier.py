@@ -203,16 +203,15 @@ class DiskTier:
         self._writer.shutdown(wait=True)
         self._lock.close()
 
-    def gathered(self, planned: Planned) -> files.NewKv[bytes | memoryview]:
-        """A branch's KV with the GPU blocks it names gathered (on the writer thread; or the engine thread's, for
-        a save past `checkpoints.HOLD_BYTES`)."""
+    def _gathered(self, planned: Planned) -> files.NewKv[bytes | memoryview]:
+        """A branch's KV with the GPU blocks it names gathered (the writer thread's)."""
         extents = [
             (raw_bytes(self.gather_gpu(d.block_ids)) if isinstance(d, PoolBlocks) else d, n) for d, n in planned.extents
         ]
         return files.NewKv(planned.base, planned.keep, extents)
 
     def _write(self, saved: files.SavedSession, planned: list[Planned | None], durable: bool) -> Written:
-        kv = [None if p is None else self.gathered(p) for p in planned]
+        kv = [None if p is None else self._gathered(p) for p in planned]
         name = files.file_name(saved.key)
         asked = [b.kv_tokens for b in saved.branches]
         need = sum(memoryview(data).nbytes for new in kv if new is not None for data, _ in new.extents)

@@ -10,8 +10,8 @@ every branch's token ids with the extents that hold its KV, in order. An extent 
 branch's blocks in the host-pool layout `[blocks, layers, block_size, *slot]` as raw bytes, with its
 length, checksum and the tokens it covers. An extent's checksum is XXH3-64 (`kind` XXH3: ~10x zlib's
 CRC-32, which held a tier's reads and writes to the rate of a disk even when the page cache served
-them); extents written before it came are CRC-32 (`kind` CRC32) and are still read. The valid slot with the higher generation is the file's
-header; the other is the one before.
+them); extents written before it came are CRC-32 (`kind` CRC32) and are still read. The valid slot with
+the higher generation is the file's header; the other is the one before.
 
 Saving (session_file_save.py) appends the KV a file lacks, then writes the new header in the other slot.
 
@@ -72,7 +72,7 @@ class _Check:
     """An extent's checksum over its bytes in pieces, of either kind."""
 
     def __init__(self, kind: int) -> None:
-        self.kind, self.crc = kind, 0
+        self.crc = 0
         self.xxh = xxhash.xxh3_64() if kind == XXH3 else None
 
     def update(self, view: memoryview) -> None:

@@ -177,28 +177,22 @@ class SessionCheckpoints:
         try:
             for b, p in zip(session.branches_and_self(), plan, strict=True):
                 new = save_plan.new_kv(self.disk, b, p, gather_gpu=not durable) if p.kv_tokens else None
-                if new is not None and any(isinstance(d, PoolBlocks) for d, _ in new.extents):
-                    ids = [i for d, _ in new.extents if isinstance(d, PoolBlocks) for i in d.block_ids]
-                    if len(ids) * self.disk.bytes_per_block > room and (self._held or held):  # gathered now
-                        now = self.disk.gathered(new)
-                        new = Planned(now.base, now.keep, [(d, n) for d, n in now.extents])
-                    else:
-                        held += bm.share(ids)
-                        room -= len(ids) * self.disk.bytes_per_block
+                ids = [i for d, _ in new.extents if isinstance(d, PoolBlocks) for i in d.block_ids] if new else []
+                if ids and len(ids) * self.disk.bytes_per_block > room and (self._held or held):
+                    new = save_plan.new_kv(self.disk, b, p, gather_gpu=True)  # past HOLD_BYTES: gathered now
+                elif ids:
+                    held += bm.share(ids)
+                    room -= len(ids) * self.disk.bytes_per_block
                 saved = files.SavedBranch(list(b.token_ids), p.kv_tokens if new is not None else 0)
                 branches.append(saved)
                 kv.append(new)
                 view.append(save_plan.view_after(p, saved, self.disk.block_size))
-        except BaseException:
-            bm.release(held)
-            raise
-        saved_session = files.SavedSession(
-            self.disk.fingerprint, key, session.ttl, session.idle_seconds(), time.time(), session.is_chat,
-            session.expected_idle, session.retention, session.priority, session.note, branches,
-        )  # fmt: skip
-        if durable:
-            session.num_turns_saved = session.num_turns
-        try:
+            saved_session = files.SavedSession(
+                self.disk.fingerprint, key, session.ttl, session.idle_seconds(), time.time(), session.is_chat,
+                session.expected_idle, session.retention, session.priority, session.note, branches,
+            )  # fmt: skip
+            if durable:
+                session.num_turns_saved = session.num_turns
             future = self.disk.write(saved_session, kv, durable)
         except BaseException:
             bm.release(held)

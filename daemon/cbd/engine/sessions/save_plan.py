@@ -82,11 +82,10 @@ def new_kv(disk: DiskTier, b: Branch, p: BranchKv, gather_gpu: bool = False) -> 
     parts = [(0, whole, whole * size)] if whole else []  # keep is a whole block's end here
     if p.kv_tokens % size:
         parts.append((whole, count - first, p.kv_tokens % size))
-    on_gpu = bool(b.block_table and b.num_computed)
-    if on_gpu and not gather_gpu:  # named here, gathered by the disk tier's writer thread
+    if b.block_table and b.num_computed and not gather_gpu:  # named here, gathered by the disk tier's writer thread
         table = b.block_table[first:count]
         return Planned(p.base, p.keep, [(PoolBlocks(table[lo:hi]), n) for lo, hi, n in parts])
-    data = raw_bytes(disk.gather_gpu(b.block_table[first:count])) if on_gpu else _blocks(disk, b, first, count)
+    data = _blocks(disk, b, first, count)
     if data is None:  # the file it was only in is damaged: saved without (recomputed later)
         return None
     return Planned(p.base, p.keep, [(data[lo * per_block : hi * per_block], n) for lo, hi, n in parts])
@@ -124,9 +123,11 @@ def prefix_hashes(token_ids: list[int], ends: Iterable[int]) -> list[bytes]:
 
 
 def _blocks(disk: DiskTier, b: Branch, first: int, count: int) -> memoryview | None:
-    """A branch's KV blocks [first, count) in the host tier or its file as host bytes (`[blocks, layers,
-    block_size, *slot]`)."""
-    if b.host is not None:
+    """A branch's KV blocks [first, count) as host bytes (`[blocks, layers, block_size, *slot]`), gathered now from
+    the GPU pool, the host tier or its file."""
+    if b.block_table and b.num_computed:
+        tensor = disk.gather_gpu(b.block_table[first:count])
+    elif b.host is not None:
         tensor = disk.gather_host(HostCopy(b.host.block_ids[first:count], 0))
     else:  # only in a file it is not kept in (written anew or damaged since): read it back first
         assert b.disk is not None
