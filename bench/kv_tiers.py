@@ -78,6 +78,7 @@ def run(core: EngineCore, system: list[int], agents: list[Agent], new_tokens: in
     loading: dict[str, Agent] = {}  # agents whose turn waits for its session's KV read back from its file
     checkpoints = core.checkpoints
     prompt_tokens = cached_tokens = 0
+    recomputed = 0  # turns after the first that computed more than half of their agent's own history again
 
     def submit(agent: Agent) -> None:
         gap = agent.gaps[agent.turn]
@@ -123,6 +124,8 @@ def run(core: EngineCore, system: list[int], agents: list[Agent], new_tokens: in
                 assert out.usage is not None
                 prompt_tokens += out.usage.prompt_tokens
                 cached_tokens += out.usage.cached_prompt_tokens
+                computed = out.usage.prompt_tokens - out.usage.cached_prompt_tokens
+                recomputed += agent.turn > 0 and computed > len(agent.first) // 2
                 del by_request[out.request_id]
                 agent.ready_at = stamp - start + agent.gaps[agent.turn]
                 agent.turn += 1
@@ -148,6 +151,7 @@ def run(core: EngineCore, system: list[int], agents: list[Agent], new_tokens: in
         "ttft_by_turn": {k: {"p50": statistics.median(v), "p99": _pct(v, 0.99)} for k, v in sorted(ttft.items())},
         "prompt_tokens": prompt_tokens,
         "computed_prompt_tokens": prompt_tokens - cached_tokens,
+        "recomputed_turns": recomputed,
         "offloaded_blocks": host.num_offloaded_blocks if host else 0,
         "restored_blocks": host.num_restored_blocks if host else 0,
         "spilled_sessions": core.stats().disk.num_spilled if core.stats().disk else 0,
@@ -288,12 +292,14 @@ def main() -> None:
     print(f"sessions' KV {all_sessions} blocks ({all_sessions * gib:.1f} GiB) = {all_sessions / small:.1f}x the "
           f"GPU pool of recompute/host ({small} blocks); greedy answers equal across modes: {same}")  # fmt: skip
     print("TTFT in ms; '2+': the turns after each agent's first (the first computes the whole history in every mode)")
+    print("'recomp': turns after the first that computed more than half of their agent's own history again")
     print(f"{'mode':10s} {'tok/s':>8s} {'p50':>8s} {'p99':>8s} {'2+ p50':>8s} {'2+ p99':>8s} {'computed':>9s} "
-          f"{'offload':>8s} {'restore':>8s} {'preempt':>8s}")  # fmt: skip
+          f"{'recomp':>7s} {'offload':>8s} {'restore':>8s} {'preempt':>8s}")  # fmt: skip
     for mode, r in results.items():
         print(f"{mode:10s} {r['tok_s']:8.1f} {1000 * r['ttft_p50']:8.1f} {1000 * r['ttft_p99']:8.1f} "
               f"{1000 * r['warm_ttft_p50']:8.1f} {1000 * r['warm_ttft_p99']:8.1f} {r['computed_prompt_tokens']:9d} "
-              f"{r['offloaded_blocks']:8d} {r['restored_blocks']:8d} {r['preemptions']:8d}")  # fmt: skip
+              f"{r['recomputed_turns']:7d} {r['offloaded_blocks']:8d} {r['restored_blocks']:8d} "
+              f"{r['preemptions']:8d}")  # fmt: skip
     if "recompute" in results and "host" in results:
         rc, h = results["recompute"], results["host"]
         print(f"host vs recompute: TTFT p50 {h['ttft_p50'] / rc['ttft_p50']:.2f}x, turns 2+ "

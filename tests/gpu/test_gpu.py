@@ -314,3 +314,23 @@ def _session_turn(core, key: str, tokens: list[int]) -> list[int]:
             if o.request_id == request.request_id:
                 out += [t for d in o.candidates for t in d.token_ids]
     return out
+
+
+def test_the_host_reads_host_blocks_after_their_own_copies_only(tiny_checkpoint) -> None:
+    """Reading host blocks (a spill's gather) waits for the copies to or from those blocks, not for one to other
+    blocks queued behind a step the GPU is still computing; a read of the blocks that copy fills waits for it."""
+    core = make_core(
+        load_model(str(tiny_checkpoint("llama")), device="cuda"), block_size=8, num_kv_blocks=64, num_host_kv_blocks=64
+    )
+    tier = core.host_tier
+    assert tier is not None
+    copier, compute = tier.copier, tier.copier.streams.compute
+    with torch.cuda.stream(compute):
+        copier.gpu[:, :2] = 3.0
+        torch.cuda._sleep(2_000_000_000)  # a long step in flight on the compute stream
+    ticket = copier.offload([0, 1], [10, 11])  # queued behind it
+    copier.host[20] = 7.0  # a block no copy touches
+    assert bool((tier.read_blocks([20]) == 7.0).all())
+    assert not copier.is_done(ticket)  # the read did not wait for the step
+    assert bool((tier.read_blocks([10, 11]) == 3.0).all())  # this one waited for the offload
+    assert copier.is_done(ticket)

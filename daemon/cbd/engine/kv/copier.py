@@ -13,7 +13,9 @@ Ordering (CUDA; on CPU every copy is done when the call returns and every ticket
   restore   the copy stream waits for the compute stream as well (a freshly allocated block may
             still be read by a step in flight), then writes the GPU blocks. The sequence they belong
             to is not scheduled before its ticket is complete (`is_done`), so no step waits for it.
-Offloads and restores are ordered among themselves by the one copy stream.
+Offloads and restores are ordered among themselves by the one copy stream. The host itself reads or
+writes host blocks (a session file's KV) only after the copies that touch those blocks (`wait_for`), not
+after every copy in flight: those wait for the step the GPU is computing.
 """
 
 from __future__ import annotations
@@ -52,6 +54,7 @@ class KvCopier:
         self._tickets = itertools.count(1)
         self._events: dict[int, tuple[torch.cuda.Event, float, bool]] = {}  # incomplete: (event, start, restore)
         self._restore_seconds: list[float] = []  # restores' start-to-completion times seen since the last drain
+        self._last_copy: dict[int, int] = {}  # host block -> the ticket of the last copy issued to or from it
 
     @staticmethod
     def block_bytes(kv_caches: torch.Tensor, block_size: int) -> int:
@@ -89,6 +92,7 @@ class KvCopier:
                 done = torch.cuda.Event()
                 done.record(self.stream)
                 self._events[ticket] = (done, start, not to_host)
+                self._last_copy.update(dict.fromkeys(host_ids, ticket))
                 return ticket
         if not to_host:
             self._restore_seconds.append(time.monotonic() - start)
@@ -110,10 +114,14 @@ class KvCopier:
             self._restore_seconds.append(time.monotonic() - start)
         return True
 
-    def wait_all(self) -> None:
-        """Wait for every copy issued so far (before the host reads or writes host blocks itself)."""
-        if self.stream is not None:
-            self.stream.synchronize()
+    def wait_for(self, host_ids: list[int]) -> None:
+        """Wait for the copies issued so far to or from these host blocks (before the host reads or writes
+        them itself); the copy stream runs them in order, so the last one of each block is enough."""
+        tickets = {t for t in map(self._last_copy.get, host_ids) if t is not None}
+        for ticket in sorted(tickets):
+            self.is_done(ticket, block=True)
+        if len(self._last_copy) > 2 * len(self._events) + 4096:  # forget the copies that are done
+            self._last_copy = {h: t for h, t in self._last_copy.items() if t in self._events}
 
     def fence_compute(self, tickets: set[int]) -> None:
         """Make the compute stream wait for these copies (a step is about to overwrite their GPU blocks)."""

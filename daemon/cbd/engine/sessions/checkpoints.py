@@ -22,8 +22,9 @@ and the frontend's note (a chat's transcript). A session is saved again only whe
   spill (--disk-kv-spill)    when the host tier must release an idle session's KV (its pool is
                              full), the KV goes to the session's file instead of being lost: a file
                              written since its last change is reused as it is, else what the file
-                             lacks of the host copy is gathered and appended (at most SPILL_BYTES in
-                             flight, or one spill; beyond, it is recomputed); the session's next
+                             lacks of the host copy is gathered and appended (in flight at most
+                             `spill_bytes`: half the host tier's size, at least SPILL_BYTES, or one
+                             spill; beyond, it is recomputed); the session's next
                              turn waits for that write. KV the GPU pool lets go when the host tier
                              has no room is spilled from there only where that pool is in host
                              memory (`DiskTier.spills_from_gpu`)
@@ -56,7 +57,9 @@ from cbd.engine.sessions.read_back import ReadBack
 from cbd.engine.sessions.records import Branch, Session
 
 log = logging.getLogger(__name__)
-SPILL_BYTES = 4 * 2**30  # KV gathered for spills and not yet written, at most (one spill always may)
+# KV gathered for spills and not yet written (in host memory beside the host tier), at most half the host tier's
+# size and at least this (one spill always may): writes that fall behind make room in the host tier meanwhile.
+SPILL_BYTES = 4 * 2**30
 # GPU KV that saves queued for the writer thread hold (`PoolBlocks`), at most (one save always may): beyond it a
 # save gathers its GPU blocks on the engine thread, so that evictions meanwhile free GPU blocks (held ones free none).
 HOLD_BYTES = 2 * 2**30
@@ -81,6 +84,8 @@ class SessionCheckpoints:
         # GPU blocks the writer gathers for a queued save (kv/disk_tier.py `PoolBlocks`): referenced until it ends.
         self._held: deque[tuple[Future[Written], list[int]]] = deque()
         self._spill_on = spill
+        host_bytes = disk.host_tier.pool.num_blocks * disk.bytes_per_block if disk.host_tier is not None else 0
+        self.spill_bytes = max(SPILL_BYTES, host_bytes // 2)
         sessions.eviction.let_go = self.let_go
         if spill:
             sessions.eviction.spill = self.spill
@@ -278,7 +283,7 @@ class SessionCheckpoints:
         per_block, size = self.disk.bytes_per_block, self.disk.block_size
         need = sum(-(-p.kv_tokens // size) - p.keep // size for p in plan) * per_block
         in_flight = sum(n for _, n in self._spilling.values())
-        if key in self._spilling or (in_flight and in_flight + need > SPILL_BYTES):
+        if key in self._spilling or (in_flight and in_flight + need > self.spill_bytes):
             return False  # recomputed
         self._spilling[key] = (self._save(session, True, plan, durable=False), need)
         self.disk.count_spill()
