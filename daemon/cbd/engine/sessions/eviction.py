@@ -10,8 +10,11 @@ room by spilling idle sessions' host copies to their files, those of no higher r
 their KV; what still finds no room goes to the session's file straight from the GPU, `spill`, only where
 the pool is in host memory: on a GPU it recomputes). Host copies are evicted in the same order, to recompute
 (`HostTier.evict`), or to the session's file with spilling on; a turn whose KV is read back from its
-file makes room in the host tier the same way (`free_host`). The tier does the copies and counts them; this class only
-picks the sessions. Engine-thread only.
+file makes room in the host tier the same way (`free_host`). Before any idle session's host copy goes, the
+copies of sessions whose turn is running go (`_drop_stale`): such a copy is kept only so that a turn that fails
+leaves its session as it was (its KV is on the GPU in the turn's sequences, restored from the copy), so under
+host pressure it costs nothing but that fallback: a failed turn then recomputes. The tier does the copies and
+counts them; this class only picks the sessions. Engine-thread only.
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ class SessionEviction:
         self.bm = block_manager
         self.host_tier = host_tier
         self.num_evictions = 0  # sessions whose KV left the GPU
+        self.num_stale_dropped = 0  # running turns' sessions whose host copy was released for room (`_drop_stale`)
         # Called before an idle session's host copies are released to make room on the host: the disk tier
         # keeps them instead of letting them go to recompute (sessions/checkpoints.py; False: it could not,
         # they are recomputed); None: no disk tier.
@@ -108,8 +112,8 @@ class SessionEviction:
         higher than its own (it is wanted now: it comes last among its peers), spilled to disk first with
         `--disk-kv-spill`; none if all of them would not free enough. ahead: `coming` is read back ahead of
         its turn (sessions/read_back.py), a guess: only sessions expected back after it make way
-        (`Session.expected_back`), and only those whose KV their files keep (none without spilling). Returns
-        whether `count` blocks are free."""
+        (`Session.expected_back`), and only those whose KV their files keep (none without spilling). The host
+        copies of sessions whose turn is running go first (`_drop_stale`). Returns whether `count` blocks are free."""
         tier = self.host_tier
         if tier is None or tier.num_free_blocks >= count:
             return tier is not None
@@ -118,14 +122,40 @@ class SessionEviction:
         going = [s for s in self.order(idle, now) if s.retention <= coming.retention]
         if ahead:
             if self.spill is None:
-                return False
+                going = []
             going = [s for s in going if s.expected_back(now) > coming.expected_back(now)]
         # Only if evicting them all would free enough (blocks may be shared with what stays): else none goes.
-        held = Counter(i for s in going for b in s.branches_and_self() if b.host is not None for i in b.host.block_ids)
+        stale = self._stale()
+        held = Counter(
+            i for s in stale + going for b in s.branches_and_self() if b.host is not None for i in b.host.block_ids
+        )
         if tier.num_free_blocks + sum(1 for i, n in held.items() if tier.pool.ref_counts[i] == n) < count:
             return False
+        self._drop_stale(count)
         self._evict_host(going, count, keep_kv=ahead)
         return tier.num_free_blocks >= count
+
+    def _stale(self) -> list[Session]:
+        """Sessions whose turn is running and whose host copy its sequences no longer hold (restored and run)."""
+        return [
+            s for s in self.sessions.values()
+            if s.busy is not None and any(b.host is not None for b in s.branches_and_self())
+            and all(q.host_prefix is None and q.host_backup is None for q in s.busy.sequences)
+        ]  # fmt: skip
+
+    def _drop_stale(self, count: int) -> None:
+        """Release the host copies of sessions whose turn is running (`_stale`) until `count` host blocks are free:
+        their KV is in the turn's sequences; only a turn that fails would have gone back to the copy."""
+        tier = self.host_tier
+        assert tier is not None
+        for session in self._stale():
+            if tier.num_free_blocks >= count:
+                return
+            for b in session.branches_and_self():
+                if b.host is not None:
+                    tier.release(b.host)
+                    b.host = None
+            self.num_stale_dropped += 1
 
     def _evict_host(self, sessions: list[Session], count: int, keep_kv: bool = False) -> None:
         """Evict the host copies of these idle sessions, in order, until `count` host blocks are free; keep_kv:
@@ -158,6 +188,7 @@ class SessionEviction:
             return False
 
         def make_room(count: int) -> None:
+            self._drop_stale(count)
             self._evict_host(before, count)
             if after and self.spill is not None and tier.num_free_blocks < count:
                 self._evict_host(after, count, keep_kv=True)
