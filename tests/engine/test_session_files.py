@@ -599,6 +599,33 @@ def test_a_turn_read_back_into_a_full_host_tier_takes_the_room_of_idle_sessions_
     core.checkpoints.disk.close()
 
 
+def test_a_turn_read_back_takes_the_host_room_of_a_running_turns_session_before_recomputing(
+    tiny_loaded, tmp_path, oracle
+) -> None:  # fmt: skip
+    """The host tier (24 blocks) holds one session's KV: agent-0's, whose next turn is running (restored from it,
+    so its session's copy is kept only for the case that turn fails). agent-1's third turn, its KV in its file,
+    takes that room and reads its KV back instead of recomputing; both turns finish."""
+    _saved(tiny_loaded, tmp_path)
+    core = _restarted(tiny_loaded, tmp_path, num_host_kv_blocks=24)
+    assert core.host_tier is not None and core.checkpoints is not None
+    assert _turn(core, "t0/agent-0", _script(0)[2])[0] == oracle[0][0]
+    core.sessions.eviction.evict(core.block_manager.num_blocks)
+    agent0 = core.sessions.sessions["t0/agent-0"]
+    assert agent0.host is not None and core.host_tier.num_free_blocks < 24 // 2
+    running = core.add_session_turn("t0/agent-0", [7, 8, 9], SamplingParams(max_tokens=20, ignore_eos=True))
+    seq = running.sequences[0]
+    while not (seq.host_prefix is None and seq.host_backup is None and seq.num_computed_tokens > 0):
+        checked_step(core)
+    assert agent0.busy is running and agent0.host is not None and not running.is_finished
+    answers, cached = _turn(core, "t1/agent-1", _script(1)[2])
+    assert answers == oracle[1][0]
+    assert cached >= oracle[1][1] > 0  # read back, not recomputed
+    assert core.sessions.hits["disk"] == 2 and core.sessions.eviction.num_stale_dropped == 1
+    assert running.is_finished and agent0.busy is None
+    core.check_integrity()
+    core.checkpoints.disk.close()
+
+
 def _agents(core: EngineCore, scripts: list[list[list[int]]]) -> tuple[list, int]:
     """Every agent's turn k, round robin; (answers, prompt tokens computed). Closes the sessions after."""
     keys = [core.sessions.open(session_id=f"spill-{i}").session_id for i in range(len(scripts))]
