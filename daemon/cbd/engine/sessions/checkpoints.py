@@ -190,11 +190,7 @@ class SessionCheckpoints:
         return [s for s in self.sessions.sessions.values() if s.num_turns_saved != s.num_turns]
 
     def _save(
-        self,
-        session: Session,
-        with_kv: bool,
-        plan: list[save_plan.BranchKv] | None = None,
-        durable: bool = True,
+        self, session: Session, with_kv: bool, plan: list[save_plan.BranchKv] | None = None, durable: bool = True,
         gather_now: bool | None = None,
     ) -> Future[Written]:
         """Queue the saving of a session: its KV (with_kv) as `plan` says (by default `_plan`'s). Not `durable`
