@@ -279,8 +279,6 @@ class EngineCore:
         self.num_steps += 1
         if self.host_tier is not None:  # keep some GPU blocks free ahead of need (see offload_ahead)
             self.sessions.eviction.offload_ahead(self._free_target)
-        if self.checkpoints is not None:  # with spilling on, idle sessions' files kept current while the disk is free
-            self.checkpoints.write_behind()
         return _Launched(plan, step, (batch.meta.batch, batch.meta.graph_tokens) if batch.meta.graph else None)
 
     def _complete(self, launched: _Launched) -> list[RequestOutput]:

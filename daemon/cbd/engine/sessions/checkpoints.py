@@ -84,7 +84,6 @@ class SessionCheckpoints:
         # GPU blocks the writer gathers for a queued save (kv/disk_tier.py `PoolBlocks`): referenced until it ends.
         self._held: deque[tuple[Future[Written], list[int]]] = deque()
         self._spill_on = spill
-        self.num_written_behind = 0  # sessions written ahead of a spill (`write_behind`)
         host_bytes = disk.host_tier.pool.num_blocks * disk.bytes_per_block if disk.host_tier is not None else 0
         self.spill_bytes = max(SPILL_BYTES, host_bytes // 2)
         sessions.eviction.let_go = self.let_go
@@ -157,48 +156,16 @@ class SessionCheckpoints:
             saved += 1
         return saved
 
-    def write_behind(self) -> bool:
-        """With spilling on, while the writer has nothing queued: write one idle session whose KV is all on the
-        GPU and whose file lacks its last turn, the one to leave first in eviction order (the likeliest to be
-        spilled next), without fsyncs, its GPU blocks gathered by the writer thread (held until then, as a
-        background save's). Its spill then reuses the file as written: nothing gathered, nothing waited for.
-        Called after each step's launch; True if one was queued."""
-        if not self._spill_on or not self.disk.keeps_kv:
-            return False
-        self._settle()
-        if self._writes or self._spilling:
-            return False  # the writer is busy: spills and saves first
-        candidates = []
-        for session in self.sessions.sessions.values():
-            key = session.session_id
-            entry = self._files.get(key)
-            branches = session.branches_and_self()
-            if session.busy is not None or (entry is not None and entry[0] == session.num_turns):
-                continue
-            if any(b.host is not None or b.disk is not None for b in branches) or self.loads.reading(key):
-                continue  # only KV the writer can gather itself
-            if any(b.block_table and b.num_computed for b in branches):
-                candidates.append(session)
-        if not candidates:
-            return False
-        session = self.sessions.eviction.order(candidates)[0]
-        self._save(session, True, durable=False, gather_now=False)
-        self.num_written_behind += 1
-        return True
-
     def _changed(self) -> list[Session]:
         return [s for s in self.sessions.sessions.values() if s.num_turns_saved != s.num_turns]
 
     def _save(
-        self, session: Session, with_kv: bool, plan: list[save_plan.BranchKv] | None = None, durable: bool = True,
-        gather_now: bool | None = None,
+        self, session: Session, with_kv: bool, plan: list[save_plan.BranchKv] | None = None, durable: bool = True
     ) -> Future[Written]:
         """Queue the saving of a session: its KV (with_kv) as `plan` says (by default `_plan`'s). Not `durable`
-        (a spill, a write-behind): written without fsyncs, and the session still counts as changed, so the next
-        background or shutdown save writes its header again, fsynced (the KV its file holds by then is not
-        written again). GPU KV is gathered on this thread with `gather_now` (by default a spill's: its blocks
-        are freed as it returns), else by the writer. A durable save of a session whose spill is still being
-        written waits for it: its KV is in that write."""
+        (a spill): written without fsyncs, and the session still counts as changed, so the next background or
+        shutdown save writes its header again, fsynced (the KV its file holds by then is not written again). A
+        durable save of a session whose spill is still being written waits for it: its KV is in that write."""
         spilling = self._spilling.get(session.session_id)
         if durable and spilling is not None:
             futures_wait([spilling[0]])
@@ -214,8 +181,7 @@ class SessionCheckpoints:
         room = HOLD_BYTES - sum(len(ids) for _, ids in self._held) * self.disk.bytes_per_block
         try:
             for b, p in zip(session.branches_and_self(), plan, strict=True):
-                now = not durable if gather_now is None else gather_now
-                new = save_plan.new_kv(self.disk, b, p, gather_gpu=now) if p.kv_tokens else None
+                new = save_plan.new_kv(self.disk, b, p, gather_gpu=not durable) if p.kv_tokens else None
                 ids = [i for d, _ in new.extents if isinstance(d, PoolBlocks) for i in d.block_ids] if new else []
                 if ids and len(ids) * self.disk.bytes_per_block > room and (self._held or held):
                     new = save_plan.new_kv(self.disk, b, p, gather_gpu=True)  # past HOLD_BYTES: gathered now
