@@ -626,46 +626,6 @@ def test_a_turn_read_back_takes_the_host_room_of_a_running_turns_session_before_
     core.checkpoints.disk.close()
 
 
-@pytest.mark.parametrize("deferred", [True, False])
-def test_a_turn_whose_spill_is_still_queued_takes_its_kv_back_from_memory(tiny_loaded, tmp_path, deferred) -> None:
-    """A session's host copy is spilled while the writer is busy with another write: its next turn cancels the
-    queued write and its KV goes back into the host tier from the memory the spill gathered it into (deferred:
-    on the reader thread while the turn waits, as the engine loop does; else before the turn, as an EngineCore
-    used directly does). The answer is the one of an engine that never spilled, the history is not recomputed,
-    and no file is written."""
-    rng = random.Random(4)
-    history, turn = [rng.randrange(2, 256) for _ in range(90)], [rng.randrange(2, 256) for _ in range(12)]
-    never = make_core(tiny_loaded, **SIZES)
-    key = never.sessions.open(session_id="kept").session_id
-    _turn(never, key, history)
-    want = _turn(never, key, turn)
-    core = make_core(tiny_loaded, disk_kv_dir=str(tmp_path), disk_kv_spill=True, **SIZES)
-    assert core.host_tier is not None and core.checkpoints is not None
-    key = core.sessions.open(session_id="kept").session_id
-    other = core.sessions.open(session_id="other")
-    _turn(core, key, history)
-    core.sessions.eviction.evict(core.block_manager.num_blocks)
-    session = core.sessions.sessions[key]
-    assert session.host is not None
-    gate = threading.Event()
-    core.checkpoints.disk._writer.submit(gate.wait, 30)  # the writer busy: the spill waits in its queue
-    assert core.sessions.eviction.free_host(core.host_tier.pool.num_blocks, other)  # spilled
-    loads = core.checkpoints.loads
-    assert session.host is None and loads.needs_load(key)
-    if deferred:
-        loads.start_load(key)
-        assert loads.reading(key)
-        poll_until(lambda: key in loads.completed(), what="the KV put back")
-        assert session.host is not None and not loads.needs_load(key)
-    assert _turn(core, key, turn) == want and want[1] > len(history)  # as if resident
-    assert core.checkpoints.num_taken_back == 1 and core.sessions.hits["disk"] == (0 if deferred else 1)
-    gate.set()
-    assert core.checkpoints.disk.flush(30)
-    assert not (tmp_path / "engine" / files.file_name(key)).exists()
-    core.check_integrity()
-    core.checkpoints.disk.close()
-
-
 def _agents(core: EngineCore, scripts: list[list[list[int]]]) -> tuple[list, int]:
     """Every agent's turn k, round robin; (answers, prompt tokens computed). Closes the sessions after."""
     keys = [core.sessions.open(session_id=f"spill-{i}").session_id for i in range(len(scripts))]

@@ -70,10 +70,9 @@ Planned = files.NewKv[bytes | memoryview | PoolBlocks]  # a branch's KV as the e
 
 @dataclass(slots=True)
 class Load:
-    """A branch's KV being read into host blocks: `host` is held by the load until it is finished. copy: the file's
-    KV it reads; None: KV put back from memory (`put_back`)."""
+    """A branch's KV being read into host blocks: `host` is held by the load until it is finished."""
 
-    copy: DiskCopy | None
+    copy: DiskCopy
     host: HostCopy
     future: Future[bool]
 
@@ -343,21 +342,6 @@ class DiskTier:
             future.add_done_callback(lambda _: on_done())
         return Load(copy, host, future)
 
-    def put_back(
-        self, data: list[bytes | memoryview], num_tokens: int, on_done: Callable[[], object] | None = None
-    ) -> Load | None:
-        """As `start_load`, from memory: a branch's KV blocks' bytes in order (a spill taken back before it was
-        written) copied into fresh host blocks on the reader thread; None without a host tier or room in it."""
-        if self.host_tier is None:
-            return None
-        host = self.host_tier.take_blocks(-(-num_tokens // self.block_size), num_tokens)
-        if host is None:
-            return None
-        future = self._reader.submit(_copy_into, data, self.host_tier.block_buffers(host))
-        if on_done is not None:
-            future.add_done_callback(lambda _: on_done())
-        return Load(None, host, future)
-
     def finish_load(self, load: Load) -> HostCopy | None:
         """A finished load's host copy (the caller holds it now), or None (damaged: its blocks released)."""
         assert self.host_tier is not None and load.future.done()
@@ -439,23 +423,6 @@ class DiskTier:
             s.num_kv_load_failures += failed
             s.bytes_read += size
             s.load_seconds_sum += time.monotonic() - start
-
-
-def _copy_into(data: list[bytes | memoryview], buffers: list[memoryview]) -> bool:
-    """Copy the pieces of `data`, in order, across `buffers` (as many bytes in all: else False, nothing meant)."""
-    sources = [memoryview(d).cast("B") for d in data]
-    if sum(map(len, sources)) != sum(map(len, buffers)):
-        return False
-    i = at = 0  # the source piece, and where in it
-    for buffer in buffers:
-        filled = 0
-        while filled < len(buffer):
-            n = min(len(buffer) - filled, len(sources[i]) - at)
-            buffer[filled : filled + n] = sources[i][at : at + n]
-            filled, at = filled + n, at + n
-            if at == len(sources[i]):
-                i, at = i + 1, 0
-    return True
 
 
 def raw_bytes(tensor: torch.Tensor) -> memoryview:

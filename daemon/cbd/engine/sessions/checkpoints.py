@@ -25,9 +25,7 @@ and the frontend's note (a chat's transcript). A session is saved again only whe
                              lacks of the host copy is gathered and appended (in flight at most
                              `spill_bytes`: half the host tier's size, at least SPILL_BYTES, or one
                              spill; beyond, it is recomputed); the session's next
-                             turn waits for that write, or, while the write is still queued and
-                             the spill gathered all of the KV, takes it back (`take_back`: the
-                             write cancelled, the KV copied back). KV the GPU pool lets go when the host tier
+                             turn waits for that write. KV the GPU pool lets go when the host tier
                              has no room is spilled from there only where that pool is in host
                              memory (`DiskTier.spills_from_gpu`)
   claim                      a session this daemon does not hold is taken over from the folder of a
@@ -44,14 +42,13 @@ import logging
 import math
 import time
 from collections import deque
-from collections.abc import Callable
 from concurrent.futures import Future
 from concurrent.futures import wait as futures_wait
 from dataclasses import replace
 from pathlib import Path
 
 from cbd.engine.kv import session_files as files
-from cbd.engine.kv.disk_tier import DiskTier, Load, Planned, PoolBlocks, Written
+from cbd.engine.kv.disk_tier import DiskTier, Planned, PoolBlocks, Written
 from cbd.engine.kv.session_files import DiskCopy
 from cbd.engine.outputs import SaveReport
 from cbd.engine.sessions import save_plan
@@ -84,8 +81,6 @@ class SessionCheckpoints:
         # ids themselves); the next save keeps what it can of it (`_plan`).
         self._files_kv: dict[str, save_plan.FileView] = {}
         self._spilling: dict[str, tuple[Future[Written], int]] = {}  # key -> its spill write, the bytes
-        self._staged: dict[str, list[Planned | None]] = {}  # key -> its spill's KV, gathered (for `take_back`)
-        self.num_taken_back = 0  # spills cancelled before their write, their KV put back (`take_back`)
         # GPU blocks the writer gathers for a queued save (kv/disk_tier.py `PoolBlocks`): referenced until it ends.
         self._held: deque[tuple[Future[Written], list[int]]] = deque()
         self._spill_on = spill
@@ -94,9 +89,7 @@ class SessionCheckpoints:
         sessions.eviction.let_go = self.let_go
         if spill:
             sessions.eviction.spill = self.spill
-        self.loads = ReadBack(
-            sessions, disk, self._settle, self._spill_of, self.claim, self._forget_file, self.take_back
-        )  # fmt: skip
+        self.loads = ReadBack(sessions, disk, self._settle, self._spill_of, self.claim, self._forget_file)
 
     # ---- saving ---------------------------------------------------------------------------------
     def take_notes(self, notes: dict[str, bytes]) -> None:
@@ -211,8 +204,6 @@ class SessionCheckpoints:
             raise
         if held:
             self._held.append((future, held))
-        if not durable:  # a spill: what it gathered, until written (`take_back`)
-            self._staged[key] = kv
         self._files_kv[key] = view
         self._writes.append((key, session.num_turns if with_kv else -1, future))  # -1: not all its KV
         return future
@@ -244,7 +235,6 @@ class SessionCheckpoints:
             if not future.done():
                 continue
             del self._spilling[key]
-            self._staged.pop(key, None)
             session = self.sessions.sessions.get(key)
             entry = self._files.get(key)
             if session is None or entry is None or entry[1] is not _result(future):
@@ -298,33 +288,6 @@ class SessionCheckpoints:
         self._spilling[key] = (self._save(session, True, plan, durable=False), need)
         self.disk.count_spill()
         return True
-
-    def take_back(self, session: Session, on_done: Callable[[], object] | None) -> list[tuple[Branch, Load]] | None:
-        """A turn or fork of a session whose spill is still queued behind other writes: cancel that write and put
-        the KV back into the host tier from the memory the spill gathered it into, on the reader thread (no write,
-        no read): the branches and their loads (as `ReadBack` reads them back). Only where the spill holds all of
-        every branch's KV (none kept from its file) and the host tier has room or makes it (`free_host`); None
-        otherwise (the write has started, say): the caller waits for the write, then reads it back."""
-        key = session.session_id
-        entry, kv = self._spilling.get(key), self._staged.get(key)
-        branches = session.branches_and_self()
-        if entry is None or kv is None or len(kv) != len(branches):
-            return None
-        if any(new is not None and (new.keep or any(isinstance(d, PoolBlocks) for d, _ in new.extents)) for new in kv):
-            return None
-        tokens = [sum(n for _, n in new.extents) if new is not None else 0 for new in kv]
-        need = sum(-(-n // self.disk.block_size) for n in tokens)
-        if not self.sessions.eviction.free_host(need, session) or not entry[0].cancel():
-            return None
-        del self._spilling[key], self._staged[key]
-        loads = []
-        for b, new, n in zip(branches, kv, tokens, strict=True):
-            data = [d for d, _ in new.extents if not isinstance(d, PoolBlocks)] if new is not None else []
-            load = self.disk.put_back(data, n, on_done) if data and n else None
-            if load is not None:  # else (no room after all) the branch recomputes
-                loads.append((b, load))
-        self.num_taken_back += 1
-        return loads
 
     def let_go(self) -> None:
         """Release the GPU blocks held by saves whose writes are done (in order: one writer thread)."""
@@ -410,5 +373,4 @@ def _log_failure(future: Future[bool], key: str) -> None:
 
 
 def _result(future: Future[Written]) -> Written | None:
-    """A finished write's result; None if it failed or was cancelled (`take_back`)."""
-    return None if future.cancelled() or future.exception() is not None else future.result()
+    return future.result() if future.exception() is None else None

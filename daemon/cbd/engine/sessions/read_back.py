@@ -3,10 +3,7 @@
   on the reader thread  for a turn or fork (`needs_load`, `start_load`; `completed` hands the host copies to
                         the branches): the engine thread defers a session's commands meanwhile
                         (engine_loop.py), so the turn waits and the batch does not. A turn of a session whose
-                        spill is still queued behind other writes takes it back: the write is cancelled and
-                        the KV the spill gathered is copied back into host blocks on the reader thread
-                        (checkpoints.py `take_back`); one whose spill is being written waits the same way,
-                        then its KV is read back
+                        spill is still being written waits the same way, then its KV is read back
   ahead of turns        restored sessions, most recently used first, one at a time, while the host tier
                         keeps a quarter free (`prefetch`); and a session whose agent said when it would be
                         back (`expected_idle`) once it is due within READ_AHEAD_SECONDS plus the time its KV
@@ -44,16 +41,13 @@ class ReadBack:
         self, sessions: SessionManager, disk: DiskTier, settle: Callable[[], None],
         spill_of: Callable[[str], Future[Written] | None], claim: Callable[[str], bool],
         forget_file: Callable[[str], None],
-        take_back: Callable[[Session, Callable[[], object] | None], list[tuple[Branch, Load]] | None],
     ) -> None:  # fmt: skip
         """settle: note the writes that ended (checkpoints.py); spill_of(key): the session's spill write under
         way, if any; claim(key): take a session over from a stopped daemon's folder; forget_file(key): the
-        session's file is damaged; take_back(session, on_done): its spill's write cancelled and its KV put back
-        from memory (checkpoints.py), or None."""
+        session's file is damaged."""
         self.sessions = sessions
         self.disk = disk
         self._settle, self._spill_of, self._claim, self._forget_file = settle, spill_of, claim, forget_file
-        self._take_back = take_back
         self.on_loaded: Callable[[], object] | None = None  # called on the reader thread (wakes the loop)
         self._loads: dict[str, list[tuple[Branch, Load]]] = {}  # session key -> its branches being read back
         self._after_spill: dict[str, Future[Written]] = {}  # session key -> its spill, to be read back after
@@ -71,12 +65,6 @@ class ReadBack:
         """Before a turn or a fork: read the session's saved KV into the host tier (or recompute it), after
         its spill if one is under way. True if some branch's KV was on disk."""
         spilling = self._spill_of(session.session_id)
-        put_back = self._take_back(session, None) if spilling is not None else None
-        if put_back is not None:  # its spill's write cancelled: its KV from memory
-            for b, load in put_back:
-                load.future.result()
-                b.host = self.disk.finish_load(load)
-            return True
         if spilling is not None:
             futures_wait([spilling])
         self._settle()
@@ -120,9 +108,6 @@ class ReadBack:
         if key in self._loads or key in self._after_spill or session is None:
             return
         spilling = self._spill_of(key)
-        if spilling is not None and (put_back := self._take_back(session, self.on_loaded)) is not None:
-            self._loads[key] = put_back  # the spill's write cancelled: its KV goes back from memory
-            return
         if spilling is not None:  # its spill first, off the engine thread: `completed` starts the load after
             self._after_spill[key] = spilling
             if self.on_loaded is not None:
