@@ -20,6 +20,7 @@ from cbd.engine.engine import Engine
 from cbd.engine.kv import disk_tier, session_file_save
 from cbd.engine.kv import session_files as files
 from cbd.engine.sampling_params import SamplingParams
+from cbd.engine.sequence import Request
 from cbd.engine.sessions.records import RETENTION_HIGH, Session, TurnInput
 from cbd.errors import SessionExists, SettingError, UnknownSession
 from helpers import checked_step, make_core, poll_until
@@ -31,7 +32,11 @@ SIZES = {"block_size": 4, "num_kv_blocks": 512, "num_host_kv_blocks": 400}
 
 def _turn(core: EngineCore, key: str, tokens: list[int], params: SamplingParams = GREEDY, **kw) -> tuple[list, int]:
     """One turn to its end: (each candidate's tokens, cached prompt tokens)."""
-    request = core.add_session_turn(key, tokens, params, **kw)
+    return _until_done(core, core.add_session_turn(key, tokens, params, **kw))
+
+
+def _until_done(core: EngineCore, request: Request) -> tuple[list, int]:
+    """Step until nothing is left: the request's (each candidate's tokens, cached prompt tokens)."""
     answers: dict[int, list[int]] = {}
     cached = -1
     while core.has_work():
@@ -599,12 +604,19 @@ def test_a_turn_read_back_into_a_full_host_tier_takes_the_room_of_idle_sessions_
     core.checkpoints.disk.close()
 
 
+@pytest.mark.parametrize("abort", [False, True])
 def test_a_turn_read_back_takes_the_host_room_of_a_running_turns_session_before_recomputing(
-    tiny_loaded, tmp_path, oracle
+    tiny_loaded, tmp_path, oracle, abort
 ) -> None:  # fmt: skip
     """The host tier (24 blocks) holds one session's KV: agent-0's, whose next turn is running (restored from it,
     so its session's copy is kept only for the case that turn fails). agent-1's third turn, its KV in its file,
-    takes that room and reads its KV back instead of recomputing; both turns finish."""
+    takes that room and reads its KV back instead of recomputing. Both answers are those of an engine without the
+    pressure; with `abort`, agent-0's turn is aborted after its copy went, and the same turn again recomputes."""
+    longer = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
+    reference = make_core(tiny_loaded, **SIZES)
+    _first_turns(reference)
+    _turn(reference, "t0/agent-0", _script(0)[2])
+    want = _turn(reference, "t0/agent-0", [7, 8, 9], longer)[0][0]
     _saved(tiny_loaded, tmp_path)
     core = _restarted(tiny_loaded, tmp_path, num_host_kv_blocks=24)
     assert core.host_tier is not None and core.checkpoints is not None
@@ -612,16 +624,25 @@ def test_a_turn_read_back_takes_the_host_room_of_a_running_turns_session_before_
     core.sessions.eviction.evict(core.block_manager.num_blocks)
     agent0 = core.sessions.sessions["t0/agent-0"]
     assert agent0.host is not None and core.host_tier.num_free_blocks < 24 // 2
-    running = core.add_session_turn("t0/agent-0", [7, 8, 9], SamplingParams(max_tokens=20, ignore_eos=True))
+    running = core.add_session_turn("t0/agent-0", [7, 8, 9], longer)
     seq = running.sequences[0]
     while not (seq.host_prefix is None and seq.host_backup is None and seq.num_computed_tokens > 0):
         checked_step(core)
     assert agent0.busy is running and agent0.host is not None and not running.is_finished
-    answers, cached = _turn(core, "t1/agent-1", _script(1)[2])
+    turn = core.add_session_turn("t1/agent-1", _script(1)[2], GREEDY)  # its KV read back into agent-0's room
+    assert agent0.host is None and core.sessions.eviction.num_stale_dropped == 1
+    if abort:
+        core.abort_request(running.request_id)
+    answers, cached = _until_done(core, turn)
     assert answers == oracle[1][0]
     assert cached >= oracle[1][1] > 0  # read back, not recomputed
-    assert core.sessions.hits["disk"] == 2 and core.sessions.eviction.num_stale_dropped == 1
-    assert running.is_finished and agent0.busy is None
+    assert core.sessions.hits["disk"] == 2 and running.is_finished and agent0.busy is None
+    core.check_integrity()
+    if abort:  # the session as before that turn, its KV recomputed
+        assert agent0.host is None and not agent0.block_table
+        assert _turn(core, "t0/agent-0", [7, 8, 9], longer)[0][0] == want
+    else:
+        assert seq.token_ids[seq.num_prompt_tokens :] == want
     core.check_integrity()
     core.checkpoints.disk.close()
 

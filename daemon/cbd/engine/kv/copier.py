@@ -13,9 +13,10 @@ Ordering (CUDA; on CPU every copy is done when the call returns and every ticket
   restore   the copy stream waits for the compute stream as well (a freshly allocated block may
             still be read by a step in flight), then writes the GPU blocks. The sequence they belong
             to is not scheduled before its ticket is complete (`is_done`), so no step waits for it.
-Offloads and restores are ordered among themselves by the one copy stream. The host itself reads or
-writes host blocks (a session file's KV) only after the copies that touch those blocks (`wait_for`), not
-after every copy in flight: those wait for the step the GPU is computing.
+Offloads and restores are ordered among themselves by the one copy stream. The host itself reads host
+blocks (a spill's gather) only after the offloads still writing them, and fills freed host blocks (a session
+file's KV read back) only after the copies still reading or writing them (`wait_for`), not after every copy
+in flight: each copy first waits for the step the GPU is computing.
 """
 
 from __future__ import annotations
@@ -54,7 +55,9 @@ class KvCopier:
         self._tickets = itertools.count(1)
         self._events: dict[int, tuple[torch.cuda.Event, float, bool]] = {}  # incomplete: (event, start, restore)
         self._restore_seconds: list[float] = []  # restores' start-to-completion times seen since the last drain
-        self._last_copy: dict[int, int] = {}  # host block -> the ticket of the last copy issued to or from it
+        # Host block -> the ticket of the last copy issued to it (an offload) / from it (a restore), while in flight.
+        self._last_write: dict[int, int] = {}
+        self._last_read: dict[int, int] = {}
 
     @staticmethod
     def block_bytes(kv_caches: torch.Tensor, block_size: int) -> int:
@@ -80,19 +83,23 @@ class KvCopier:
         s.record(after_compute, s.compute)
         with s.on(self.stream):
             s.wait(self.stream, after_compute)
-            for first, last in _runs(host_ids, self.blocks_per_chunk):
-                index = torch.tensor(gpu_ids[first:last], dtype=torch.int64).to(self.gpu.device, non_blocking=True)
-                host = self.host[host_ids[first] : host_ids[first] + last - first]
-                if to_host:  # gather [layers, k, ...] on the device, then one copy of the run
-                    host.copy_(self.gpu.index_select(1, index).transpose(0, 1), non_blocking=True)
-                else:
-                    staged = host.to(self.gpu.device, non_blocking=True)
-                    self.gpu.index_copy_(1, index, staged.transpose(0, 1))
+            try:
+                for first, last in _runs(host_ids, self.blocks_per_chunk):
+                    index = torch.tensor(gpu_ids[first:last], dtype=torch.int64).to(self.gpu.device, non_blocking=True)
+                    host = self.host[host_ids[first] : host_ids[first] + last - first]
+                    if to_host:  # gather [layers, k, ...] on the device, then one copy of the run
+                        host.copy_(self.gpu.index_select(1, index).transpose(0, 1), non_blocking=True)
+                    else:
+                        staged = host.to(self.gpu.device, non_blocking=True)
+                        self.gpu.index_copy_(1, index, staged.transpose(0, 1))
+            finally:  # a copy that raised part way still has its first pieces queued: waited for like the rest
+                if self.stream is not None:
+                    self._forget_done()
+                    done = torch.cuda.Event()
+                    done.record(self.stream)
+                    self._events[ticket] = (done, start, not to_host)
+                    (self._last_write if to_host else self._last_read).update(dict.fromkeys(host_ids, ticket))
             if self.stream is not None:
-                done = torch.cuda.Event()
-                done.record(self.stream)
-                self._events[ticket] = (done, start, not to_host)
-                self._last_copy.update(dict.fromkeys(host_ids, ticket))
                 return ticket
         if not to_host:
             self._restore_seconds.append(time.monotonic() - start)
@@ -114,14 +121,24 @@ class KvCopier:
             self._restore_seconds.append(time.monotonic() - start)
         return True
 
-    def wait_for(self, host_ids: list[int]) -> None:
-        """Wait for the copies issued so far to or from these host blocks (before the host reads or writes
-        them itself); the copy stream runs them in order, so the last one of each block is enough."""
-        tickets = {t for t in map(self._last_copy.get, host_ids) if t is not None}
+    def wait_for(self, host_ids: list[int], host_writes: bool) -> None:
+        """Before the host itself reads these host blocks (or writes them, `host_writes`): wait for the copies
+        issued so far that write them (or also those that read them). The copy stream runs its copies in
+        order, so the last one of each kind for each block is enough."""
+        last = [self._last_write, self._last_read] if host_writes else [self._last_write]
+        tickets = {t for table in last for t in map(table.get, host_ids) if t is not None}
         for ticket in sorted(tickets):
             self.is_done(ticket, block=True)
-        if len(self._last_copy) > 2 * len(self._events) + 4096:  # forget the copies that are done
-            self._last_copy = {h: t for h, t in self._last_copy.items() if t in self._events}
+
+    def _forget_done(self) -> None:
+        """Drop the finished offloads' events (restores' go when `is_done` sees them finished), and the
+        per-block tickets of copies no longer in flight; every 256 copies in flight."""
+        if len(self._events) < 256 or len(self._events) % 256:
+            return
+        self._events = {t: e for t, e in self._events.items() if e[2] or not e[0].query()}
+        for table in (self._last_write, self._last_read):
+            for block in [b for b, t in table.items() if t not in self._events]:
+                del table[block]
 
     def fence_compute(self, tickets: set[int]) -> None:
         """Make the compute stream wait for these copies (a step is about to overwrite their GPU blocks)."""

@@ -123,7 +123,7 @@ class HostTier:
 
     def read_blocks(self, host_ids: list[int]) -> torch.Tensor:
         """A copy of host blocks' KV `[blocks, layers, block_size, *slot]` (a session file's segment)."""
-        self.copier.wait_for(host_ids)  # an offload to these blocks may still be in flight
+        self.copier.wait_for(host_ids, host_writes=False)  # an offload to these blocks may still be in flight
         return self.copier.host[torch.tensor(host_ids, dtype=torch.int64)]
 
     def take_blocks(self, count: int, num_tokens: int) -> HostCopy | None:
@@ -132,7 +132,7 @@ class HostTier:
         placed = self.pool.place([None] * count)
         if placed is None:
             return None
-        self.copier.wait_for(placed[0])  # a restore issued from a block just freed may still read it
+        self.copier.wait_for(placed[0], host_writes=True)  # a restore issued from a block just freed may still read it
         return HostCopy(placed[0], num_tokens)
 
     def block_buffers(self, copy: HostCopy) -> list[memoryview]:

@@ -12,8 +12,8 @@ the pool is in host memory: on a GPU it recomputes). Host copies are evicted in 
 (`HostTier.evict`), or to the session's file with spilling on; a turn whose KV is read back from its
 file makes room in the host tier the same way (`free_host`). Before any idle session's host copy goes, the
 copies of sessions whose turn is running go (`_drop_stale`): such a copy is kept only so that a turn that fails
-leaves its session as it was (its KV is on the GPU in the turn's sequences, restored from the copy), so under
-host pressure it costs nothing but that fallback: a failed turn then recomputes. The tier does the copies and
+leaves its session as it was (its KV is in the turn's sequences, restored from the copy), so under host
+pressure it costs nothing but that fallback: a failed turn then recomputes. The tier does the copies and
 counts them; this class only picks the sessions. Engine-thread only.
 """
 
@@ -113,17 +113,16 @@ class SessionEviction:
         `--disk-kv-spill`; none if all of them would not free enough. ahead: `coming` is read back ahead of
         its turn (sessions/read_back.py), a guess: only sessions expected back after it make way
         (`Session.expected_back`), and only those whose KV their files keep (none without spilling). The host
-        copies of sessions whose turn is running go first (`_drop_stale`). Returns whether `count` blocks are free."""
+        copies of sessions whose turn is running go first (`_drop_stale`; with or without spilling). Returns
+        whether `count` blocks are free."""
         tier = self.host_tier
         if tier is None or tier.num_free_blocks >= count:
             return tier is not None
         now = time.monotonic()
         idle = [s for s in self.sessions.values() if s.busy is None and s is not coming]
         going = [s for s in self.order(idle, now) if s.retention <= coming.retention]
-        if ahead:
-            if self.spill is None:
-                going = []
-            going = [s for s in going if s.expected_back(now) > coming.expected_back(now)]
+        if ahead:  # a guess: only sessions due back after it, whose files keep their KV (none without spilling)
+            going = [s for s in going if s.expected_back(now) > coming.expected_back(now)] if self.spill else []
         # Only if evicting them all would free enough (blocks may be shared with what stays): else none goes.
         stale = self._stale()
         held = Counter(
@@ -131,24 +130,41 @@ class SessionEviction:
         )
         if tier.num_free_blocks + sum(1 for i, n in held.items() if tier.pool.ref_counts[i] == n) < count:
             return False
-        self._drop_stale(count)
+        self._drop_stale(count, stale)
         self._evict_host(going, count, keep_kv=ahead)
         return tier.num_free_blocks >= count
 
     def _stale(self) -> list[Session]:
-        """Sessions whose turn is running and whose host copy its sequences no longer hold (restored and run)."""
-        return [
-            s for s in self.sessions.values()
-            if s.busy is not None and any(b.host is not None for b in s.branches_and_self())
-            and all(q.host_prefix is None and q.host_backup is None for q in s.busy.sequences)
-        ]  # fmt: skip
+        """Sessions whose turn is running and whose host copy its sequences no longer hold or wait to be restored
+        from (restored, and run or set aside again), among those that copy alone holds some blocks of."""
+        tier = self.host_tier
+        if tier is None:
+            return []
+        restoring = {id(r.seq) for r in tier.restoring if r.source is not None}
+        out = []
+        for s in self.sessions.values():
+            copies = [b.host for b in s.branches_and_self() if b.host is not None]
+            if (
+                s.busy is None
+                or not copies
+                or any(
+                    q.host_prefix is not None or q.host_backup is not None or id(q) in restoring
+                    for q in s.busy.sequences
+                )
+            ):
+                continue
+            held = Counter(i for c in copies for i in c.block_ids)
+            if any(tier.pool.ref_counts[i] == n for i, n in held.items()):
+                out.append(s)
+        return out
 
-    def _drop_stale(self, count: int) -> None:
+    def _drop_stale(self, count: int, stale: list[Session] | None = None) -> None:
         """Release the host copies of sessions whose turn is running (`_stale`) until `count` host blocks are free:
-        their KV is in the turn's sequences; only a turn that fails would have gone back to the copy."""
+        their KV is in the turn's sequences (or recomputed by them); only a turn that fails would have gone back
+        to the copy (it recomputes then)."""
         tier = self.host_tier
         assert tier is not None
-        for session in self._stale():
+        for session in self._stale() if stale is None else stale:
             if tier.num_free_blocks >= count:
                 return
             for b in session.branches_and_self():
