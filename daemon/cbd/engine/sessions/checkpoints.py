@@ -111,7 +111,7 @@ class SessionCheckpoints:
             try:
                 kept = future.result().has_kv
             except Exception as exc:  # a disk error, or the gather of its GPU blocks failed
-                log.warning("session %s could not be saved: %s", key, exc)
+                _not_saved(key, exc)
                 report.num_failed += 1
                 return
             report.num_saved += 1
@@ -121,7 +121,7 @@ class SessionCheckpoints:
             try:
                 in_flight.append((session.session_id, self._save(session, time.monotonic() < deadline)))
             except Exception as exc:  # its KV could not be gathered: the others are saved all the same
-                log.warning("session %s could not be saved: %s", session.session_id, exc)
+                _not_saved(session.session_id, exc)
                 report.num_failed += 1
             while len(in_flight) > 2:
                 settle(*in_flight.popleft())
@@ -150,7 +150,7 @@ class SessionCheckpoints:
             try:
                 future = self._save(session, True)
             except Exception as exc:  # its KV could not be gathered: the others are saved all the same
-                log.warning("session %s could not be saved: %s", session.session_id, exc)
+                _not_saved(session.session_id, exc)
                 continue
             future.add_done_callback(functools.partial(_log_failure, key=session.session_id))
             saved += 1
@@ -366,10 +366,14 @@ class SessionCheckpoints:
         self.disk.remove(session.session_id)
 
 
-def _log_failure(future: Future[bool], key: str) -> None:
+def _log_failure(future: Future[Written], key: str) -> None:
     exc = future.exception()
     if exc is not None:
-        log.warning("session %s could not be saved: %s", key, exc)
+        _not_saved(key, exc)
+
+
+def _not_saved(key: str, exc: BaseException) -> None:
+    log.warning("session %s could not be saved: %s", key, exc)
 
 
 def _result(future: Future[Written]) -> Written | None:
