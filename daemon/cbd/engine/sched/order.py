@@ -1,11 +1,16 @@
-"""Who is considered first: priority classes (with aging) and fair share of seats between tenants.
+"""Who is considered first: priority classes (with aging), fair share of seats between tenants, and turns
+that bring their KV before prompts computed from scratch.
 
 A sequence's class is its request's priority, or interactive once it has been queued `aging_seconds`
 (for admission and for preemption alike), so under any interactive load a batch request runs within that
 time plus the wait of the interactive requests queued before that moment. `AdmissionOrder` is the order
 in which one step considers waiting sequences: by class, then the tenant with the fewest seats running or
-admitted so far this step, then queue order; with one class and one tenant it is the queue's order.
-Pure Python.
+admitted so far this step, then, within a class and tenant, those that bring their KV first (`brings_kv`:
+a session turn whose history is on the GPU or the host tier, a sequence set aside there, with at most
+WARM_TOKENS left to compute), then queue order. A turn that brings its KV costs a step a few hundred
+tokens where a prompt computed from scratch costs thousands, and while it waits its KV holds the pools
+(or is evicted, and recomputed); a sequence that brings none is overtaken so only until it has waited
+COLD_WAIT_SECONDS. With one class and one tenant and no KV brought it is the queue's order. Pure Python.
 """
 
 from __future__ import annotations
@@ -15,6 +20,9 @@ from collections.abc import Iterable
 
 from cbd.engine.sampling_params import PRIORITY_INTERACTIVE
 from cbd.engine.sequence import Sequence
+
+WARM_TOKENS = 2048  # at most this many tokens left to compute beyond the KV a sequence brings: it goes first
+COLD_WAIT_SECONDS = 10.0  # a sequence that brings no KV is not overtaken once it has waited this long
 
 
 def urgency(seq: Sequence, now: float, aging_seconds: float) -> int:
@@ -27,6 +35,31 @@ def urgency(seq: Sequence, now: float, aging_seconds: float) -> int:
     return request.priority
 
 
+def brings_kv(seq: Sequence) -> bool:
+    """seq holds its history's KV (GPU blocks, or a copy on the host tier) and computes at most WARM_TOKENS more."""
+    if seq.block_table:
+        held = seq.num_computed_tokens
+    elif seq.host_prefix is not None:
+        held = seq.host_prefix.num_tokens
+    else:
+        return False
+    return held > 0 and seq.num_tokens - held <= WARM_TOKENS
+
+
+def _warm_first(group: deque[Sequence], now: float) -> deque[Sequence]:
+    """The group with the sequences that bring their KV, or have waited COLD_WAIT_SECONDS, first (each part in
+    queue order)."""
+    first: list[Sequence] = []
+    rest: list[Sequence] = []
+    for seq in group:
+        queued = seq.request.queued_at
+        early = brings_kv(seq) or (queued is not None and now - queued >= COLD_WAIT_SECONDS)
+        (first if early else rest).append(seq)
+    if not first or not rest or all(a is b for a, b in zip(first, group)):
+        return group  # already in that order
+    return deque(first + rest)
+
+
 class AdmissionOrder:
     """One step's order of the waiting sequences. `next()` shows the next one; `take` (admitted) and
     `skip` (deferred: stays queued) move past it."""
@@ -36,6 +69,8 @@ class AdmissionOrder:
         self.groups: dict[tuple[int, str], deque[Sequence]] = {}
         for seq in waiting:
             self.groups.setdefault((urgency(seq, now, aging_seconds), seq.request.tenant), deque()).append(seq)
+        for key, group in self.groups.items():
+            self.groups[key] = _warm_first(group, now)
         self.position = {id(s): i for i, s in enumerate(waiting)} if len(self.groups) > 1 else {}
         self.seats: dict[str, int] = {}
         if len(self.groups) > 1:
