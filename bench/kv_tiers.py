@@ -13,8 +13,6 @@ KV together is several times the GPU pool of the first two modes:
              the full host tier lets go is spilled to disk and read back for the session's next turn
              (on the disk tier's reader thread while the batch goes on, the turn waiting, as in the
              daemon's engine thread); the files in a temporary directory on the machine's own disk
-  disk-1     the disk mode with one writer thread and one reader thread (kv/disk_tier.py WRITER_THREADS,
-             READER_THREADS: what the disk mode had before they were more)
   host-small the disk mode's GPU pool and host tier without the disk (what the disk adds)
   ideal      a GPU pool that holds every session (the upper bound)
 
@@ -46,7 +44,6 @@ import torch
 
 from cbd.config import EngineConfig
 from cbd.engine.core import EngineCore
-from cbd.engine.kv import disk_tier
 from cbd.engine.sampling_params import SamplingParams
 
 log = logging.getLogger("bench")
@@ -262,23 +259,15 @@ def main() -> None:
         "host": dict(num_kv_blocks=small, num_host_kv_blocks=all_sessions + 64),
         "ideal": dict(num_kv_blocks=all_sessions + 256, num_host_kv_blocks=0),
         "disk": dict(num_kv_blocks=small, num_host_kv_blocks=small),
-        "disk-1": dict(num_kv_blocks=small, num_host_kv_blocks=small),
         "host-small": dict(num_kv_blocks=small, num_host_kv_blocks=small),  # the disk mode's pools, no disk
     }
     bytes_per_block = None
     results: dict[str, dict] = {}
     bandwidth = None
     for mode in args.modes.split(","):
-        on_disk = mode.startswith("disk")
-        disk = dict(disk_kv_dir=tempfile.mkdtemp(prefix="cbd-kv-tiers-"), disk_kv_spill=True) if on_disk else {}
+        disk = dict(disk_kv_dir=tempfile.mkdtemp(prefix="cbd-kv-tiers-"), disk_kv_spill=True) if mode == "disk" else {}
         config = EngineConfig(**base, **pools[mode], **disk, block_size=block, max_model_len=max_len)
-        threads = disk_tier.WRITER_THREADS, disk_tier.READER_THREADS
-        if mode == "disk-1":
-            disk_tier.WRITER_THREADS = disk_tier.READER_THREADS = 1
-        try:
-            core = EngineCore(loaded, config)
-        finally:
-            disk_tier.WRITER_THREADS, disk_tier.READER_THREADS = threads
+        core = EngineCore(loaded, config)
         core.warm_up()
         bytes_per_block = core.runner.kv_bytes_per_block(loaded.model, block)
         results[mode] = run(core, system, agents, args.new_tokens, mode)
@@ -323,11 +312,9 @@ def main() -> None:
         print(
             f"host-small vs recompute: TTFT p50 {results['host-small']['ttft_p50'] / results['recompute']['ttft_p50']:.2f}x"
         )
-    for mode in ("disk", "disk-1"):
-        if "recompute" not in results or mode not in results:
-            continue
-        rc, d = results["recompute"], results[mode]
-        print(f"{mode} vs recompute (sessions {all_sessions / (2 * small):.1f}x the GPU + host pools): TTFT p50 "
+    if "recompute" in results and "disk" in results:
+        rc, d = results["recompute"], results["disk"]
+        print(f"disk vs recompute (sessions {all_sessions / (2 * small):.1f}x the GPU + host pools): TTFT p50 "
               f"{d['ttft_p50'] / rc['ttft_p50']:.2f}x, turns 2+ {d['warm_ttft_p50'] / rc['warm_ttft_p50']:.2f}x; "
               f"{d['spilled_sessions']} spills, {d['files_written_gib']:.2f} GiB written, {d['kv_read_gib']:.2f} GiB "
               f"read back ({d['read_ahead']} sessions read ahead of their turns)")  # fmt: skip

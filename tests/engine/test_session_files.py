@@ -158,8 +158,7 @@ def test_a_background_save_gathers_gpu_kv_on_the_writer_thread_and_holds_its_blo
     want = bytes(disk_tier.raw_bytes(disk.gather_gpu(list(session.block_table))))  # its KV as it is now
     threads = _record_gathers(monkeypatch)
     gate = threading.Event()
-    for writer in disk._writers:  # the writers busy: the save waits in its queue
-        writer.submit(gate.wait, 30)
+    disk._writer.submit(gate.wait, 30)  # the writer busy: the save waits in its queue
     assert core.checkpoints.save_idle(0.0) == 1
     assert threads == []  # nothing gathered on this thread
     held = sum(len(ids) for ids in core.checkpoints.held_blocks())
@@ -198,8 +197,7 @@ def test_saves_hold_at_most_hold_bytes_of_gpu_blocks_and_gather_the_rest_at_once
     want = [bytes(disk_tier.raw_bytes(disk.gather_gpu(list(core.sessions.sessions[k].block_table)))) for k in keys]
     threads = _record_gathers(monkeypatch)
     gate = threading.Event()
-    for writer in disk._writers:  # the writers busy
-        writer.submit(gate.wait, 30)
+    disk._writer.submit(gate.wait, 30)
     assert core.checkpoints.save_idle(0.0) == 2
     assert [len(ids) for ids in core.checkpoints.held_blocks()] == [17]  # the first held, the second gathered
     on_engine = len(threads)  # the second session's extents (its whole blocks, its last partial block)
@@ -212,88 +210,6 @@ def test_saves_hold_at_most_hold_bytes_of_gpu_blocks_and_gather_the_rest_at_once
         path = tmp_path / "engine" / files.file_name(key)
         got = files.read_kv(path, files.read_header(path)[0].branches[0])
         assert got is not None and bytes(got) == kv
-    disk.close()
-
-
-def _on_two_writers(disk: disk_tier.DiskTier, prefix: str) -> list[str]:
-    """Two session keys whose files have different writer threads."""
-    keys: dict[int, str] = {}
-    for i in range(100):
-        key = f"{prefix}{i}"
-        keys.setdefault(id(disk._writer_of(files.file_name(key))), key)
-        if len(keys) == 2:
-            return list(keys.values())
-    raise AssertionError("every key on one writer")
-
-
-def test_a_session_file_is_written_while_another_sessions_write_waits(tiny_loaded, tmp_path) -> None:
-    """Files are written by several threads: a session's save ends, its file is noted and its GPU blocks are let go,
-    while another session's save waits behind a busy writer; that one ends later with its own KV."""
-    core = make_core(tiny_loaded, disk_kv_dir=str(tmp_path), block_size=4, num_kv_blocks=64, num_host_kv_blocks=40)
-    assert core.checkpoints is not None
-    disk = core.checkpoints.disk
-    assert disk.num_writers > 1
-    rng = random.Random(5)
-    waits, goes = keys = _on_two_writers(disk, "w")
-    for key in keys:
-        core.sessions.open(session_id=key)
-        _turn(core, key, [rng.randrange(2, 256) for _ in range(60)])  # 17 blocks each
-    want = [bytes(disk_tier.raw_bytes(disk.gather_gpu(list(core.sessions.sessions[k].block_table)))) for k in keys]
-    gate = threading.Event()
-    disk._writer_of(files.file_name(waits)).submit(gate.wait, 30)  # its writer busy
-    assert core.checkpoints.save_idle(0.0) == 2
-    assert sorted(len(ids) for ids in core.checkpoints.held_blocks()) == [17, 17]
-    path = {key: tmp_path / "engine" / files.file_name(key) for key in keys}
-    written = next(f for k, _, f in core.checkpoints._writes if k == goes)
-    poll_until(written.done, what="the other session's write")
-    core.checkpoints.let_go()
-    assert [len(ids) for ids in core.checkpoints.held_blocks()] == [17]  # the waiting one's only
-    assert path[goes].exists() and not path[waits].exists()
-    core.check_integrity()
-    gate.set()
-    assert disk.flush(10)
-    core.checkpoints.let_go()
-    assert core.checkpoints.held_blocks() == []
-    for key, kv in zip(keys, want):
-        got = files.read_kv(path[key], files.read_header(path[key])[0].branches[0])
-        assert got is not None and bytes(got) == kv
-    disk.close()
-
-
-def test_writes_under_way_count_against_the_cap(tiny_loaded, tmp_path, monkeypatch) -> None:
-    """Two sessions' saves written at once, a cap that holds one session's KV and not both: one file gets its KV,
-    the other its token ids only (each write counts the other's bytes while it is under way); nothing is over."""
-    core = make_core(tiny_loaded, disk_kv_dir=str(tmp_path), block_size=4, num_kv_blocks=64, num_host_kv_blocks=40)
-    assert core.checkpoints is not None
-    disk = core.checkpoints.disk
-    rng = random.Random(8)
-    keys = _on_two_writers(disk, "c")
-    for key in keys:
-        core.sessions.open(session_id=key)
-        _turn(core, key, [rng.randrange(2, 256) for _ in range(60)])  # 17 blocks each
-    monkeypatch.setattr(disk, "cap_bytes", 26 * disk.bytes_per_block)  # 1.5 sessions' KV
-    entered, gate = threading.Event(), threading.Event()
-    save = session_file_save.save
-
-    def first_waits(*args, **kw):  # type: ignore[no-untyped-def]
-        if not entered.is_set():
-            entered.set()
-            gate.wait(30)
-        return save(*args, **kw)
-
-    monkeypatch.setattr(session_file_save, "save", first_waits)
-    assert core.checkpoints.save_idle(0.0) == 2
-    assert entered.wait(30)
-    poll_until(lambda: sum(f.done() for _, _, f in core.checkpoints._writes) == 1, what="the second write")  # type: ignore[union-attr]
-    gate.set()
-    assert disk.flush(10)
-    kv = []
-    for key in keys:
-        path = tmp_path / "engine" / files.file_name(key)
-        kv.append(files.read_header(path)[0].branches[0].kv_tokens)
-    assert min(kv) == 0 < max(kv), kv
-    stats = disk.stats()
-    assert stats.bytes_on_disk <= disk.cap_bytes
     disk.close()
 
 

@@ -3,18 +3,16 @@ engine thread.
 
 The engine thread takes a snapshot of what a session holds (its token ids, settings, and the KV its
 file lacks: gathered from the host pool into host tensors, or named as GPU pool blocks, `PoolBlocks`,
-which the caller keeps referenced until the write is done) and hands it to one of the tier's
-WRITER_THREADS writer threads, always the same one for a session's file (`_writer_of`), so that the writes
-and the removal of one file happen in the order they were asked for while other sessions' files are
-written beside them. The writer gathers the GPU blocks (on a stream of its own, after the compute
-stream's work so far, a chunk at a time, one gather at a time: the engine thread and the steps go on
-meanwhile), saves the session to its file (kv/session_file_save.py: appended) and keeps the directory
-under its cap (`--disk-kv-gib`: a save that would go over it, counting the writes under way, adds no KV).
-A removal goes through the file's writer, so a session closed after a save never comes back from a late
-write. Reading back goes through the tier's READER_THREADS reader threads: the engine thread takes fresh
-host blocks (`start_load`), a reader thread reads the branch's KV extents straight into them and checks
-it, and the engine thread hands them on (`finish_load`), from where the scheduler restores them like any
-host copy (kv/host_tier.py); a damaged extent, no host tier or no room in it: the branch is recomputed.
+which the caller keeps referenced until the write is done) and hands it to the tier's writer thread,
+which gathers the GPU blocks (on a stream of its own, after the compute stream's work so far, a chunk
+at a time: the engine thread and the steps go on meanwhile), saves the session to its file
+(kv/session_file_save.py: appended) and keeps the
+directory under its cap (`--disk-kv-gib`: a save that would go over it adds no KV). Removals go through
+the same thread, so a session closed after a save never comes back from a late write. Reading back
+goes through the tier's reader thread: the engine thread takes fresh host blocks (`start_load`), the
+reader thread reads the branch's KV extents straight into them and checks it, and the engine thread
+hands them on (`finish_load`), from where the scheduler restores them like any host copy
+(kv/host_tier.py); a damaged extent, no host tier or no room in it: the branch is recomputed.
 
 Ownership. A daemon keeps its files in a folder of its own, named by its owner name (`--disk-kv-owner`,
 by default from its listen addresses, so the same daemon restarted finds its folder again), and holds
@@ -34,10 +32,8 @@ import json
 import logging
 import threading
 import time
-import zlib
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from concurrent.futures import wait as futures_wait
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -58,11 +54,7 @@ from cbd.model.loader import LoadedModel
 log = logging.getLogger(__name__)
 READ_RATE_GUESS = 1 << 30  # bytes per second, before reads have measured the folder's disk
 READ_RATE_AFTER = 64 << 20
-GATHER_CHUNK_BYTES = 256 << 20  # GPU memory a writer thread's gather of a save's blocks takes at a time
-# Threads writing session files (each file always by the same one) and reading KV back: one thread copying into
-# the page cache and checksumming moved ~1 GiB/s, under what the disk takes.
-WRITER_THREADS = 4
-READER_THREADS = 2
+GATHER_CHUNK_BYTES = 256 << 20  # GPU memory the writer thread's gather of a save's blocks takes at a time
 
 
 @dataclass(slots=True)
@@ -132,20 +124,14 @@ class DiskTier:
         streams = host_tier.copier.streams if host_tier is not None else None
         self._compute = streams.compute if streams is not None and streams.cuda else None
         self._gather_stream = torch.cuda.Stream(kv_caches.device) if self._compute is not None else None
-        self._writers = [
-            ThreadPoolExecutor(1, thread_name_prefix=f"cbd-disk-{i}") for i in range(WRITER_THREADS)
-        ]  # fmt: skip
-        self._reader = ThreadPoolExecutor(READER_THREADS, thread_name_prefix="cbd-disk-read")
-        self._gathering = threading.Lock()  # one gather of GPU blocks at a time (GATHER_CHUNK_BYTES of GPU memory)
-        self._count = threading.Lock()  # the stats, written by the writer threads
+        self._writer = ThreadPoolExecutor(1, thread_name_prefix="cbd-disk")
+        self._reader = ThreadPoolExecutor(1, thread_name_prefix="cbd-disk-read")
+        self._count = threading.Lock()  # the stats, written by the writer thread
         self._stats = DiskTierStats(cap_bytes=cap_bytes)
         self._stats.last_checkpoint_seconds = self._read_last_save()  # the last shutdown's, if this folder's
-        # The writers' view of the directory, under `_files_lock`; a file's entries change on its own writer only.
-        self._files_lock = threading.Lock()
-        self._sizes: dict[str, int] = {}  # file name -> bytes
-        self._writing: dict[str, int] = {}  # file name -> the KV bytes its write under way adds (for the cap)
-        self._new_entries: set[str] = set()  # files a save without fsyncs made
-        self._unsynced: set[str] = set()  # files whose header in use a save without fsyncs wrote
+        self._sizes: dict[str, int] = {}  # file name -> bytes, the writer thread's view of the directory
+        self._new_entries: set[str] = set()  # files a save without fsyncs made (the writer thread's)
+        self._unsynced: set[str] = set()  # files whose header in use a save without fsyncs wrote (likewise)
         left = files.remove_temporaries(self.directory)
         if left:
             log.info("removed %d unfinished session files from %s", left, self.directory)
@@ -173,7 +159,7 @@ class DiskTier:
         return not self._gpu.is_cuda
 
     def gather_gpu(self, block_ids: list[int]) -> torch.Tensor:
-        """The KV of GPU blocks as a host tensor `[blocks, layers, block_size, *slot]` (a writer thread's, for
+        """The KV of GPU blocks as a host tensor `[blocks, layers, block_size, *slot]` (the writer thread's, for
         `PoolBlocks`). Blocks a session holds are not written by any step (its KV is complete and shared
         blocks are immutable); on a GPU the gather's stream waits for the compute stream's work so far all the
         same, and it blocks this thread only."""
@@ -181,14 +167,12 @@ class DiskTier:
         out = torch.empty((len(block_ids), layers, *block_shape), dtype=self._gpu.dtype)
         per_chunk = max(1, GATHER_CHUNK_BYTES // max(1, self.bytes_per_block))
         index = torch.tensor(block_ids, dtype=torch.int64, device=self._gpu.device)
-        with self._gathering:
-            if self._gather_stream is not None and self._compute is not None:
-                self._gather_stream.wait_stream(self._compute)
-            stream = torch.cuda.stream(self._gather_stream) if self._gather_stream is not None else None
-            with stream if stream is not None else contextlib.nullcontext():
-                for at in range(0, len(block_ids), per_chunk):
-                    part = self._gpu.index_select(1, index[at : at + per_chunk]).to("cpu")  # waits for its stream
-                    out[at : at + per_chunk] = part.transpose(0, 1)
+        if self._gather_stream is not None and self._compute is not None:
+            self._gather_stream.wait_stream(self._compute)
+        with torch.cuda.stream(self._gather_stream) if self._gather_stream is not None else contextlib.nullcontext():
+            for at in range(0, len(block_ids), per_chunk):
+                part = self._gpu.index_select(1, index[at : at + per_chunk]).to("cpu")  # waits for its stream
+                out[at : at + per_chunk] = part.transpose(0, 1)
         return out
 
     def gather_host(self, copy: HostCopy) -> torch.Tensor:
@@ -196,31 +180,27 @@ class DiskTier:
         return self.host_tier.read_blocks(copy.block_ids)
 
     def write(self, saved: files.SavedSession, kv: list[Planned | None], durable: bool = True) -> Future[Written]:
-        """Save a session to its file on its writer thread (kv/session_file_save.py `save`: what the file holds
-        already is kept, the rest appended; fsynced if `durable`), after the writes of that file asked for before;
-        the future says whether all its KV was kept (not: token ids only, for the cap). A write that fails (disk
-        full) leaves the file as it was and raises."""
-        name = files.file_name(saved.key)
-        return self._writer_of(name).submit(self._write, name, saved, kv, durable)
+        """Save a session to its file on the writer thread (kv/session_file_save.py `save`: what the file holds
+        already is kept, the rest appended; fsynced if `durable`); the future says whether all its KV was kept
+        (not: token ids only, for the cap). A write that fails (disk full) leaves the file as it was and
+        raises."""
+        return self._writer.submit(self._write, saved, kv, durable)
 
     def remove(self, key: str) -> Future[None]:
-        """Delete a session's file (after any write of it queued before)."""
-        name = files.file_name(key)
-        return self._writer_of(name).submit(self._remove, name)
-
-    def _writer_of(self, name: str) -> ThreadPoolExecutor:
-        """The writer thread of a file: always the same one, so that its writes and removal keep their order."""
-        return self._writers[zlib.crc32(name.encode()) % len(self._writers)]
+        """Delete a session's file (after any write queued before)."""
+        return self._writer.submit(self._remove, files.file_name(key))
 
     def flush(self, timeout: float | None) -> bool:
         """Wait for every write queued so far; False if `timeout` passed first."""
-        _, pending = futures_wait([w.submit(lambda: None) for w in self._writers], timeout)
-        return not pending
+        try:
+            self._writer.submit(lambda: None).result(timeout)
+            return True
+        except TimeoutError:
+            return False
 
     def close(self) -> None:
         self._reader.shutdown(wait=True)
-        for writer in self._writers:
-            writer.shutdown(wait=True)
+        self._writer.shutdown(wait=True)
         self._lock.close()
 
     def _gathered(self, planned: Planned) -> files.NewKv[bytes | memoryview]:
@@ -230,16 +210,12 @@ class DiskTier:
         ]
         return files.NewKv(planned.base, planned.keep, extents)
 
-    def _write(self, name: str, saved: files.SavedSession, planned: list[Planned | None], durable: bool) -> Written:
+    def _write(self, saved: files.SavedSession, planned: list[Planned | None], durable: bool) -> Written:
         kv = [None if p is None else self._gathered(p) for p in planned]
+        name = files.file_name(saved.key)
         asked = [b.kv_tokens for b in saved.branches]
         need = sum(memoryview(data).nbytes for new in kv if new is not None for data, _ in new.extents)
-        with self._files_lock:  # the writes under way beside this one count as written
-            over = bool(need) and sum(self._sizes.values()) + sum(self._writing.values()) + need > self.cap_bytes
-            if need and not over:
-                self._writing[name] = need
-            same_slot = not durable and name in self._unsynced  # keep the last fsynced header's slot
-            synced_name = name not in self._new_entries
+        over = bool(need) and sum(self._sizes.values()) + need > self.cap_bytes
         if over:  # nothing new: what the file holds already stays, its dead extents go
             for b, new in zip(saved.branches, kv, strict=True):
                 if new is not None:
@@ -248,25 +224,22 @@ class DiskTier:
         path = self.directory / name
         created = not path.exists()
         try:
+            same_slot = not durable and name in self._unsynced  # keep the last fsynced header's slot
             saved, size = session_file_save.save(path, saved, kv, compact=over, durable=durable, same_slot=same_slot)
-            if durable and not synced_name:  # made by a save without fsyncs: its name too, now
+            if durable and name in self._new_entries:  # made by a save without fsyncs: its name too, now
                 files.sync_directory(self.directory)
         except OSError:
             with self._count:
                 self._stats.num_write_errors += 1
             raise
-        finally:
-            with self._files_lock:
-                self._writing.pop(name, None)
-        with self._files_lock:
-            if durable:
-                self._new_entries.discard(name)
-                self._unsynced.discard(name)
-            else:
-                self._unsynced.add(name)
-                if created:
-                    self._new_entries.add(name)
-            self._sizes[name] = path.stat().st_size
+        if durable:
+            self._new_entries.discard(name)
+            self._unsynced.discard(name)
+        else:
+            self._unsynced.add(name)
+            if created:
+                self._new_entries.add(name)
+        self._sizes[name] = path.stat().st_size
         with self._count:
             s = self._stats
             s.num_files_written += 1
@@ -276,10 +249,9 @@ class DiskTier:
         return Written([b.kv_tokens for b in saved.branches] == asked, path, saved)
 
     def _remove(self, name: str) -> None:
-        with self._files_lock:
-            self._sizes.pop(name, None)
-            self._new_entries.discard(name)
-            self._unsynced.discard(name)
+        self._sizes.pop(name, None)
+        self._new_entries.discard(name)
+        self._unsynced.discard(name)
         with contextlib.suppress(FileNotFoundError):
             (self.directory / name).unlink()
 
@@ -314,8 +286,7 @@ class DiskTier:
             files.sync_directory(self.directory)
             path = self.directory / name
             log.info("session %s taken over from owner %s", key, folder.name)
-            with self._files_lock:
-                self._sizes[name] = path.stat().st_size
+            self._writer.submit(self._sizes.__setitem__, name, path.stat().st_size).result()
             usable = self._usable(path)
             return (path, usable) if usable is not None and usable.key == key else None
         return None
@@ -327,12 +298,12 @@ class DiskTier:
             saved, _ = files.read_header(path)
         except (files.DamagedFile, OSError) as exc:
             log.warning("session file %s is not used: %s", path.name, exc)
-            self._writer_of(path.name).submit(self._remove, path.name)
+            self._writer.submit(self._remove, path.name)
             self._count_lost()
             return None
         if saved.fingerprint.model != self.fingerprint.model:
             log.warning("session file %s is not used: it was saved by another model", path.name)
-            self._writer_of(path.name).submit(self._remove, path.name)
+            self._writer.submit(self._remove, path.name)
             self._count_lost()
             return None
         if saved.fingerprint.kv != self.fingerprint.kv:
@@ -396,21 +367,15 @@ class DiskTier:
         return ok
 
     def stats(self) -> DiskTierStats:
-        with self._files_lock:
-            num_files, on_disk = len(self._sizes), sum(self._sizes.values())
         with self._count:
             s = self._stats
-            s.num_files, s.bytes_on_disk = num_files, on_disk
+            s.num_files, s.bytes_on_disk = len(self._sizes), sum(self._sizes.values())
             return DiskTierStats(**{f: getattr(s, f) for f in DiskTierStats.__dataclass_fields__})
 
     def count_restored(self, num_sessions: int, num_lost: int) -> None:
         with self._count:
             self._stats.num_sessions_restored += num_sessions
             self._stats.num_sessions_lost += num_lost
-
-    @property
-    def num_writers(self) -> int:
-        return len(self._writers)
 
     @property
     def bytes_per_block(self) -> int:

@@ -11,7 +11,7 @@ and the frontend's note (a chat's transcript). A session is saved again only whe
                              the rest is recomputed later, never lost). A save gathers only what the
                              file lacks (save_plan.py): the file keeps the rest (kv/session_file_save.py)
   background (`save_idle`)   changed sessions idle for at least `idle_for`, no turn in flight; the
-                             write is queued to the disk tier's writers (a crash loses the turns since);
+                             write is queued to the disk tier's thread (a crash loses the turns since);
                              KV on the GPU is gathered there too, off the engine thread, its blocks
                              referenced until the write is done (at most HOLD_BYTES of them; beyond, a
                              save gathers on the engine thread as before)
@@ -32,8 +32,7 @@ and the frontend's note (a chat's transcript). A session is saved again only whe
                              daemon that stopped (kv/disk_tier.py), then treated as restored
   close, expiry              the file is removed
 
-Engine-thread only (the writes themselves are the disk tier's writer threads': one file's in the order
-they were queued, different files' in any order).
+Engine-thread only (the writes themselves are the disk tier's thread's).
 """
 
 from __future__ import annotations
@@ -61,7 +60,7 @@ log = logging.getLogger(__name__)
 # KV gathered for spills and not yet written (in host memory beside the host tier), at most half the host tier's
 # size and at least this (one spill always may): writes that fall behind make room in the host tier meanwhile.
 SPILL_BYTES = 4 * 2**30
-# GPU KV that saves queued for the writer threads hold (`PoolBlocks`), at most (one save always may): beyond it a
+# GPU KV that saves queued for the writer thread hold (`PoolBlocks`), at most (one save always may): beyond it a
 # save gathers its GPU blocks on the engine thread, so that evictions meanwhile free GPU blocks (held ones free none).
 HOLD_BYTES = 2 * 2**30
 
@@ -73,9 +72,8 @@ class SessionCheckpoints:
         self.disk = disk
         sessions.on_closed.append(self._closed)
         sessions.on_missing = self.claim
-        # Writes queued, in order (one session's end in this order, different sessions' in any): (key, the
-        # session's turns then, the write); settled into `_files` (the last file each session has with its KV,
-        # and its turns then) by `_settle`.
+        # Writes queued, in order (one writer thread): (key, the session's turns then, the write); settled
+        # into `_files` (the last file each session has with its KV, and its turns then) by `_settle`.
         self._writes: deque[tuple[str, int, Future[Written]]] = deque()
         self._files: dict[str, tuple[int, Written]] = {}
         # What each session's file holds (or will, once the writes queued are done): for each branch, the
@@ -125,7 +123,7 @@ class SessionCheckpoints:
             except Exception as exc:  # its KV could not be gathered: the others are saved all the same
                 _not_saved(session.session_id, exc)
                 report.num_failed += 1
-            while len(in_flight) > self.disk.num_writers + 1:  # the writers busy, and the next one ready
+            while len(in_flight) > 2:
                 settle(*in_flight.popleft())
         while in_flight:
             settle(*in_flight.popleft())
@@ -214,22 +212,17 @@ class SessionCheckpoints:
         return save_plan.plan(self.disk, session, self._files_kv.get(session.session_id, []))
 
     def _settle(self) -> None:
-        """Note the writes that have ended (each session's in order): each session's last file with all its KV
-        (for spills); a write that did not keep all it was given leaves `_files_kv` as the file holds it (a
-        failed one: forgotten, the next save whole). The GPU blocks finished writes held are let go (`let_go`)."""
+        """Note the writes that have ended (in order): each session's last file with all its KV (for spills);
+        a write that did not keep all it was given leaves `_files_kv` as the file holds it (a failed one:
+        forgotten, the next save whole). The GPU blocks finished writes held are let go (`let_go`)."""
         self.let_go()
-        writes, self._writes = list(self._writes), deque()
-        waiting: set[str] = set()  # sessions with a write not ended: their later ones wait for it
-        for at, (key, turns, future) in enumerate(writes):
-            if key in waiting or not future.done():
-                waiting.add(key)
-                self._writes.append((key, turns, future))
-                continue
+        while self._writes and self._writes[0][2].done():
+            key, turns, future = self._writes.popleft()
             written = _result(future)
             session = self.sessions.sessions.get(key)
             if written is None or not written.kept_kv:
                 self._files.pop(key, None)
-                if not any(k == key for k, _, _ in writes[at + 1 :]):  # else the later write's view stands
+                if not any(k == key for k, _, _ in self._writes):  # else the later write's view stands
                     if written is None or session is None:
                         self._files_kv.pop(key, None)  # failed: the file as it was, not known here
                     else:
@@ -297,15 +290,9 @@ class SessionCheckpoints:
         return True
 
     def let_go(self) -> None:
-        """Release the GPU blocks held by saves whose writes are done."""
-        if not any(future.done() for future, _ in self._held):
-            return
-        held, self._held = self._held, deque()
-        for future, ids in held:
-            if future.done():
-                self.sessions.eviction.bm.release(ids)
-            else:
-                self._held.append((future, ids))
+        """Release the GPU blocks held by saves whose writes are done (in order: one writer thread)."""
+        while self._held and self._held[0][0].done():
+            self.sessions.eviction.bm.release(self._held.popleft()[1])
 
     def held_blocks(self) -> list[list[int]]:
         """GPU blocks referenced by queued saves (`PoolBlocks`), until `let_go` (integrity checks)."""
