@@ -73,6 +73,10 @@ class EngineConfig:
     tensor_parallel_size: int = 1
     # Seconds after which a queued batch-priority request is scheduled as interactive (its starvation bound).
     priority_aging_seconds: float = 30.0
+    # Within a class and tenant, a turn that brings its KV (its session's on the GPU or the host tier, at most 2048
+    # tokens left to compute) is admitted before prompts computed from scratch that have waited less than this
+    # (their bound on being overtaken); 0: queue order.
+    warm_first_seconds: float = 10.0
     # Batch-priority requests are refused (RESOURCE_EXHAUSTED) once the live requests or their prompt tokens
     # reach this share of max_queued_requests / max_queued_tokens; interactive ones only at the caps.
     batch_queue_share: float = 0.75
@@ -187,6 +191,8 @@ class EngineConfig:
             raise ValueError(f"blas_library must be 'auto', 'cublas' or 'cublaslt', got {self.blas_library!r}")
         if self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
+        if not self.warm_first_seconds >= 0:
+            raise ValueError(f"warm_first_seconds must be >= 0, got {self.warm_first_seconds}")
         if not self.priority_aging_seconds > 0:
             raise ValueError(f"priority_aging_seconds must be > 0, got {self.priority_aging_seconds}")
         if not 0 < self.batch_queue_share <= 1:

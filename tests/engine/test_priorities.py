@@ -191,11 +191,11 @@ def test_a_turn_that_brings_its_kv_goes_before_prompts_computed_from_scratch_til
 ) -> None:
     """Prompts computed from scratch queued first, then a session turn whose history's KV is on the GPU: the turn is
     admitted at the next step with budget left, ahead of them (its KV brought, a few tokens to compute); a prompt
-    that has waited COLD_WAIT_SECONDS is no longer overtaken. Answers as on an idle engine."""
+    that has waited warm_first_seconds is no longer overtaken; with 0, queue order. Answers as on an idle engine."""
     from cbd.engine.sched import order
 
     clock = [0.0]
-    core = make_core(tiny_loaded, block_size=4, max_num_batched_tokens=48, num_kv_blocks=400)
+    core = make_core(tiny_loaded, block_size=4, max_num_batched_tokens=48, num_kv_blocks=400, warm_first_seconds=5.0)
     core.scheduler.clock = lambda: clock[0]
     history, message, later = _prompts(1, 11, length=60)[0], _prompts(1, 13)[0], _prompts(1, 15)[0]
     cold_prompts, late_prompts = _prompts(4, 12, length=90), _prompts(3, 14, length=90)
@@ -217,25 +217,30 @@ def test_a_turn_that_brings_its_kv_goes_before_prompts_computed_from_scratch_til
     assert sum(r.sequences[0].status is SequenceStatus.WAITING for r in cold) >= 2  # overtaken
     _drain(core, tokens)
 
-    # The same queue once the prompts have waited COLD_WAIT_SECONDS: the turn keeps its place behind them.
-    late = [core.add_request(p, _params(3)) for p in late_prompts]
-    clock[0] += order.COLD_WAIT_SECONDS
-    again = core.add_session_turn(key, later, _params(5))
-    assert order.brings_kv(again.sequences[0])
-    while again.sequences[0].status is not SequenceStatus.RUNNING:
-        step()
-    assert all(r.sequences[0].num_computed_tokens for r in late)  # each admitted before the turn
-    _drain(core, tokens)
+    # The same queue once the prompts have waited warm_first_seconds (then with 0): the turn keeps its place.
+    turns, lates = [first, turn], [(cold, cold_prompts)]
+    for waited, setting in ((5.0, 5.0), (0.0, 0.0)):
+        late = [core.add_request(p, _params(3)) for p in late_prompts]
+        clock[0] += waited
+        core.scheduler.warm_first_seconds = setting
+        again = core.add_session_turn(key, later, _params(5))
+        assert order.brings_kv(again.sequences[0])
+        while again.sequences[0].status is not SequenceStatus.RUNNING:
+            step()
+        assert all(r.sequences[0].num_computed_tokens for r in late)  # each admitted before the turn
+        _drain(core, tokens)
+        turns.append(again)
+        lates.append((late, late_prompts))
 
     idle = make_core(tiny_loaded, block_size=4)
     idle_key = idle.sessions.open(session_id="agent").session_id
     want: list[list[int]] = []
-    for prompt, max_tokens in ((history, 4), (message, 5), (later, 5)):
+    for prompt, max_tokens in ((history, 4), (message, 5), (later, 5), (later, 5)):
         got: dict[str, list[int]] = {}
         idle.add_session_turn(idle_key, prompt, _params(max_tokens))
         _drain(idle, got)
         want.extend(got.values())
-    assert [tokens[r.request_id] for r in (first, turn, again)] == want
-    for requests, prompts in ((cold, cold_prompts), (late, late_prompts)):
+    assert [tokens[r.request_id] for r in turns] == want
+    for requests, prompts in lates:
         alone = run_all(make_core(tiny_loaded, block_size=4), prompts, _params(3))
         assert [tokens[r.request_id] for r in requests] == [a["tokens"][0] for a in alone]

@@ -68,7 +68,8 @@ def build_parts(
     scheduler = Scheduler(
         block_manager, config.max_num_seqs, config.max_num_batched_tokens, reclaim=sessions.eviction.evict,
         max_model_len=max_model_len, new_fork=new_fork, host_tier=host_tier,
-        aging_seconds=config.priority_aging_seconds, speculator=new_speculator(config, block_manager, max_model_len),
+        aging_seconds=config.priority_aging_seconds, warm_first_seconds=config.warm_first_seconds,
+        speculator=new_speculator(config, block_manager, max_model_len),
     )  # fmt: skip
     if scheduler.speculator.agents is not None:
         sessions.on_closed.append(scheduler.speculator.agents.drop)

@@ -1,7 +1,7 @@
 """Admission of waiting sequences into a step, after the running ones have been planned.
 
 Waiting sequences are considered in `AdmissionOrder` (order.py: class, then fair share between tenants,
-then queue order) while the step's token budget, the seats (`max_num_seqs`) and the KV pool allow; the
+then turns that bring their KV, then queue order) while the step's token budget, the seats (`max_num_seqs`) and the KV pool allow; the
 first that does not fit stops admission for this step (a later one never overtakes it). Each first
 revives its cached prefix blocks. Invariants:
 - a sequence whose first full block another admission computes this step is deferred one step (it
@@ -31,7 +31,7 @@ def admit(sched: Scheduler, plan: StepPlan, budget: int, now: float) -> None:
     bm = sched.block_manager
     seats = sum(s.seats for s in sched.running)
     inflight: set[int] = set()
-    order = AdmissionOrder(sched.waiting, sched.running, now, sched.aging_seconds)
+    order = AdmissionOrder(sched.waiting, sched.running, now, sched.aging_seconds, sched.warm_first_seconds)
     while budget > 0:
         seq = order.next()
         if seq is None:

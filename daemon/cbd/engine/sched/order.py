@@ -10,7 +10,8 @@ a session turn whose history is on the GPU or the host tier, a sequence set asid
 WARM_TOKENS left to compute), then queue order. A turn that brings its KV costs a step a few hundred
 tokens where a prompt computed from scratch costs thousands, and while it waits its KV holds the pools
 (or is evicted, and recomputed); a sequence that brings none is overtaken so only until it has waited
-COLD_WAIT_SECONDS. With one class and one tenant and no KV brought it is the queue's order. Pure Python.
+`warm_first_seconds` (`--warm-first-seconds`; 0: never). With one class and one tenant and no KV
+brought it is the queue's order. Pure Python.
 """
 
 from __future__ import annotations
@@ -22,7 +23,6 @@ from cbd.engine.sampling_params import PRIORITY_INTERACTIVE
 from cbd.engine.sequence import Sequence
 
 WARM_TOKENS = 2048  # at most this many tokens left to compute beyond the KV a sequence brings: it goes first
-COLD_WAIT_SECONDS = 10.0  # a sequence that brings no KV is not overtaken once it has waited this long
 
 
 def urgency(seq: Sequence, now: float, aging_seconds: float) -> int:
@@ -46,14 +46,14 @@ def brings_kv(seq: Sequence) -> bool:
     return held > 0 and seq.num_tokens - held <= WARM_TOKENS
 
 
-def _warm_first(group: deque[Sequence], now: float) -> deque[Sequence]:
-    """The group with the sequences that bring their KV, or have waited COLD_WAIT_SECONDS, first (each part in
-    queue order)."""
+def _warm_first(group: deque[Sequence], now: float, seconds: float) -> deque[Sequence]:
+    """The group with the sequences that bring their KV, or have waited `seconds`, first (each part in queue
+    order)."""
     first: list[Sequence] = []
     rest: list[Sequence] = []
     for seq in group:
         queued = seq.request.queued_at
-        early = brings_kv(seq) or (queued is not None and now - queued >= COLD_WAIT_SECONDS)
+        early = brings_kv(seq) or (queued is not None and now - queued >= seconds)
         (first if early else rest).append(seq)
     if not first or not rest or all(a is b for a, b in zip(first, group)):
         return group  # already in that order
@@ -64,13 +64,17 @@ class AdmissionOrder:
     """One step's order of the waiting sequences. `next()` shows the next one; `take` (admitted) and
     `skip` (deferred: stays queued) move past it."""
 
-    def __init__(self, waiting: Iterable[Sequence], running: list[Sequence], now: float, aging_seconds: float) -> None:
+    def __init__(
+        self, waiting: Iterable[Sequence], running: list[Sequence], now: float, aging_seconds: float,
+        warm_first_seconds: float = 0.0,
+    ) -> None:  # fmt: skip
         waiting = list(waiting)
         self.groups: dict[tuple[int, str], deque[Sequence]] = {}
         for seq in waiting:
             self.groups.setdefault((urgency(seq, now, aging_seconds), seq.request.tenant), deque()).append(seq)
-        for key, group in self.groups.items():
-            self.groups[key] = _warm_first(group, now)
+        if warm_first_seconds > 0:
+            for key, group in self.groups.items():
+                self.groups[key] = _warm_first(group, now, warm_first_seconds)
         self.position = {id(s): i for i, s in enumerate(waiting)} if len(self.groups) > 1 else {}
         self.seats: dict[str, int] = {}
         if len(self.groups) > 1:

@@ -14,7 +14,7 @@ Policy per step, under `max_num_batched_tokens` and `max_num_seqs`:
      itself if every other is more urgent) and re-queued; with a host tier its KV is copied there and
      restored when it is admitted again, otherwise it is recomputed (`set_aside`, also used for
      the blocks of queued sequences that must make room; kv/host_tier.py keeps the host side);
-  2. then waiting sequences (admit.py): in class, fair-share and queue order (order.py), reviving
+  2. then waiting sequences (admit.py): in class, fair-share, warm-first and queue order (order.py), reviving
      cached prefix blocks, restoring from the host tier, until one does not fit.
 Speculation (`schedule(speculate=True)`): once every running chunk and admission is planned, the
 speculator (spec/speculator.py) gives decoding sequences drafts from what the step leaves over, and
@@ -66,6 +66,7 @@ class Scheduler:
         new_fork: Callable[[Sequence, int, list[int]], Sequence],
         host_tier: HostTier | None = None,
         aging_seconds: float = 30.0,
+        warm_first_seconds: float = 10.0,
         clock: Callable[[], float] = time.monotonic,
         speculator: Speculator | None = None,
     ) -> None:
@@ -86,6 +87,7 @@ class Scheduler:
         self.running: list[Sequence] = []
         self.host_tier = host_tier  # None: no host tier (set-aside and preempted KV is recomputed)
         self.aging_seconds = aging_seconds
+        self.warm_first_seconds = warm_first_seconds  # see sched/order.py
         self.clock = clock
         self.num_preemptions = 0
         self.num_priority_preemptions = 0  # of num_preemptions, those made for a more urgent request
