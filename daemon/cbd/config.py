@@ -191,10 +191,10 @@ class EngineConfig:
             raise ValueError(f"blas_library must be 'auto', 'cublas' or 'cublaslt', got {self.blas_library!r}")
         if self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
-        if not self.warm_first_seconds >= 0:
-            raise ValueError(f"warm_first_seconds must be >= 0, got {self.warm_first_seconds}")
         if not self.priority_aging_seconds > 0:
             raise ValueError(f"priority_aging_seconds must be > 0, got {self.priority_aging_seconds}")
+        if not self.warm_first_seconds >= 0:
+            raise ValueError(f"warm_first_seconds must be >= 0, got {self.warm_first_seconds}")
         if not 0 < self.batch_queue_share <= 1:
             raise ValueError(f"batch_queue_share must be in (0, 1], got {self.batch_queue_share}")
         if self.max_sessions < 0:

@@ -11,6 +11,7 @@ import pytest
 from cbd.engine.admission import Admission
 from cbd.engine.core import EngineCore
 from cbd.engine.sampling_params import PRIORITY_BATCH, PRIORITY_INTERACTIVE, SamplingParams
+from cbd.engine.sched import order
 from cbd.engine.sequence import SequenceStatus
 from cbd.errors import CapacityExceeded
 from helpers import checked_step, make_core, run_all
@@ -192,13 +193,11 @@ def test_a_turn_that_brings_its_kv_goes_before_prompts_computed_from_scratch_til
     """Prompts computed from scratch queued first, then a session turn whose history's KV is on the GPU: the turn is
     admitted at the next step with budget left, ahead of them (its KV brought, a few tokens to compute); a prompt
     that has waited warm_first_seconds is no longer overtaken; with 0, queue order. Answers as on an idle engine."""
-    from cbd.engine.sched import order
-
     clock = [0.0]
     core = make_core(tiny_loaded, block_size=4, max_num_batched_tokens=48, num_kv_blocks=400, warm_first_seconds=5.0)
     core.scheduler.clock = lambda: clock[0]
     history, message, later = _prompts(1, 11, length=60)[0], _prompts(1, 13)[0], _prompts(1, 15)[0]
-    cold_prompts, late_prompts = _prompts(4, 12, length=90), _prompts(3, 14, length=90)
+    cold_prompts = _prompts(4, 12, length=90)
     key = core.sessions.open(session_id="agent").session_id
     tokens: dict[str, list[int]] = {}
 
@@ -214,12 +213,13 @@ def test_a_turn_that_brings_its_kv_goes_before_prompts_computed_from_scratch_til
     step()  # the first cold prompt's first chunk takes the whole budget
     step()  # its second chunk leaves budget: the turn is admitted in it, ahead of the other three
     assert turn.sequences[0].status is SequenceStatus.RUNNING
-    assert sum(r.sequences[0].status is SequenceStatus.WAITING for r in cold) >= 2  # overtaken
+    assert [r.sequences[0].status for r in cold[1:]] == [SequenceStatus.WAITING] * 3  # overtaken
     _drain(core, tokens)
 
     # The same queue once the prompts have waited warm_first_seconds (then with 0): the turn keeps its place.
     turns, lates = [first, turn], [(cold, cold_prompts)]
-    for waited, setting in ((5.0, 5.0), (0.0, 0.0)):
+    for seed, waited, setting in ((14, 5.0, 5.0), (16, 0.0, 0.0)):
+        late_prompts = _prompts(3, seed, length=90)  # fresh: no prefix-cache hits
         late = [core.add_request(p, _params(3)) for p in late_prompts]
         clock[0] += waited
         core.scheduler.warm_first_seconds = setting

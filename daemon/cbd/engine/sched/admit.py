@@ -1,8 +1,9 @@
 """Admission of waiting sequences into a step, after the running ones have been planned.
 
-Waiting sequences are considered in `AdmissionOrder` (order.py: class, then fair share between tenants,
-then turns that bring their KV, then queue order) while the step's token budget, the seats (`max_num_seqs`) and the KV pool allow; the
-first that does not fit stops admission for this step (a later one never overtakes it). Each first
+Waiting sequences are considered in `AdmissionOrder` (order.py: class, then fair share between
+tenants, then turns that bring their KV, then queue order) while the step's token budget, the seats
+(`max_num_seqs`) and the KV pool allow; the first that does not fit stops admission for this step (a
+later one never overtakes it). Each first
 revives its cached prefix blocks. Invariants:
 - a sequence whose first full block another admission computes this step is deferred one step (it
   stays queued), so that it then revives those blocks instead of computing the same prefix again
@@ -81,5 +82,5 @@ def _unqueue(sched: Scheduler, order: AdmissionOrder, seq: Sequence) -> None:
     order.take(seq)
     if sched.waiting[0] is seq:
         sched.waiting.popleft()
-    else:
-        sched.waiting.remove(seq)
+    else:  # by identity (a turn that brings its KV is often taken from behind the queue's head)
+        del sched.waiting[next(i for i, s in enumerate(sched.waiting) if s is seq)]

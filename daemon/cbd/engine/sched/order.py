@@ -48,16 +48,18 @@ def brings_kv(seq: Sequence) -> bool:
 
 def _warm_first(group: deque[Sequence], now: float, seconds: float) -> deque[Sequence]:
     """The group with the sequences that bring their KV, or have waited `seconds`, first (each part in queue
-    order)."""
+    order); the group itself if that is its order already."""
     first: list[Sequence] = []
     rest: list[Sequence] = []
+    moved = False  # some sequence goes ahead of one queued before it
     for seq in group:
         queued = seq.request.queued_at
-        early = brings_kv(seq) or (queued is not None and now - queued >= seconds)
-        (first if early else rest).append(seq)
-    if not first or not rest or all(a is b for a, b in zip(first, group)):
-        return group  # already in that order
-    return deque(first + rest)
+        if brings_kv(seq) or (queued is not None and now - queued >= seconds):
+            first.append(seq)
+            moved = moved or bool(rest)
+        else:
+            rest.append(seq)
+    return deque(first + rest) if moved else group
 
 
 class AdmissionOrder:
@@ -66,16 +68,21 @@ class AdmissionOrder:
 
     def __init__(
         self, waiting: Iterable[Sequence], running: list[Sequence], now: float, aging_seconds: float,
-        warm_first_seconds: float = 0.0,
+        warm_first_seconds: float,
     ) -> None:  # fmt: skip
         waiting = list(waiting)
         self.groups: dict[tuple[int, str], deque[Sequence]] = {}
         for seq in waiting:
             self.groups.setdefault((urgency(seq, now, aging_seconds), seq.request.tenant), deque()).append(seq)
+        self.position = {id(s): i for i, s in enumerate(waiting)} if len(self.groups) > 1 else {}
         if warm_first_seconds > 0:
             for key, group in self.groups.items():
-                self.groups[key] = _warm_first(group, now, warm_first_seconds)
-        self.position = {id(s): i for i, s in enumerate(waiting)} if len(self.groups) > 1 else {}
+                ordered = _warm_first(group, now, warm_first_seconds)
+                if ordered is not group:
+                    if self.position:  # each place keeps its queue position: tenants are picked as before
+                        places = [self.position[id(s)] for s in group]
+                        self.position.update((id(s), at) for s, at in zip(ordered, places))
+                    self.groups[key] = ordered
         self.seats: dict[str, int] = {}
         if len(self.groups) > 1:
             for seq in running:

@@ -338,6 +338,6 @@ class Scheduler:
     def _preempt(self, seq: Sequence, plan: StepPlan) -> None:
         self.set_aside(seq)
         seq.status = SequenceStatus.WAITING
-        self.waiting.appendleft(seq)  # queued first within its class and tenant (it is older than the rest)
+        self.waiting.appendleft(seq)  # queued first (order.py may still put turns that bring their KV before it)
         plan.preempted.append(seq)
         self.num_preemptions += 1
