@@ -74,8 +74,8 @@ class EngineConfig:
     # Seconds after which a queued batch-priority request is scheduled as interactive (its starvation bound).
     priority_aging_seconds: float = 30.0
     # Within a class and tenant, a turn that brings its KV (its session's on the GPU or the host tier, at most 2048
-    # tokens left to compute) is admitted before prompts computed from scratch that have waited less than this
-    # (their bound on being overtaken); 0: queue order.
+    # tokens left to compute) is admitted before requests that bring none (prefix-cache hits do not count) and have
+    # waited less than this (their bound on being overtaken); 0: queue order.
     warm_first_seconds: float = 10.0
     # Batch-priority requests are refused (RESOURCE_EXHAUSTED) once the live requests or their prompt tokens
     # reach this share of max_queued_requests / max_queued_tokens; interactive ones only at the caps.

@@ -203,12 +203,12 @@ class DiskTier:
         self._writer.shutdown(wait=True)
         self._lock.close()
 
-    def _gathered(self, planned: Planned) -> files.NewKv[bytes | memoryview]:
+    def _gathered(self, planned: Planned) -> files.KvBytes:
         """A branch's KV with the GPU blocks it names gathered (the writer thread's)."""
         extents = [
             (raw_bytes(self.gather_gpu(d.block_ids)) if isinstance(d, PoolBlocks) else d, n) for d, n in planned.extents
         ]
-        return files.NewKv(planned.base, planned.keep, extents)
+        return files.KvBytes(planned.base, planned.keep, extents)
 
     def _write(self, saved: files.SavedSession, planned: list[Planned | None], durable: bool) -> Written:
         kv = [None if p is None else self._gathered(p) for p in planned]

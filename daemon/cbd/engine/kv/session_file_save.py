@@ -32,8 +32,8 @@ from cbd.engine.kv.session_files import (
     XXH3,
     DamagedFile,
     Extent,
+    KvBytes,
     Layout,
-    NewKv,
     SavedBranch,
     SavedSession,
     checksum,
@@ -48,7 +48,7 @@ DEAD_FLOOR = 64 * 2**20  # a file is written anew only once its dead extents pas
 
 
 def save(
-    path: Path, saved: SavedSession, kv: list[NewKv[bytes | memoryview] | None], compact: bool = False, durable: bool = True,
+    path: Path, saved: SavedSession, kv: list[KvBytes | None], compact: bool = False, durable: bool = True,
     same_slot: bool = False,
 ) -> tuple[SavedSession, int]:  # fmt: skip
     """Save a session: `kv[i]` is branch i's KV (None: token ids only, its `kv_tokens` 0), appended to the
@@ -90,7 +90,7 @@ def _unique(kept: list[list[Extent]]) -> list[Extent]:
 
 
 def _kept(
-    current: SavedSession | None, saved: SavedSession, branch: SavedBranch, new: NewKv[bytes | memoryview] | None
+    current: SavedSession | None, saved: SavedSession, branch: SavedBranch, new: KvBytes | None
 ) -> list[Extent] | None:  # fmt: skip
     """The extents of the file's branch `new.base` covering its first `new.keep` tokens, if the file holds
     them with the same tokens; None if not."""
@@ -112,7 +112,7 @@ def _kept(
     return extents if covered == new.keep else None
 
 
-def _place(saved: SavedSession, kept: list[list[Extent]], kv: list[NewKv[bytes | memoryview] | None], at: int) -> None:
+def _place(saved: SavedSession, kept: list[list[Extent]], kv: list[KvBytes | None], at: int) -> None:
     """Fill in every branch's extents: the kept ones, then the new ones laid out from offset `at` on."""
     for branch, extents, new in zip(saved.branches, kept, kv, strict=True):
         branch.extents = list(extents)
@@ -127,7 +127,7 @@ def _slot(generation: int, header: bytes) -> bytes:
 
 
 def _append(
-    path: Path, header: bytes, kv: list[NewKv[bytes | memoryview] | None], layout: Layout, size: int, durable: bool, same_slot: bool
+    path: Path, header: bytes, kv: list[KvBytes | None], layout: Layout, size: int, durable: bool, same_slot: bool
 ) -> None:  # fmt: skip
     """The new extents after the file's end (fsynced), then the header in the other slot (fsynced): the
     fsyncs only if `durable`; the slot in use if `same_slot`."""
@@ -160,7 +160,7 @@ def _rewrite(
     path: Path,
     saved: SavedSession,
     kept: list[list[Extent]],
-    kv: list[NewKv[bytes | memoryview] | None],
+    kv: list[KvBytes | None],
     durable: bool = True,
 ) -> tuple[SavedSession, int]:
     """Write the file anew (see above): slots twice the header's size, the kept extents copied from the old

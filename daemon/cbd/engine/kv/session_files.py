@@ -170,6 +170,9 @@ class NewKv(Generic[Data]):
     extents: list[tuple[Data, int]]
 
 
+KvBytes = NewKv[bytes | memoryview]  # a branch's KV as it is saved (kv/session_file_save.py)
+
+
 class DamagedFile(Exception):
     """A session file that cannot be used at all (its header is damaged, or it is not a session file)."""
 

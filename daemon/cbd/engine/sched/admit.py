@@ -3,8 +3,7 @@
 Waiting sequences are considered in `AdmissionOrder` (order.py: class, then fair share between
 tenants, then turns that bring their KV, then queue order) while the step's token budget, the seats
 (`max_num_seqs`) and the KV pool allow; the first that does not fit stops admission for this step (a
-later one never overtakes it). Each first
-revives its cached prefix blocks. Invariants:
+later one never overtakes it). Each first revives its cached prefix blocks. Invariants:
 - a sequence whose first full block another admission computes this step is deferred one step (it
   stays queued), so that it then revives those blocks instead of computing the same prefix again
   (agent prompts share long system prompts);

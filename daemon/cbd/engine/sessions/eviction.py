@@ -125,10 +125,7 @@ class SessionEviction:
             going = [s for s in going if s.expected_back(now) > coming.expected_back(now)] if self.spill else []
         # Only if evicting them all would free enough (blocks may be shared with what stays): else none goes.
         stale = self._stale()
-        held = Counter(
-            i for s in stale + going for b in s.branches_and_self() if b.host is not None for i in b.host.block_ids
-        )
-        if tier.num_free_blocks + sum(1 for i, n in held.items() if tier.pool.ref_counts[i] == n) < count:
+        if tier.num_free_blocks + self._freed_by(stale + going) < count:
             return False
         self._drop_stale(count, stale)
         self._evict_host(going, count, keep_kv=ahead)
@@ -141,22 +138,23 @@ class SessionEviction:
         if tier is None:
             return []
         restoring = {id(r.seq) for r in tier.restoring if r.source is not None}
-        out = []
-        for s in self.sessions.values():
-            copies = [b.host for b in s.branches_and_self() if b.host is not None]
-            if (
-                s.busy is None
-                or not copies
-                or any(
-                    q.host_prefix is not None or q.host_backup is not None or id(q) in restoring
-                    for q in s.busy.sequences
-                )
-            ):
-                continue
-            held = Counter(i for c in copies for i in c.block_ids)
-            if any(tier.pool.ref_counts[i] == n for i, n in held.items()):
-                out.append(s)
-        return out
+        return [
+            s for s in self.sessions.values()
+            if s.busy is not None
+            and not any(
+                q.host_prefix is not None or q.host_backup is not None or id(q) in restoring for q in s.busy.sequences
+            )
+            and self._freed_by([s])
+        ]  # fmt: skip
+
+    def _freed_by(self, sessions: list[Session]) -> int:
+        """The host blocks that releasing these sessions' host copies would free (those no one else holds)."""
+        tier = self.host_tier
+        assert tier is not None
+        held = Counter(
+            i for s in sessions for b in s.branches_and_self() if b.host is not None for i in b.host.block_ids
+        )
+        return sum(1 for i, n in held.items() if tier.pool.ref_counts[i] == n)
 
     def _drop_stale(self, count: int, stale: list[Session] | None = None) -> None:
         """Release the host copies of sessions whose turn is running (`_stale`) until `count` host blocks are free:
