@@ -12,7 +12,9 @@ figure is triton (before) and flash (after) from the same process.
 - TTFT: one request with an L-token random prompt on an EngineCore over random 8B weights (chunked prefill
   at --chunk tokens per step), submit to first token, best of 2; the engine's warm-up seconds; "flash paged":
   flash with long chunks' keys read from the pages in place; "flash whole": flash with the last layer run on
-  every row (before it ran on the sampled rows alone, runner.LAST_LAYER_MIN_SKIPPED).
+  every row (before it ran on the sampled rows alone, runner.LAST_LAYER_MIN_SKIPPED); "flash unfused": flash
+  with the MLP's SiLU-mul a kernel of its own after cuBLAS's gate|up GEMM (`--fused-swiglu off`; before, the
+  GEMM applied it in its epilogue: model/swiglu_gemm.py). Every other variant runs with the setting's "auto".
 - decode: B x C decode ms/step (CUDA graphs; decodes are Triton's under both backends: not regressed).
 
     python bench/flash_prefill_gpu.py [--ttft 32768] [--chunk 2048] [--decode 1x32768] [--skip-engine]
@@ -136,11 +138,14 @@ def kernels(results: dict) -> None:
             results["chunk"]["sdpa"] = {"eager_ms": ms, "gpu_ms": None, "tflops": flop / ms / 1e9}
 
 
-def make_core(loaded, backend: str, max_seqs: int, max_len: int, chunk: int) -> tuple[EngineCore, float]:  # type: ignore[no-untyped-def]
+def make_core(
+    loaded, backend: str, max_seqs: int, max_len: int, chunk: int, fused_swiglu: str = "auto"
+) -> tuple[EngineCore, float]:  # type: ignore[no-untyped-def]
     config = EngineConfig(
         device="cuda", dtype="bfloat16", block_size=BS, num_kv_blocks=max_seqs * (max_len // BS + 2) + 8,
         max_num_seqs=max_seqs, max_num_batched_tokens=chunk, max_model_len=max_len, cuda_graph_max_batch=max_seqs,
         enable_prefix_caching=False, speculative="off", host_kv_gib=0, attention_backend=backend,
+        fused_swiglu=fused_swiglu,
     )  # fmt: skip
     core = EngineCore(loaded, config)
     start = time.perf_counter()
@@ -148,8 +153,8 @@ def make_core(loaded, backend: str, max_seqs: int, max_len: int, chunk: int) -> 
     return core, time.perf_counter() - start
 
 
-def ttft(loaded, backend: str, length: int, chunk: int) -> tuple[float, float]:  # type: ignore[no-untyped-def]
-    core, warm = make_core(loaded, backend, 1, length + 2 * BS, chunk)
+def ttft(loaded, backend: str, length: int, chunk: int, fused_swiglu: str = "auto") -> tuple[float, float]:  # type: ignore[no-untyped-def]
+    core, warm = make_core(loaded, backend, 1, length + 2 * BS, chunk, fused_swiglu)
     best = float("inf")
     for seed in (1, 2):
         torch.cuda.synchronize()
@@ -209,14 +214,15 @@ def main() -> None:
         hf = build_hf(32)
         loaded = model_from_hf(hf, "cuda", torch.bfloat16, max_positions=longest)
         free(hf)
-        for name in (*BACKENDS, "flash paged", "flash whole"):
+        for name in (*BACKENDS, "flash unfused", "flash paged", "flash whole"):
             gather_min, skipped_min = flash_attention.GATHER_MIN_QUERIES, runner_module.LAST_LAYER_MIN_SKIPPED
             if name == "flash paged":  # long chunks' keys from the pages in place (before the gathered copy)
                 flash_attention.GATHER_MIN_QUERIES = 1 << 62
             if name == "flash whole":  # the last layer on every row (before it ran on the sampled rows alone)
                 runner_module.LAST_LAYER_MIN_SKIPPED = 1 << 62
             for length in lengths:
-                seconds, warm = ttft(loaded, name.split()[0], length, args.chunk)
+                fused = "off" if name == "flash unfused" else "auto"
+                seconds, warm = ttft(loaded, name.split()[0], length, args.chunk, fused)
                 results["ttft"][f"{name} {length}"] = seconds
                 results["warm_up_s"][name] = warm
                 print(f"ttft {name} {length}: {seconds:.3f} s (warm-up {warm:.1f} s)", flush=True)
@@ -256,6 +262,8 @@ def main() -> None:
             paged, whole = results["ttft"].get(f"flash paged {length}"), results["ttft"].get(f"flash whole {length}")
             note = f"keys from the pages in place: {paged:.3f} s" if paged is not None else ""
             note += f"; last layer on every row: {whole:.3f} s" if whole is not None else ""
+            unfused = results["ttft"].get(f"flash unfused {length}")
+            note += f"; SwiGLU unfused: {unfused:.3f} s" if unfused is not None else ""
             print(f"| TTFT {length // 1024}K prompt, s | {t:.3f} | {f_:.3f} | {f_ / t:.2f} | {note} |")
     for batch, context in configs:
         t, f_ = results["decode"].get(f"triton {batch}x{context}"), results["decode"].get(f"flash {batch}x{context}")

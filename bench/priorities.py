@@ -128,6 +128,7 @@ def main() -> None:
     parser.add_argument("--batch-prompt", type=int, default=256)
     parser.add_argument("--batch-tokens", type=int)
     parser.add_argument("--attention-backend", default="auto", help="auto | triton | flash | torch")
+    parser.add_argument("--fused-swiglu", default="auto", help="auto | on | off (the MLP's fused SwiGLU GEMM)")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     if args.gpu:
@@ -145,7 +146,8 @@ def main() -> None:
         loaded = loaded_8b(max_len + 64)
         config = EngineConfig(device="cuda", dtype="bfloat16", block_size=16, kv_cache_gib=40.0, max_num_seqs=256,
                               max_num_batched_tokens=8192, max_model_len=max_len, cuda_graph_max_batch=256,
-                              host_kv_gib=0, attention_backend=args.attention_backend)  # fmt: skip
+                              host_kv_gib=0, attention_backend=args.attention_backend,
+                              fused_swiglu=args.fused_swiglu)  # fmt: skip
     else:
         from cbd.model.loader import load_model
 

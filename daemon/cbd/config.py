@@ -110,6 +110,10 @@ class EngineConfig:
     attention_backend: str = "auto"
     # GEMMs on CUDA: "auto" (cuBLASLt) | "cublas" | "cublaslt" (torch's BLAS front end, process-wide).
     blas_library: str = "auto"
+    # The MLP's gate|up GEMM with SiLU-mul in its epilogue (quack's, from the flash extra) for steps of 1024 rows
+    # or more: "auto" (where it runs: CUDA, compute capability >= 9.0, bf16/fp16, no MLP bias) | "on" (the same,
+    # an error where it cannot) | "off" (cuBLAS, then a SiLU-mul kernel). The choice is logged at start.
+    fused_swiglu: str = "auto"
     # Capture CUDA graphs for decode steps (and speculative decoding's verifying steps) before reporting ready.
     cuda_graphs: bool = True
     # Largest decode batch with a CUDA graph (capped by max_num_seqs).
@@ -189,6 +193,8 @@ class EngineConfig:
             )
         if self.blas_library not in ("auto", "cublas", "cublaslt"):
             raise ValueError(f"blas_library must be 'auto', 'cublas' or 'cublaslt', got {self.blas_library!r}")
+        if self.fused_swiglu not in ("auto", "on", "off"):
+            raise ValueError(f"fused_swiglu must be 'auto', 'on' or 'off', got {self.fused_swiglu!r}")
         if self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
         if not self.priority_aging_seconds > 0:

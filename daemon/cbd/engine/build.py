@@ -25,7 +25,7 @@ from cbd.engine.sequence import Sequence
 from cbd.engine.sessions.checkpoints import SessionCheckpoints
 from cbd.engine.sessions.manager import SessionManager
 from cbd.engine.spec.sizing import new_speculator, verify_graphs
-from cbd.model import blas
+from cbd.model import blas, swiglu_gemm
 from cbd.model.loader import LoadedModel
 
 
@@ -55,6 +55,7 @@ def build_parts(
     graph_batch = min(config.cuda_graph_max_batch, config.max_num_seqs) if config.cuda_graphs else 0
     verify = verify_graphs(config, graph_batch)
     blas.select(config.blas_library, loaded.model.embed_tokens.weight.device)
+    swiglu_gemm.install(config.fused_swiglu, loaded.model)
     runner = ModelRunner(
         loaded.model, num_blocks, bs, max_model_len, config.attention_backend, graph_batch,
         config.kv_cache_dtype, verify.batch, verify.queries,

@@ -1,7 +1,8 @@
 """The Llama-family decoder (Llama 2/3, Mistral, Qwen2/2.5, Qwen3, SmolLM2) over a paged KV pool.
 
 Tokens of all scheduled sequences are packed into one row dimension `T`; there is no batch axis.
-Projections are fused (q|k|v and gate|up) so each layer runs four GEMMs. Only the sampled rows need the
+Projections are fused (q|k|v and gate|up) so each layer runs four GEMMs; on Hopper and newer a prefill-sized
+step's gate|up GEMM applies SiLU-mul in its epilogue (swiglu_gemm.py). Only the sampled rows need the
 last layer past its K/V: given their attention metadata (`sampled`), that layer's attention, output
 projection and MLP run on those rows alone (a prefill chunk that samples nothing writes its KV and stops).
 """
@@ -13,7 +14,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from cbd.model import ops
+from cbd.model import ops, swiglu_gemm
 from cbd.model.spec import ModelSpec
 
 
@@ -74,9 +75,16 @@ class MLP(nn.Module):
         self.gate_up_proj = nn.Linear(spec.hidden_size, 2 * spec.intermediate_size, bias=spec.mlp_bias)
         self.down_proj = nn.Linear(spec.intermediate_size, spec.hidden_size, bias=spec.mlp_bias)
         self.tp: Any = None
+        # gate|up GEMM with SiLU-mul in its epilogue, for steps of swiglu_gemm.MIN_ROWS rows or more (installed
+        # by swiglu_gemm.install where it can run)
+        self.swiglu: swiglu_gemm.SwiGLU | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = self.down_proj(ops.silu_mul(self.gate_up_proj(x)))
+        if self.swiglu is not None and x.shape[0] >= swiglu_gemm.MIN_ROWS:
+            h = self.swiglu(x, self.gate_up_proj.weight)
+        else:
+            h = ops.silu_mul(self.gate_up_proj(x))
+        out = self.down_proj(h)
         return out if self.tp is None else self.tp.all_reduce(out)
 
 

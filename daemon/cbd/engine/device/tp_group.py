@@ -83,7 +83,7 @@ class TensorParallelGroup:
 
 def _worker_main(rank: int, world: int, port: int, values: dict[str, Any]) -> None:
     from cbd.engine.device.runner import ModelRunner
-    from cbd.model import blas
+    from cbd.model import blas, swiglu_gemm
     from cbd.model.loader import load_model
 
     die_with_parent()  # a rank never outlives the engine that started it (killed, or crashed)
@@ -103,6 +103,7 @@ def _worker_main(rank: int, world: int, port: int, values: dict[str, Any]) -> No
     )  # fmt: skip
     setup = receive()  # from rank 0's EngineCore
     blas.select(config.blas_library, device)
+    swiglu_gemm.install(config.fused_swiglu, loaded.model)
     assert isinstance(setup, Setup), setup
     runner = ModelRunner(
         loaded.model, setup.num_blocks, config.block_size, setup.max_model_len, config.attention_backend,

@@ -1,0 +1,90 @@
+"""The fused SwiGLU GEMM on the GPU (quack-kernels, sm90+): its product against the unfused form and a float64
+reference, and the engine's greedy tokens with it on and off."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from cbd.model import swiglu_gemm
+
+
+def _usable() -> bool:
+    if not torch.cuda.is_available():
+        return False
+    return swiglu_gemm.unusable_reason(torch.device("cuda"), torch.bfloat16, 64, 256, False) is None
+
+
+needs_quack = pytest.mark.skipif(not _usable(), reason="needs CUDA (sm90+) and quack-kernels")
+
+
+@pytest.mark.gpu
+@needs_quack
+@pytest.mark.parametrize("hidden, inter", [(4096, 14336), (576, 1536), (64, 136)])
+@pytest.mark.parametrize("rows", [1024, 1500, 4097])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_fused_equals_the_unfused_form_and_is_nearer_a_float64_reference(hidden, inter, rows, dtype) -> None:
+    from cbd.model import ops
+
+    torch.manual_seed(rows + hidden)
+    fused = swiglu_gemm.load()
+    assert not isinstance(fused, str)
+    x = torch.randn(rows, hidden, device="cuda", dtype=dtype)
+    weight = (torch.randn(2 * inter, hidden, device="cuda") * hidden**-0.5).to(dtype)
+    gate, up = (x.double() @ weight.double().T).chunk(2, dim=-1)
+    reference = F.silu(gate) * up
+    unfused = ops.silu_mul(F.linear(x, weight))
+    out = fused(x, weight)
+    assert out.shape == (rows, inter) and out.dtype == dtype
+    err_fused = (out.double() - reference).abs().max().item()
+    err_unfused = (unfused.double() - reference).abs().max().item()
+    scale = reference.abs().max().item()
+    assert err_fused <= max(err_unfused, 1e-3 * scale), (err_fused, err_unfused, scale)
+    torch.testing.assert_close(out, unfused, rtol=2e-2, atol=2e-2 * scale)
+
+
+@pytest.mark.gpu
+@needs_quack
+def test_engine_greedy_fused_equals_unfused_in_bf16(tiny_checkpoint) -> None:
+    """Steps of 1024+ rows (eight prompts prefilled in one step) take the fused GEMM: token-exact, or the first
+    divergence a near-tie under both."""
+    from cbd.engine.sampling_params import SamplingParams
+    from cbd.model.loader import load_model
+    from helpers import make_core, our_top2_gap, run_all
+
+    loaded = {
+        mode: load_model(str(tiny_checkpoint("llama")), device="cuda", dtype=torch.bfloat16) for mode in ("on", "off")
+    }
+    cores = {
+        mode: make_core(loaded[mode], device="cuda", dtype="bfloat16", block_size=16, max_num_batched_tokens=2048,
+                        fused_swiglu=mode, enable_prefix_caching=False)
+        for mode in ("on", "off")
+    }  # fmt: skip
+    assert all(layer.mlp.swiglu is not None for layer in loaded["on"].model.layers)
+    assert all(layer.mlp.swiglu is None for layer in loaded["off"].model.layers)
+    calls: list[int] = []
+    fused = loaded["on"].model.layers[0].mlp.swiglu
+    loaded["on"].model.layers[0].mlp.swiglu = lambda x, w: (calls.append(x.shape[0]), fused(x, w))[1]
+    rng = random.Random(11)
+    prompts = [[rng.randrange(2, 256) for _ in range(rng.randrange(140, 300))] for _ in range(8)]
+    assert sum(map(len, prompts)) >= swiglu_gemm.MIN_ROWS
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    results = {mode: run_all(core, prompts, params) for mode, core in cores.items()}
+    assert calls and min(calls) >= swiglu_gemm.MIN_ROWS, calls
+    exact = 0
+    for i, prompt in enumerate(prompts):
+        a, b = results["on"][i]["tokens"][0], results["off"][i]["tokens"][0]
+        exact += a == b
+        for j, (x, y) in enumerate(zip(a, b)):
+            if x != y:
+                prefix = prompt + b[:j]
+                gaps = [our_top2_gap(core, prefix) for core in cores.values()]
+                assert max(gaps) < BF16_NEAR_TIE, f"prompt {i} diverged at token {j}: {x} vs {y}, gaps {gaps}"
+                break
+    assert exact >= len(prompts) // 2, exact
+
+
+BF16_NEAR_TIE = 0.05
