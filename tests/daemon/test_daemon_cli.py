@@ -149,6 +149,15 @@ def test_flash_attention_where_it_cannot_run_exits_78_with_one_line(tiny_checkpo
     assert list(tmp_path.iterdir()) == []
 
 
+def test_fused_swiglu_on_where_it_cannot_run_exits_78_with_one_line(tiny_checkpoint, tmp_path) -> None:
+    proc = run_cbd("serve", "--listen", f"unix:{tmp_path / 'cbd.sock'}", "--model", str(tiny_checkpoint("llama")),
+                   "--fused-swiglu", "on")  # fmt: skip
+    assert proc.returncode == 78 and "Traceback" not in proc.stderr, proc.stderr
+    last = proc.stderr.strip().splitlines()[-1]
+    assert "fused_swiglu on" in last and "cannot run: it needs CUDA" in last, last
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_cuda_without_cuda_is_a_configuration_error(tmp_path) -> None:
     import torch
 
