@@ -13,7 +13,7 @@ figure is triton (before) and flash (after) from the same process.
   at --chunk tokens per step), submit to first token, best of 2; the engine's warm-up seconds; "flash paged":
   flash with long chunks' keys read from the pages in place; "flash whole": flash with the last layer run on
   every row (before it ran on the sampled rows alone, runner.LAST_LAYER_MIN_SKIPPED); "flash unfused": flash
-  with the MLP's SiLU-mul a kernel of its own after cuBLAS's gate|up GEMM (`--fused-swiglu off`; before, the
+  with the MLP's SiLU-mul a kernel of its own after cuBLAS's gate|up GEMM (`--fused-swiglu off`; before the
   GEMM applied it in its epilogue: model/swiglu_gemm.py). Every other variant runs with the setting's "auto".
 - decode: B x C decode ms/step (CUDA graphs; decodes are Triton's under both backends: not regressed).
 
@@ -138,9 +138,9 @@ def kernels(results: dict) -> None:
             results["chunk"]["sdpa"] = {"eager_ms": ms, "gpu_ms": None, "tflops": flop / ms / 1e9}
 
 
-def make_core(
+def make_core(  # type: ignore[no-untyped-def]
     loaded, backend: str, max_seqs: int, max_len: int, chunk: int, fused_swiglu: str = "auto"
-) -> tuple[EngineCore, float]:  # type: ignore[no-untyped-def]
+) -> tuple[EngineCore, float]:
     config = EngineConfig(
         device="cuda", dtype="bfloat16", block_size=BS, num_kv_blocks=max_seqs * (max_len // BS + 2) + 8,
         max_num_seqs=max_seqs, max_num_batched_tokens=chunk, max_model_len=max_len, cuda_graph_max_batch=max_seqs,

@@ -110,9 +110,10 @@ class EngineConfig:
     attention_backend: str = "auto"
     # GEMMs on CUDA: "auto" (cuBLASLt) | "cublas" | "cublaslt" (torch's BLAS front end, process-wide).
     blas_library: str = "auto"
-    # The MLP's gate|up GEMM with SiLU-mul in its epilogue (quack's, from the flash extra) for steps of 1024 rows
-    # or more: "auto" (where it runs: CUDA, compute capability >= 9.0, bf16/fp16, no MLP bias) | "on" (the same,
-    # an error where it cannot) | "off" (cuBLAS, then a SiLU-mul kernel). The choice is logged at start.
+    # The MLP's gate|up GEMM with SiLU-mul in its epilogue (quack's, from the flash extra) for eager steps of 1024
+    # rows or more: "auto" (where it runs: CUDA, compute capability >= 9.0, bf16/fp16, no MLP bias, MLP sizes
+    # multiples of 8) | "on" (the same, an error where it cannot) | "off" (cuBLAS, then a SiLU-mul kernel). The
+    # choice is logged at start.
     fused_swiglu: str = "auto"
     # Capture CUDA graphs for decode steps (and speculative decoding's verifying steps) before reporting ready.
     cuda_graphs: bool = True

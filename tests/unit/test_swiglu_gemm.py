@@ -46,6 +46,21 @@ def test_on_where_it_cannot_run_is_a_configuration_error() -> None:
         swiglu_gemm.install("yes", CausalLM(SPEC))
 
 
+def test_what_the_fused_gemm_needs_besides_the_package(monkeypatch) -> None:
+    """The checks before any import, in order; the device's capability stands in for a GPU's."""
+    cuda = torch.device("cuda", 0)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
+    assert "compute capability 9.0" in str(swiglu_gemm.unusable_reason(cuda, torch.bfloat16, 64, 256, False))
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    assert "bfloat16 or float16" in str(swiglu_gemm.unusable_reason(cuda, torch.float32, 64, 256, False))
+    assert "biases" in str(swiglu_gemm.unusable_reason(cuda, torch.bfloat16, 64, 256, True))
+    assert "multiples of 8" in str(swiglu_gemm.unusable_reason(cuda, torch.bfloat16, 64, 2 * 100 + 4, False))
+    assert "multiples of 8" in str(swiglu_gemm.unusable_reason(cuda, torch.bfloat16, 60, 256, False))
+    loaded = swiglu_gemm.load()
+    expected = None if not isinstance(loaded, str) else loaded
+    assert swiglu_gemm.unusable_reason(cuda, torch.float16, 64, 256, False) == expected
+
+
 @pytest.mark.skipif(swiglu_gemm.installed(), reason="quack-kernels is installed here")
 def test_without_the_package_load_says_how_to_install_it() -> None:
     reason = swiglu_gemm.load()

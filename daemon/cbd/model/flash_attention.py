@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import functools
 import importlib.util
-import os
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -67,10 +66,9 @@ def load() -> Callable | str:
     """FA4's `flash_attn_varlen_func`, or why it cannot be imported (the exception, one line)."""
     if not installed():
         return "the flash-attn-4 package is not installed (pip install 'cbd[flash]')"
-    from cbd.model.files import default_cache_dir
+    from cbd.model.files import set_kernel_cache_dirs
 
-    os.environ.setdefault("FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED", "1")
-    os.environ.setdefault("FLASH_ATTENTION_CUTE_DSL_CACHE_DIR", str(default_cache_dir() / "flash-attn-4"))
+    set_kernel_cache_dirs()
     try:
         from flash_attn.cute import flash_attn_varlen_func
     except Exception as exc:  # a broken install (a missing CuTe DSL library) is a reason, not a crash

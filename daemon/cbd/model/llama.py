@@ -75,12 +75,16 @@ class MLP(nn.Module):
         self.gate_up_proj = nn.Linear(spec.hidden_size, 2 * spec.intermediate_size, bias=spec.mlp_bias)
         self.down_proj = nn.Linear(spec.intermediate_size, spec.hidden_size, bias=spec.mlp_bias)
         self.tp: Any = None
-        # gate|up GEMM with SiLU-mul in its epilogue, for steps of swiglu_gemm.MIN_ROWS rows or more (installed
-        # by swiglu_gemm.install where it can run)
+        # gate|up GEMM with SiLU-mul in its epilogue, for eager steps of swiglu_gemm.MIN_ROWS rows or more
+        # (installed by swiglu_gemm.install where it can run; never inside a CUDA graph)
         self.swiglu: swiglu_gemm.SwiGLU | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.swiglu is not None and x.shape[0] >= swiglu_gemm.MIN_ROWS:
+        if (
+            self.swiglu is not None
+            and x.shape[0] >= swiglu_gemm.MIN_ROWS
+            and not (x.is_cuda and torch.cuda.is_current_stream_capturing())
+        ):
             h = self.swiglu(x, self.gate_up_proj.weight)
         else:
             h = ops.silu_mul(self.gate_up_proj(x))

@@ -1,13 +1,14 @@
 """The MLP's gate|up GEMM with SiLU(gate) * up in its epilogue, for prefill-sized steps on Hopper and newer.
 
-Unfused, a step of T rows writes the GEMM's [T, 2I] output and a second kernel reads it back to write the
-[T, I] product; at the 8B shape (I = 14336) that is ~0.7 GB per layer of an 8K-token chunk. quack's CuTe DSL
-GEMMs (`quack-kernels`, a dependency of flash-attn-4: the `flash` extra installs it) apply the gated
-activation in the epilogue and read the weight as stored, `[gate; up]` rows (`concat_layout`). On an H100
-(8B shape, bf16) it took 0.62 ms against cuBLASLt + the Triton SiLU-mul's 0.68 at 2048 rows, 2.68 against
-2.90 at 8192; at 256 rows it lost (0.120 against 0.116), hence `MIN_ROWS`. Decode and verifying steps (the
-CUDA graphs) keep the unfused form. The epilogue applies SiLU to the fp32 accumulator, not to a bf16-rounded
-one: its result was nearer a float64 reference (max error 0.03 against 0.07 at 2048 rows).
+Unfused, a step of T rows writes the GEMM's [T, 2I] output and a second kernel reads it back; at the 8B shape
+(I = 14336) that is ~0.94 GB of traffic per layer of an 8K-token chunk. quack's CuTe DSL GEMMs
+(`quack-kernels`, a dependency of flash-attn-4: the `flash` extra installs it) apply the gated activation in
+the epilogue and read the weight as stored, `[gate; up]` rows (`concat_layout`). On an H100 (8B shape, bf16)
+it took 0.62 ms against cuBLASLt + the Triton SiLU-mul's 0.68 at 2048 rows, 2.68 against 2.90 at 8192; it lost
+at 256 rows (0.120 against 0.116), was within noise at 512 and won from 1024 (4%): hence `MIN_ROWS`. Smaller
+steps (decode and verifying steps) keep the unfused form, and so do CUDA graphs whatever their size. The
+epilogue applies SiLU to the fp32 accumulator, not to a bf16-rounded one: its result was nearer a float64
+reference (max error 0.031 against 0.100 at 2048 rows).
 
 One kernel serves every row count (the M extent is dynamic); `install` compiles it before the engine reports
 SERVING (~2 s cold; quack keeps compiled kernels under cbd's cache directory).
@@ -18,7 +19,6 @@ from __future__ import annotations
 import functools
 import importlib.util
 import logging
-import os
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
@@ -32,7 +32,7 @@ if TYPE_CHECKING:
 MODES = ("auto", "on", "off")
 MIN_CAPABILITY = (9, 0)
 DTYPES = (torch.bfloat16, torch.float16)
-MIN_ROWS = 1024  # rows of a step from which the fused GEMM runs (measured to win from 1024 on an H100)
+MIN_ROWS = 1024  # rows of a step from which the fused GEMM runs (it won from 1024 on an H100)
 
 log = logging.getLogger(__name__)
 
@@ -40,8 +40,9 @@ SwiGLU = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (x [T, H], gate
 
 
 def installed() -> bool:
+    """The package is present (cheap: a top-level lookup imports nothing of it)."""
     try:
-        return importlib.util.find_spec("quack.gemm_interface") is not None
+        return importlib.util.find_spec("quack") is not None
     except (ImportError, ValueError):
         return False
 
@@ -51,9 +52,9 @@ def load() -> SwiGLU | str:
     """The fused GEMM, or why it cannot be imported (one line)."""
     if not installed():
         return "the quack-kernels package is not installed (pip install 'cbd[flash]')"
-    from cbd.model.files import default_cache_dir
+    from cbd.model.files import set_kernel_cache_dirs
 
-    os.environ.setdefault("QUACK_CACHE_DIR", str(default_cache_dir() / "quack"))
+    set_kernel_cache_dirs()
     try:
         from quack.gemm_interface import gemm_act
     except Exception as exc:  # a broken install is a reason, not a crash
@@ -119,8 +120,11 @@ def install(mode: str, model: CausalLM) -> SwiGLU | None:
                 ) from exc
     for mlp in mlps:
         mlp.swiglu = fused
+    how = "chosen by auto" if mode == "auto" else "requested"
     if fused is None:
-        log.info("MLP gate|up GEMM: unfused (then SiLU-mul), not quack's fused epilogue: %s", reason)
+        log.info("MLP gate|up GEMM: unfused (%s; then a SiLU-mul kernel), not quack's fused epilogue: %s", how, reason)
         return None
-    log.info("MLP gate|up GEMM: quack's, SiLU-mul in its epilogue, for steps of %d rows or more", MIN_ROWS)
+    log.info(
+        "MLP gate|up GEMM: quack's with SiLU-mul in its epilogue (%s), for steps of %d rows or more", how, MIN_ROWS
+    )
     return fused

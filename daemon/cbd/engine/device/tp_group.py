@@ -102,9 +102,9 @@ def _worker_main(rank: int, world: int, port: int, values: dict[str, Any]) -> No
         tensor_parallel=(rank, world),
     )  # fmt: skip
     setup = receive()  # from rank 0's EngineCore
+    assert isinstance(setup, Setup), setup
     blas.select(config.blas_library, device)
     swiglu_gemm.install(config.fused_swiglu, loaded.model)
-    assert isinstance(setup, Setup), setup
     runner = ModelRunner(
         loaded.model, setup.num_blocks, config.block_size, setup.max_model_len, config.attention_backend,
         setup.graph_batch, config.kv_cache_dtype, setup.verify_batch, setup.verify_queries,
