@@ -83,14 +83,6 @@ def default_cache_dir() -> Path:
     return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "cbd"
 
 
-def set_kernel_cache_dirs() -> None:
-    """Point the run-time compiled kernels' disk caches under cbd's cache directory (FA4's and quack's; FA4
-    imports quack, which reads its variable once, at import): call before importing either."""
-    os.environ.setdefault("FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED", "1")
-    os.environ.setdefault("FLASH_ATTENTION_CUTE_DSL_CACHE_DIR", str(default_cache_dir() / "flash-attn-4"))
-    os.environ.setdefault("QUACK_CACHE_DIR", str(default_cache_dir() / "quack"))
-
-
 def default_gguf_path() -> Path:
     # Importing the package runs its __init__, which needs llama.cpp bindings we do not use.
     spec = importlib.util.find_spec(DEFAULT_GGUF_PACKAGE)

@@ -31,12 +31,12 @@ Importing FA4 takes 3-17 s (the CuTe DSL); `load()` does it once, when the backe
 from __future__ import annotations
 
 import functools
-import importlib.util
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
+from cbd.model import cute_packages
 from cbd.model.attention import BatchLayout, key_slots
 from cbd.model.attention_backends import PreparedAttention, TritonBackend
 
@@ -55,25 +55,13 @@ GATHER_MAX_BYTES = 256 << 20
 
 def installed() -> bool:
     """The package is present (cheap: imports nothing of it; `load` may still fail on a missing dependency)."""
-    try:
-        return importlib.util.find_spec("flash_attn.cute") is not None
-    except (ImportError, ValueError):  # no flash_attn package at all
-        return False
+    return cute_packages.present("flash_attn.cute")
 
 
 @functools.cache
 def load() -> Callable | str:
     """FA4's `flash_attn_varlen_func`, or why it cannot be imported (the exception, one line)."""
-    if not installed():
-        return "the flash-attn-4 package is not installed (pip install 'cbd[flash]')"
-    from cbd.model.files import set_kernel_cache_dirs
-
-    set_kernel_cache_dirs()
-    try:
-        from flash_attn.cute import flash_attn_varlen_func
-    except Exception as exc:  # a broken install (a missing CuTe DSL library) is a reason, not a crash
-        return f"flash-attn-4 failed to import: {type(exc).__name__}: {exc}"
-    return flash_attn_varlen_func
+    return cute_packages.import_from("flash_attn.cute", "flash_attn_varlen_func", "flash-attn-4")
 
 
 def unusable_reason(device: torch.device, dtype: torch.dtype, head_dim: int, fp8_kv: bool) -> str | None:

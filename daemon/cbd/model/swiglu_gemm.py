@@ -17,7 +17,6 @@ SERVING (~2 s cold; quack keeps compiled kernels under cbd's cache directory).
 from __future__ import annotations
 
 import functools
-import importlib.util
 import logging
 from collections.abc import Callable
 from typing import TYPE_CHECKING
@@ -25,6 +24,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from cbd.errors import UnsupportedModel
+from cbd.model import cute_packages
 
 if TYPE_CHECKING:
     from cbd.model.llama import CausalLM
@@ -40,25 +40,15 @@ SwiGLU = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (x [T, H], gate
 
 
 def installed() -> bool:
-    """The package is present (cheap: a top-level lookup imports nothing of it)."""
-    try:
-        return importlib.util.find_spec("quack") is not None
-    except (ImportError, ValueError):
-        return False
+    return cute_packages.present("quack")
 
 
 @functools.cache
 def load() -> SwiGLU | str:
     """The fused GEMM, or why it cannot be imported (one line)."""
-    if not installed():
-        return "the quack-kernels package is not installed (pip install 'cbd[flash]')"
-    from cbd.model.files import set_kernel_cache_dirs
-
-    set_kernel_cache_dirs()
-    try:
-        from quack.gemm_interface import gemm_act
-    except Exception as exc:  # a broken install is a reason, not a crash
-        return f"quack-kernels failed to import: {type(exc).__name__}: {exc}"
+    gemm_act = cute_packages.import_from("quack.gemm_interface", "gemm_act", "quack-kernels", probe="quack")
+    if isinstance(gemm_act, str):
+        return gemm_act
 
     def swiglu(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         # weight.T is (H, 2I) with [gate; up] along its non-contiguous dim: concat_layout B.
