@@ -12,7 +12,12 @@ import importlib.util
 import os
 from typing import Any
 
+import torch
+
 from cbd.model.files import default_cache_dir
+
+MIN_CAPABILITY = (9, 0)  # their Hopper and Blackwell kernels
+DTYPES = (torch.bfloat16, torch.float16)
 
 
 def present(module: str) -> bool:
@@ -21,6 +26,18 @@ def present(module: str) -> bool:
         return importlib.util.find_spec(module) is not None
     except (ImportError, ValueError):  # a parent package missing
         return False
+
+
+def device_reason(device: torch.device, dtype: torch.dtype) -> str | None:
+    """Why their kernels cannot run on `device` in `dtype`, or None."""
+    if device.type != "cuda":
+        return f"it needs CUDA (device {device})"
+    capability = torch.cuda.get_device_capability(device)
+    if capability < MIN_CAPABILITY:
+        return f"it needs compute capability 9.0 or newer (this GPU is {capability[0]}.{capability[1]})"
+    if dtype not in DTYPES:
+        return f"it needs bfloat16 or float16 (dtype {dtype})"
+    return None
 
 
 def set_cache_dirs() -> None:

@@ -40,8 +40,6 @@ from cbd.model import cute_packages
 from cbd.model.attention import BatchLayout, key_slots
 from cbd.model.attention_backends import PreparedAttention, TritonBackend
 
-MIN_CAPABILITY = (9, 0)  # FA4's Hopper and Blackwell kernels; older GPUs keep Triton
-DTYPES = (torch.bfloat16, torch.float16)
 # A mixed step's leading decodes go to Triton (FA4 would give each a 128-row tile, one per query head when
 # the step also holds whole tiles of queries: 5x the attention time of the priorities benchmark's mixed step).
 SPLIT_DECODES = True
@@ -66,13 +64,9 @@ def load() -> Callable | str:
 
 def unusable_reason(device: torch.device, dtype: torch.dtype, head_dim: int, fp8_kv: bool) -> str | None:
     """Why FA4 cannot serve this model here, or None. Imports FA4 (once) when everything else allows it."""
-    if device.type != "cuda":
-        return f"it needs CUDA (device {device})"
-    capability = torch.cuda.get_device_capability(device)
-    if capability < MIN_CAPABILITY:
-        return f"it needs compute capability 9.0 or newer (this GPU is {capability[0]}.{capability[1]})"
-    if dtype not in DTYPES:
-        return f"it needs bfloat16 or float16 (dtype {dtype})"
+    reason = cute_packages.device_reason(device, dtype)
+    if reason is not None:
+        return reason
     if fp8_kv:
         return "kv_cache_dtype fp8 is served by the Triton kernels"
     if head_dim % 8 or not 8 <= head_dim <= 256:

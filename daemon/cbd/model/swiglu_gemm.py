@@ -30,8 +30,6 @@ if TYPE_CHECKING:
     from cbd.model.llama import CausalLM
 
 MODES = ("auto", "on", "off")
-MIN_CAPABILITY = (9, 0)
-DTYPES = (torch.bfloat16, torch.float16)
 MIN_ROWS = 1024  # rows of a step from which the fused GEMM runs (it won from 1024 on an H100)
 
 log = logging.getLogger(__name__)
@@ -62,13 +60,9 @@ def unusable_reason(
 ) -> str | None:
     """Why the fused GEMM cannot serve an MLP whose gate|up projection is in_features -> out_features (= 2I), or
     None (imports quack, once)."""
-    if device.type != "cuda":
-        return f"it needs CUDA (device {device})"
-    capability = torch.cuda.get_device_capability(device)
-    if capability < MIN_CAPABILITY:
-        return f"it needs compute capability 9.0 or newer (this GPU is {capability[0]}.{capability[1]})"
-    if dtype not in DTYPES:
-        return f"it needs bfloat16 or float16 (dtype {dtype})"
+    reason = cute_packages.device_reason(device, dtype)
+    if reason is not None:
+        return reason
     if has_bias:
         return "the model's MLP has biases"
     if out_features % 16 or in_features % 8:  # 16-byte rows for the loads, both halves alike
