@@ -93,12 +93,14 @@ def test_cuda_graphs_keep_the_unfused_form() -> None:
     fused = swiglu_gemm.load()
     assert not isinstance(fused, str)
     calls: list[int] = []
-    mlp.swiglu = lambda x, w: (calls.append(x.shape[0]), fused(x, w))[1]
+    counting = lambda x, w: (calls.append(x.shape[0]), fused(x, w))[1]  # noqa: E731
     x = torch.randn(swiglu_gemm.MIN_ROWS + 8, 64, device="cuda", dtype=torch.bfloat16)
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
-    with torch.inference_mode(), torch.cuda.stream(side):
-        mlp(x)  # warm-up outside the capture (eager: fused)
+    with torch.inference_mode(), torch.cuda.stream(side):  # both forms' kernels loaded outside the capture
+        mlp(x)
+        mlp.swiglu = counting
+        mlp(x)
     torch.cuda.current_stream().wait_stream(side)
     assert calls == [x.shape[0]]
     graph = torch.cuda.CUDAGraph()

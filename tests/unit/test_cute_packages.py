@@ -8,8 +8,12 @@ import sys
 
 from cbd.model import cute_packages
 
+CACHE_VARIABLES = ("QUACK_CACHE_DIR", "FLASH_ATTENTION_CUTE_DSL_CACHE_DIR", "FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED")
+
 
 def test_an_import_gives_the_name_or_a_one_line_reason(tmp_path, monkeypatch) -> None:
+    for name in CACHE_VARIABLES:  # an import sets them: restored after the test
+        monkeypatch.delenv(name, raising=False)
     assert cute_packages.present("json") and not cute_packages.present("no_such_package_here.sub")
     assert cute_packages.import_from("json", "dumps", "json") is json.dumps
     reason = cute_packages.import_from("no_such_package_here", "x", "some-dist")
@@ -22,7 +26,7 @@ def test_an_import_gives_the_name_or_a_one_line_reason(tmp_path, monkeypatch) ->
 
 
 def test_kernel_caches_go_under_cbds_cache_directory(tmp_path, monkeypatch) -> None:
-    for name in ("QUACK_CACHE_DIR", "FLASH_ATTENTION_CUTE_DSL_CACHE_DIR", "FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED"):
+    for name in CACHE_VARIABLES:
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("CBD_CACHE_DIR", str(tmp_path))
     cute_packages.set_cache_dirs()
