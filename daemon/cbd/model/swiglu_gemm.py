@@ -88,8 +88,6 @@ def install(mode: str, model: CausalLM) -> SwiGLU | None:
         if mode == "off"
         else unusable_reason(device, dtype, gate_up.in_features, gate_up.out_features, gate_up.bias is not None)
     )
-    if mode == "on" and reason is not None:
-        raise UnsupportedModel(f"fused_swiglu on (quack's GEMM with a SwiGLU epilogue) cannot run: {reason}")
     fused = None if reason is not None else load()
     assert not isinstance(fused, str)
     if fused is not None:
@@ -98,10 +96,8 @@ def install(mode: str, model: CausalLM) -> SwiGLU | None:
                 fused(torch.zeros(MIN_ROWS, gate_up.in_features, dtype=dtype, device=device), gate_up.weight)
         except Exception as exc:  # a kernel that does not build here is a reason, as a missing package is
             reason, fused = f"its kernel failed to build: {type(exc).__name__}: {str(exc)[:200]}", None
-            if mode == "on":
-                raise UnsupportedModel(
-                    f"fused_swiglu on (quack's GEMM with a SwiGLU epilogue) cannot run: {reason}"
-                ) from exc
+    if mode == "on" and reason is not None:
+        raise UnsupportedModel(f"fused_swiglu on (quack's GEMM with a SwiGLU epilogue) cannot run: {reason}")
     for mlp in mlps:
         mlp.swiglu = fused
     how = "chosen by auto" if mode == "auto" else "requested"
